@@ -1,0 +1,1 @@
+"""Command-line interface: the `bridge` command (typer), a thin shell over the library."""

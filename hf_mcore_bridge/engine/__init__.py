@@ -1,0 +1,1 @@
+"""Embedded vLLM-style inference engine: paged KV cache, continuous batching, vLLM `load_weights` contract."""

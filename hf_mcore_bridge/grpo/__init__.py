@@ -1,0 +1,1 @@
+"""GRPO: the algorithm as pure functions, rewards, data and the trainer loop."""

@@ -1,0 +1,350 @@
+"""HF config <-> megatron-core configuration, both directions.
+
+`ModelConfig` is the architecture-neutral description both sides are built from. From it come megatron-core's
+`TransformerConfig` arguments, the `GPTModel` arguments and a Megatron-LM `args` namespace (so that
+`--use-checkpoint-args` rebuilds the model), and back an HF `config.json` that `transformers.AutoConfig` accepts.
+
+Anything megatron-core cannot represent is refused naming the field; nothing is approximated. In particular:
+RoPE must be plain or Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4) and
+original length 8192, and a missing rope theta is an error rather than a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_errors import ConfigError, require
+from hf_mcore_bridge.layout import Layout, validate_layout
+from hf_mcore_bridge.mapping_types import Dims
+from hf_mcore_bridge.tensor_ops import padded_vocab_size
+
+MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama-3 RoPE scaling constants megatron-core hard-codes."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """An architecture-neutral description of a dense Llama-family model."""
+
+    architecture: str
+    """The HF `architectures` entry."""
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    """The tokenizer's vocabulary (unpadded)."""
+    max_position_embeddings: int
+    norm_epsilon: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    """Llama-3 RoPE scaling factor, or None for plain RoPE."""
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None = None
+    """The dtype the HF checkpoint declares (`float32`, `bfloat16`, ...), if any."""
+
+    def dims(self, padded_vocab: int) -> Dims:
+        """The dimensions the mapping table's fused transforms need."""
+        return Dims(
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            padded_vocab_size=padded_vocab,
+        )
+
+    def validate(self, layout: Layout) -> None:
+        """Refuse a layout megatron-core cannot build for this model."""
+        validate_layout(
+            layout,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+        )
+
+
+def _positive_int(config: Mapping[str, Any], field: str) -> int:
+    value = require(config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config field {field}={value!r} must be a positive integer")
+    return value
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
+    """(theta, llama3 scaling factor or None) from either the transformers-5 or the older config form."""
+    params = config.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, Mapping) or ("rope_type" not in params and "rope_theta" not in params):
+            raise ConfigError(f"config field rope_parameters={params!r} (per-layer-type RoPE) is not supported")
+        theta = params.get("rope_theta", config.get("rope_theta"))
+        scaling: Mapping[str, Any] | None = params
+    else:
+        theta = config.get("rope_theta")
+        scaling = config.get("rope_scaling")
+    if theta is None:
+        raise ConfigError("config field 'rope_theta' is missing (no default is assumed: it changes the logits)")
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(f"config field rope_type={rope_type!r} cannot be represented in megatron-core")
+    for field, expected in MCORE_LLAMA3_ROPE.items():
+        value = scaling.get(field)
+        if value is None or float(value) != expected:
+            raise ConfigError(
+                f"config field rope_scaling.{field}={value!r} cannot be represented in megatron-core "
+                f"(it hard-codes {expected:g})"
+            )
+    return float(theta), float(require(scaling, "factor"))
+
+
+def _layer_types_are_full(config: Mapping[str, Any]) -> None:
+    layer_types = config.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError("config field layer_types has non-full attention layers; only full attention is supported")
+
+
+def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
+    """Read an HF `config.json` (as a dict) of the given architecture, refusing what megatron-core cannot do."""
+    if arch.check is not None:
+        arch.check(config)
+    _layer_types_are_full(config)
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config field hidden_act={act!r} cannot be represented (only 'silu')")
+    heads = _positive_int(config, "num_attention_heads")
+    groups = config.get("num_key_value_heads") or heads
+    hidden = _positive_int(config, "hidden_size")
+    head_dim = config.get("head_dim") or hidden // heads
+    if heads % groups:
+        raise ConfigError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={groups}")
+    theta, factor = _rope(config)
+    dtype = config.get("torch_dtype", config.get("dtype"))
+    return ModelConfig(
+        architecture=arch.hf_name,
+        num_layers=_positive_int(config, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=_positive_int(config, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        vocab_size=_positive_int(config, "vocab_size"),
+        max_position_embeddings=_positive_int(config, "max_position_embeddings"),
+        norm_epsilon=float(require(config, "rms_norm_eps")),
+        rope_theta=theta,
+        rope_scaling_factor=factor,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=arch.qkv_bias,
+        qk_norm=arch.qk_norm,
+        torch_dtype=str(dtype) if dtype is not None else None,
+    )
+
+
+def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An HF `config.json` dict for `model`. `extra` (token ids, ...) is merged in where it does not conflict."""
+    rope_scaling = None
+    if model.rope_scaling_factor is not None:
+        rope_scaling = {"rope_type": "llama3", "factor": model.rope_scaling_factor, **MCORE_LLAMA3_ROPE}
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_name],
+        "model_type": arch.model_type,
+        "hidden_act": "silu",
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": model.tie_word_embeddings,
+    }
+    if arch.model_type in ("llama", "qwen3"):
+        config["attention_bias"] = False
+    if arch.model_type == "llama":
+        config["mlp_bias"] = False
+    config.update(arch.hf_defaults or {})
+    if model.torch_dtype is not None:
+        config["torch_dtype"] = model.torch_dtype
+    for key, value in (extra or {}).items():
+        config.setdefault(key, value)
+    return config
+
+
+def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`)."""
+    return {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups,
+        "kv_channels": model.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": model.norm_epsilon,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": model.qkv_bias,
+        "qk_layernorm": model.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "virtual_pipeline_model_parallel_size": layout.vpp,
+        "context_parallel_size": layout.cp,
+        "expert_model_parallel_size": layout.ep,
+        "num_layers_in_first_pipeline_stage": layout.first_stage_layers,
+        "num_layers_in_last_pipeline_stage": layout.last_stage_layers,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+    }
+
+
+def gpt_model_kwargs(model: ModelConfig, padded_vocab: int) -> dict[str, Any]:
+    """Keyword arguments for megatron-core's `GPTModel` besides the config and the layer spec."""
+    return {
+        "vocab_size": padded_vocab,
+        "max_sequence_length": model.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+        "rotary_base": model.rope_theta,
+        "rope_scaling": model.rope_scaling_factor is not None,
+        "rope_scaling_factor": model.rope_scaling_factor or 8.0,
+        "share_embeddings_and_output_weights": model.tie_word_embeddings,
+    }
+
+
+def padded_vocab(model: ModelConfig, layout: Layout, divisible_by: int = 128) -> int:
+    """The vocabulary Megatron-LM would pad to for this layout."""
+    return padded_vocab_size(model.vocab_size, divisible_by, layout.tp)
+
+
+def megatron_args(
+    model: ModelConfig,
+    layout: Layout,
+    dtype: torch.dtype,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    spec: str = "te",
+    ckpt_format: str = "torch_dist",
+) -> argparse.Namespace:
+    """A Megatron-LM `args` namespace describing the model and the target layout."""
+    return argparse.Namespace(
+        num_layers=model.num_layers,
+        encoder_num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        group_query_attention=model.num_query_groups != model.num_attention_heads,
+        kv_channels=model.head_dim,
+        max_position_embeddings=model.max_position_embeddings,
+        seq_length=model.max_position_embeddings,
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        rotary_base=model.rope_theta,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=model.rope_scaling_factor is not None,
+        rope_scaling_factor=model.rope_scaling_factor or 8.0,
+        normalization="RMSNorm",
+        norm_epsilon=model.norm_epsilon,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
+        untie_embeddings_and_output_weights=not model.tie_word_embeddings,
+        vocab_size=model.vocab_size,
+        padded_vocab_size=padded_vocab(model, layout, make_vocab_size_divisible_by),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        num_layers_per_virtual_pipeline_stage=(model.num_layers // (layout.pp * layout.vpp) if layout.vpp else None),
+        decoder_first_pipeline_num_layers=layout.first_stage_layers,
+        decoder_last_pipeline_num_layers=layout.last_stage_layers,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        transformer_impl="transformer_engine" if spec == "te" else "local",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        ckpt_format=ckpt_format,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tokenizer_type="HuggingFaceTokenizer",
+        hf_architecture=model.architecture,
+    )
+
+
+def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
+    """Rebuild a `ModelConfig` from a Megatron-LM `args` namespace (a checkpoint without stored HF assets)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, default)
+        if value is None and default is None:
+            raise ConfigError(f"checkpoint args lack {name!r}; pass --hf-config")
+        return value
+
+    heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    if not getattr(args, "swiglu", False):
+        raise ConfigError("checkpoint args describe a non-gated MLP (swiglu=False); only SwiGLU models are supported")
+    if get("normalization", "LayerNorm") != "RMSNorm":
+        raise ConfigError(f"checkpoint args normalization={args.normalization!r}; only RMSNorm is supported")
+    architecture = getattr(args, "hf_architecture", None)
+    qk_norm = bool(getattr(args, "qk_layernorm", False))
+    qkv_bias = bool(getattr(args, "add_qkv_bias", False))
+    if architecture is None:
+        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    scaling = getattr(args, "use_rope_scaling", False)
+    return ModelConfig(
+        architecture=architecture,
+        num_layers=get("num_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=get("ffn_hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=groups or heads,
+        head_dim=getattr(args, "kv_channels", None) or hidden // heads,
+        vocab_size=getattr(args, "vocab_size", None) or get("padded_vocab_size"),
+        max_position_embeddings=get("max_position_embeddings"),
+        norm_epsilon=float(get("norm_epsilon", 1e-5)),
+        rope_theta=float(get("rotary_base")),
+        rope_scaling_factor=float(args.rope_scaling_factor) if scaling else None,
+        tie_word_embeddings=not get("untie_embeddings_and_output_weights", False),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        torch_dtype=DTYPE_NAMES.get(getattr(args, "params_dtype", None)),
+    )
+
+
+def is_close_float(a: float, b: float) -> bool:
+    """Float equality that tolerates a JSON round trip."""
+    return math.isclose(a, b, rel_tol=1e-12)

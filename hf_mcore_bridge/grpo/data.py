@@ -1,0 +1,178 @@
+"""Prompt datasets for GRPO: JSONL files, optional HF `datasets`, and a seeded, resumable prompt iterator.
+
+Every source is reduced to a list of `PromptRecord` (`{"prompt": str, "answer": str}`), read into memory whole;
+prompt sets for RL are small next to pre-training corpora. Field names in the source are configurable.
+
+The iterator walks an endless stream of epochs, each a permutation of the records drawn from `(seed, epoch)`
+alone, so that its state is two integers (`epoch`, `position`) and a resumed run sees exactly the prompts an
+uninterrupted one would. Shuffling uses only `random.Random.random()` seeded with a string, the part of the
+standard library's generator that Python promises to keep stable across versions (`shuffle` and `randrange`
+carry no such promise).
+
+HF `datasets` is imported only inside `load_hf_dataset`, so the package works, and its tests run, without it.
+"""
+
+import json
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+__all__ = [
+    "DataError",
+    "PromptIterator",
+    "PromptRecord",
+    "load_hf_dataset",
+    "load_jsonl",
+    "records_from_rows",
+]
+
+
+class PromptRecord(TypedDict):
+    """One training prompt and the answer its reward is checked against."""
+
+    prompt: str
+    answer: str
+
+
+class DataError(ValueError):
+    """A dataset row that cannot become a `PromptRecord`; the message names where it is."""
+
+
+def _to_record(row: object, prompt_field: str, answer_field: str, where: str) -> PromptRecord:
+    if not isinstance(row, Mapping):
+        raise DataError(f"{where}: expected an object with fields, got {type(row).__name__}")
+    for field in (prompt_field, answer_field):
+        if field not in row:
+            raise DataError(f"{where}: missing field {field!r} (fields present: {sorted(map(str, row))})")
+    prompt, answer = row[prompt_field], row[answer_field]
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: field {prompt_field!r} must be a string, got {type(prompt).__name__}")
+    # Numeric answers are common in math sets (`"answer": 42`); their text form is what rewards compare.
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        raise DataError(f"{where}: field {answer_field!r} must be a string or number, got {type(answer).__name__}")
+    return PromptRecord(prompt=prompt, answer=str(answer))
+
+
+def records_from_rows(
+    rows: Iterable[object], prompt_field: str = "prompt", answer_field: str = "answer", source: str = "row"
+) -> list[PromptRecord]:
+    """Records from mapping rows; an unusable row raises DataError naming `source` and its 0-based index."""
+    return [_to_record(row, prompt_field, answer_field, f"{source} {index}") for index, row in enumerate(rows)]
+
+
+def load_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[PromptRecord]:
+    """Read one JSON object per line; blank lines are skipped. Errors name the file and 1-based line number."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            records.append(_to_record(row, prompt_field, answer_field, where))
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+def load_hf_dataset(
+    path: str,
+    split: str = "train",
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    **load_kwargs: Any,
+) -> list[PromptRecord]:
+    """Records from `datasets.load_dataset(path, split=split, **load_kwargs)`; needs the `datasets` package.
+
+    Extra keyword arguments (a config name as `name=`, `data_files=`, `revision=`...) go to `load_dataset`.
+    """
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(
+            f"loading the HF dataset {path!r} needs the 'datasets' package (pip install datasets)"
+        ) from exc
+    rows = datasets.load_dataset(path, split=split, **load_kwargs)
+    return records_from_rows(rows, prompt_field, answer_field, source=f"{path}[{split}] row")
+
+
+def _permutation(size: int, seed: int, epoch: int) -> list[int]:
+    """Fisher-Yates over `range(size)` driven only by `random()`, whose sequence per seed is stable."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(size))
+    for i in range(size - 1, 0, -1):
+        j = min(int(rng.random() * (i + 1)), i)
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
+class PromptIterator:
+    """An endless, seeded stream of records over repeated epochs, resumable from `state_dict()`.
+
+    With `shuffle=False` every epoch is the records in their given order.
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], seed: int = 0, shuffle: bool = True) -> None:
+        if not records:
+            raise ValueError("PromptIterator needs at least one record")
+        self._records = records
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._order: list[int] = []
+        self._order_epoch = -1
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed so far (0 during the first pass)."""
+        return self._epoch
+
+    def _current_order(self) -> list[int]:
+        if self._order_epoch != self._epoch:
+            size = len(self._records)
+            self._order = _permutation(size, self._seed, self._epoch) if self._shuffle else list(range(size))
+            self._order_epoch = self._epoch
+        return self._order
+
+    def __iter__(self) -> "PromptIterator":
+        return self
+
+    def __next__(self) -> PromptRecord:
+        record = self._records[self._current_order()[self._position]]
+        self._position += 1
+        if self._position == len(self._records):
+            self._epoch += 1
+            self._position = 0
+        return record
+
+    def next_batch(self, batch_size: int) -> list[PromptRecord]:
+        """The next `batch_size` records; a batch that runs past an epoch's end continues into the next one."""
+        return [next(self) for _ in range(batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands, plus the seed and size it was built with (checked on restore)."""
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self._seed,
+            "num_records": len(self._records),
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a `state_dict()` of an iterator with the same seed over the same number of records."""
+        if state["seed"] != self._seed:
+            raise ValueError(f"iterator state was saved with seed {state['seed']}, this iterator has {self._seed}")
+        if state["num_records"] != len(self._records):
+            raise ValueError(
+                f"iterator state is for {state['num_records']} records, this dataset has {len(self._records)}"
+            )
+        if not 0 <= state["position"] < len(self._records) or state["epoch"] < 0:
+            raise ValueError(f"iterator state out of range: {dict(state)}")
+        self._epoch = state["epoch"]
+        self._position = state["position"]

@@ -1,0 +1,180 @@
+"""Reading HF model directories: config, safetensors shards (indexed or single), assets. Validated up front.
+
+Only safetensors are read: a `.bin` (pickle) checkpoint is refused unless explicitly allowed, and even then it
+is loaded with `torch.load(weights_only=True)`. Tensors are read one at a time (or a row range of one), so memory
+stays bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hf_mcore_bridge.errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+ASSET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+"""Non-weight files carried along with a model (config, generation config, tokenizer)."""
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, read from the safetensors header."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file, with a one-line error when it is missing or malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+class HFCheckpoint:
+    """An HF model directory, opened and validated: every shard readable, every indexed tensor present."""
+
+    def __init__(self, path: Path | str, *, allow_pickle: bool = False):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is not a directory")
+        self.config = read_json(self.path / "config.json")
+        self._tensors: dict[str, TensorInfo] = {}
+        self._pickled: dict[str, torch.Tensor] | None = None
+        if (self.path / INDEX_NAME).exists():
+            self._open_index()
+        elif (self.path / SINGLE_NAME).exists():
+            self._open_file(self.path / SINGLE_NAME, None)
+        elif any(self.path.glob("*.bin")):
+            if not allow_pickle:
+                raise CheckpointError(
+                    f"{self.path} holds only pickle (.bin) weights; convert them to safetensors, "
+                    "or pass --allow-pickle if you trust the source"
+                )
+            self._open_pickle()
+        else:
+            raise CheckpointError(f"{self.path} has no {SINGLE_NAME} or {INDEX_NAME}")
+
+    @property
+    def architecture(self) -> str:
+        """The first `architectures` entry of the config."""
+        names = self.config.get("architectures") or []
+        if not names:
+            raise CheckpointError(f"{self.path / 'config.json'} has no 'architectures' entry")
+        return str(names[0])
+
+    def _open_index(self) -> None:
+        index = read_json(self.path / INDEX_NAME)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{self.path / INDEX_NAME} has no weight_map")
+        by_file: dict[str, set[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, set()).add(name)
+        for file, names in sorted(by_file.items()):
+            shard = self.path / file
+            if not shard.exists():
+                raise CheckpointError(f"{INDEX_NAME} names shard {file}, which does not exist")
+            self._open_file(shard, names)
+
+    def _open_file(self, file: Path, expected: set[str] | None) -> None:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names = list(handle.keys())
+                for name in names:
+                    view = handle.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {view.get_dtype()}")
+                    self._tensors[name] = TensorInfo(file, tuple(view.get_shape()), dtype)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file} is not a readable safetensors file (corrupt or truncated): {err}") from None
+        if expected is not None:
+            missing = sorted(expected - set(names))
+            if missing:
+                raise CheckpointError(f"{file.name} lacks {len(missing)} tensor(s) its index names, e.g. {missing[0]}")
+
+    def _open_pickle(self) -> None:
+        self._pickled = {}
+        for file in sorted(self.path.glob("*.bin")):
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                raise CheckpointError(f"{file} could not be read as a weights-only torch file: {err}") from None
+            for name, tensor in state.items():
+                self._pickled[name] = tensor
+                self._tensors[name] = TensorInfo(file, tuple(tensor.shape), tensor.dtype)
+
+    def names(self) -> set[str]:
+        """All tensor names in the checkpoint."""
+        return set(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        """Shape, dtype and file of a tensor."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name} is missing from {self.path}") from None
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """A tensor (or the row range [start, stop) of its first dimension), read from disk now."""
+        info = self.info(name)
+        if self._pickled is not None:
+            tensor = self._pickled[name]
+            return (tensor[rows[0] : rows[1]] if rows else tensor).clone()
+        try:
+            with safe_open(str(info.file), framework="pt") as handle:
+                if rows is None:
+                    return handle.get_tensor(name)
+                return handle.get_slice(name)[rows[0] : rows[1]]
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"reading {name} from {info.file.name} failed: {err}") from None
+
+    def copy_assets(self, destination: Path) -> list[str]:
+        """Copy config, generation config and tokenizer files into `destination`; returns their names."""
+        destination.mkdir(parents=True, exist_ok=True)
+        copied = []
+        for name in ASSET_FILES:
+            source = self.path / name
+            if source.is_file():
+                shutil.copy2(source, destination / name)
+                copied.append(name)
+        return copied

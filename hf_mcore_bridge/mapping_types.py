@@ -1,0 +1,172 @@
+"""The vocabulary that architecture mapping tables are written in.
+
+A table is a tuple of entries. Each entry names one megatron-core tensor (its distributed-checkpoint key, with a
+`{layer}` placeholder for decoder layers), the HF tensor(s) it is made of, and its tensor-parallel style. The
+entry knows how to go both ways (HF -> megatron and back), so a table is written once and drives conversion,
+export and refit alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.tensor_ops import (
+    fuse_gate_up,
+    fuse_qkv,
+    pad_vocab,
+    split_gate_up,
+    split_qkv,
+    unpad_vocab,
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model dimensions that fused-tensor transforms need."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+
+LAYER = "{layer}"
+
+
+@dataclass(frozen=True)
+class Direct:
+    """One HF tensor is one megatron-core tensor (possibly with vocabulary padding)."""
+
+    mcore: str
+    hf: str
+    parallel: Parallel
+    untied_only: bool = False
+    """Present only when the output layer is not tied to the word embeddings."""
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        shape = shapes[self.hf]
+        if self.parallel is not Parallel.VOCAB:
+            return shape
+        _expect(self.hf, shape[0], dims.vocab_size, "vocab_size")
+        return (dims.padded_vocab_size, *shape[1:])
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        tensor = tensors[self.hf]
+        if self.parallel is Parallel.VOCAB:
+            return pad_vocab(tensor, dims.padded_vocab_size)
+        return tensor
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        if self.parallel is Parallel.VOCAB:
+            tensor = unpad_vocab(tensor, dims.vocab_size)
+        return {self.hf: tensor}
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """HF's q/k/v projections fused into megatron's `linear_qkv`, interleaved per query group."""
+
+    mcore: str
+    q: str
+    k: str
+    v: str
+    parallel: Parallel = Parallel.COLUMN
+    untied_only: bool = False
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.q, self.k, self.v)
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        q, k, v = shapes[self.q], shapes[self.k], shapes[self.v]
+        _expect(self.q, q[0], dims.num_attention_heads * dims.head_dim, "num_attention_heads * head_dim")
+        _expect(self.k, k[0], dims.num_query_groups * dims.head_dim, "num_key_value_heads * head_dim")
+        _expect(self.v, v[0], dims.num_query_groups * dims.head_dim, "num_key_value_heads * head_dim")
+        return (q[0] + k[0] + v[0], *q[1:])
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        return fuse_qkv(tensors[self.q], tensors[self.k], tensors[self.v], dims.num_query_groups)
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        q, k, v = split_qkv(tensor, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)
+        return {self.q: q, self.k: k, self.v: v}
+
+
+@dataclass(frozen=True)
+class FusedGateUp:
+    """A gated MLP's gate and up projections fused into megatron's `linear_fc1` as `cat(gate, up)`."""
+
+    mcore: str
+    gate: str
+    up: str
+    parallel: Parallel = Parallel.GATED_COLUMN
+    untied_only: bool = False
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.gate, self.up)
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        gate, up = shapes[self.gate], shapes[self.up]
+        if gate != up:
+            raise CheckpointError(f"{self.gate} has shape {gate} but {self.up} has shape {up}")
+        return (2 * gate[0], *gate[1:])
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        return fuse_gate_up(tensors[self.gate], tensors[self.up])
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        gate, up = split_gate_up(tensor)
+        return {self.gate: gate, self.up: up}
+
+
+Entry = Direct | FusedQKV | FusedGateUp
+
+
+def _expect(name: str, actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise CheckpointError(f"{name} has {actual} rows, but the config implies {what} = {expected}")
+
+
+def dcp_key(mcore_name: str) -> str:
+    """The distributed-checkpoint key: decoder layers are stacked on a leading layer axis under one key."""
+    return mcore_name.replace(f"decoder.layers.{LAYER}.", "decoder.layers.")
+
+
+def extra_state_module(entry: Entry) -> str | None:
+    """The linear module whose `_extra_state` megatron-core saves alongside this tensor, if any.
+
+    Every tensor-parallel linear layer saves one; norms (replicated) and the vocabulary-parallel embedding and
+    output layer do not (megatron-core drops the output layer's for compatibility with old checkpoints).
+    """
+    if entry.parallel in (Parallel.REPLICATED, Parallel.VOCAB):
+        return None
+    return entry.mcore.rsplit(".", 1)[0]
+
+
+def is_layered(name: str) -> bool:
+    """Whether a name has the `{layer}` placeholder (one tensor per decoder layer)."""
+    return LAYER in name
+
+
+def fill(name: str, layer: int | None) -> str:
+    """Substitute the decoder layer index into a name."""
+    return name.format(layer=layer) if layer is not None else name
+
+
+def at_layer(entry: Entry, layer: int | None) -> Entry:
+    """The entry with `{layer}` substituted in every name it holds."""
+    if layer is None:
+        return entry
+    names = {f.name: fill(getattr(entry, f.name), layer) for f in fields(entry) if f.type in ("str", str)}
+    return replace(entry, **names)

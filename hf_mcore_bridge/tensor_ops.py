@@ -1,0 +1,114 @@
+"""Pure tensor transforms between HF and megatron-core layouts. No I/O, no process groups.
+
+Shapes use: nh = attention heads, ng = query groups (KV heads), d = head dim, H = hidden size,
+F = FFN width, V = vocabulary, Vp = padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_mcore_bridge.parallel_style import Parallel
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A chunk of a global tensor: (offsets, sizes)."""
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """HF's separate projections -> megatron's per-group interleaved `linear_qkv`.
+
+    q: [nh*d, ...], k: [ng*d, ...], v: [ng*d, ...] -> [ng * (nh/ng + 2) * d, ...], laid out per query group as
+    (its nh/ng q heads, its k head, its v head). Works for weights ([., H]) and biases ([.]).
+    """
+    ng = num_query_groups
+    tail = q.shape[1:]
+    grouped = (q.reshape(ng, -1, *tail), k.reshape(ng, -1, *tail), v.reshape(ng, -1, *tail))
+    return torch.cat(grouped, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`: [ng * (nh/ng + 2) * d, ...] -> (q [nh*d, ...], k [ng*d, ...], v [ng*d, ...])."""
+    ng = num_query_groups
+    q_per_group = num_attention_heads // ng * head_dim
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(ng, q_per_group + 2 * head_dim, *tail)
+    q, k, v = torch.split(grouped, [q_per_group, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(-1, *tail).contiguous(),
+        k.reshape(-1, *tail).contiguous(),
+        v.reshape(-1, *tail).contiguous(),
+    )
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gated MLP: gate [F, H], up [F, H] -> megatron's global `linear_fc1` [2F, H] = cat(gate, up)."""
+    return torch.cat((gate, up), dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_gate_up`: [2F, H] -> (gate [F, H], up [F, H])."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def pad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
+    """[V, H] -> [Vp, H] with zero rows appended (megatron pads the vocabulary for TP divisibility)."""
+    extra = padded_size - weight.shape[0]
+    if extra < 0:
+        raise ValueError(f"padded vocabulary {padded_size} is smaller than the vocabulary {weight.shape[0]}")
+    if extra == 0:
+        return weight
+    return torch.cat((weight, weight.new_zeros(extra, *weight.shape[1:])), dim=0)
+
+
+def unpad_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[Vp, H] -> [V, H]: drop the padding rows."""
+    return weight[:vocab_size].contiguous() if weight.shape[0] != vocab_size else weight
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's rule: round the vocabulary up to a multiple of `divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def shard_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int) -> list[Box]:
+    """The chunks that `tp` ranks hold of a global tensor of `shape`, as megatron-core saves them.
+
+    COLUMN and VOCAB split dim 0, ROW splits dim 1, GATED_COLUMN splits each half of dim 0 separately (each rank
+    holds [gate_r; up_r]), REPLICATED keeps one chunk.
+    """
+    zeros = (0,) * len(shape)
+    if parallel is Parallel.REPLICATED or (tp == 1 and parallel is not Parallel.GATED_COLUMN):
+        return [(zeros, tuple(shape))]
+    if parallel in (Parallel.COLUMN, Parallel.VOCAB):
+        return _split_axis(shape, 0, tp, base=0, extent=shape[0])
+    if parallel is Parallel.ROW:
+        return _split_axis(shape, 1, tp, base=0, extent=shape[1])
+    if parallel is Parallel.GATED_COLUMN:
+        half = shape[0] // 2
+        return _split_axis(shape, 0, tp, base=0, extent=half) + _split_axis(shape, 0, tp, base=half, extent=half)
+    raise ValueError(f"unknown parallel style {parallel}")
+
+
+def _split_axis(shape: tuple[int, ...], axis: int, parts: int, *, base: int, extent: int) -> list[Box]:
+    if extent % parts:
+        raise ValueError(f"dimension {axis} of size {extent} does not split into {parts} parts")
+    step = extent // parts
+    boxes = []
+    for r in range(parts):
+        offsets = [0] * len(shape)
+        sizes = list(shape)
+        offsets[axis] = base + r * step
+        sizes[axis] = step
+        boxes.append((tuple(offsets), tuple(sizes)))
+    return boxes
+
+
+def take_box(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    """The chunk of `tensor` described by `box` (a view)."""
+    offsets, sizes = box
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+    return tensor[index]

@@ -1,0 +1,157 @@
+"""HF checkpoint -> Megatron-Core distributed checkpoint (`torch_dist`), from one CPU process, streaming.
+
+Assumes the HF directory holds safetensors. Each megatron-core tensor is produced when the writer asks for it
+and dropped once written: plain tensors are read chunk by chunk (row ranges straight from the safetensors file),
+fused ones (QKV, gate/up) are built once per layer and reused for their tensor-parallel chunks. Peak memory is
+therefore about one fused layer tensor, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.atomic import atomic_directory
+from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
+from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
+from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.mapping_types import Dims, Direct, dcp_key, extra_state_module, is_layered
+from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.megatron_dirs import HF_ASSETS_DIR, iteration_dirname, write_common, write_tracker
+from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
+from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.progress import progress_bar
+from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion wrote."""
+
+    destination: Path
+    model: ModelConfig
+    layout: Layout
+    tensors: int
+    bytes_written: int
+    seconds: float
+
+
+def _source_dtype(hf: HFCheckpoint, placed: list[Placed]) -> torch.dtype:
+    return hf.info(placed[0].hf_names()[0]).dtype
+
+
+class _Producer:
+    """Produces megatron-core chunks from the HF checkpoint, caching the last fused tensor for its TP chunks."""
+
+    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
+        self.hf, self.dims, self.dtype = hf, dims, dtype
+        self._cached: tuple[str, torch.Tensor] | None = None
+
+    def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+        entry = placed.entry
+        if isinstance(entry, Direct):
+            return self._direct_chunk(placed, box)
+        name = placed.mcore_name
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # drop the previous fused tensor before building the next
+            sources = {n: self.hf.read(n) for n in placed.hf_names()}
+            self._cached = (name, entry.to_mcore(sources, self.dims).to(self.dtype))
+        return take_box(self._cached[1], box).clone()
+
+    def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+        (name,) = placed.hf_names()
+        offsets, sizes = box
+        start, stop = offsets[0], offsets[0] + sizes[0]
+        real_stop = min(stop, self.dims.vocab_size) if placed.entry.parallel is Parallel.VOCAB else stop
+        rows = self.hf.read(name, (start, real_stop)) if real_stop > start else None
+        if rows is not None and len(offsets) > 1:
+            rows = rows[(slice(None), *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)))]
+        rows = rows.to(self.dtype) if rows is not None else None
+        if real_stop == stop:
+            return rows.contiguous()
+        pad = torch.zeros(stop - max(real_stop, start), *sizes[1:], dtype=self.dtype)
+        return pad if rows is None else torch.cat((rows, pad))
+
+
+def plan_chunks(
+    placed: list[Placed], hf: HFCheckpoint, model: ModelConfig, dims: Dims, layout: Layout, producer: _Producer
+) -> tuple[list[TensorChunk], list[ObjectItem]]:
+    """Every chunk the target ranks will read, and the `_extra_state` objects megatron-core expects."""
+    chunks: list[TensorChunk] = []
+    objects: dict[str, ObjectItem] = {}
+    num_layers = model.num_layers
+    for p in placed:
+        shapes = {n: hf.info(n).shape for n in p.hf_names()}
+        shape = p.entry.mcore_shape(shapes, dims)
+        key = dcp_key(p.template.mcore)
+        layered = is_layered(p.template.mcore)
+        global_shape = (num_layers, *shape) if layered else shape
+        for box in shard_boxes(shape, p.entry.parallel, layout.tp):
+            offsets, sizes = box
+            produce = _bind(producer, p, box, unsqueeze=layered)
+            if layered:
+                offsets, sizes = (p.layer, *offsets), (1, *sizes)
+            chunks.append(TensorChunk(key, global_shape, offsets, sizes, producer.dtype, produce))
+        module = extra_state_module(p.template)
+        if module is not None:
+            offsets = (p.layer,) if layered else (0,)
+            extent = (num_layers,) if layered else (1,)
+            object_key = f"{dcp_key(module)}._extra_state/shard_{offsets[0]}_{extent[0]}"
+            objects.setdefault(object_key, ObjectItem(object_key, [None]))
+    return chunks, list(objects.values())
+
+
+def _bind(producer: _Producer, placed: Placed, box, *, unsqueeze: bool) -> Callable[[], torch.Tensor]:
+    def produce() -> torch.Tensor:
+        tensor = producer.chunk(placed, box)
+        return tensor.unsqueeze(0) if unsqueeze else tensor
+
+    return produce
+
+
+def convert_hf_to_mcore(
+    source: Path | str,
+    destination: Path | str,
+    *,
+    layout: Layout | None = None,
+    dtype: str | None = None,
+    spec: str = "te",
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+    ignore_unknown: bool = False,
+    allow_pickle: bool = False,
+    show_progress: bool = True,
+) -> ConversionResult:
+    """Convert an HF model directory into a Megatron-LM-loadable `torch_dist` checkpoint (`release/`)."""
+    started = time.perf_counter()
+    layout = layout or Layout()
+    hf = HFCheckpoint(source, allow_pickle=allow_pickle)
+    arch = get_architecture(hf.architecture)
+    model = config_bridge.from_hf(hf.config, arch)
+    model.validate(layout)
+    placed = placed_entries(arch, model)
+    check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
+    target_dtype = DTYPES[dtype] if dtype else _source_dtype(hf, placed)
+    padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
+    dims = model.dims(padded)
+    producer = _Producer(hf, dims, target_dtype)
+    chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer)
+    args = config_bridge.megatron_args(
+        model, layout, target_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by, spec=spec
+    )
+    destination = Path(destination)
+    with atomic_directory(destination, overwrite=overwrite) as staging:
+        checkpoint_dir = staging / iteration_dirname(None)
+        with progress_bar("convert to mcore", total=len(chunks) + len(objects), enabled=show_progress) as advance:
+            write_dcp(checkpoint_dir, chunks, objects, on_write=advance)
+        write_common(checkpoint_dir, args, iteration=0)
+        write_tracker(staging, None)
+        hf.copy_assets(staging / HF_ASSETS_DIR)
+    bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
+    return ConversionResult(destination, model, layout, len(chunks), bytes_written, time.perf_counter() - started)

@@ -1,0 +1,214 @@
+"""`bridge verify`: load a Megatron checkpoint into real megatron-core at a layout and compare logits with HF.
+
+A world of TP x PP processes is started (gloo on CPU, NCCL on GPU). Each rank builds its stage of a megatron-core
+`GPTModel` from the checkpoint's own `args`, loads it with `dist_checkpointing.load`, and runs the same tokens;
+stages hand activations on with point-to-point sends. The last stage gathers the vocabulary-parallel logits and
+writes them; the parent runs HF transformers on the HF directory and compares: max |dlogit|, mean KL(HF || mcore)
+and top-1 agreement. Several checkpoints can be verified in one world (process start-up is the expensive part).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_mcore_bridge.config_bridge import DTYPES, from_megatron_args, padded_vocab
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.05}
+"""Max |dlogit| allowed per compute dtype."""
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """One HF directory and the Megatron checkpoint that should hold the same model."""
+
+    hf_dir: Path
+    mcore_dir: Path
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Logit agreement between HF transformers and megatron-core for one job."""
+
+    job: VerifyJob
+    layout: Layout
+    max_abs_diff: float
+    mean_kl: float
+    top1_agreement: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    def summary(self) -> str:
+        verdict = "OK" if self.passed else "FAIL"
+        return (
+            f"{verdict} {self.job.mcore_dir} at {self.layout}: max|dlogit|={self.max_abs_diff:.3e} "
+            f"(tolerance {self.tolerance:g}) mean KL={self.mean_kl:.3e} top-1 agreement={self.top1_agreement:.4f}"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
+
+
+def verify(
+    jobs: list[VerifyJob],
+    layout: Layout,
+    *,
+    dtype: str = "fp32",
+    batch: int = 2,
+    seq_len: int = 16,
+    seed: int = 0,
+    tolerance: float | None = None,
+) -> list[VerifyResult]:
+    """Verify each job at `layout`; one process world serves all jobs."""
+    if layout.cp != 1 or layout.vpp:
+        raise BridgeError("verify runs at tp/pp/ep layouts; context and virtual pipeline parallelism are not used")
+    world_size = layout.tp * layout.pp * layout.ep
+    with tempfile.TemporaryDirectory(prefix="bridge-verify-") as scratch:
+        work = Path(scratch)
+        token_sets = []
+        for i, job in enumerate(jobs):
+            _, checkpoint_dir = resolve_checkpoint(job.mcore_dir)
+            model = from_megatron_args(read_common(checkpoint_dir)["args"])
+            tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
+            token_sets.append(tokens)
+            torch.save(tokens, work / f"tokens_{i}.pt")
+        _run_world(world_size, layout, [str(j.mcore_dir) for j in jobs], dtype, work)
+        results = []
+        for i, job in enumerate(jobs):
+            mcore_logits = torch.load(work / f"logits_{i}.pt", weights_only=True).double()
+            hf_logits = _hf_logits(job.hf_dir, token_sets[i], dtype).double()
+            results.append(_compare(job, layout, hf_logits, mcore_logits, tolerance or DEFAULT_TOLERANCE[dtype]))
+    return results
+
+
+def _compare(job: VerifyJob, layout: Layout, hf: torch.Tensor, mc: torch.Tensor, tolerance: float) -> VerifyResult:
+    if hf.shape != mc.shape:
+        raise BridgeError(f"logit shapes differ: HF {tuple(hf.shape)} vs megatron-core {tuple(mc.shape)}")
+    log_p, log_q = torch.log_softmax(hf, -1), torch.log_softmax(mc, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return VerifyResult(
+        job=job,
+        layout=layout,
+        max_abs_diff=float((hf - mc).abs().max()),
+        mean_kl=float(kl),
+        top1_agreement=float((hf.argmax(-1) == mc.argmax(-1)).double().mean()),
+        tolerance=tolerance,
+    )
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    device = _device()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(device).eval()
+    with torch.no_grad():
+        return model(tokens.to(device)).logits.float().cpu()
+
+
+def _run_world(world_size: int, layout: Layout, checkpoints: list[str], dtype: str, work: Path) -> None:
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    context = mp.start_processes(
+        _worker,
+        args=(world_size, port, layout, checkpoints, dtype, str(work)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as err:
+        last = str(err).strip().splitlines()[-1]
+        raise BridgeError(f"a megatron-core rank failed: {last}") from None
+
+
+def _worker(rank: int, world_size: int, port: int, layout: Layout, checkpoints: list[str], dtype: str, work: str):
+    import torch.distributed as dist
+
+    from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    apply_cpu_workarounds()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+    )
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    try:
+        for i, checkpoint in enumerate(checkpoints):
+            logits = _stage_forward(Path(checkpoint), layout, DTYPES[dtype], torch.load(Path(work) / f"tokens_{i}.pt"))
+            if logits is not None:
+                torch.save(logits, Path(work) / f"logits_{i}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _stage_forward(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Run this rank's pipeline stage; the last stage's TP-rank-0 returns the gathered, unpadded logits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hf_mcore_bridge.megatron_model import build_gpt_model, causal_mask, load_distributed_checkpoint
+
+    _, checkpoint_dir = resolve_checkpoint(checkpoint)
+    args = read_common(checkpoint_dir)["args"]
+    model_cfg = from_megatron_args(args)
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+    device = _device()
+    model = build_gpt_model(
+        model_cfg, layout, dtype, padded_vocab(model_cfg, layout, divisible_by), device=device
+    ).eval()
+    load_distributed_checkpoint(model, checkpoint_dir)
+    tokens = tokens.to(device)
+    batch, seq_len = tokens.shape
+    positions = torch.arange(seq_len, device=device).expand(batch, -1)
+    with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(seq_len, batch, model_cfg.hidden_size, dtype=dtype, device=device)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        output = model(tokens, positions, causal_mask(seq_len, device))
+        if not parallel_state.is_pipeline_last_stage():
+            dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        logits = gather_from_tensor_model_parallel_region(output)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    return logits[..., : model_cfg.vocab_size].float().cpu()

@@ -1,0 +1,52 @@
+"""Llama 2 / 3 / 3.1 / 3.2 / 3.3 (`LlamaForCausalLM`): the dense vocabulary every other dense family reuses."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_errors import refuse_if
+from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, FusedQKV
+from hf_mcore_bridge.parallel_style import Parallel
+
+HF_LAYER = "model.layers.{layer}"
+MC_LAYER = "decoder.layers.{layer}"
+
+TABLE = (
+    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight", Parallel.VOCAB),
+    Direct(
+        f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight",
+        f"{HF_LAYER}.input_layernorm.weight",
+        Parallel.REPLICATED,
+    ),
+    FusedQKV(
+        f"{MC_LAYER}.self_attention.linear_qkv.weight",
+        q=f"{HF_LAYER}.self_attn.q_proj.weight",
+        k=f"{HF_LAYER}.self_attn.k_proj.weight",
+        v=f"{HF_LAYER}.self_attn.v_proj.weight",
+    ),
+    Direct(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{HF_LAYER}.self_attn.o_proj.weight", Parallel.ROW),
+    Direct(
+        f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight",
+        f"{HF_LAYER}.post_attention_layernorm.weight",
+        Parallel.REPLICATED,
+    ),
+    FusedGateUp(
+        f"{MC_LAYER}.mlp.linear_fc1.weight",
+        gate=f"{HF_LAYER}.mlp.gate_proj.weight",
+        up=f"{HF_LAYER}.mlp.up_proj.weight",
+    ),
+    Direct(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW),
+    Direct("decoder.final_layernorm.weight", "model.norm.weight", Parallel.REPLICATED),
+    Direct("output_layer.weight", "lm_head.weight", Parallel.VOCAB, untied_only=True),
+)
+
+
+def check(config: Mapping[str, Any]) -> None:
+    """Llama's optional biases have no megatron-core equivalent in this layer layout."""
+    refuse_if(config, "attention_bias", True)
+    refuse_if(config, "mlp_bias", True)
+
+
+ARCHITECTURE = Architecture(hf_name="LlamaForCausalLM", model_type="llama", table=TABLE, check=check)

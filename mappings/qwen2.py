@@ -1,0 +1,35 @@
+"""Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): the Llama table plus q/k/v biases."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_errors import refuse_if
+from hf_mcore_bridge.mapping_types import FusedQKV
+
+
+def check(config: Mapping[str, Any]) -> None:
+    """Qwen2's optional sliding window is not representable."""
+    refuse_if(config, "use_sliding_window", True)
+
+
+ARCHITECTURE = Architecture(
+    hf_name="Qwen2ForCausalLM",
+    model_type="qwen2",
+    table=(
+        *TABLE,
+        FusedQKV(
+            f"{MC_LAYER}.self_attention.linear_qkv.bias",
+            q=f"{HF_LAYER}.self_attn.q_proj.bias",
+            k=f"{HF_LAYER}.self_attn.k_proj.bias",
+            v=f"{HF_LAYER}.self_attn.v_proj.bias",
+        ),
+    ),
+    qkv_bias=True,
+    check=check,
+    hf_defaults={"use_sliding_window": False},
+)

@@ -1,0 +1,37 @@
+"""Qwen3 (`Qwen3ForCausalLM`): the Llama table plus per-head RMSNorm on q and k, with an explicit head_dim."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_errors import refuse_if
+from hf_mcore_bridge.mapping_types import Direct
+from hf_mcore_bridge.parallel_style import Parallel
+
+
+def check(config: Mapping[str, Any]) -> None:
+    """Qwen3's attention bias would also bias `o_proj`, and its optional sliding window is not representable."""
+    refuse_if(config, "attention_bias", True)
+    refuse_if(config, "use_sliding_window", True)
+
+
+ARCHITECTURE = Architecture(
+    hf_name="Qwen3ForCausalLM",
+    model_type="qwen3",
+    table=(
+        *TABLE,
+        Direct(
+            f"{MC_LAYER}.self_attention.q_layernorm.weight", f"{HF_LAYER}.self_attn.q_norm.weight", Parallel.REPLICATED
+        ),
+        Direct(
+            f"{MC_LAYER}.self_attention.k_layernorm.weight", f"{HF_LAYER}.self_attn.k_norm.weight", Parallel.REPLICATED
+        ),
+    ),
+    qk_norm=True,
+    check=check,
+    hf_defaults={"use_sliding_window": False},
+)

@@ -1,13 +1,265 @@
-"""The `bridge` command: each sub-command is a thin shell over a library call."""
+"""The `bridge` command (also installed as `hf-mcore-bridge`): a thin shell over the library.
+
+Every sub-command calls one library function. Errors about the user's input (`BridgeError`) are printed as one
+line and exit with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 
-app = typer.Typer(help="Bridge HuggingFace checkpoints and Megatron-Core.", no_args_is_help=True)
+app = typer.Typer(
+    help=(
+        "Bridge HuggingFace checkpoints and Megatron-Core: convert at any TP/PP layout, verify against "
+        "transformers, inspect.\n\nTypical use:\n\n"
+        "  bridge convert --to mcore --tp 2 --pp 2 ./Llama-3.2-1B ./llama-mcore\n\n"
+        "  bridge verify ./Llama-3.2-1B ./llama-mcore --tp 2 --pp 2\n\n"
+        "  bridge convert --to hf ./llama-mcore ./llama-hf\n\n"
+        "On Linux, iproute2 also ships a `bridge` command; inside the project's virtual environment ours comes "
+        "first, and `hf-mcore-bridge` is the same command under an unambiguous name."
+    ),
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+T = TypeVar("T")
+
+
+class Target(enum.StrEnum):
+    mcore = "mcore"
+    hf = "hf"
+
+
+class DType(enum.StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Spec(enum.StrEnum):
+    te = "te"
+    local = "local"
+
+
+class Format(enum.StrEnum):
+    torch_dist = "torch_dist"
+    torch = "torch"
+
+
+def _quiet_libraries() -> None:
+    """megatron-core warns at import about optional CUDA extensions that a CPU conversion never uses."""
+    if not _state["debug"]:
+        from hf_mcore_bridge.quiet import quiet_libraries
+
+        quiet_libraries()
+
+
+def _run(action: Callable[[], T]) -> T:
+    """Run a command body: one-line errors for bad input, tracebacks only with --debug."""
+    from hf_mcore_bridge.errors import BridgeError
+
+    _quiet_libraries()
+    try:
+        return action()
+    except BridgeError as err:
+        if _state["debug"]:
+            raise
+        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
+        raise typer.Exit(130) from None
+    except Exception as err:
+        if _state["debug"]:
+            raise
+        typer.secho(f"internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+) -> None:
+    """Bridge HuggingFace checkpoints and Megatron-Core."""
+    _state["debug"] = debug or os.environ.get("BRIDGE_DEBUG") == "1"
 
 
 @app.command()
-def version() -> None:
-    """Print the installed version."""
-    from hf_mcore_bridge import __version__
+def convert(
+    source: Annotated[Path, typer.Argument(help="HF model directory (--to mcore) or Megatron checkpoint (--to hf).")],
+    destination: Annotated[Path, typer.Argument(help="Output directory; must be empty or absent.")],
+    to: Annotated[Target, typer.Option("--to", help="Target format.")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size the checkpoint is prepared for.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel size.")] = 1,
+    vpp: Annotated[int | None, typer.Option(help="Virtual pipeline stages per pipeline rank.")] = None,
+    cp: Annotated[int, typer.Option(help="Context-parallel size (recorded in args).")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE).")] = 1,
+    etp: Annotated[int | None, typer.Option(help="Expert tensor-parallel size (MoE; default: --tp).")] = None,
+    first_stage_layers: Annotated[int | None, typer.Option(help="Layers on the first pipeline stage.")] = None,
+    last_stage_layers: Annotated[int | None, typer.Option(help="Layers on the last pipeline stage.")] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Cast weights (default: keep the source dtype).")] = None,
+    spec: Annotated[Spec, typer.Option(help="Megatron layer spec the checkpoint is named for.")] = Spec.te,
+    fmt: Annotated[Format, typer.Option("--format", help="Megatron checkpoint format (--to mcore).")] = (
+        Format.torch_dist
+    ),
+    make_vocab_size_divisible_by: Annotated[int, typer.Option(help="Vocabulary padding multiple (times TP).")] = 128,
+    iteration: Annotated[int | None, typer.Option(help="Which saved iteration to export (--to hf).")] = None,
+    hf_config: Annotated[Path | None, typer.Option(help="HF config.json (or its directory) for --to hf.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="Directory with tokenizer files for --to hf.")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard (--to hf).")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
+    ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
+    allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Convert HF -> Megatron-Core (`--to mcore`) or Megatron-Core -> HF (`--to hf`).
 
-    typer.echo(__version__)
+    --to mcore writes a Megatron-LM-loadable checkpoint (release/, args, vocabulary padded for --tp) from one
+    CPU process, streaming tensor by tensor. --to hf reads a checkpoint of any layout and format.
+    """
+    from hf_mcore_bridge.layout import Layout
+
+    def action() -> None:
+        if to is Target.mcore:
+            from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+
+            layout = Layout(tp, pp, vpp, cp, ep, etp, first_stage_layers, last_stage_layers)
+            result = convert_hf_to_mcore(
+                source,
+                destination,
+                layout=layout,
+                dtype=dtype.value if dtype else None,
+                spec=spec.value,
+                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                overwrite=overwrite,
+                ignore_unknown=ignore_unknown,
+                allow_pickle=allow_pickle,
+                show_progress=progress,
+                checkpoint_format=fmt.value,
+            )
+        else:
+            from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+
+            result = convert_mcore_to_hf(
+                source,
+                destination,
+                iteration=iteration,
+                dtype=dtype.value if dtype else None,
+                max_shard_size=max_shard_size,
+                hf_config=hf_config,
+                tokenizer=tokenizer,
+                overwrite=overwrite,
+                ignore_unknown=ignore_unknown,
+                show_progress=progress,
+            )
+        typer.echo(
+            f"wrote {result.destination} ({result.model.architecture}, {result.tensors} tensors, "
+            f"{result.bytes_written / 2**20:.1f} MiB) in {result.seconds:.1f}s"
+        )
+
+    _run(action)
+
+
+@app.command()
+def verify(
+    hf_dir: Annotated[Path, typer.Argument(help="The HF model directory (the reference).")],
+    mcore_dir: Annotated[Path, typer.Argument(help="The Megatron checkpoint (root, iter_* or release).")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size to load at.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel size to load at.")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert-parallel size to load at (MoE).")] = 1,
+    dtype: Annotated[DType, typer.Option(help="Compute dtype on both sides.")] = DType.fp32,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 16,
+    batch: Annotated[int, typer.Option(help="Sequences.")] = 2,
+    tolerance: Annotated[float | None, typer.Option(help="Max |dlogit| (default: 1e-4 fp32, 0.15 bf16).")] = None,
+) -> None:
+    """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
+
+    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU). Exits non-zero beyond the tolerance.
+    """
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.verify import VerifyJob
+    from hf_mcore_bridge.verify import verify as run_verify
+
+    def action() -> None:
+        (result,) = run_verify(
+            [VerifyJob(hf_dir, mcore_dir)],
+            Layout(tp=tp, pp=pp, ep=ep),
+            dtype=dtype.value,
+            batch=batch,
+            seq_len=seq_len,
+            tolerance=tolerance,
+        )
+        typer.echo(result.summary())
+        if not result.passed:
+            raise typer.Exit(1)
+
+    _run(action)
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="An HF model directory or a Megatron checkpoint.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    tensors: Annotated[bool, typer.Option(help="List every tensor.")] = True,
+) -> None:
+    """Show architecture, layout, dtype, parameter count and tensors of a checkpoint."""
+    from hf_mcore_bridge.inspect_checkpoint import inspect_path
+
+    def action() -> None:
+        report = inspect_path(path)
+        if as_json:
+            typer.echo(json.dumps(report.to_dict(), indent=2))
+            return
+        _print_inspection(report, tensors)
+
+    _run(action)
+
+
+def _print_inspection(report: Any, tensors: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{report.path}[/bold]  ({report.format})")
+    console.print(f"architecture: {report.architecture or 'unknown'}")
+    if report.layout:
+        console.print("layout: " + " ".join(f"{k}={v}" for k, v in report.layout.items()))
+    console.print(f"dtypes: {', '.join(report.dtypes)}")
+    console.print(f"parameters: {report.parameters:,}  ({report.total_bytes / 2**20:,.1f} MiB)")
+    for note in report.notes:
+        console.print(f"note: {note}")
+    if tensors:
+        table = Table("tensor", "shape", "dtype", "bytes")
+        for row in report.tensors:
+            table.add_row(row.name, str(tuple(row.shape)), row.dtype, f"{row.bytes:,}")
+        console.print(table)
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Path, typer.Argument(help="Where to put the demo checkpoints.")] = Path("demo"),
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 2,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel size.")] = 2,
+) -> None:
+    """Build a tiny Llama-architecture checkpoint locally, convert it to TP x PP, verify it, export it back."""
+    from hf_mcore_bridge.demo import run_demo
+
+    def action() -> None:
+        for line in run_demo(workdir, tp=tp, pp=pp):
+            typer.echo(line)
+
+    _run(action)
+
+
+if __name__ == "__main__":
+    sys.exit(app())

@@ -60,6 +60,11 @@ class Direct:
         _expect(self.hf, shape[0], dims.vocab_size, "vocab_size")
         return (dims.padded_vocab_size, *shape[1:])
 
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        if self.parallel is Parallel.VOCAB:
+            return {self.hf: (dims.vocab_size, *shape[1:])}
+        return {self.hf: shape}
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         tensor = tensors[self.hf]
         if self.parallel is Parallel.VOCAB:
@@ -94,6 +99,16 @@ class FusedQKV:
         _expect(self.v, v[0], dims.num_query_groups * dims.head_dim, "num_key_value_heads * head_dim")
         return (q[0] + k[0] + v[0], *q[1:])
 
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        groups = dims.num_query_groups * dims.head_dim
+        _expect(self.mcore, shape[0], dims.num_attention_heads * dims.head_dim + 2 * groups, "q + k + v rows")
+        tail = shape[1:]
+        return {
+            self.q: (dims.num_attention_heads * dims.head_dim, *tail),
+            self.k: (groups, *tail),
+            self.v: (groups, *tail),
+        }
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         return fuse_qkv(tensors[self.q], tensors[self.k], tensors[self.v], dims.num_query_groups)
 
@@ -121,6 +136,10 @@ class FusedGateUp:
         if gate != up:
             raise CheckpointError(f"{self.gate} has shape {gate} but {self.up} has shape {up}")
         return (2 * gate[0], *gate[1:])
+
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        half = (shape[0] // 2, *shape[1:])
+        return {self.gate: half, self.up: half}
 
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         return fuse_gate_up(tensors[self.gate], tensors[self.up])

@@ -127,8 +127,13 @@ def convert_hf_to_mcore(
     ignore_unknown: bool = False,
     allow_pickle: bool = False,
     show_progress: bool = True,
+    checkpoint_format: str = "torch_dist",
 ) -> ConversionResult:
-    """Convert an HF model directory into a Megatron-LM-loadable `torch_dist` checkpoint (`release/`)."""
+    """Convert an HF model directory into a Megatron-LM-loadable checkpoint (`release/`).
+
+    `checkpoint_format` is `torch_dist` (megatron-core's distributed checkpoint, loadable at any layout) or
+    `torch` (the legacy per-rank files, exactly at `layout`).
+    """
     started = time.perf_counter()
     layout = layout or Layout()
     hf = HFCheckpoint(source, allow_pickle=allow_pickle)

@@ -122,6 +122,9 @@ def _device() -> torch.device:
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
+    from hf_mcore_bridge.quiet import quiet_libraries
+
+    quiet_libraries()
     device = _device()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(device).eval()
     with torch.no_grad():
@@ -151,6 +154,9 @@ def _worker(rank: int, world_size: int, port: int, layout: Layout, checkpoints: 
     import torch.distributed as dist
 
     from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds
+    from hf_mcore_bridge.quiet import quiet_libraries
+
+    quiet_libraries()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()

@@ -1,0 +1,122 @@
+"""`bridge inspect`: what an HF directory or a Megatron checkpoint holds, for people (a table) and machines (JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
+from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+
+
+@dataclass
+class TensorRow:
+    name: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+
+
+@dataclass
+class Inspection:
+    """A summary of a checkpoint."""
+
+    path: str
+    format: str
+    architecture: str | None
+    layout: dict[str, Any]
+    dtypes: list[str]
+    parameters: int
+    total_bytes: int
+    tensors: list[TensorRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def inspect_path(path: Path | str) -> Inspection:
+    """Inspect an HF model directory or a Megatron (`torch_dist`) checkpoint."""
+    path = Path(path)
+    if (path / "config.json").exists() and not (path / "latest_checkpointed_iteration.txt").exists():
+        return _inspect_hf(path)
+    return _inspect_mcore(path)
+
+
+def _inspect_hf(path: Path) -> Inspection:
+    hf = HFCheckpoint(path)
+    rows = []
+    for name in sorted(hf.names()):
+        info = hf.info(name)
+        rows.append(
+            TensorRow(
+                name, list(info.shape), str(info.dtype).removeprefix("torch."), _numel(info.shape) * info.dtype.itemsize
+            )
+        )
+    return Inspection(
+        path=str(path),
+        format="huggingface safetensors",
+        architecture=hf.architecture,
+        layout={},
+        dtypes=sorted({r.dtype for r in rows}),
+        parameters=sum(_numel(tuple(r.shape)) for r in rows),
+        total_bytes=sum(r.bytes for r in rows),
+        tensors=rows,
+    )
+
+
+def _inspect_mcore(path: Path) -> Inspection:
+    _, checkpoint_dir = resolve_checkpoint(path)
+    common = read_common(checkpoint_dir)
+    args = common.get("args")
+    dcp = DCPCheckpoint(checkpoint_dir)
+    rows = []
+    for key in sorted(dcp.tensor_keys()):
+        meta = dcp.tensor_meta(key)
+        rows.append(
+            TensorRow(
+                key, list(meta.shape), str(meta.dtype).removeprefix("torch."), _numel(meta.shape) * meta.dtype.itemsize
+            )
+        )
+    layout = {}
+    notes = []
+    if args is not None:
+        for name, arg in (
+            ("tp", "tensor_model_parallel_size"),
+            ("pp", "pipeline_model_parallel_size"),
+            ("vpp", "virtual_pipeline_model_parallel_size"),
+            ("cp", "context_parallel_size"),
+            ("ep", "expert_model_parallel_size"),
+            ("etp", "expert_tensor_parallel_size"),
+        ):
+            value = getattr(args, arg, None)
+            if value is not None:
+                layout[name] = value
+        padded, vocab = getattr(args, "padded_vocab_size", None), getattr(args, "vocab_size", None)
+        if padded and vocab and padded != vocab:
+            notes.append(f"vocabulary {vocab} padded to {padded} (parameter count includes the padding)")
+    else:
+        notes.append("common.pt has no args: the layout is unknown")
+    if not rows:
+        raise CheckpointError(f"{checkpoint_dir} holds no tensors")
+    return Inspection(
+        path=str(checkpoint_dir),
+        format=f"megatron-core torch_dist (iteration {common.get('iteration', '?')})",
+        architecture=getattr(args, "hf_architecture", None) if args is not None else None,
+        layout=layout,
+        dtypes=sorted({r.dtype for r in rows}),
+        parameters=sum(_numel(tuple(r.shape)) for r in rows),
+        total_bytes=sum(r.bytes for r in rows),
+        tensors=rows,
+        notes=notes,
+    )

@@ -1,0 +1,58 @@
+"""Read access to the model tensors of a Megatron checkpoint, whatever its storage format.
+
+Tensors are addressed by their distributed-checkpoint key (decoder layers stacked on a leading layer axis) and
+read one layer at a time. `DCPSource` serves `torch_dist` checkpoints; the legacy per-rank format provides the
+same interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+
+NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
+"""Keys a training checkpoint holds besides the model; export skips them."""
+
+
+class McoreSource(Protocol):
+    """What export needs from a Megatron checkpoint."""
+
+    def keys(self) -> set[str]:
+        """Every model tensor key."""
+        ...
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The global shape, including the leading layer axis of stacked keys."""
+        ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+    def read(self, key: str, layer: int | None) -> torch.Tensor:
+        """The whole tensor, or one layer of a stacked one (without the layer axis)."""
+        ...
+
+
+class DCPSource:
+    """Model tensors of a `torch_dist` checkpoint directory."""
+
+    def __init__(self, checkpoint_dir: Path):
+        self.dcp = DCPCheckpoint(checkpoint_dir)
+
+    def keys(self) -> set[str]:
+        return {k for k in self.dcp.tensor_keys() if not k.startswith(NON_MODEL_PREFIXES)}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.dcp.tensor_meta(key).shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.dcp.tensor_meta(key).dtype
+
+    def read(self, key: str, layer: int | None) -> torch.Tensor:
+        if layer is None:
+            return self.dcp.read(key)
+        shape = self.shape(key)
+        return self.dcp.read(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]

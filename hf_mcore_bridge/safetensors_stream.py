@@ -1,0 +1,73 @@
+"""Writing safetensors files tensor by tensor, with the header written first from a declared plan.
+
+The `safetensors` library writes a file from a dict of tensors held in memory; exporting a large model that way
+would hold a whole shard (gigabytes). The format is simple (an 8-byte little-endian header length, a JSON header
+of names, dtypes, shapes and byte ranges, then the raw bytes), so when every tensor's name, shape and dtype are
+known up front the header can be written first and the data streamed after it. Files are read back with the
+`safetensors` library in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+_DTYPE_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class SafetensorsStreamWriter:
+    """One safetensors file whose tensors are declared up front and then written in the declared order."""
+
+    def __init__(self, path: Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]], metadata=None):
+        self.path = path
+        self._order = [name for name, _, _ in plan]
+        self._specs = {name: (shape, dtype) for name, shape, dtype in plan}
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        for name, shape, dtype in plan:
+            size = dtype.itemsize
+            for dim in shape:
+                size *= dim
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as the library writes it
+        self._handle: BinaryIO = path.open("wb")
+        self._handle.write(struct.pack("<Q", len(encoded)))
+        self._handle.write(encoded)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor."""
+        expected = self._order[self._next] if self._next < len(self._order) else None
+        if name != expected:
+            raise AssertionError(f"{self.path.name}: got {name}, expected {expected}")
+        shape, dtype = self._specs[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise AssertionError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, declared {shape} {dtype}")
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        self._handle.write(memoryview(data.numpy()))
+        self._next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self._order)
+
+    def close(self) -> None:
+        self._handle.close()
+        if not self.complete:
+            raise AssertionError(f"{self.path.name}: {len(self._order) - self._next} declared tensors never written")

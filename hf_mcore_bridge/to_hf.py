@@ -1,0 +1,180 @@
+"""Megatron checkpoint (any layout, `torch_dist` or legacy) -> HF model directory, streaming tensor by tensor.
+
+The HF config comes from the checkpoint's stored HF assets, an explicit `--hf-config`, or is rebuilt from the
+checkpoint's `args`. Every expected tensor is checked against the checkpoint's shapes before anything is written,
+so an `args` that contradicts the tensors is refused up front. Safetensors shards are planned with
+`huggingface_hub` (sizes only) and written with their headers first, so memory holds one layer tensor at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.atomic import atomic_directory
+from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
+from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
+from hf_mcore_bridge.mapping_types import Dims, dcp_key, is_layered
+from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.mcore_source import DCPSource, McoreSource
+from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
+from hf_mcore_bridge.model_plan import Placed, placed_entries
+from hf_mcore_bridge.progress import progress_bar
+from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.to_mcore import ConversionResult
+
+
+def open_source(checkpoint_dir: Path) -> McoreSource:
+    """The reader for a checkpoint directory's format."""
+    if (checkpoint_dir / ".metadata").exists():
+        return DCPSource(checkpoint_dir)
+    if any(checkpoint_dir.glob("mp_rank_*")):
+        from hf_mcore_bridge.legacy_format import LegacySource
+
+        return LegacySource(checkpoint_dir)
+    raise CheckpointError(f"{checkpoint_dir} is neither a torch_dist nor a legacy torch checkpoint")
+
+
+def _hf_config(root: Path, checkpoint_dir: Path, args: Any, hf_config: Path | None) -> dict[str, Any]:
+    if hf_config is not None:
+        path = hf_config / "config.json" if hf_config.is_dir() else hf_config
+        return read_json(path)
+    assets = hf_assets_dir(root, checkpoint_dir)
+    if assets is not None:
+        return read_json(assets / "config.json")
+    if args is None:
+        raise CheckpointError(f"{checkpoint_dir} has neither HF assets nor args; pass --hf-config")
+    model = config_bridge.from_megatron_args(args)
+    return config_bridge.to_hf(model, get_architecture(model.architecture))
+
+
+def _check_against_args(model: ModelConfig, args: Any) -> None:
+    if args is None:
+        return
+    for field, arg in (
+        ("num_layers", "num_layers"),
+        ("hidden_size", "hidden_size"),
+        ("num_attention_heads", "num_attention_heads"),
+        ("ffn_hidden_size", "ffn_hidden_size"),
+    ):
+        value = getattr(args, arg, None)
+        if value is not None and value != getattr(model, field):
+            raise CheckpointError(f"checkpoint args {arg}={value} contradict the HF config ({getattr(model, field)})")
+
+
+def _expected_shapes(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelConfig):
+    """Per placed entry: its mcore key, per-layer mcore shape, and HF names/shapes; every key checked."""
+    plan = []
+    keys = source.keys()
+    for p in placed:
+        key = dcp_key(p.template.mcore)
+        if key not in keys:
+            raise CheckpointError(f"tensor {key} is missing from the checkpoint")
+        shape = source.shape(key)
+        if is_layered(p.template.mcore):
+            if shape[0] != model.num_layers:
+                raise CheckpointError(f"{key} stacks {shape[0]} layers, the config says {model.num_layers}")
+            shape = shape[1:]
+        plan.append((p, key, shape, p.entry.hf_shapes(shape, dims)))
+    return plan
+
+
+def _unknown_keys(placed: list[Placed], source: McoreSource) -> list[str]:
+    known = {dcp_key(p.template.mcore) for p in placed}
+    return sorted(source.keys() - known)
+
+
+def convert_mcore_to_hf(
+    source: Path | str,
+    destination: Path | str,
+    *,
+    iteration: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    hf_config: Path | None = None,
+    tokenizer: Path | None = None,
+    overwrite: bool = False,
+    ignore_unknown: bool = False,
+    show_progress: bool = True,
+) -> ConversionResult:
+    """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    started = time.perf_counter()
+    root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
+    common = read_common(checkpoint_dir)
+    args = common.get("args")
+    mcore = open_source(checkpoint_dir)
+    config = _hf_config(root, checkpoint_dir, args, hf_config)
+    arch = get_architecture(str((config.get("architectures") or ["?"])[0]))
+    model = config_bridge.from_hf(config, arch)
+    _check_against_args(model, args)
+    placed = placed_entries(arch, model)
+    padded = mcore.shape(dcp_key(placed[0].template.mcore))[0]
+    dims = model.dims(padded)
+    plan = _expected_shapes(placed, mcore, dims, model)
+    unknown = _unknown_keys(placed, mcore)
+    if unknown and not ignore_unknown:
+        raise CheckpointError(
+            f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
+        )
+    out_dtype = DTYPES[dtype] if dtype else None
+    specs = {name: (shape, out_dtype or mcore.dtype(key)) for _, key, _, hf in plan for name, shape in hf.items()}
+    split = split_torch_state_dict_into_shards(
+        {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
+        max_shard_size=max_shard_size,
+        filename_pattern="model{suffix}.safetensors",
+    )
+    destination = Path(destination)
+    with atomic_directory(destination, overwrite=overwrite) as staging:
+        writers = {
+            file: SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
+            for file, names in split.filename_to_tensors.items()
+        }
+        try:
+            with progress_bar("export to hf", total=len(plan), enabled=show_progress) as advance:
+                for p, key, _, _ in plan:
+                    tensor = mcore.read(key, p.layer)
+                    for name, value in p.entry.to_hf(tensor, dims).items():
+                        writers[split.tensor_to_filename[name]].write(name, value.to(specs[name][1]))
+                    advance()
+        finally:
+            for writer in writers.values():
+                writer.close()
+        if split.is_sharded:
+            index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+            (staging / INDEX_NAME).write_text(_json(index))
+        elif SINGLE_NAME not in writers:
+            (staging / next(iter(writers))).rename(staging / SINGLE_NAME)
+        if out_dtype is not None:
+            config = {**config, "torch_dtype": DTYPE_NAMES[out_dtype]}
+        (staging / "config.json").write_text(_json(config))
+        _copy_assets(root, checkpoint_dir, tokenizer, staging)
+    total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
+    from hf_mcore_bridge.layout import Layout
+
+    return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started)
+
+
+def _copy_assets(root: Path, checkpoint_dir: Path, tokenizer: Path | None, staging: Path) -> None:
+    import shutil
+
+    sources = [d for d in (tokenizer, hf_assets_dir(root, checkpoint_dir)) if d is not None]
+    for name in ASSET_FILES:
+        if name == "config.json":
+            continue
+        for directory in sources:
+            if (directory / name).is_file():
+                shutil.copy2(directory / name, staging / name)
+                break
+
+
+def _json(data: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(data, indent=2, sort_keys=False) + "\n"

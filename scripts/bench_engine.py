@@ -1,0 +1,250 @@
+"""Throughput of the embedded engine against transformers `generate`, on the same model, GPU and run.
+
+Default shape: Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied
+embeddings, llama3 RoPE scaling), random bf16 weights, 64 prompts x 8 samples, 512 new tokens each, EOS ignored.
+transformers is timed on fewer new tokens (its per-token cost does not fall with length) and reported as
+tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at batch 64 (one sample per prompt).
+
+    PYTHONPATH=. python3 scripts/bench_engine.py            # the full benchmark (CUDA)
+    PYTHONPATH=. python3 scripts/bench_engine.py --check    # tiny fp32 correctness checks on the device
+    python scripts/bench_engine.py --tiny --device cpu      # the whole benchmark on a tiny shape (CPU smoke test)
+
+`--check` compares the engine's greedy tokens with transformers `generate` and its log-probs with a transformers
+forward pass, and on CUDA compares CUDA-graph decode with eager decode; it exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import typer
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
+
+ROPE_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama_1b_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=ROPE_LLAMA3,
+    )
+
+
+def tiny_config() -> LlamaConfig:
+    """Same architecture, tiny; a short original context so the llama3 scaling matters at short lengths."""
+    return LlamaConfig(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_parameters={**ROPE_LLAMA3, "factor": 8.0, "original_max_position_embeddings": 32},
+    )
+
+
+def build_hf(config: LlamaConfig, dtype: torch.dtype, device: str, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator).tolist()
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class Row:
+    system: str
+    batch: int
+    new_tokens: int
+    total_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.seconds
+
+
+def time_engine(engine: Engine, prompts: list[list[int]], n: int, max_tokens: int, device: str) -> Row:
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0)
+    engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=1))  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    total = sum(len(s.token_ids) for o in outputs for s in o.samples)
+    return Row("engine", len(prompts) * n, max_tokens, total, seconds)
+
+
+def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens: int, device: str) -> Row:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+
+    def run(tokens: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=n,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                pad_token_id=0,
+            )
+
+    run(2)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    out = run(new_tokens)
+    sync(device)
+    seconds = time.perf_counter() - start
+    generated = out.shape[1] - width
+    return Row("transformers generate", len(prompts) * n, generated, len(prompts) * n * generated, seconds)
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'system':<24}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    for r in rows:
+        print(f"{r.system:<24}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}")
+
+
+def check(device: str) -> bool:
+    """Tiny fp32 model on `device`: engine vs transformers, and (CUDA) graph decode vs eager decode."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_hf(tiny_config(), torch.float32, device)
+    prompts = random_prompts(6, 3, 40, 211, seed=3)
+    ok = True
+    results = {}
+    for graphs in (False, True) if device.startswith("cuda") else (False,):
+        engine = Engine(
+            model.config,
+            EngineConfig(
+                dtype=torch.float32,
+                device=device,
+                max_num_seqs=8,
+                max_model_len=128,
+                kv_cache_memory_bytes=1 << 22,
+                block_size=16,
+                max_num_batched_tokens=256,
+                use_cuda_graphs=graphs,
+            ),
+        )
+        engine.load_weights(model.state_dict().items())
+        results[graphs] = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=24))
+        print(f"graphs={graphs}: {engine.last_stats}")
+        if graphs:
+            print(f"captured CUDA graphs: {engine._graphs.num_captured if engine._graphs else 0}")
+    for index, prompt in enumerate(prompts):
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            logits = model(torch.tensor([prompt + reference], device=device)).logits[0].double()
+        expected_lp = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, len(prompt) + 23), reference]
+        for graphs, outputs in results.items():
+            for sample in outputs[index].samples:
+                same = sample.token_ids == reference
+                err = (torch.tensor(sample.logprobs, dtype=torch.float64) - expected_lp.cpu()).abs().max().item()
+                if not same or err > 1e-4:
+                    ok = False
+                    print(f"MISMATCH prompt {index} graphs={graphs}: tokens equal={same}, max |dlogprob|={err:.2e}")
+    print("CHECK PASSED" if ok else "CHECK FAILED")
+    return ok
+
+
+def main(
+    tiny: bool = typer.Option(False, help="Tiny model shape (CPU smoke test)."),
+    run_check: bool = typer.Option(False, "--check", help="Run the tiny correctness checks instead."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Torch device."),
+    num_prompts: int = typer.Option(64, help="Prompts."),
+    n: int = typer.Option(8, help="Samples per prompt."),
+    max_tokens: int = typer.Option(512, help="New tokens per sample for the engine (EOS ignored)."),
+    hf_tokens: int = typer.Option(64, help="New tokens per sample for transformers generate."),
+    min_prompt: int = typer.Option(32, help="Shortest prompt."),
+    max_prompt: int = typer.Option(128, help="Longest prompt."),
+    kv_gib: float = typer.Option(24.0, help="KV-cache budget, GiB."),
+    cuda_graphs: bool = typer.Option(True, help="CUDA graphs for the decode step."),
+    skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
+) -> None:
+    if run_check:
+        sys.exit(0 if check(device) else 1)
+    if tiny:
+        num_prompts, n, max_tokens, hf_tokens = min(num_prompts, 4), min(n, 2), min(max_tokens, 16), 8
+        min_prompt, max_prompt, kv_gib = 3, 12, 0.01
+    config = tiny_config() if tiny else llama_1b_config()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = build_hf(config, dtype, device)
+    prompts = random_prompts(num_prompts, min_prompt, max_prompt, config.vocab_size, seed=0)
+    max_model_len = max_prompt + max_tokens + 16
+    engine = Engine(
+        config,
+        EngineConfig(
+            dtype=dtype,
+            device=device,
+            max_num_seqs=num_prompts * n,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=int(kv_gib * (1 << 30)),
+            max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
+            use_cuda_graphs=cuda_graphs,
+        ),
+    )
+    engine.load_weights(model.state_dict().items())
+    print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
+    rows = [time_engine(engine, prompts, n, max_tokens, device)]
+    print(f"engine stats: {engine.last_stats}")
+    rows.append(time_hf(model, prompts, n, hf_tokens, device))
+    if not skip_hf_batch64:
+        rows.append(time_hf(model, prompts, 1, hf_tokens, device))
+    print_table(rows)
+    for hf in rows[1:]:
+        print(f"engine / transformers (batch {hf.batch}): {rows[0].tokens_per_s / hf.tokens_per_s:.1f}x")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -35,7 +35,9 @@ _ALLOWED = {
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    # megatron-core's save strategy caches each rank's plan in the metadata (`all_local_plans`)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},
     "torch": {
         "Size",

@@ -1,8 +1,8 @@
 """Tiny HF models built from configs in code (no hub access): for the demo, the tests and the benchmarks.
 
-Shapes are small but exercise what conversions get wrong: grouped-query attention (4 heads, 2 KV groups), an odd
-vocabulary that needs padding, tied or untied embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms with a
-head_dim that is not hidden/heads, and Llama-3 RoPE scaling.
+Shapes are small but exercise what conversions get wrong: grouped-query attention (8 heads, 4 KV groups, so TP
+up to 4), an odd vocabulary that needs padding, tied or untied embeddings, Qwen2's q/k/v biases, Qwen3's q/k
+norms with a head_dim that is not hidden/heads, and Llama-3 RoPE scaling.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def tiny_config(architecture: str, **overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "hidden_size": 64,
         "intermediate_size": 96,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
         "vocab_size": 211,
         "max_position_embeddings": 16384,
         "rms_norm_eps": 1e-5,

@@ -9,18 +9,18 @@ and top-1 agreement. Several checkpoints can be verified in one world (process s
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hf_mcore_bridge.config_bridge import DTYPES, from_megatron_args, padded_vocab
+from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.world import device as rank_device
+from hf_mcore_bridge.world import run_world
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.05}
 """Max |dlogit| allowed per compute dtype."""
@@ -57,12 +57,6 @@ class VerifyResult:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
@@ -81,7 +75,6 @@ def verify(
     """Verify each job at `layout`; one process world serves all jobs."""
     if layout.cp != 1 or layout.vpp:
         raise BridgeError("verify runs at tp/pp/ep layouts; context and virtual pipeline parallelism are not used")
-    world_size = layout.tp * layout.pp * layout.ep
     with tempfile.TemporaryDirectory(prefix="bridge-verify-") as scratch:
         work = Path(scratch)
         token_sets = []
@@ -91,7 +84,7 @@ def verify(
             tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
             token_sets.append(tokens)
             torch.save(tokens, work / f"tokens_{i}.pt")
-        _run_world(world_size, layout, [str(j.mcore_dir) for j in jobs], dtype, work)
+        run_world(_verify_rank, layout, layout, [str(j.mcore_dir) for j in jobs], dtype, str(work))
         results = []
         for i, job in enumerate(jobs):
             mcore_logits = torch.load(work / f"logits_{i}.pt", weights_only=True).double()
@@ -115,93 +108,54 @@ def _compare(job: VerifyJob, layout: Layout, hf: torch.Tensor, mc: torch.Tensor,
     )
 
 
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()
-    device = _device()
+    device = rank_device()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(device).eval()
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
 
 
-def _run_world(world_size: int, layout: Layout, checkpoints: list[str], dtype: str, work: Path) -> None:
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    context = mp.start_processes(
-        _worker,
-        args=(world_size, port, layout, checkpoints, dtype, str(work)),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as err:
-        last = str(err).strip().splitlines()[-1]
-        raise BridgeError(f"a megatron-core rank failed: {last}") from None
+def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) -> None:
+    for i, checkpoint in enumerate(checkpoints):
+        tokens = torch.load(Path(work) / f"tokens_{i}.pt", weights_only=True)
+        logits = stage_logits(Path(checkpoint), layout, DTYPES[dtype], tokens)
+        if logits is not None:
+            torch.save(logits, Path(work) / f"logits_{i}.pt")
 
 
-def _worker(rank: int, world_size: int, port: int, layout: Layout, checkpoints: list[str], dtype: str, work: str):
-    import torch.distributed as dist
-
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds
-    from hf_mcore_bridge.quiet import quiet_libraries
-
-    quiet_libraries()
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
-    apply_cpu_workarounds()
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-    )
-    if cuda:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
-    try:
-        for i, checkpoint in enumerate(checkpoints):
-            logits = _stage_forward(Path(checkpoint), layout, DTYPES[dtype], torch.load(Path(work) / f"tokens_{i}.pt"))
-            if logits is not None:
-                torch.save(logits, Path(work) / f"logits_{i}.pt")
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _stage_forward(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:
+def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run this rank's pipeline stage; the last stage's TP-rank-0 returns the gathered, unpadded logits."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from hf_mcore_bridge.megatron_model import build_gpt_model, causal_mask, load_distributed_checkpoint
+    from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
 
     _, checkpoint_dir = resolve_checkpoint(checkpoint)
     args = read_common(checkpoint_dir)["args"]
     model_cfg = from_megatron_args(args)
     divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
-    device = _device()
+    device = rank_device()
     model = build_gpt_model(
         model_cfg, layout, dtype, padded_vocab(model_cfg, layout, divisible_by), device=device
     ).eval()
     load_distributed_checkpoint(model, checkpoint_dir)
+    return forward_stage(model, model_cfg, tokens, dtype)
+
+
+def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype):
+    """One forward pass through this rank's pipeline stage; activations travel between stages point to point.
+
+    Returns the unpadded, TP-gathered logits `[batch, seq, vocab]` on the last stage's TP rank 0, else None.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hf_mcore_bridge.megatron_model import causal_mask
+
+    device = rank_device()
     tokens = tokens.to(device)
     batch, seq_len = tokens.shape
     positions = torch.arange(seq_len, device=device).expand(batch, -1)

@@ -5,10 +5,9 @@ Adding an architecture: one file here declaring an `Architecture`, and one line 
 
 from __future__ import annotations
 
-from hf_mcore_bridge.mappings import llama, mistral, qwen2, qwen3
-
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
+from hf_mcore_bridge.mappings import llama, mistral, qwen2, qwen3
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch for arch in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.mappings.llama import TABLE
-
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_errors import refuse_unless
+from hf_mcore_bridge.mappings.llama import TABLE
 
 
 def check(config: Mapping[str, Any]) -> None:

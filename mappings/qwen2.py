@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
-
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_errors import refuse_if
 from hf_mcore_bridge.mapping_types import FusedQKV
+from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
 
 
 def check(config: Mapping[str, Any]) -> None:

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny HF models of every supported architecture, built once per session, in code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_mcore_bridge.quiet import quiet_libraries
+from hf_mcore_bridge.tiny_models import build_tiny_model
+
+quiet_libraries()
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+VARIANTS = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama_tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),  # Llama-3.2 style
+    "mistral": ("MistralForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", {}),
+}
+"""Tiny models: every architecture, plus tied embeddings (which matter with PP > 1)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """fp32 tiny models, one per variant."""
+    root = tmp_path_factory.mktemp("tiny-fp32")
+    return {
+        name: build_tiny_model(root / name, arch, seed=i, **overrides)
+        for i, (name, (arch, overrides)) in enumerate(VARIANTS.items())
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_models_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """bf16 tiny models, one per variant."""
+    root = tmp_path_factory.mktemp("tiny-bf16")
+    return {
+        name: build_tiny_model(root / name, arch, seed=10 + i, dtype=torch.bfloat16, **overrides)
+        for i, (name, (arch, overrides)) in enumerate(VARIANTS.items())
+    }

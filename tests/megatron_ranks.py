@@ -1,0 +1,58 @@
+"""Rank functions the tests run inside megatron-core process worlds (`hf_mcore_bridge.world.run_world`).
+
+Everything here is megatron-core's own machinery: `GPTModel`, `dist_checkpointing.save` / `load`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_mcore_bridge.config_bridge import ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
+from hf_mcore_bridge.verify import forward_stage
+from hf_mcore_bridge.world import device
+
+
+def _save(model: torch.nn.Module, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(directory))
+    dist.barrier()
+
+
+def resave_rank(source: str, destination: str, layout: Layout) -> None:
+    """Load a checkpoint at `layout` with megatron-core and save it again with megatron-core."""
+    _, checkpoint_dir = resolve_checkpoint(Path(source))
+    args = read_common(checkpoint_dir)["args"]
+    model_cfg = from_megatron_args(args)
+    model = build_gpt_model(model_cfg, layout, torch.float32, args.padded_vocab_size, device=device())
+    load_distributed_checkpoint(model, checkpoint_dir)
+    _save(model, Path(destination))
+
+
+def random_save_rank(model_cfg: ModelConfig, layout: Layout, destination: str, tokens: torch.Tensor, out: str):
+    """A randomly initialised megatron-core GPTModel: saved by megatron-core, and its logits on `tokens`."""
+    torch.manual_seed(1234)
+    model = build_gpt_model(model_cfg, layout, torch.float32, padded_vocab(model_cfg, layout), device=device())
+    with torch.no_grad():  # norms start at 1: make them differ so that a misplaced norm shows in the logits
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.copy_(1 + 0.1 * torch.sin(torch.arange(param.numel()) + len(name)).to(param))
+    model.eval()
+    _save(model, Path(destination))
+    logits = forward_stage(model, model_cfg, tokens, torch.float32)
+    if logits is not None:
+        torch.save(logits, out)
+
+
+def not_nan(value: float) -> bool:
+    return not math.isnan(value)

@@ -10,6 +10,7 @@ which lets a producer reuse one fused tensor for its tensor-parallel chunks.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
@@ -122,4 +124,11 @@ def write_dcp(
     directory.mkdir(parents=True, exist_ok=True)
     planner = _StreamingPlanner(chunks, objects, on_write)
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=False)
-    dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as err:
+            # DCP wraps whatever a producer raised (a read error, Ctrl-C); surface the original
+            original = next(iter(err.failures.values()))[0]
+            raise original from None

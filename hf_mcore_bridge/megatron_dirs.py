@@ -73,11 +73,11 @@ def _safe_globals() -> list[Any]:
     return allowed
 
 
-def safe_torch_load(path: Path) -> Any:
+def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails."""
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except Exception as err:
@@ -101,7 +101,12 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> tuple[Path, 
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
-    if (path / METADATA_NAME).exists() or (path / COMMON_NAME).exists() or path.name.startswith("iter_"):
+    if (
+        (path / METADATA_NAME).exists()
+        or (path / COMMON_NAME).exists()
+        or path.name.startswith("iter_")
+        or (path.name == "release" and not (path / TRACKER_NAME).exists())
+    ):
         return path.parent, path
     if iteration is not None:
         candidate = path / iteration_dirname(iteration)

@@ -19,25 +19,36 @@ from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
-from hf_mcore_bridge.mapping_types import Dims, dcp_key, is_layered
+from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
+from hf_mcore_bridge.mapping_types import Dims, Entry, dcp_key, is_layered
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.mcore_source import DCPSource, McoreSource
-from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
+from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
 from hf_mcore_bridge.model_plan import Placed, placed_entries
 from hf_mcore_bridge.progress import progress_bar
 from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.to_mcore import ConversionResult
 
 
-def open_source(checkpoint_dir: Path) -> McoreSource:
-    """The reader for a checkpoint directory's format."""
+def _is_legacy(checkpoint_dir: Path) -> bool:
+    return not (checkpoint_dir / ".metadata").exists() and any(checkpoint_dir.glob("mp_rank_*"))
+
+
+def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool) -> McoreSource:
+    """The reader for a checkpoint directory's format (the table gives the legacy format its TP styles)."""
     if (checkpoint_dir / ".metadata").exists():
         return DCPSource(checkpoint_dir)
-    if any(checkpoint_dir.glob("mp_rank_*")):
-        from hf_mcore_bridge.legacy_format import LegacySource
-
-        return LegacySource(checkpoint_dir)
+    if _is_legacy(checkpoint_dir):
+        return LegacySource(checkpoint_dir, table, tied=tied)
     raise CheckpointError(f"{checkpoint_dir} is neither a torch_dist nor a legacy torch checkpoint")
+
+
+def checkpoint_args(checkpoint_dir: Path) -> Any:
+    """The Megatron-LM `args` a checkpoint carries (None for a bare megatron-core save)."""
+    if _is_legacy(checkpoint_dir):
+        first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))
+        return safe_torch_load(first[0], mmap=True).get("args") if first else None
+    return read_common(checkpoint_dir).get("args")
 
 
 def _hf_config(root: Path, checkpoint_dir: Path, args: Any, hf_config: Path | None) -> dict[str, Any]:
@@ -107,12 +118,11 @@ def convert_mcore_to_hf(
 
     started = time.perf_counter()
     root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
-    common = read_common(checkpoint_dir)
-    args = common.get("args")
-    mcore = open_source(checkpoint_dir)
+    args = checkpoint_args(checkpoint_dir)
     config = _hf_config(root, checkpoint_dir, args, hf_config)
     arch = get_architecture(str((config.get("architectures") or ["?"])[0]))
     model = config_bridge.from_hf(config, arch)
+    mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
     placed = placed_entries(arch, model)
     padded = mcore.shape(dcp_key(placed[0].template.mcore))[0]

@@ -21,6 +21,7 @@ from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
 from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.legacy_format import write_legacy
 from hf_mcore_bridge.mapping_types import Dims, Direct, dcp_key, extra_state_module, is_layered
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron_dirs import HF_ASSETS_DIR, iteration_dirname, write_common, write_tracker
@@ -46,23 +47,26 @@ def _source_dtype(hf: HFCheckpoint, placed: list[Placed]) -> torch.dtype:
     return hf.info(placed[0].hf_names()[0]).dtype
 
 
-class _Producer:
-    """Produces megatron-core chunks from the HF checkpoint, caching the last fused tensor for its TP chunks."""
+class Producer:
+    """Produces megatron-core tensors and chunks from the HF checkpoint, caching the last fused tensor."""
 
     def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
         self.hf, self.dims, self.dtype = hf, dims, dtype
         self._cached: tuple[str, torch.Tensor] | None = None
 
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
-        entry = placed.entry
-        if isinstance(entry, Direct):
+        if isinstance(placed.entry, Direct):
             return self._direct_chunk(placed, box)
+        return take_box(self.full(placed), box).clone()
+
+    def full(self, placed: Placed) -> torch.Tensor:
+        """The whole megatron-core tensor of one placed entry (kept until the next entry is asked for)."""
         name = placed.mcore_name
         if self._cached is None or self._cached[0] != name:
-            self._cached = None  # drop the previous fused tensor before building the next
+            self._cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._cached = (name, entry.to_mcore(sources, self.dims).to(self.dtype))
-        return take_box(self._cached[1], box).clone()
+            self._cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype))
+        return self._cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         (name,) = placed.hf_names()
@@ -80,7 +84,7 @@ class _Producer:
 
 
 def plan_chunks(
-    placed: list[Placed], hf: HFCheckpoint, model: ModelConfig, dims: Dims, layout: Layout, producer: _Producer
+    placed: list[Placed], hf: HFCheckpoint, model: ModelConfig, dims: Dims, layout: Layout, producer: Producer
 ) -> tuple[list[TensorChunk], list[ObjectItem]]:
     """Every chunk the target ranks will read, and the `_extra_state` objects megatron-core expects."""
     chunks: list[TensorChunk] = []
@@ -107,7 +111,7 @@ def plan_chunks(
     return chunks, list(objects.values())
 
 
-def _bind(producer: _Producer, placed: Placed, box, *, unsqueeze: bool) -> Callable[[], torch.Tensor]:
+def _bind(producer: Producer, placed: Placed, box, *, unsqueeze: bool) -> Callable[[], torch.Tensor]:
     def produce() -> torch.Tensor:
         tensor = producer.chunk(placed, box)
         return tensor.unsqueeze(0) if unsqueeze else tensor
@@ -145,17 +149,36 @@ def convert_hf_to_mcore(
     target_dtype = DTYPES[dtype] if dtype else _source_dtype(hf, placed)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
-    producer = _Producer(hf, dims, target_dtype)
+    producer = Producer(hf, dims, target_dtype)
     chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer)
     args = config_bridge.megatron_args(
-        model, layout, target_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by, spec=spec
+        model,
+        layout,
+        target_dtype,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        spec=spec,
+        ckpt_format=checkpoint_format,
     )
     destination = Path(destination)
     with atomic_directory(destination, overwrite=overwrite) as staging:
         checkpoint_dir = staging / iteration_dirname(None)
-        with progress_bar("convert to mcore", total=len(chunks) + len(objects), enabled=show_progress) as advance:
-            write_dcp(checkpoint_dir, chunks, objects, on_write=advance)
-        write_common(checkpoint_dir, args, iteration=0)
+        if checkpoint_format == "torch":
+            with progress_bar("convert to mcore (legacy)", total=layout.tp * layout.pp, enabled=show_progress) as step:
+                write_legacy(
+                    checkpoint_dir,
+                    placed,
+                    producer.full,
+                    layout=layout,
+                    num_layers=model.num_layers,
+                    tied=model.tie_word_embeddings,
+                    spec=spec,
+                    args=args,
+                    on_write=step,
+                )
+        else:
+            with progress_bar("convert to mcore", total=len(chunks) + len(objects), enabled=show_progress) as step:
+                write_dcp(checkpoint_dir, chunks, objects, on_write=step)
+            write_common(checkpoint_dir, args, iteration=0)
         write_tracker(staging, None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)

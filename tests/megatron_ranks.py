@@ -56,3 +56,27 @@ def random_save_rank(model_cfg: ModelConfig, layout: Layout, destination: str, t
 
 def not_nan(value: float) -> bool:
     return not math.isnan(value)
+
+
+def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) -> None:
+    """Load this rank's legacy file into megatron-core modules with strict=True; logits when not interleaved."""
+    from megatron.core import parallel_state
+
+    from hf_mcore_bridge.legacy_format import FILE_NAME, rank_dirname
+
+    _, checkpoint_dir = resolve_checkpoint(Path(root))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    state = torch.load(checkpoint_dir / rank_dirname(tp_rank, pp_rank, 0, layout) / FILE_NAME, weights_only=False)
+    model_cfg = from_megatron_args(state["args"])
+    padded = state["args"].padded_vocab_size
+    if layout.vpp:
+        for v in range(layout.vpp):
+            chunk = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device(), vp_stage=v)
+            chunk.load_state_dict(state[f"model{v}"], strict=True)
+        return
+    model = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device()).eval()
+    model.load_state_dict(state["model"], strict=True)
+    logits = forward_stage(model, model_cfg, tokens, torch.float32)
+    if logits is not None:
+        torch.save(logits, out)

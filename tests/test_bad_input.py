@@ -123,7 +123,7 @@ def test_interrupted_conversion_leaves_nothing(llama, tmp_path, monkeypatch):
     from hf_mcore_bridge import to_mcore
 
     calls = {"n": 0}
-    original = to_mcore._Producer.chunk
+    original = to_mcore.Producer.chunk
 
     def interrupt_midway(self, placed, box):
         calls["n"] += 1
@@ -131,7 +131,7 @@ def test_interrupted_conversion_leaves_nothing(llama, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return original(self, placed, box)
 
-    monkeypatch.setattr(to_mcore._Producer, "chunk", interrupt_midway)
+    monkeypatch.setattr(to_mcore.Producer, "chunk", interrupt_midway)
     with pytest.raises(KeyboardInterrupt):
         convert_hf_to_mcore(llama, tmp_path / "out", layout=Layout(tp=2), show_progress=False)
     assert list(tmp_path.iterdir()) == [llama]  # no destination, no staging directory

@@ -1,0 +1,249 @@
+"""Megatron-LM's legacy `torch` checkpoint format: one `model_optim_rng.pt` per model-parallel rank.
+
+`<iter>/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` (the PP part only when PP > 1, EP only when EP > 1) holds
+`args`, `checkpoint_version`, `iteration` and `model` (`model0`, `model1`, ... with virtual pipeline stages):
+the rank's local tensor-parallel shards under the module's own state-dict names, with stage-local layer
+numbers. Unlike `torch_dist` it is layout-specific: written exactly at one layout, read back by reassembling
+the shards. Names depend on the layer spec: the local spec keeps `input_layernorm` / `pre_mlp_layernorm` where
+Transformer Engine fuses the norms into `linear_qkv` / `linear_fc1`.
+
+Files are written one rank at a time and read with `torch.load(weights_only=True, mmap=True)` one tensor at a
+time, so memory holds one rank's shards when writing and one layer tensor when reading.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.layout import Layout, stage_layer_counts
+from hf_mcore_bridge.mapping_types import Entry, dcp_key, extra_state_module, is_layered
+from hf_mcore_bridge.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
+from hf_mcore_bridge.model_plan import Placed
+from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
+
+FILE_NAME = "model_optim_rng.pt"
+LOCAL_SPEC_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+"""Transformer-Engine names (as the distributed checkpoint stores them) -> the local spec's module names."""
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def rank_dirname(tp_rank: int, pp_rank: int, ep_rank: int, layout: Layout) -> str:
+    """`mp_rank_TT[_PPP][_EEE]` as Megatron-LM names it."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if layout.pp > 1:
+        name += f"_{pp_rank:03d}"
+    if layout.ep > 1:
+        name += f"_{ep_rank:03d}"
+    return name
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """The decoder layers one (pipeline rank, virtual stage) holds."""
+
+    pp_rank: int
+    virtual: int
+    first_layer: int
+    num_layers: int
+
+    @property
+    def state_key(self) -> str:
+        return "model" if self.virtual < 0 else f"model{self.virtual}"
+
+
+def model_chunks(layout: Layout, num_layers: int) -> list[ModelChunk]:
+    """Every model chunk in global layer order (virtual stage major, pipeline rank minor)."""
+    if layout.vpp:
+        per_chunk = num_layers // (layout.pp * layout.vpp)
+        return [
+            ModelChunk(r, v, (v * layout.pp + r) * per_chunk, per_chunk)
+            for v in range(layout.vpp)
+            for r in range(layout.pp)
+        ]
+    chunks, first = [], 0
+    for r, count in enumerate(stage_layer_counts(layout, num_layers)):
+        chunks.append(ModelChunk(r, -1, first, count))
+        first += count
+    return chunks
+
+
+def local_name(mcore_template: str, local_layer: int | None, spec: str) -> str:
+    """The module state-dict name of a table entry on its stage."""
+    name = mcore_template.format(layer=local_layer) if local_layer is not None else mcore_template
+    if spec == "local":
+        for te_name, local in LOCAL_SPEC_NAMES.items():
+            name = name.replace(te_name, local)
+    return name
+
+
+def _rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, tp_rank: int) -> torch.Tensor:
+    boxes = shard_boxes(tuple(full.shape), parallel, tp)
+    if parallel is Parallel.GATED_COLUMN:  # [gate_r; up_r]
+        return torch.cat((take_box(full, boxes[tp_rank]), take_box(full, boxes[tp + tp_rank])))
+    return take_box(full, boxes[0 if len(boxes) == 1 else tp_rank]).clone()
+
+
+def write_legacy(
+    checkpoint_dir: Path,
+    placed: list[Placed],
+    full_tensor: Callable[[Placed], torch.Tensor],
+    *,
+    layout: Layout,
+    num_layers: int,
+    tied: bool,
+    spec: str,
+    args: Any,
+    on_write: Callable[[], None] = lambda: None,
+) -> int:
+    """Write one file per (TP, PP) rank; returns the number of files. `full_tensor` gives a placed entry's tensor."""
+    chunks = model_chunks(layout, num_layers)
+    files = 0
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+            for chunk in (c for c in chunks if c.pp_rank == pp_rank):
+                state[chunk.state_key] = _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec)
+            directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, 0, layout)
+            directory.mkdir(parents=True)
+            torch.save(state, directory / FILE_NAME)
+            files += 1
+            on_write()
+    return files
+
+
+def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec) -> dict[str, Any]:
+    first, last = chunk == chunks[0], chunk == chunks[-1]
+    state: dict[str, Any] = {}
+    for p in placed:
+        template = p.template.mcore
+        if is_layered(template):
+            if not chunk.first_layer <= p.layer < chunk.first_layer + chunk.num_layers:
+                continue
+            local_layer = p.layer - chunk.first_layer
+        elif (template.startswith("embedding") and not first) or (not template.startswith("embedding") and not last):
+            continue
+        else:
+            local_layer = None
+        state[local_name(template, local_layer, spec)] = _rank_shard(
+            full_tensor(p), p.entry.parallel, layout.tp, tp_rank
+        )
+        module = extra_state_module(p.template)
+        if module is not None:
+            state[local_name(module, local_layer, spec) + "._extra_state"] = None
+    if last:
+        state["output_layer._extra_state"] = None
+        if tied and not first:  # the last stage holds its own copy of the shared embedding
+            embedding = next(p for p in placed if p.template.mcore.startswith("embedding"))
+            state["output_layer.weight"] = _rank_shard(full_tensor(embedding), Parallel.VOCAB, layout.tp, tp_rank)
+    return state
+
+
+class LegacySource:
+    """Model tensors of a legacy checkpoint directory, reassembled from the per-rank files on demand."""
+
+    def __init__(self, checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool):
+        self.directory = checkpoint_dir
+        self._tied = tied
+        self._files: dict[tuple[int, int], Path] = {}
+        for path in sorted(checkpoint_dir.glob("mp_rank_*")):
+            match = _RANK_DIR.fullmatch(path.name)
+            if match is None or not (path / FILE_NAME).exists():
+                raise CheckpointError(f"{path} is not a legacy rank directory with {FILE_NAME}")
+            if match.group(3) is not None and int(match.group(3)) != 0:
+                raise CheckpointError("legacy checkpoints with expert parallelism are not supported")
+            self._files[(int(match.group(1)), int(match.group(2) or 0))] = path / FILE_NAME
+        self.tp = 1 + max(t for t, _ in self._files)
+        self.pp = 1 + max(p for _, p in self._files)
+        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self._files]
+        if missing:
+            raise CheckpointError(f"{checkpoint_dir} lacks the files of ranks (tp, pp) {missing}")
+        self._parallel = {dcp_key(e.mcore): e.parallel for e in table}
+        self._index: dict[str, dict[int | None, tuple[int, str, str]]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._scan()
+
+    def _load(self, tp_rank: int, pp_rank: int) -> dict[str, Any]:
+        return safe_torch_load(self._files[(tp_rank, pp_rank)], mmap=True)
+
+    def _scan(self) -> None:
+        chunks: list[tuple[int, int, dict[str, torch.Tensor], str]] = []
+        for pp_rank in range(self.pp):
+            state = self._load(0, pp_rank)
+            keys = sorted((k for k in state if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+            if not keys:
+                raise CheckpointError(f"{self._files[(0, pp_rank)]} holds no model state")
+            for key in keys:
+                chunks.append((int(key[5:] or -1), pp_rank, state[key], key))
+        chunks.sort(key=lambda c: (c[0], c[1]))  # global layer order: virtual stage major, pipeline rank minor
+        first_layer = 0
+        for _, pp_rank, module_state, state_key in chunks:
+            layers = set()
+            for name, value in module_state.items():
+                if name.endswith("._extra_state") or not isinstance(value, torch.Tensor):
+                    continue
+                match = _LAYER_KEY.fullmatch(name)
+                layer = None if match is None else first_layer + int(match.group(1))
+                if match is not None:
+                    layers.add(int(match.group(1)))
+                    suffix = match.group(2)
+                    for te_name, local in LOCAL_SPEC_NAMES.items():
+                        suffix = suffix.replace(local, te_name)
+                    key = f"decoder.layers.{suffix}"
+                else:
+                    key = name
+                    if key == "output_layer.weight" and self._tied:
+                        continue  # a tied model's last-stage copy of the embedding
+                self._index.setdefault(key, {})[layer] = (pp_rank, state_key, name)
+                self._shapes.setdefault(key, self._global_shape(key, tuple(value.shape)))
+                self._dtypes.setdefault(key, value.dtype)
+            first_layer += len(layers)
+        self.num_layers = first_layer
+        for key, by_layer in self._index.items():
+            if None not in by_layer:
+                self._shapes[key] = (self.num_layers, *self._shapes[key])
+
+    def _global_shape(self, key: str, shard: tuple[int, ...]) -> tuple[int, ...]:
+        parallel = self._parallel.get(key)
+        if parallel in (Parallel.COLUMN, Parallel.VOCAB, Parallel.GATED_COLUMN):
+            return (shard[0] * self.tp, *shard[1:])
+        if parallel is Parallel.ROW:
+            return (shard[0], shard[1] * self.tp, *shard[2:])
+        return shard
+
+    def keys(self) -> set[str]:
+        return set(self._index)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._dtypes[key]
+
+    def read(self, key: str, layer: int | None) -> torch.Tensor:
+        location = self._index[key].get(layer)
+        if location is None:
+            raise CheckpointError(f"tensor {key} (layer {layer}) is missing from {self.directory}")
+        pp_rank, state_key, name = location
+        shards = [self._load(t, pp_rank)[state_key][name].clone() for t in range(self.tp)]
+        parallel = self._parallel.get(key, Parallel.REPLICATED)
+        if parallel in (Parallel.COLUMN, Parallel.VOCAB):
+            return torch.cat(shards, dim=0)
+        if parallel is Parallel.ROW:
+            return torch.cat(shards, dim=1)
+        if parallel is Parallel.GATED_COLUMN:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return shards[0]

@@ -11,12 +11,18 @@ tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at bat
 
 `--check` compares the engine's greedy tokens with transformers `generate` and its log-probs with a transformers
 forward pass, and on CUDA compares CUDA-graph decode with eager decode; it exits non-zero on a mismatch.
+
+Measured on one H200 (torch 2.11, transformers 5.17), default arguments: engine 39,958 tokens/s (steady state;
+36,501 on the first run, which also captures CUDA graphs), transformers generate 5,404 tokens/s on the same
+64 x 8 workload (7.4x) and 1,072 tokens/s at batch 64 (37.3x). A decode step at 512 sequences took 5.6 ms at
+48 tokens of context and 14.4 ms at 640: the gather of paged keys/values before SDPA dominates at long context.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,9 @@ import typer
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
+from hf_mcore_bridge.engine.kv_cache import blocks_for
+from hf_mcore_bridge.engine.sampling import SamplingBatch, inverse_cdf_sample, sample
+from hf_mcore_bridge.engine.scheduler import DecodeStep
 
 ROPE_LLAMA3 = {
     "rope_type": "llama3",
@@ -97,16 +106,20 @@ class Row:
         return self.total_tokens / self.seconds
 
 
-def time_engine(engine: Engine, prompts: list[list[int]], n: int, max_tokens: int, device: str) -> Row:
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0)
-    engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=1))  # warm-up
-    sync(device)
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    sync(device)
-    seconds = time.perf_counter() - start
-    total = sum(len(s.token_ids) for o in outputs for s in o.samples)
-    return Row("engine", len(prompts) * n, max_tokens, total, seconds)
+def time_engine(engine: Engine, prompts: list[list[int]], n: int, max_tokens: int, device: str) -> list[Row]:
+    """Two timed runs after a short warm-up: the first also captures the CUDA graphs of longer contexts, the
+    second is the steady state of an engine reused across generate calls (as in RL)."""
+    engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=1))
+    rows = []
+    for name in ("engine, first run", "engine"):
+        sync(device)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0))
+        sync(device)
+        seconds = time.perf_counter() - start
+        total = sum(len(s.token_ids) for o in outputs for s in o.samples)
+        rows.append(Row(name, len(prompts) * n, max_tokens, total, seconds))
+    return rows
 
 
 def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens: int, device: str) -> Row:
@@ -143,10 +156,64 @@ def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens
     return Row("transformers generate", len(prompts) * n, generated, len(prompts) * n * generated, seconds)
 
 
+def profile_decode(engine: Engine, rows: int, contexts: list[int], device: str) -> None:
+    """Milliseconds of one decode step (input copy + model, graph replay on CUDA) and of sampling, at `rows`
+    sequences of each context length; the difference to the engine's mean step time is host-side work."""
+    block_size = engine.config.block_size
+    header = f"{'context':>8}{'decode ms':>11}{'sample ms':>11}{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
+    print(f"{header}   (rows={rows})")
+    for context in contexts:
+        n_blocks = blocks_for(context, block_size)
+        tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
+        last = (context - 1) % block_size
+        step = DecodeStep(
+            sequences=[],
+            input_ids=[1] * rows,
+            positions=[context - 1] * rows,
+            slots=[int(b) * block_size + last for b in tables[:, -1]],
+            context_lens=[context] * rows,
+            block_tables=tables,
+            copies=[],
+        )
+        batch = SamplingBatch(
+            temperature=torch.ones(rows, device=device),
+            top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+            top_p=torch.ones(rows, device=device),
+            uniforms=torch.rand(rows, dtype=torch.float64, device=device),
+            any_random=True,
+            any_greedy=False,
+            any_truncation=False,
+        )
+        with torch.inference_mode():
+            decode_ms = _time_ms(lambda step=step: engine._run_decode(step), device)
+            logits = engine._run_decode(step).clone()
+            sample_ms = _time_ms(lambda logits=logits, batch=batch: sample(logits, batch), device)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            uniforms = batch.uniforms
+            draws = [
+                _time_ms(lambda c=c, lp=logprobs, u=uniforms: inverse_cdf_sample(lp, None, u, chunk=c), device)
+                for c in (logprobs.shape[1], 1024)
+            ]
+        print(f"{context:>8}{decode_ms:>11.2f}{sample_ms:>11.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}")
+
+
+def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def print_table(rows: list[Row]) -> None:
     print(f"{'system':<24}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     for r in rows:
-        print(f"{r.system:<24}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}")
+        print(
+            f"{r.system:<24}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}"
+        )
 
 
 def check(device: str) -> bool:
@@ -174,7 +241,7 @@ def check(device: str) -> bool:
         results[graphs] = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=24))
         print(f"graphs={graphs}: {engine.last_stats}")
         if graphs:
-            print(f"captured CUDA graphs: {engine._graphs.num_captured if engine._graphs else 0}")
+            print(f"captured CUDA graphs: {engine.num_cuda_graphs}")
     for index, prompt in enumerate(prompts):
         with torch.no_grad():
             reference = model.generate(
@@ -188,9 +255,9 @@ def check(device: str) -> bool:
             logits = model(torch.tensor([prompt + reference], device=device)).logits[0].double()
         expected_lp = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, len(prompt) + 23), reference]
         for graphs, outputs in results.items():
-            for sample in outputs[index].samples:
-                same = sample.token_ids == reference
-                err = (torch.tensor(sample.logprobs, dtype=torch.float64) - expected_lp.cpu()).abs().max().item()
+            for completion in outputs[index].samples:
+                same = completion.token_ids == reference
+                err = (torch.tensor(completion.logprobs, dtype=torch.float64) - expected_lp.cpu()).abs().max().item()
                 if not same or err > 1e-4:
                     ok = False
                     print(f"MISMATCH prompt {index} graphs={graphs}: tokens equal={same}, max |dlogprob|={err:.2e}")
@@ -236,14 +303,24 @@ def main(
     )
     engine.load_weights(model.state_dict().items())
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
-    rows = [time_engine(engine, prompts, n, max_tokens, device)]
-    print(f"engine stats: {engine.last_stats}")
+    rows = time_engine(engine, prompts, n, max_tokens, device)
+    stats = engine.last_stats
+    print(f"engine stats: {stats}")
+    if stats is not None:
+        print(f"engine mean step: {rows[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3:.2f} ms")
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
+    profile_decode(
+        engine, num_prompts * n, [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens], device
+    )
     rows.append(time_hf(model, prompts, n, hf_tokens, device))
     if not skip_hf_batch64:
         rows.append(time_hf(model, prompts, 1, hf_tokens, device))
     print_table(rows)
-    for hf in rows[1:]:
-        print(f"engine / transformers (batch {hf.batch}): {rows[0].tokens_per_s / hf.tokens_per_s:.1f}x")
+    engine_row = rows[1]
+    for hf in rows[2:]:
+        print(f"engine / transformers (batch {hf.batch}): {engine_row.tokens_per_s / hf.tokens_per_s:.1f}x")
 
 
 if __name__ == "__main__":

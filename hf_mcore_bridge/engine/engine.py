@@ -1,0 +1,463 @@
+"""`Engine`: generate completions with the embedded decoder, a paged KV cache and continuous batching.
+
+One `generate` call runs to completion: it tokenises the prompts (when given text), queues each prompt as a
+group of n samples, and loops scheduler step -> model step -> sampling until every sample has finished. Prefill
+steps run eagerly; on CUDA the decode step replays a CUDA graph captured for its shape bucket.
+
+Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
+cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
+
+Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
+is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
+sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hf_mcore_bridge.engine.arch import ModelConfig
+from hf_mcore_bridge.engine.attention import (
+    DecodeMetadata,
+    PrefillMetadata,
+    allocate_kv_cache,
+    bytes_per_block,
+    copy_blocks,
+)
+from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, pack, unpack
+from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
+from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
+from hf_mcore_bridge.engine.sampling import SamplingBatch, SamplingParams, counter_uniforms, sample, stream_key
+from hf_mcore_bridge.engine.scheduler import (
+    DecodeStep,
+    Group,
+    PrefillStep,
+    Scheduler,
+    SchedulerStats,
+    Sequence,
+)
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine was put to sleep; call `wake_up()` first."""
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (a `tokenizers.Tokenizer` or a transformers tokenizer)."""
+
+    def encode(self, text: str) -> Any: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Resources and limits of an `Engine`."""
+
+    dtype: torch.dtype = torch.bfloat16
+    """Dtype of weights, activations and the KV cache."""
+    device: str = "cuda"
+    """Torch device string, e.g. `cuda`, `cuda:1`, `cpu`."""
+    max_num_seqs: int = 256
+    """Sequences decoded together at most (each of the n samples of a prompt counts)."""
+    max_model_len: int = 4096
+    """Prompt plus generated tokens of one sequence, at most."""
+    kv_cache_memory_bytes: int = 4 << 30
+    """Memory budget of the paged KV cache; sets the number of blocks."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    max_num_batched_tokens: int = 8192
+    """Prompt tokens prefilled in one step, at most (must be >= max_model_len: no chunked prefill)."""
+    use_cuda_graphs: bool = True
+    """Replay CUDA graphs of the decode step (CUDA devices only)."""
+    graph_block_step: int = 4
+    """CUDA-graph buckets of the block-table width are multiples of this many blocks."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): a prompt is prefilled in one step"
+            )
+        if self.max_num_seqs < 1 or self.block_size < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs, block_size must be >= 1 and max_model_len >= 2")
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One completion of a prompt."""
+
+    index: int
+    """Sample index within its prompt (0..n-1)."""
+    token_ids: list[int]
+    """Generated tokens; a stop token that ended generation is included."""
+    text: str | None
+    """The decoded tokens, when the engine has a tokenizer."""
+    finish_reason: str
+    """`stop` (a stop token was sampled) or `length` (max_tokens or max_model_len reached)."""
+    logprobs: list[float] | None
+    """Per generated token: log_softmax(logits / temperature) of the sampled token, BEFORE top-k / top-p
+    truncation (temperature 1 for greedy); None when not requested."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The completions of one prompt."""
+
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput]
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """Scheduler counters of the last `generate` call, plus cache facts."""
+
+    blocks_allocated: int = 0
+    """Fresh blocks handed out during the call (forks of shared blocks are not counted)."""
+    num_blocks: int = 0
+    """Blocks in the cache, the scratch block included."""
+
+
+def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every `*.safetensors` file in `directory`."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                yield name, handle.get_tensor(name)
+
+
+class Engine:
+    """An embedded vLLM-style engine for Llama, Mistral, Qwen2 and Qwen3 decoders.
+
+    Args:
+        hf_config: a transformers `PretrainedConfig` or a config.json dict.
+        config: resources and limits.
+        weights_dir: an HF directory of safetensors to load; None leaves the weights to `load_weights`.
+        tokenizer: needed only for text prompts and for the `text` of outputs.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        config: EngineConfig | None = None,
+        weights_dir: str | Path | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.tokenizer = tokenizer
+        self.device = torch.device(self.config.device)
+        cfg, mc = self.config, self.model_config
+        if mc.sliding_window is not None and cfg.max_model_len > mc.sliding_window:
+            raise NotImplementedError(
+                f"sliding-window attention (window {mc.sliding_window}) is not implemented; "
+                f"use max_model_len <= {mc.sliding_window}"
+            )
+        self.model = CausalLM(mc, cfg.dtype, self.device, max_positions=cfg.max_model_len)
+        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
+        self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
+        self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
+        if self.num_blocks < self.max_blocks_per_seq + 2:
+            need = (self.max_blocks_per_seq + 2) * block_bytes
+            raise ValueError(
+                f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} gives {self.num_blocks} blocks; one "
+                f"sequence of max_model_len needs {self.max_blocks_per_seq} plus 2 (>= {need} bytes)"
+            )
+        self.kv_cache: torch.Tensor | None = self._allocate_cache()
+        self._graphs = (
+            DecodeGraphs(
+                self._decode_forward, self.device, cfg.max_num_seqs, self.max_blocks_per_seq, cfg.graph_block_step
+            )
+            if cfg.use_cuda_graphs and self.device.type == "cuda"
+            else None
+        )
+        self._sleep_level = 0
+        self.last_stats: EngineStats | None = None
+        if weights_dir is not None:
+            self.load_weights(iter_safetensors(weights_dir))
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
+    ) -> Engine:
+        """An engine from an HF model directory (config.json plus safetensors)."""
+        import json
+
+        hf_config = json.loads((Path(directory) / "config.json").read_text())
+        return cls(hf_config, config, weights_dir=directory, tokenizer=tokenizer)
+
+    # Weights ---------------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF-named, full (unsharded) tensors into the engine, in any order and any number of calls.
+
+        q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`; a tied `lm_head` is
+        skipped. Unknown names raise `UnknownWeightError`. Returns the HF names loaded by this call. Allowed while
+        awake or asleep at level 1; after `sleep(level=2)`, call `wake_up()` first, then reload every weight.
+        """
+        if self._sleep_level == 2:
+            raise EngineAsleepError("weights were released by sleep(level=2); call wake_up() before load_weights")
+        return self.model.load_weights(weights)
+
+    def check_loaded(self) -> None:
+        """Raises `MissingWeightsError` naming every weight not loaded yet (also checked by `generate`)."""
+        try:
+            self.model.check_loaded()
+        except MissingWeightsError as err:
+            raise MissingWeightsError(
+                f"{err} (weights are loaded from weights_dir or through load_weights; after sleep(level=2) "
+                "every weight must be reloaded)"
+            ) from None
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        """Decode-step CUDA graphs captured so far (0 off CUDA or with `use_cuda_graphs=False`)."""
+        return self._graphs.num_captured if self._graphs is not None else 0
+
+    # Sleep ------------------------------------------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Releases device memory for a colocated trainer: level 1 the KV cache, level 2 the weights as well.
+
+        After level 2, `wake_up()` allocates empty weights that must be refilled through `load_weights` before
+        `generate`. `generate` raises `EngineAsleepError` while asleep.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._graphs is not None:
+            self._graphs.clear()
+        self.kv_cache = None
+        if level == 2:
+            self.model.release_weights()
+        self._sleep_level = max(self._sleep_level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Re-allocates what `sleep` released (weights come back empty after level 2: reload them)."""
+        if self._sleep_level == 2:
+            self.model.allocate_weights()
+        if self.kv_cache is None:
+            self.kv_cache = self._allocate_cache()
+        self._sleep_level = 0
+
+    # Generation -------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Completes each prompt (text, with a tokenizer, or token ids); one `RequestOutput` per prompt, in order.
+
+        `params` is one `SamplingParams` for all prompts or one per prompt. Each sample's `logprobs` are those of
+        its sampled tokens under log_softmax(logits / temperature), taken BEFORE top-k / top-p truncation.
+        """
+        if self._sleep_level:
+            raise EngineAsleepError(f"the engine is asleep (level {self._sleep_level}); call wake_up() first")
+        self.check_loaded()
+        prompt_ids = [self._encode(p) for p in prompts]
+        per_prompt = self._params_per_prompt(params, len(prompt_ids))
+        allocator = BlockAllocator(self.num_blocks)
+        scheduler = Scheduler(
+            allocator,
+            self.config.block_size,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_blocks_per_seq,
+        )
+        groups = [self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))]
+        for group in groups:
+            scheduler.add(group)
+        with torch.inference_mode():
+            while scheduler.has_work():
+                self._step(scheduler)
+        self.last_stats = EngineStats(
+            **vars(scheduler.stats), blocks_allocated=allocator.total_allocations, num_blocks=self.num_blocks
+        )
+        return [self._output(ids, group) for ids, group in zip(prompt_ids, groups, strict=True)]
+
+    def _params_per_prompt(
+        self, params: SamplingParams | Seq[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * count if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != count:
+            raise ValueError(f"{len(per_prompt)} SamplingParams for {count} prompts")
+        for p in per_prompt:
+            if p.n > self.config.max_num_seqs:
+                raise ValueError(f"n={p.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        return per_prompt
+
+    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (Engine(..., tokenizer=...))")
+            encoded = self.tokenizer.encode(prompt)
+            ids = list(getattr(encoded, "ids", encoded))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room within max_model_len")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _make_group(self, index: int, ids: list[int], params: SamplingParams) -> Group:
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return Group(
+            [
+                Sequence(
+                    request_index=index,
+                    sample_index=s,
+                    rng_key=stream_key(seed, (index << 16) | s),
+                    prompt_len=len(ids),
+                    token_ids=list(ids),
+                    params=params,
+                    max_len=min(len(ids) + params.max_tokens, self.config.max_model_len),
+                )
+                for s in range(params.n)
+            ]
+        )
+
+    def _step(self, scheduler: Scheduler) -> None:
+        step = scheduler.schedule()
+        if isinstance(step, PrefillStep):
+            logits = self._run_prefill(step)
+            sequences = [seq for group in step.groups for seq in group.sequences]
+            group_of_row = [g for g, group in enumerate(step.groups) for _ in group.sequences]
+            logits = logits.index_select(0, self._to_device(group_of_row))
+        else:
+            logits = self._run_decode(step)
+            sequences = step.sequences
+        tokens, logprobs = sample(logits, self._sampling_batch(sequences))
+        # One device-to-host transfer for both (token ids are exact in float64).
+        token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        self._commit(scheduler, sequences, [int(t) for t in token_list], logprob_list)
+
+    def _commit(
+        self, scheduler: Scheduler, sequences: list[Sequence], tokens: list[int], logprobs: list[float]
+    ) -> None:
+        """Appends each sequence's new token and ends those that sampled a stop token or reached their length."""
+        finished = []
+        for seq, token, logprob in zip(sequences, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            if token in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) >= seq.max_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            finished.append(seq)
+        scheduler.finish(finished)
+
+    def _sampling_batch(self, sequences: list[Sequence]) -> SamplingBatch:
+        first = sequences[0].params
+        # One SamplingParams shared by the whole batch (the usual case) is broadcast rather than listed per row.
+        shared = all(seq.params is first for seq in sequences)
+        params = [first] if shared else [seq.params for seq in sequences]
+        rows = len(sequences)
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            column = torch.tensor(values, dtype=dtype)
+            return (column.expand(rows) if len(values) == 1 else column).to(self.device, non_blocking=True)
+
+        uniforms = counter_uniforms(
+            np.array([seq.rng_key for seq in sequences], dtype=np.uint64),
+            np.array([len(seq.token_ids) - seq.prompt_len for seq in sequences], dtype=np.uint64),
+        )
+        return SamplingBatch(
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            uniforms=torch.from_numpy(uniforms).to(self.device, non_blocking=True),
+            any_random=any(p.temperature > 0 for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
+            any_truncation=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params),
+            any_scaled=any(p.temperature not in (0.0, 1.0) for p in params),
+        )
+
+    def _run_prefill(self, step: PrefillStep) -> torch.Tensor:
+        """Logits [groups, vocab] at the last token of each group's prefix."""
+        assert self.kv_cache is not None
+        lens = torch.tensor(step.seq_lens, dtype=torch.int64)
+        max_len = int(lens.max())
+        starts = torch.cumsum(lens, 0) - lens
+        batch = len(step.seq_lens)
+        pad_index = torch.cat([b * max_len + torch.arange(n) for b, n in enumerate(step.seq_lens)])
+        meta = PrefillMetadata(
+            slot_mapping=self._to_device(step.slots),
+            pad_index=pad_index.to(self.device, non_blocking=True),
+            key_valid=(torch.arange(max_len)[None, :] < lens[:, None]).to(self.device, non_blocking=True),
+            batch_size=batch,
+            max_len=max_len,
+        )
+        ids = self._to_device(step.input_ids)
+        positions = self._to_device(step.positions)
+        last_rows = (starts + lens - 1).to(self.device, non_blocking=True)
+        return self.model(ids, positions, self.kv_cache, meta, logits_rows=last_rows)
+
+    def _run_decode(self, step: DecodeStep) -> torch.Tensor:
+        """Logits [B, vocab] for every running sequence's next token."""
+        assert self.kv_cache is not None
+        if step.copies:
+            src, dst = zip(*step.copies, strict=True)
+            copy_blocks(self.kv_cache, self._to_device(list(src)), self._to_device(list(dst)))
+        batch = DecodeBatch(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
+        if self._graphs is not None:
+            return self._graphs.run(batch)
+        rows, n_blocks = len(step.input_ids), step.block_tables.shape[1]
+        ids, positions, meta = unpack(pack(batch, rows, n_blocks).to(self.device, non_blocking=True), rows, n_blocks)
+        return self._decode_forward(ids, positions, meta)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 device tensor; the copy does not wait for queued device work (the host list is pageable, so
+        it is staged before the call returns)."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        assert self.kv_cache is not None
+        return self.model(ids, positions, self.kv_cache, meta)
+
+    def _output(self, prompt_ids: list[int], group: Group) -> RequestOutput:
+        samples = []
+        for seq in group.sequences:
+            generated = seq.token_ids[seq.prompt_len :]
+            samples.append(
+                SampleOutput(
+                    index=seq.sample_index,
+                    token_ids=generated,
+                    text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
+                    finish_reason=seq.finish_reason or "length",
+                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                )
+            )
+        return RequestOutput(prompt_token_ids=prompt_ids, samples=samples)
+
+    def _allocate_cache(self) -> torch.Tensor:
+        mc, cfg = self.model_config, self.config
+        return allocate_kv_cache(
+            mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype, self.device
+        )

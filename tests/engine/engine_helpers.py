@@ -1,0 +1,118 @@
+"""Shared helpers of the engine tests.
+
+Tiny HF models (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 211) built from configs in code, and the
+transformers references the engine tests compare against (greedy `generate`, log-probs of a forward pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+
+from hf_mcore_bridge.engine import Engine, EngineConfig
+
+VOCAB = 211
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+CONFIGS: dict[str, Callable[[], object]] = {
+    # llama3 RoPE scaling with a short original context, so the scaling changes the logits of short prompts.
+    "llama": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "mistral": lambda: MistralConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+    "qwen2": lambda: Qwen2Config(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Explicit head_dim different from hidden / heads, and tied embeddings.
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+ARCH_NAMES = tuple(CONFIGS)
+
+
+def build_hf_model(arch: str, seed: int) -> PreTrainedModel:
+    """A float32 HF model with every parameter random (biases and norm weights too, unlike HF's own init)."""
+    config = CONFIGS[arch]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.08 * noise)
+    return model
+
+
+def tiny_engine_config(**overrides: object) -> EngineConfig:
+    """CPU fp32 engine settings sized for the tiny models (small blocks so prompts span several)."""
+    settings: dict[str, object] = dict(
+        dtype=torch.float32,
+        device="cpu",
+        max_num_seqs=8,
+        max_model_len=64,
+        kv_cache_memory_bytes=256 * 1024,
+        block_size=4,
+        max_num_batched_tokens=256,
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def engine_from_hf(model: PreTrainedModel, **overrides: object) -> Engine:
+    """An engine whose weights are pushed from the HF model's state dict (HF names, full tensors)."""
+    engine = Engine(model.config, tiny_engine_config(**overrides))
+    engine.load_weights(model.state_dict().items())
+    return engine
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """transformers' greedy `generate` on one unpadded prompt; the new tokens only."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_token_logprobs(
+    model: PreTrainedModel, prompt: list[int], generated: list[int], temperature: float
+) -> list[float]:
+    """log_softmax(logits / temperature) of each generated token, from one transformers forward pass."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    t = temperature if temperature > 0 else 1.0
+    logprobs = torch.log_softmax(logits / t, dim=-1)
+    rows = torch.arange(len(prompt) - 1, len(prompt) + len(generated) - 1)
+    return logprobs[rows, torch.tensor(generated)].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]

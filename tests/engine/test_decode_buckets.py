@@ -1,0 +1,53 @@
+"""The CUDA-graph runner's bucketing and padding, on CPU: the runner is driven with an eager 'replay' (the one
+thing a CPU cannot do is the capture itself), so padded rows and padded block tables must leave the real rows'
+outputs exactly as transformers computes them."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import engine_from_hf, hf_greedy, hf_token_logprobs, random_prompts
+
+from hf_mcore_bridge.engine import SamplingParams
+from hf_mcore_bridge.engine.cuda_graphs import DecodeGraphs, batch_bucket, block_bucket
+
+
+class EagerReplay:
+    """Stands in for a captured graph: re-runs the decode function on the static inputs into the static logits."""
+
+    def __init__(self, graphs: DecodeGraphs, ids, positions, meta, logits) -> None:
+        self.graphs, self.args, self.logits = graphs, (ids, positions, meta), logits
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs.decode_fn(*self.args))
+
+
+class EagerGraphs(DecodeGraphs):
+    def _record(self, ids, positions, meta):
+        logits = self.decode_fn(ids, positions, meta)
+        return EagerReplay(self, ids, positions, meta, logits), logits
+
+
+def test_buckets_round_up():
+    assert [batch_bucket(b, 512) for b in (1, 3, 5, 8, 9, 17, 128, 129, 500)] == [1, 4, 8, 8, 16, 32, 128, 192, 512]
+    assert batch_bucket(300, 256) == 256
+    assert [block_bucket(n, 40, 4) for n in (1, 4, 5, 39)] == [4, 4, 8, 40]
+
+
+def test_padded_decode_buckets_leave_real_rows_exact(get_hf_model):
+    model = get_hf_model("qwen3")
+    engine = engine_from_hf(model, max_num_seqs=16)
+    engine._graphs = EagerGraphs(engine._decode_forward, engine.device, 16, engine.max_blocks_per_seq, 4)
+    prompts = random_prompts([3, 9, 17], seed=14)  # 6 and then fewer rows: buckets of 8, 4, ...
+    params = [
+        SamplingParams(n=2, temperature=0.0, max_tokens=14),
+        SamplingParams(n=2, temperature=0.0, max_tokens=7),
+        SamplingParams(n=2, temperature=0.9, max_tokens=10, seed=1),
+    ]
+    outputs = engine.generate(prompts, params)
+    assert engine._graphs.num_captured >= 3
+    for prompt, p, output in zip(prompts, params, outputs, strict=True):
+        for sample in output.samples:
+            if p.temperature == 0:
+                assert sample.token_ids == hf_greedy(model, prompt, p.max_tokens)
+            expected = hf_token_logprobs(model, prompt, sample.token_ids, p.temperature)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-5)

@@ -1,0 +1,92 @@
+"""Reading HF configs: both RoPE spellings, llama3 frequencies against transformers' own function, the explicit
+architecture registry, and loud refusals of what the decoder does not implement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import CONFIGS
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from hf_mcore_bridge.engine import Engine, EngineConfig, ModelConfig
+from hf_mcore_bridge.engine.arch import QWEN2, QWEN3, RopeConfig, read_rope
+from hf_mcore_bridge.engine.model import rope_inv_freq
+
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_rope_is_read_from_both_spellings():
+    new = read_rope({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}})
+    old = read_rope({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}})
+    older = read_rope({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}})
+    assert new == old == older == RopeConfig(theta=500000.0, rope_type="llama3", **LLAMA3)
+    assert read_rope({"rope_theta": 1e6}) == RopeConfig(theta=1e6)
+
+
+def test_missing_rope_theta_is_an_error():
+    with pytest.raises(ValueError, match="rope_theta"):
+        read_rope({"rope_scaling": None})
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+def test_unimplemented_rope_types_are_refused(rope_type):
+    with pytest.raises(NotImplementedError, match=rope_type):
+        read_rope({"rope_parameters": {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}})
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3},
+        {"rope_type": "llama3", "rope_theta": 500000.0, **{**LLAMA3, "original_max_position_embeddings": 32}},
+    ],
+)
+def test_inverse_frequencies_equal_transformers(rope_parameters):
+    config = LlamaConfig(hidden_size=2048, num_attention_heads=32, rope_parameters=rope_parameters)
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
+    got = rope_inv_freq(ModelConfig.from_hf(config).rope, 64)
+    assert torch.equal(got, expected)
+
+
+def test_architecture_comes_from_the_explicit_registry():
+    qwen2 = CONFIGS["qwen2"]().to_dict()
+    assert ModelConfig.from_hf(qwen2).arch is QWEN2
+    assert ModelConfig.from_hf({**qwen2, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}).arch is QWEN3
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf({**qwen2, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_per_architecture_data_resolves_biases_and_norms():
+    llama = ModelConfig.from_hf(CONFIGS["llama"]())
+    qwen2 = ModelConfig.from_hf(CONFIGS["qwen2"]())
+    qwen3 = ModelConfig.from_hf(CONFIGS["qwen3"]())
+    assert (llama.qkv_bias, llama.o_bias, llama.arch.qk_norm) == (False, False, False)
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.arch.qk_norm) == (True, False, False)
+    assert (qwen3.qkv_bias, qwen3.head_dim, qwen3.arch.qk_norm, qwen3.tie_word_embeddings) == (False, 32, True, True)
+    llama_biased = ModelConfig.from_hf({**CONFIGS["llama"]().to_dict(), "attention_bias": True})
+    assert (llama_biased.qkv_bias, llama_biased.o_bias) == (True, True)
+
+
+def test_unsupported_configs_are_refused():
+    mistral = CONFIGS["mistral"]().to_dict()
+    with pytest.raises(NotImplementedError, match="sliding"):
+        Engine({**mistral, "sliding_window": 32}, EngineConfig(device="cpu", max_model_len=64, dtype=torch.float32))
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        ModelConfig.from_hf({**mistral, "hidden_act": "gelu"})
+    with pytest.raises(NotImplementedError, match="mlp_bias"):
+        ModelConfig.from_hf({**CONFIGS["llama"]().to_dict(), "mlp_bias": True})
+    with pytest.raises(NotImplementedError, match="sliding"):
+        ModelConfig.from_hf({**CONFIGS["qwen2"]().to_dict(), "use_sliding_window": True, "sliding_window": 16})
+
+
+def test_kv_budget_must_hold_one_full_sequence():
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        Engine(CONFIGS["llama"](), EngineConfig(device="cpu", dtype=torch.float32, kv_cache_memory_bytes=4096))

@@ -12,7 +12,6 @@ original length 8192, and a missing rope theta is an error rather than a default
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,27 @@ MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a model."""
+
+    num_experts: int
+    ffn_hidden_size: int
+    """FFN width of one routed expert."""
+    topk: int
+    """Experts each token is routed to."""
+    moe_layers: tuple[bool, ...]
+    """Per decoder layer: a routed MoE (True) or a dense MLP (False)."""
+    pre_softmax: bool
+    """Softmax over all experts, then top-k without renormalising (HF `norm_topk_prob=False`); otherwise top-k of
+    the logits then softmax over the k, which equals HF's softmax -> top-k -> renormalise."""
+    aux_loss_coeff: float
+    shared_expert_size: int | None = None
+    """FFN width of the shared expert (Qwen2-MoE), if any."""
+    shared_expert_gate: bool = False
+    """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,16 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str | None = None
     """The dtype the HF checkpoint declares (`float32`, `bfloat16`, ...), if any."""
+    moe: MoeConfig | None = None
+    """The mixture-of-experts part, None for a dense model."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.moe_layers[layer]
+
+    @property
+    def homogeneous(self) -> bool:
+        """All decoder layers of one kind: megatron-core then stacks them under one checkpoint key."""
+        return self.moe is None or len(set(self.moe.moe_layers)) == 1
 
     def dims(self, padded_vocab: int) -> Dims:
         """The dimensions the mapping table's fused transforms need."""
@@ -75,6 +105,8 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size,
+            num_experts=self.moe.num_experts if self.moe else None,
+            moe_ffn_hidden_size=self.moe.ffn_hidden_size if self.moe else None,
         )
 
 
@@ -137,9 +169,11 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
         raise ConfigError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={groups}")
     theta, factor = _rope(config)
     dtype = config.get("torch_dtype", config.get("dtype"))
+    num_layers = _positive_int(config, "num_hidden_layers")
+    moe = arch.moe_from_hf(config, num_layers) if arch.moe_from_hf else None
     return ModelConfig(
         architecture=arch.hf_name,
-        num_layers=_positive_int(config, "num_hidden_layers"),
+        num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=_positive_int(config, "intermediate_size"),
         num_attention_heads=heads,
@@ -154,6 +188,7 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
         qkv_bias=arch.qkv_bias,
         qk_norm=arch.qk_norm,
         torch_dtype=str(dtype) if dtype is not None else None,
+        moe=moe,
     )
 
 
@@ -184,6 +219,8 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
     if arch.model_type == "llama":
         config["mlp_bias"] = False
     config.update(arch.hf_defaults or {})
+    if model.moe is not None and arch.moe_to_hf is not None:
+        config.update(arch.moe_to_hf(model.moe))
     if model.torch_dtype is not None:
         config["torch_dtype"] = model.torch_dtype
     for key, value in (extra or {}).items():
@@ -191,9 +228,30 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
     return config
 
 
-def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> dict[str, Any]:
-    """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`)."""
+def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
+    if moe is None:
+        return {}
     return {
+        "num_moe_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_router_topk": moe.topk,
+        "moe_layer_freq": 1 if all(moe.moe_layers) else [int(m) for m in moe.moe_layers],
+        "moe_router_pre_softmax": moe.pre_softmax,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_size,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather",
+        "expert_tensor_parallel_size": layout.etp,
+    }
+
+
+def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`).
+
+    MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training.
+    """
+    return _moe_kwargs(model.moe, layout) | {
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "ffn_hidden_size": model.ffn_hidden_size,
@@ -300,6 +358,42 @@ def megatron_args(
         attention_dropout=0.0,
         tokenizer_type="HuggingFaceTokenizer",
         hf_architecture=model.architecture,
+        **_moe_args(model.moe),
+    )
+
+
+def _moe_args(moe: MoeConfig | None) -> dict[str, Any]:
+    if moe is None:
+        return {"num_experts": None}
+    return {
+        "num_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_router_topk": moe.topk,
+        "moe_layer_freq": 1 if all(moe.moe_layers) else [int(m) for m in moe.moe_layers],
+        "moe_router_pre_softmax": moe.pre_softmax,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_shared_expert_intermediate_size": moe.shared_expert_size,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_grouped_gemm": False,
+        "moe_router_load_balancing_type": "aux_loss",
+    }
+
+
+def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | None:
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return None
+    freq = getattr(args, "moe_layer_freq", 1)
+    layers = tuple(bool(f) for f in freq) if isinstance(freq, list) else tuple(i % freq == 0 for i in range(num_layers))
+    return MoeConfig(
+        num_experts=experts,
+        ffn_hidden_size=args.moe_ffn_hidden_size,
+        topk=args.moe_router_topk,
+        moe_layers=layers,
+        pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+        aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0)),
+        shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
     )
 
 
@@ -325,6 +419,15 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     if architecture is None:
         architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
     scaling = getattr(args, "use_rope_scaling", False)
+    moe = _moe_from_args(args, get("num_layers"))
+    if architecture is None and moe is not None:
+        architecture = (
+            "Qwen2MoeForCausalLM"
+            if moe.shared_expert_size
+            else "Qwen3MoeForCausalLM"
+            if qk_norm
+            else "MixtralForCausalLM"
+        )
     return ModelConfig(
         architecture=architecture,
         num_layers=get("num_layers"),
@@ -342,9 +445,5 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         torch_dtype=DTYPE_NAMES.get(getattr(args, "params_dtype", None)),
+        moe=moe,
     )
-
-
-def is_close_float(a: float, b: float) -> bool:
-    """Float equality that tolerates a JSON round trip."""
-    return math.isclose(a, b, rel_tol=1e-12)

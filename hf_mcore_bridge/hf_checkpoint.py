@@ -78,6 +78,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path} is not a directory")
         self.config = read_json(self.path / "config.json")
         self._tensors: dict[str, TensorInfo] = {}
+        self._aliases: dict[str, tuple[str, int | None, str]] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
         if (self.path / INDEX_NAME).exists():
             self._open_index()
@@ -143,9 +144,33 @@ class HFCheckpoint:
                 self._pickled[name] = tensor
                 self._tensors[name] = TensorInfo(file, tuple(tensor.shape), tensor.dtype)
 
+    def add_fused_aliases(self, rules: dict[str, tuple[str, str]], wanted: list[tuple[str, int | None, int | None]]):
+        """Serve per-expert names from fused `[num_experts, ...]` tensors where only those are stored.
+
+        `rules` maps a per-expert name template to (fused template, part); `wanted` lists (template, layer,
+        expert) of the names the model needs. Aliased names read one expert's slice of the fused tensor.
+        """
+        from hf_mcore_bridge.mapping_types import fill
+
+        for template, layer, expert in wanted:
+            name = fill(template, layer, expert)
+            if template not in rules or name in self._tensors:
+                continue
+            fused_template, part = rules[template]
+            fused = fill(fused_template, layer, expert)
+            if fused not in self._tensors:
+                continue
+            info = self._tensors[fused]
+            shape = info.shape[1:] if expert is not None else info.shape
+            if part != "all":
+                shape = (shape[0] // 2, *shape[1:])
+            self._aliases[name] = (fused, expert, part)
+            self._tensors[name] = TensorInfo(info.file, shape, info.dtype)
+
     def names(self) -> set[str]:
-        """All tensor names in the checkpoint."""
-        return set(self._tensors)
+        """All tensor names in the checkpoint (fused expert tensors that are read per expert appear per expert)."""
+        consumed = {fused for fused, _, _ in self._aliases.values()}
+        return set(self._tensors) - consumed
 
     def info(self, name: str) -> TensorInfo:
         """Shape, dtype and file of a tensor."""
@@ -156,6 +181,8 @@ class HFCheckpoint:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A tensor (or the row range [start, stop) of its first dimension), read from disk now."""
+        if name in self._aliases:
+            return self._read_alias(name, rows)
         info = self.info(name)
         if self._pickled is not None:
             tensor = self._pickled[name]
@@ -167,6 +194,17 @@ class HFCheckpoint:
                 return handle.get_slice(name)[rows[0] : rows[1]]
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"reading {name} from {info.file.name} failed: {err}") from None
+
+    def _read_alias(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        fused, expert, part = self._aliases[name]
+        info = self._tensors[fused]
+        with safe_open(str(info.file), framework="pt") as handle:
+            tensor = handle.get_slice(fused)[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
+        if part != "all":
+            half = tensor.shape[0] // 2
+            tensor = tensor[:half] if part == "gate" else tensor[half:]
+        tensor = tensor.contiguous()
+        return tensor[rows[0] : rows[1]].clone() if rows else tensor
 
     def copy_assets(self, destination: Path) -> list[str]:
         """Copy config, generation config and tokenizer files into `destination`; returns their names."""

@@ -13,6 +13,7 @@ time, so memory holds one rank's shards when writing and one layer tensor when r
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.errors import CheckpointError, LayoutError
 from hf_mcore_bridge.layout import Layout, stage_layer_counts
-from hf_mcore_bridge.mapping_types import Entry, dcp_key, extra_state_module, is_layered
+from hf_mcore_bridge.mapping_types import Entry, dcp_key, extra_state_module, fill, is_layered
 from hf_mcore_bridge.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
 from hf_mcore_bridge.model_plan import Placed
 from hf_mcore_bridge.parallel_style import Parallel
@@ -79,9 +80,9 @@ def model_chunks(layout: Layout, num_layers: int) -> list[ModelChunk]:
     return chunks
 
 
-def local_name(mcore_template: str, local_layer: int | None, spec: str) -> str:
-    """The module state-dict name of a table entry on its stage."""
-    name = mcore_template.format(layer=local_layer) if local_layer is not None else mcore_template
+def local_name(mcore_template: str, local_layer: int | None, spec: str, local_expert: int | None = None) -> str:
+    """The module state-dict name of a table entry on its stage (layer and expert numbered locally)."""
+    name = fill(mcore_template, local_layer, local_expert)
     if spec == "local":
         for te_name, local in LOCAL_SPEC_NAMES.items():
             name = name.replace(te_name, local)
@@ -102,28 +103,44 @@ def write_legacy(
     *,
     layout: Layout,
     num_layers: int,
+    num_experts: int | None,
     tied: bool,
     spec: str,
     args: Any,
     on_write: Callable[[], None] = lambda: None,
 ) -> int:
-    """Write one file per (TP, PP) rank; returns the number of files. `full_tensor` gives a placed entry's tensor."""
+    """Write one file per (TP, PP, EP) rank; returns the number of files. `full_tensor` gives a placed entry's tensor.
+
+    Experts are numbered locally on their expert-parallel rank and sharded like the rest over TP (expert tensor
+    parallelism other than TP is not written in this format).
+    """
+    if num_experts and layout.expert_tp != layout.tp:
+        raise LayoutError("the legacy format is written with expert tensor parallelism equal to tp; use torch_dist")
+    if num_experts and spec != "local":
+        raise LayoutError(
+            "legacy MoE checkpoints are written for the local spec (--spec local); TE uses grouped experts"
+        )
     chunks = model_chunks(layout, num_layers)
+    per_rank = (num_experts or 0) // layout.ep
     files = 0
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
-            for chunk in (c for c in chunks if c.pp_rank == pp_rank):
-                state[chunk.state_key] = _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec)
-            directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, 0, layout)
-            directory.mkdir(parents=True)
-            torch.save(state, directory / FILE_NAME)
-            files += 1
-            on_write()
+            for ep_rank in range(layout.ep):
+                state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+                experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+                for chunk in (c for c in chunks if c.pp_rank == pp_rank):
+                    state[chunk.state_key] = _chunk_state(
+                        chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, spec
+                    )
+                directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, ep_rank, layout)
+                directory.mkdir(parents=True)
+                torch.save(state, directory / FILE_NAME)
+                files += 1
+                on_write()
     return files
 
 
-def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec) -> dict[str, Any]:
+def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, spec) -> dict[str, Any]:
     first, last = chunk == chunks[0], chunk == chunks[-1]
     state: dict[str, Any] = {}
     for p in placed:
@@ -136,12 +153,16 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec
             continue
         else:
             local_layer = None
-        state[local_name(template, local_layer, spec)] = _rank_shard(
-            full_tensor(p), p.entry.parallel, layout.tp, tp_rank
-        )
+        local_expert = None
+        if p.expert is not None:
+            if p.expert not in experts:
+                continue
+            local_expert = p.expert - experts.start
+        name = local_name(template, local_layer, spec, local_expert)
+        state[name] = _rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank)
         module = extra_state_module(p.template)
         if module is not None:
-            state[local_name(module, local_layer, spec) + "._extra_state"] = None
+            state[local_name(module, local_layer, spec, local_expert) + "._extra_state"] = None
     if last:
         state["output_layer._extra_state"] = None
         if tied and not first:  # the last stage holds its own copy of the shared embedding
@@ -150,70 +171,120 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, tied, spec
     return state
 
 
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+
+
 class LegacySource:
-    """Model tensors of a legacy checkpoint directory, reassembled from the per-rank files on demand."""
+    """Model tensors of a legacy checkpoint directory, reassembled from the per-rank files on demand.
+
+    Keys are given in the stacked distributed-checkpoint form with Transformer-Engine names, addressed by
+    (layer, expert) leading indices, whatever spec the files were written for.
+    """
+
+    stacked = True
 
     def __init__(self, checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool):
         self.directory = checkpoint_dir
         self._tied = tied
-        self._files: dict[tuple[int, int], Path] = {}
+        self._files: dict[tuple[int, int, int], Path] = {}
+        found = {}
         for path in sorted(checkpoint_dir.glob("mp_rank_*")):
             match = _RANK_DIR.fullmatch(path.name)
             if match is None or not (path / FILE_NAME).exists():
                 raise CheckpointError(f"{path} is not a legacy rank directory with {FILE_NAME}")
-            if match.group(3) is not None and int(match.group(3)) != 0:
-                raise CheckpointError("legacy checkpoints with expert parallelism are not supported")
-            self._files[(int(match.group(1)), int(match.group(2) or 0))] = path / FILE_NAME
-        self.tp = 1 + max(t for t, _ in self._files)
-        self.pp = 1 + max(p for _, p in self._files)
-        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in self._files]
+            found[path] = [int(g) if g is not None else None for g in match.groups()]
+        if not found:
+            raise CheckpointError(f"{checkpoint_dir} holds no mp_rank_* directories")
+        # `mp_rank_TT_NNN` names a pipeline rank when PP > 1 and an expert rank otherwise: the args say which
+        args = safe_torch_load(next(iter(found)) / FILE_NAME, mmap=True).get("args")
+        pipeline = getattr(args, "pipeline_model_parallel_size", 1) > 1 if args is not None else True
+        for path, (tp_rank, second, third) in found.items():
+            pp_rank, ep_rank = (second or 0, third or 0) if pipeline else (0, second or 0)
+            self._files[(tp_rank, pp_rank, ep_rank)] = path / FILE_NAME
+        self.tp, self.pp, self.ep = (1 + max(rank[i] for rank in self._files) for i in range(3))
+        missing = [r for r in itertools.product(range(self.tp), range(self.pp), range(self.ep)) if r not in self._files]
         if missing:
-            raise CheckpointError(f"{checkpoint_dir} lacks the files of ranks (tp, pp) {missing}")
+            raise CheckpointError(f"{checkpoint_dir} lacks the files of ranks (tp, pp, ep) {missing}")
         self._parallel = {dcp_key(e.mcore): e.parallel for e in table}
-        self._index: dict[str, dict[int | None, tuple[int, str, str]]] = {}
+        self._index: dict[str, dict[tuple[int, ...], tuple[int, int, str, str]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self._scan()
 
-    def _load(self, tp_rank: int, pp_rank: int) -> dict[str, Any]:
-        return safe_torch_load(self._files[(tp_rank, pp_rank)], mmap=True)
+    def _load(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, Any]:
+        return safe_torch_load(self._files[(tp_rank, pp_rank, ep_rank)], mmap=True)
 
-    def _scan(self) -> None:
-        chunks: list[tuple[int, int, dict[str, torch.Tensor], str]] = []
+    def _chunks(self) -> list[tuple[int, int, str]]:
+        chunks = []
         for pp_rank in range(self.pp):
             state = self._load(0, pp_rank)
-            keys = sorted((k for k in state if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+            keys = [k for k in state if re.fullmatch(r"model\d*", k)]
             if not keys:
-                raise CheckpointError(f"{self._files[(0, pp_rank)]} holds no model state")
-            for key in keys:
-                chunks.append((int(key[5:] or -1), pp_rank, state[key], key))
-        chunks.sort(key=lambda c: (c[0], c[1]))  # global layer order: virtual stage major, pipeline rank minor
+                raise CheckpointError(f"{self._files[(0, pp_rank, 0)]} holds no model state")
+            chunks += [(int(k[5:] or -1), pp_rank, k) for k in keys]
+        return sorted(chunks)  # global layer order: virtual stage major, pipeline rank minor
+
+    def _scan(self) -> None:
         first_layer = 0
-        for _, pp_rank, module_state, state_key in chunks:
-            layers = set()
-            for name, value in module_state.items():
-                if name.endswith("._extra_state") or not isinstance(value, torch.Tensor):
-                    continue
-                match = _LAYER_KEY.fullmatch(name)
-                layer = None if match is None else first_layer + int(match.group(1))
-                if match is not None:
-                    layers.add(int(match.group(1)))
-                    suffix = match.group(2)
-                    for te_name, local in LOCAL_SPEC_NAMES.items():
-                        suffix = suffix.replace(local, te_name)
-                    key = f"decoder.layers.{suffix}"
-                else:
-                    key = name
-                    if key == "output_layer.weight" and self._tied:
-                        continue  # a tied model's last-stage copy of the embedding
-                self._index.setdefault(key, {})[layer] = (pp_rank, state_key, name)
-                self._shapes.setdefault(key, self._global_shape(key, tuple(value.shape)))
-                self._dtypes.setdefault(key, value.dtype)
+        max_layers = 0
+        for _, pp_rank, state_key in self._chunks():
+            layers: set[int] = set()
+            for ep_rank in range(self.ep):
+                module_state = self._load(0, pp_rank, ep_rank)[state_key]
+                moe_layers = {m.group(1) for n in module_state if (m := _LAYER_KEY.fullmatch(n)) and "router" in n}
+                for name, value in module_state.items():
+                    if name.endswith("._extra_state") or not isinstance(value, torch.Tensor):
+                        continue
+                    located = self._locate(
+                        name, first_layer, ep_rank, len(self._local_experts(module_state)), moe_layers
+                    )
+                    if located is None or (ep_rank and located[1] == ()):
+                        continue
+                    key, leading, local_layer = located
+                    if local_layer is not None:
+                        layers.add(local_layer)
+                    self._index.setdefault(key, {})[leading] = (pp_rank, ep_rank, state_key, name)
+                    self._dtypes.setdefault(key, value.dtype)
+                    self._shapes.setdefault(key, self._global_shape(key, tuple(value.shape)))
             first_layer += len(layers)
-        self.num_layers = first_layer
-        for key, by_layer in self._index.items():
-            if None not in by_layer:
-                self._shapes[key] = (self.num_layers, *self._shapes[key])
+            max_layers = first_layer
+        self.num_layers = max_layers
+        for key, by_leading in self._index.items():
+            leading_shape = self._leading_shape(by_leading)
+            self._shapes[key] = (*leading_shape, *self._shapes[key])
+
+    @staticmethod
+    def _local_experts(module_state: dict[str, Any]) -> set[str]:
+        return {m.group(1) for n in module_state if (m := _LOCAL_EXPERT.search(n))}
+
+    def _leading_shape(self, by_leading: dict[tuple[int, ...], Any]) -> tuple[int, ...]:
+        some = next(iter(by_leading))
+        if not some:
+            return ()
+        shape = [self.num_layers]
+        if len(some) == 2:
+            shape.append(1 + max(index[1] for index in by_leading))
+        return tuple(shape)
+
+    def _locate(self, name, first_layer, ep_rank, local_experts, moe_layers):
+        """(stacked key, leading indices, local layer) of a state-dict name; None for a tied output copy."""
+        match = _LAYER_KEY.fullmatch(name)
+        if match is None:
+            if name == "output_layer.weight" and self._tied:
+                return None  # a tied model's last-stage copy of the embedding
+            return name, (), None
+        local_layer, suffix = int(match.group(1)), match.group(2)
+        leading: tuple[int, ...] = (first_layer + local_layer,)
+        expert = _LOCAL_EXPERT.fullmatch(suffix)
+        if expert is not None:
+            leading += (ep_rank * local_experts + int(expert.group(1)),)
+            suffix = f"mlp.experts.experts.{expert.group(2)}"
+        elif ep_rank:
+            return None  # non-expert tensors are the same on every expert-parallel rank
+        if not (suffix == "pre_mlp_layernorm.weight" and match.group(1) in moe_layers):
+            for te_name, local in LOCAL_SPEC_NAMES.items():
+                suffix = suffix.replace(local, te_name)
+        return f"decoder.layers.{suffix}", leading, local_layer
 
     def _global_shape(self, key: str, shard: tuple[int, ...]) -> tuple[int, ...]:
         parallel = self._parallel.get(key)
@@ -232,12 +303,12 @@ class LegacySource:
     def dtype(self, key: str) -> torch.dtype:
         return self._dtypes[key]
 
-    def read(self, key: str, layer: int | None) -> torch.Tensor:
-        location = self._index[key].get(layer)
+    def read(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+        location = self._index.get(key, {}).get(tuple(leading))
         if location is None:
-            raise CheckpointError(f"tensor {key} (layer {layer}) is missing from {self.directory}")
-        pp_rank, state_key, name = location
-        shards = [self._load(t, pp_rank)[state_key][name].clone() for t in range(self.tp)]
+            raise CheckpointError(f"tensor {key} at {leading} is missing from {self.directory}")
+        pp_rank, ep_rank, state_key, name = location
+        shards = [self._load(t, pp_rank, ep_rank)[state_key][name].clone() for t in range(self.tp)]
         parallel = self._parallel.get(key, Parallel.REPLICATED)
         if parallel in (Parallel.COLUMN, Parallel.VOCAB):
             return torch.cat(shards, dim=0)

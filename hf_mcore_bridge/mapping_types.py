@@ -8,6 +8,7 @@ export and refit alike.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
@@ -25,6 +26,16 @@ from hf_mcore_bridge.tensor_ops import (
 )
 
 
+class LayerKind(enum.Enum):
+    """The kinds of decoder layer a table entry appears in."""
+
+    ALL = "all"
+    DENSE = "dense"
+    """Layers with a dense MLP (all layers of a dense model; `mlp_only_layers` of a MoE model)."""
+    MOE = "moe"
+    """Layers with a routed mixture of experts."""
+
+
 @dataclass(frozen=True)
 class Dims:
     """The model dimensions that fused-tensor transforms need."""
@@ -37,6 +48,7 @@ class Dims:
 
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class Direct:
     parallel: Parallel
     untied_only: bool = False
     """Present only when the output layer is not tied to the word embeddings."""
+    layers: LayerKind = LayerKind.ALL
+    """Which decoder layers have this tensor (dense-MLP or MoE layers, or all)."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -87,6 +101,7 @@ class FusedQKV:
     v: str
     parallel: Parallel = Parallel.COLUMN
     untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -126,6 +141,7 @@ class FusedGateUp:
     up: str
     parallel: Parallel = Parallel.GATED_COLUMN
     untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -157,16 +173,73 @@ def _expect(name: str, actual: int, expected: int, what: str) -> None:
         raise CheckpointError(f"{name} has {actual} rows, but the config implies {what} = {expected}")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor of a table entry lives in a distributed checkpoint."""
+
+    key: str
+    """The checkpoint key."""
+    leading: tuple[int, ...]
+    """Offsets on the leading axes (decoder layer when stacked, expert when an expert tensor)."""
+    leading_shape: tuple[int, ...]
+    """Sizes of the leading axes."""
+
+    def object_key(self, module_key: str) -> str:
+        """The key of a megatron `_extra_state` ShardedObject placed like this tensor."""
+        offsets = ".".join(map(str, self.leading)) if self.leading else "0"
+        shape = ".".join(map(str, self.leading_shape)) if self.leading else "1"
+        return f"{module_key}._extra_state/shard_{offsets}_{shape}"
+
+
+MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+LOCAL_SPEC_MOE_NORM = "mlp.linear_fc1.layer_norm_weight"
+
+
+def placement(
+    template: str,
+    *,
+    layer: int | None,
+    expert: int | None,
+    num_layers: int,
+    num_experts: int | None,
+    stacked: bool = True,
+    spec: str = "te",
+) -> Placement:
+    """The checkpoint key and leading offsets of `template` at (layer, expert).
+
+    Homogeneous decoders stack layers of one kind under one key with a leading layer axis; heterogeneous ones
+    (dense and MoE layers mixed) keep per-layer keys. Experts are stacked on an expert axis under
+    `...mlp.experts.experts.*`. The local layer spec saves a MoE layer's pre-MLP norm under the name the
+    Transformer-Engine spec uses for a dense layer's fused norm.
+    """
+    key, leading, shape = template, [], []
+    if spec == "local":
+        key = key.replace(MOE_PRE_MLP_NORM, LOCAL_SPEC_MOE_NORM)
+    if LAYER in key:
+        if stacked:
+            key = key.replace(f"{LAYER}.", "")
+            leading.append(layer)
+            shape.append(num_layers)
+        else:
+            key = key.replace(LAYER, str(layer))
+    if EXPERT in key:
+        key = key.replace(f"local_experts.{EXPERT}.", "experts.")
+        leading.append(expert)
+        shape.append(num_experts)
+    return Placement(key, tuple(leading), tuple(shape))
+
+
 def dcp_key(mcore_name: str) -> str:
-    """The distributed-checkpoint key: decoder layers are stacked on a leading layer axis under one key."""
-    return mcore_name.replace(f"decoder.layers.{LAYER}.", "decoder.layers.")
+    """The stacked checkpoint key of a template (decoder layers and experts on leading axes)."""
+    return placement(mcore_name, layer=0, expert=0, num_layers=1, num_experts=1).key
 
 
 def extra_state_module(entry: Entry) -> str | None:
     """The linear module whose `_extra_state` megatron-core saves alongside this tensor, if any.
 
-    Every tensor-parallel linear layer saves one; norms (replicated) and the vocabulary-parallel embedding and
-    output layer do not (megatron-core drops the output layer's for compatibility with old checkpoints).
+    Every tensor-parallel linear layer saves one; norms and routers (replicated) and the vocabulary-parallel
+    embedding and output layer do not (megatron-core drops the output layer's for compatibility with old
+    checkpoints).
     """
     if entry.parallel in (Parallel.REPLICATED, Parallel.VOCAB):
         return None
@@ -178,14 +251,23 @@ def is_layered(name: str) -> bool:
     return LAYER in name
 
 
-def fill(name: str, layer: int | None) -> str:
-    """Substitute the decoder layer index into a name."""
-    return name.format(layer=layer) if layer is not None else name
+def is_expert(name: str) -> bool:
+    """Whether a name has the `{expert}` placeholder (one tensor per routed expert)."""
+    return EXPERT in name
 
 
-def at_layer(entry: Entry, layer: int | None) -> Entry:
-    """The entry with `{layer}` substituted in every name it holds."""
-    if layer is None:
+def fill(name: str, layer: int | None, expert: int | None = None) -> str:
+    """Substitute the decoder layer and expert indices into a name."""
+    if layer is not None:
+        name = name.replace(LAYER, str(layer))
+    if expert is not None:
+        name = name.replace(EXPERT, str(expert))
+    return name
+
+
+def at_layer(entry: Entry, layer: int | None, expert: int | None = None) -> Entry:
+    """The entry with `{layer}` and `{expert}` substituted in every name it holds."""
+    if layer is None and expert is None:
         return entry
-    names = {f.name: fill(getattr(entry, f.name), layer) for f in fields(entry) if f.type in ("str", str)}
+    names = {f.name: fill(getattr(entry, f.name), layer, expert) for f in fields(entry) if f.type in ("str", str)}
     return replace(entry, **names)

@@ -21,18 +21,23 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 class McoreSource(Protocol):
     """What export needs from a Megatron checkpoint."""
 
+    @property
+    def stacked(self) -> bool | None:
+        """Whether decoder layers are stacked under one key (None: as the model implies)."""
+        ...
+
     def keys(self) -> set[str]:
         """Every model tensor key."""
         ...
 
     def shape(self, key: str) -> tuple[int, ...]:
-        """The global shape, including the leading layer axis of stacked keys."""
+        """The global shape, including leading layer / expert axes."""
         ...
 
     def dtype(self, key: str) -> torch.dtype: ...
 
-    def read(self, key: str, layer: int | None) -> torch.Tensor:
-        """The whole tensor, or one layer of a stacked one (without the layer axis)."""
+    def read(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+        """The tensor at the given leading (layer / expert) indices, without those axes."""
         ...
 
 
@@ -51,8 +56,14 @@ class DCPSource:
     def dtype(self, key: str) -> torch.dtype:
         return self.dcp.tensor_meta(key).dtype
 
-    def read(self, key: str, layer: int | None) -> torch.Tensor:
-        if layer is None:
+    @property
+    def stacked(self) -> bool | None:
+        return None  # the key names say it: the model config's homogeneity decides which keys to look for
+
+    def read(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+        if not leading:
             return self.dcp.read(key)
         shape = self.shape(key)
-        return self.dcp.read(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+        rest = shape[len(leading) :]
+        region = self.dcp.read(key, (*leading, *(0,) * len(rest)), ((1,) * len(leading) + rest))
+        return region.reshape(rest)

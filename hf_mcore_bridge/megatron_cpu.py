@@ -7,6 +7,8 @@ Applied only when CUDA is absent, idempotently, by `apply_cpu_workarounds()`:
 - `Tensor.cuda()` moves the shared embedding of tied models with PP > 1: it returns the tensor itself.
 - The CUDA RNG tracker forks CUDA generator state in attention: megatron-core's own inference tracker (whose fork
   does nothing) is installed instead, so dropout is not supported on CPU.
+- The MoE router refers to Transformer Engine's `te_general_gemm`, undefined when TE is absent: it is set to None,
+  which megatron-core's own code treats as "use torch".
 Callers must also pass an explicit attention mask: the default causal mask is built on `device="cuda"`.
 """
 
@@ -30,5 +32,9 @@ def apply_cpu_workarounds() -> bool:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _applied = True
     return True

@@ -13,6 +13,7 @@ import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 
 
 def build_gpt_model(
@@ -27,13 +28,18 @@ def build_gpt_model(
     """A `GPTModel` for this rank's pipeline stage (and virtual stage), parameters on `device`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     kwargs = transformer_config_kwargs(model, layout, dtype)
     kwargs["use_cpu_initialization"] = True
     config = TransformerConfig(**kwargs)
-    spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    if model.moe is None:
+        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq)
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+        )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     gpt = GPTModel(
@@ -50,8 +56,30 @@ def load_distributed_checkpoint(module: torch.nn.Module, checkpoint_dir: Path) -
     register_safe_globals()  # common.pt holds an argparse Namespace; Megatron-LM registers these at start-up
     # Megatron-LM nests the model under "model" ("model0", "model1", ... with virtual pipeline stages); the
     # returned dict also holds common.pt's entries (args, iteration, ...).
-    state = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(checkpoint_dir))
+    sharded = module.sharded_state_dict()
+    if _has_te_moe_norms(checkpoint_dir):
+        _use_te_moe_norm_keys(sharded)
+    state = dist_checkpointing.load({"model": sharded}, str(checkpoint_dir))
     module.load_state_dict(state["model"])
+
+
+def _has_te_moe_norms(checkpoint_dir: Path) -> bool:
+    from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+
+    return any(MOE_PRE_MLP_NORM in key for key in DCPCheckpoint(checkpoint_dir).tensor_keys())
+
+
+def _use_te_moe_norm_keys(sharded: dict) -> None:
+    """Point the local spec's MoE pre-MLP norms at the Transformer-Engine spec's checkpoint key.
+
+    The two specs name only this tensor differently on disk: the local spec saves a MoE layer's pre-MLP norm as
+    `mlp.linear_fc1.layer_norm_weight`, Transformer Engine as `pre_mlp_layernorm.weight`.
+    """
+    moe_layers = {name.split(".mlp.router.")[0] for name in sharded if ".mlp.router." in name}
+    for name, item in sharded.items():
+        module = name.removesuffix(".pre_mlp_layernorm.weight")
+        if module != name and module in moe_layers:
+            item.key = item.key.replace(LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

@@ -40,6 +40,36 @@ def tiny_config(architecture: str, **overrides: Any) -> dict[str, Any]:
         "MistralForCausalLM": {"model_type": "mistral", "sliding_window": None, "head_dim": 16},
         "Qwen2ForCausalLM": {"model_type": "qwen2", "rope_theta": 1000000.0},
         "Qwen3ForCausalLM": {"model_type": "qwen3", "head_dim": 32, "rope_theta": 1000000.0},
+        "MixtralForCausalLM": {
+            "model_type": "mixtral",
+            "num_hidden_layers": 4,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": None,
+            "rope_theta": 1000000.0,
+        },
+        "Qwen3MoeForCausalLM": {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+            "head_dim": 16,
+            "rope_theta": 1000000.0,
+        },
+        "Qwen2MoeForCausalLM": {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "rope_theta": 1000000.0,
+        },
     }
     config = {**base, **per_arch[architecture], "architectures": [architecture], **overrides}
     return config

@@ -9,6 +9,7 @@ so an `args` that contradicts the tensors is refused up front. Safetensors shard
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
-from hf_mcore_bridge.mapping_types import Dims, Entry, dcp_key, is_layered
+from hf_mcore_bridge.mapping_types import Dims, Entry, Placement
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
@@ -78,26 +79,43 @@ def _check_against_args(model: ModelConfig, args: Any) -> None:
             raise CheckpointError(f"checkpoint args {arg}={value} contradict the HF config ({getattr(model, field)})")
 
 
-def _expected_shapes(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelConfig):
-    """Per placed entry: its mcore key, per-layer mcore shape, and HF names/shapes; every key checked."""
-    plan = []
+@dataclass(frozen=True)
+class _Planned:
+    placed: Placed
+    where: Placement
+    shape: tuple[int, ...]
+    """The tensor's shape without the leading (layer / expert) axes."""
+    hf_shapes: dict[str, tuple[int, ...]]
+
+
+def _plan(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelConfig) -> list[_Planned]:
+    """Every placed entry located in the checkpoint, with its shapes checked against the config.
+
+    The layer-spec naming (which differs for MoE layer norms) and the stacking of layers are taken from what the
+    checkpoint holds.
+    """
     keys = source.keys()
-    for p in placed:
-        key = dcp_key(p.template.mcore)
-        if key not in keys:
-            raise CheckpointError(f"tensor {key} is missing from the checkpoint")
-        shape = source.shape(key)
-        if is_layered(p.template.mcore):
-            if shape[0] != model.num_layers:
-                raise CheckpointError(f"{key} stacks {shape[0]} layers, the config says {model.num_layers}")
-            shape = shape[1:]
-        plan.append((p, key, shape, p.entry.hf_shapes(shape, dims)))
+    stacked = source.stacked if source.stacked is not None else model.homogeneous
+    candidates = []
+    for spec in ("te", "local"):
+        wheres = [p.placement(model, spec=spec, stacked=stacked) for p in placed]
+        missing = [w.key for w in wheres if w.key not in keys]
+        candidates.append((len(missing), missing, wheres))
+        if not missing:
+            break
+    count, missing, wheres = min(candidates, key=lambda c: c[0])
+    if count:
+        raise CheckpointError(f"{count} tensor(s) missing from the checkpoint, e.g. {missing[0]}")
+    plan = []
+    for p, where in zip(placed, wheres, strict=True):
+        shape = source.shape(where.key)
+        leading = shape[: len(where.leading)]
+        if leading != where.leading_shape:
+            found, implied = (" x ".join(map(str, dims_)) for dims_ in (leading, where.leading_shape))
+            raise CheckpointError(f"{where.key} stacks {found} layers/experts, the config says {implied}")
+        shape = shape[len(where.leading) :]
+        plan.append(_Planned(p, where, shape, p.entry.hf_shapes(shape, dims)))
     return plan
-
-
-def _unknown_keys(placed: list[Placed], source: McoreSource) -> list[str]:
-    known = {dcp_key(p.template.mcore) for p in placed}
-    return sorted(source.keys() - known)
 
 
 def convert_mcore_to_hf(
@@ -125,16 +143,20 @@ def convert_mcore_to_hf(
     mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
     placed = placed_entries(arch, model)
-    padded = mcore.shape(dcp_key(placed[0].template.mcore))[0]
+    padded = mcore.shape(placed[0].placement(model).key)[0]
     dims = model.dims(padded)
-    plan = _expected_shapes(placed, mcore, dims, model)
-    unknown = _unknown_keys(placed, mcore)
+    plan = _plan(placed, mcore, dims, model)
+    unknown = sorted(mcore.keys() - {planned.where.key for planned in plan})
     if unknown and not ignore_unknown:
         raise CheckpointError(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
     out_dtype = DTYPES[dtype] if dtype else None
-    specs = {name: (shape, out_dtype or mcore.dtype(key)) for _, key, _, hf in plan for name, shape in hf.items()}
+    specs = {
+        name: (shape, out_dtype or mcore.dtype(planned.where.key))
+        for planned in plan
+        for name, shape in planned.hf_shapes.items()
+    }
     split = split_torch_state_dict_into_shards(
         {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
         max_shard_size=max_shard_size,
@@ -148,9 +170,9 @@ def convert_mcore_to_hf(
         }
         try:
             with progress_bar("export to hf", total=len(plan), enabled=show_progress) as advance:
-                for p, key, _, _ in plan:
-                    tensor = mcore.read(key, p.layer)
-                    for name, value in p.entry.to_hf(tensor, dims).items():
+                for planned in plan:
+                    tensor = mcore.read(planned.where.key, planned.where.leading)
+                    for name, value in planned.placed.entry.to_hf(tensor, dims).items():
                         writers[split.tensor_to_filename[name]].write(name, value.to(specs[name][1]))
                     advance()
         finally:

@@ -22,7 +22,7 @@ from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.legacy_format import write_legacy
-from hf_mcore_bridge.mapping_types import Dims, Direct, dcp_key, extra_state_module, is_layered
+from hf_mcore_bridge.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron_dirs import HF_ASSETS_DIR, iteration_dirname, write_common, write_tracker
 from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
@@ -84,37 +84,51 @@ class Producer:
 
 
 def plan_chunks(
-    placed: list[Placed], hf: HFCheckpoint, model: ModelConfig, dims: Dims, layout: Layout, producer: Producer
+    placed: list[Placed],
+    hf: HFCheckpoint,
+    model: ModelConfig,
+    dims: Dims,
+    layout: Layout,
+    producer: Producer,
+    spec: str = "te",
 ) -> tuple[list[TensorChunk], list[ObjectItem]]:
-    """Every chunk the target ranks will read, and the `_extra_state` objects megatron-core expects."""
+    """Every chunk the target ranks will read, and the `_extra_state` objects megatron-core expects.
+
+    Experts are chunked over expert tensor parallelism (ETP), everything else over TP; each (layer, expert)
+    is its own chunk on the leading axes, so expert parallelism needs no further split.
+    """
     chunks: list[TensorChunk] = []
     objects: dict[str, ObjectItem] = {}
-    num_layers = model.num_layers
     for p in placed:
         shapes = {n: hf.info(n).shape for n in p.hf_names()}
         shape = p.entry.mcore_shape(shapes, dims)
-        key = dcp_key(p.template.mcore)
-        layered = is_layered(p.template.mcore)
-        global_shape = (num_layers, *shape) if layered else shape
-        for box in shard_boxes(shape, p.entry.parallel, layout.tp):
+        where = p.placement(model, spec=spec)
+        global_shape = (*where.leading_shape, *shape)
+        tp = layout.expert_tp if is_expert(p.template.mcore) else layout.tp
+        for box in shard_boxes(shape, p.entry.parallel, tp):
             offsets, sizes = box
-            produce = _bind(producer, p, box, unsqueeze=layered)
-            if layered:
-                offsets, sizes = (p.layer, *offsets), (1, *sizes)
-            chunks.append(TensorChunk(key, global_shape, offsets, sizes, producer.dtype, produce))
+            produce = _bind(producer, p, box, leading=len(where.leading))
+            offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
+            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype, produce))
         module = extra_state_module(p.template)
         if module is not None:
-            offsets = (p.layer,) if layered else (0,)
-            extent = (num_layers,) if layered else (1,)
-            object_key = f"{dcp_key(module)}._extra_state/shard_{offsets[0]}_{extent[0]}"
+            module_where = placement(
+                module,
+                layer=p.layer,
+                expert=p.expert,
+                num_layers=model.num_layers,
+                num_experts=model.moe.num_experts if model.moe else None,
+                stacked=model.homogeneous,
+            )
+            object_key = module_where.object_key(module_where.key)
             objects.setdefault(object_key, ObjectItem(object_key, [None]))
     return chunks, list(objects.values())
 
 
-def _bind(producer: Producer, placed: Placed, box, *, unsqueeze: bool) -> Callable[[], torch.Tensor]:
+def _bind(producer: Producer, placed: Placed, box, *, leading: int) -> Callable[[], torch.Tensor]:
     def produce() -> torch.Tensor:
         tensor = producer.chunk(placed, box)
-        return tensor.unsqueeze(0) if unsqueeze else tensor
+        return tensor.reshape((1,) * leading + tuple(tensor.shape))
 
     return produce
 
@@ -145,12 +159,16 @@ def convert_hf_to_mcore(
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
     placed = placed_entries(arch, model)
+    if arch.fused_experts:
+        hf.add_fused_aliases(
+            dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
+        )
     check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
     target_dtype = DTYPES[dtype] if dtype else _source_dtype(hf, placed)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
     producer = Producer(hf, dims, target_dtype)
-    chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer)
+    chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer, spec)
     args = config_bridge.megatron_args(
         model,
         layout,
@@ -163,13 +181,15 @@ def convert_hf_to_mcore(
     with atomic_directory(destination, overwrite=overwrite) as staging:
         checkpoint_dir = staging / iteration_dirname(None)
         if checkpoint_format == "torch":
-            with progress_bar("convert to mcore (legacy)", total=layout.tp * layout.pp, enabled=show_progress) as step:
+            files = layout.tp * layout.pp * layout.ep
+            with progress_bar("convert to mcore (legacy)", total=files, enabled=show_progress) as step:
                 write_legacy(
                     checkpoint_dir,
                     placed,
                     producer.full,
                     layout=layout,
                     num_layers=model.num_layers,
+                    num_experts=model.moe.num_experts if model.moe else None,
                     tied=model.tie_word_embeddings,
                     spec=spec,
                     args=args,

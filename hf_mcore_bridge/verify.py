@@ -169,6 +169,6 @@ def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.
             dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
         logits = gather_from_tensor_model_parallel_region(output)
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
+    if parallel_state.get_tensor_model_parallel_rank() != 0 or parallel_state.get_data_parallel_rank() != 0:
         return None
     return logits[..., : model_cfg.vocab_size].float().cpu()

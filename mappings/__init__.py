@@ -7,10 +7,19 @@ from __future__ import annotations
 
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import llama, mistral, qwen2, qwen3
+from hf_mcore_bridge.mappings import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 REGISTRY: dict[str, Architecture] = {
-    arch.hf_name: arch for arch in (llama.ARCHITECTURE, mistral.ARCHITECTURE, qwen2.ARCHITECTURE, qwen3.ARCHITECTURE)
+    arch.hf_name: arch
+    for arch in (
+        llama.ARCHITECTURE,
+        mistral.ARCHITECTURE,
+        qwen2.ARCHITECTURE,
+        qwen3.ARCHITECTURE,
+        mixtral.ARCHITECTURE,
+        qwen3_moe.ARCHITECTURE,
+        qwen2_moe.ARCHITECTURE,
+    )
 }
 
 

@@ -13,7 +13,7 @@ from hf_mcore_bridge.parallel_style import Parallel
 HF_LAYER = "model.layers.{layer}"
 MC_LAYER = "decoder.layers.{layer}"
 
-TABLE = (
+ATTENTION = (
     Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight", Parallel.VOCAB),
     Direct(
         f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight",
@@ -27,6 +27,12 @@ TABLE = (
         v=f"{HF_LAYER}.self_attn.v_proj.weight",
     ),
     Direct(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{HF_LAYER}.self_attn.o_proj.weight", Parallel.ROW),
+    Direct("decoder.final_layernorm.weight", "model.norm.weight", Parallel.REPLICATED),
+    Direct("output_layer.weight", "lm_head.weight", Parallel.VOCAB, untied_only=True),
+)
+"""Embedding, attention, final norm and output layer: shared by every family, dense or MoE."""
+
+DENSE_MLP = (
     Direct(
         f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight",
         f"{HF_LAYER}.post_attention_layernorm.weight",
@@ -38,9 +44,10 @@ TABLE = (
         up=f"{HF_LAYER}.mlp.up_proj.weight",
     ),
     Direct(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW),
-    Direct("decoder.final_layernorm.weight", "model.norm.weight", Parallel.REPLICATED),
-    Direct("output_layer.weight", "lm_head.weight", Parallel.VOCAB, untied_only=True),
 )
+"""The gated dense MLP with its pre-MLP norm (fused into `linear_fc1` under the Transformer-Engine naming)."""
+
+TABLE = ATTENTION + DENSE_MLP
 
 
 def check(config: Mapping[str, Any]) -> None:

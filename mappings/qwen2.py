@@ -16,18 +16,17 @@ def check(config: Mapping[str, Any]) -> None:
     refuse_if(config, "use_sliding_window", True)
 
 
+QKV_BIAS = FusedQKV(
+    f"{MC_LAYER}.self_attention.linear_qkv.bias",
+    q=f"{HF_LAYER}.self_attn.q_proj.bias",
+    k=f"{HF_LAYER}.self_attn.k_proj.bias",
+    v=f"{HF_LAYER}.self_attn.v_proj.bias",
+)
+
 ARCHITECTURE = Architecture(
     hf_name="Qwen2ForCausalLM",
     model_type="qwen2",
-    table=(
-        *TABLE,
-        FusedQKV(
-            f"{MC_LAYER}.self_attention.linear_qkv.bias",
-            q=f"{HF_LAYER}.self_attn.q_proj.bias",
-            k=f"{HF_LAYER}.self_attn.k_proj.bias",
-            v=f"{HF_LAYER}.self_attn.v_proj.bias",
-        ),
-    ),
+    table=(*TABLE, QKV_BIAS),
     qkv_bias=True,
     check=check,
     hf_defaults={"use_sliding_window": False},

@@ -18,18 +18,15 @@ def check(config: Mapping[str, Any]) -> None:
     refuse_if(config, "use_sliding_window", True)
 
 
+QK_NORMS = (
+    Direct(f"{MC_LAYER}.self_attention.q_layernorm.weight", f"{HF_LAYER}.self_attn.q_norm.weight", Parallel.REPLICATED),
+    Direct(f"{MC_LAYER}.self_attention.k_layernorm.weight", f"{HF_LAYER}.self_attn.k_norm.weight", Parallel.REPLICATED),
+)
+
 ARCHITECTURE = Architecture(
     hf_name="Qwen3ForCausalLM",
     model_type="qwen3",
-    table=(
-        *TABLE,
-        Direct(
-            f"{MC_LAYER}.self_attention.q_layernorm.weight", f"{HF_LAYER}.self_attn.q_norm.weight", Parallel.REPLICATED
-        ),
-        Direct(
-            f"{MC_LAYER}.self_attention.k_layernorm.weight", f"{HF_LAYER}.self_attn.k_norm.weight", Parallel.REPLICATED
-        ),
-    ),
+    table=(*TABLE, *QK_NORMS),
     qk_norm=True,
     check=check,
     hf_defaults={"use_sliding_window": False},

@@ -42,3 +42,20 @@ def tiny_models_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         name: build_tiny_model(root / name, arch, seed=10 + i, dtype=torch.bfloat16, **overrides)
         for i, (name, (arch, overrides)) in enumerate(VARIANTS.items())
     }
+
+
+MOE_VARIANTS = {
+    "mixtral": ("MixtralForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {}),  # layer 1 dense (mlp_only_layers): a heterogeneous stack
+    "qwen2_moe": ("Qwen2MoeForCausalLM", {}),  # shared expert with its gate, no top-k renormalisation
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """fp32 tiny mixture-of-experts models, one per architecture."""
+    root = tmp_path_factory.mktemp("tiny-moe")
+    return {
+        name: build_tiny_model(root / name, arch, seed=20 + i, **overrides)
+        for i, (name, (arch, overrides)) in enumerate(MOE_VARIANTS.items())
+    }

@@ -67,7 +67,8 @@ def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) 
     _, checkpoint_dir = resolve_checkpoint(Path(root))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    state = torch.load(checkpoint_dir / rank_dirname(tp_rank, pp_rank, 0, layout) / FILE_NAME, weights_only=False)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    state = torch.load(checkpoint_dir / rank_dirname(tp_rank, pp_rank, ep_rank, layout) / FILE_NAME, weights_only=False)
     model_cfg = from_megatron_args(state["args"])
     padded = state["args"].padded_vocab_size
     if layout.vpp:

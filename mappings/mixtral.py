@@ -1,0 +1,66 @@
+"""Mixtral (`MixtralForCausalLM`): Llama attention, every layer a routed MoE (softmax -> top-k -> renormalise)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_bridge import MoeConfig
+from hf_mcore_bridge.config_errors import ConfigError, refuse_unless, require
+from hf_mcore_bridge.mappings.llama import ATTENTION, HF_LAYER
+from hf_mcore_bridge.moe_tables import routed_experts, topk
+
+HF_MOE = f"{HF_LAYER}.block_sparse_moe"
+
+
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
+    """Mixtral's router renormalises the top-k softmax weights: megatron's default (top-k of logits, softmax)."""
+    refuse_unless(config, "sliding_window", None)
+    jitter = config.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise ConfigError(f"config field router_jitter_noise={jitter} cannot be represented in megatron-core")
+    experts = require(config, "num_local_experts")
+    return MoeConfig(
+        num_experts=experts,
+        ffn_hidden_size=require(config, "intermediate_size"),
+        topk=topk(config, experts),
+        moe_layers=(True,) * num_layers,
+        pre_softmax=False,
+        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+    return {
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.topk,
+        "intermediate_size": moe.ffn_hidden_size,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "router_jitter_noise": 0.0,
+    }
+
+
+ARCHITECTURE = Architecture(
+    hf_name="MixtralForCausalLM",
+    model_type="mixtral",
+    table=(
+        *ATTENTION,
+        *routed_experts(
+            norm=f"{HF_LAYER}.post_attention_layernorm.weight",
+            router=f"{HF_MOE}.gate.weight",
+            gate=f"{HF_MOE}.experts.{{expert}}.w1.weight",
+            up=f"{HF_MOE}.experts.{{expert}}.w3.weight",
+            down=f"{HF_MOE}.experts.{{expert}}.w2.weight",
+        ),
+    ),
+    hf_defaults={"sliding_window": None},
+    moe_from_hf=moe_from_hf,
+    moe_to_hf=moe_to_hf,
+    fused_experts={
+        f"{HF_MOE}.experts.{{expert}}.w1.weight": (f"{HF_LAYER}.mlp.experts.gate_up_proj", "gate"),
+        f"{HF_MOE}.experts.{{expert}}.w3.weight": (f"{HF_LAYER}.mlp.experts.gate_up_proj", "up"),
+        f"{HF_MOE}.experts.{{expert}}.w2.weight": (f"{HF_LAYER}.mlp.experts.down_proj", "all"),
+        f"{HF_MOE}.gate.weight": (f"{HF_LAYER}.mlp.gate.weight", "all"),
+    },
+)

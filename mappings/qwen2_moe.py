@@ -1,0 +1,71 @@
+"""Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen2 attention (q/k/v biases), routed experts without renormalisation,
+and a shared expert scaled by a sigmoid gate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_bridge import MoeConfig
+from hf_mcore_bridge.config_errors import refuse_if, require
+from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, LayerKind
+from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, MC_LAYER
+from hf_mcore_bridge.mappings.qwen2 import QKV_BIAS
+from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE, ROUTED
+from hf_mcore_bridge.mappings.qwen3_moe import moe_from_hf as qwen3_moe_from_hf
+from hf_mcore_bridge.mappings.qwen3_moe import moe_to_hf as qwen3_moe_to_hf
+from hf_mcore_bridge.moe_tables import dense_only
+from hf_mcore_bridge.parallel_style import Parallel
+
+
+def check(config: Mapping[str, Any]) -> None:
+    refuse_if(config, "use_sliding_window", True)
+
+
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
+    """Qwen2-MoE's shared expert is always gated: sigmoid(x . w_gate) * shared_expert(x)."""
+    routed = qwen3_moe_from_hf(config, num_layers)
+    return replace(
+        routed, shared_expert_size=require(config, "shared_expert_intermediate_size"), shared_expert_gate=True
+    )
+
+
+def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+    return {**qwen3_moe_to_hf(moe), "shared_expert_intermediate_size": moe.shared_expert_size}
+
+
+SHARED = f"{HF_MOE}.shared_expert"
+SHARED_EXPERT = (
+    FusedGateUp(
+        f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight",
+        gate=f"{SHARED}.gate_proj.weight",
+        up=f"{SHARED}.up_proj.weight",
+        layers=LayerKind.MOE,
+    ),
+    Direct(
+        f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight",
+        f"{SHARED}.down_proj.weight",
+        Parallel.ROW,
+        layers=LayerKind.MOE,
+    ),
+    Direct(
+        f"{MC_LAYER}.mlp.shared_experts.gate_weight",
+        f"{HF_MOE}.shared_expert_gate.weight",
+        Parallel.REPLICATED,
+        layers=LayerKind.MOE,
+    ),
+)
+
+ARCHITECTURE = Architecture(
+    hf_name="Qwen2MoeForCausalLM",
+    model_type="qwen2_moe",
+    table=(*ATTENTION, QKV_BIAS, *dense_only(DENSE_MLP), *ROUTED, *SHARED_EXPERT),
+    qkv_bias=True,
+    check=check,
+    hf_defaults={"use_sliding_window": False, "qkv_bias": True},
+    moe_from_hf=moe_from_hf,
+    moe_to_hf=moe_to_hf,
+    fused_experts=FUSED_EXPERTS,
+)

@@ -1,0 +1,70 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3 attention (q/k norms), routed experts, optional dense layers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.config_bridge import MoeConfig
+from hf_mcore_bridge.config_errors import require
+from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, HF_LAYER
+from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
+from hf_mcore_bridge.mappings.qwen3 import check as qwen3_check
+from hf_mcore_bridge.moe_tables import dense_only, layer_pattern_to_hf, moe_layer_pattern, routed_experts, topk
+
+HF_MOE = f"{HF_LAYER}.mlp"
+
+
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
+    """`norm_topk_prob=True` renormalises the top-k weights (megatron's default); False keeps the softmax values
+    of the chosen experts (megatron's `moe_router_pre_softmax`)."""
+    # the Hub's configs say num_experts; transformers 5 saves the same field as num_local_experts
+    experts = config.get("num_experts") or require(config, "num_local_experts")
+    return MoeConfig(
+        num_experts=experts,
+        ffn_hidden_size=require(config, "moe_intermediate_size"),
+        topk=topk(config, experts),
+        moe_layers=moe_layer_pattern(config, num_layers),
+        pre_softmax=not config.get("norm_topk_prob", False),
+        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.topk,
+        "moe_intermediate_size": moe.ffn_hidden_size,
+        "norm_topk_prob": not moe.pre_softmax,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        **layer_pattern_to_hf(moe.moe_layers),
+    }
+
+
+FUSED_EXPERTS = {
+    f"{HF_MOE}.experts.{{expert}}.gate_proj.weight": (f"{HF_MOE}.experts.gate_up_proj", "gate"),
+    f"{HF_MOE}.experts.{{expert}}.up_proj.weight": (f"{HF_MOE}.experts.gate_up_proj", "up"),
+    f"{HF_MOE}.experts.{{expert}}.down_proj.weight": (f"{HF_MOE}.experts.down_proj", "all"),
+}
+"""transformers 5 holds experts fused as `[num_experts, ...]` tensors; checkpoints saved that way are read too."""
+
+ROUTED = routed_experts(
+    norm=f"{HF_LAYER}.post_attention_layernorm.weight",
+    router=f"{HF_MOE}.gate.weight",
+    gate=f"{HF_MOE}.experts.{{expert}}.gate_proj.weight",
+    up=f"{HF_MOE}.experts.{{expert}}.up_proj.weight",
+    down=f"{HF_MOE}.experts.{{expert}}.down_proj.weight",
+)
+
+ARCHITECTURE = Architecture(
+    hf_name="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    table=(*ATTENTION, *QK_NORMS, *dense_only(DENSE_MLP), *ROUTED),
+    qk_norm=True,
+    check=qwen3_check,
+    hf_defaults={"use_sliding_window": False},
+    moe_from_hf=moe_from_hf,
+    moe_to_hf=moe_to_hf,
+    fused_experts=FUSED_EXPERTS,
+)

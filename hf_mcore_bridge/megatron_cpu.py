@@ -7,16 +7,32 @@ Applied only when CUDA is absent, idempotently, by `apply_cpu_workarounds()`:
 - `Tensor.cuda()` moves the shared embedding of tied models with PP > 1: it returns the tensor itself.
 - The CUDA RNG tracker forks CUDA generator state in attention: megatron-core's own inference tracker (whose fork
   does nothing) is installed instead, so dropout is not supported on CPU.
+Callers must also pass an explicit attention mask: the default causal mask is built on `device="cuda"`.
+
+`apply_te_absent_workarounds()` is applied wherever Transformer Engine is missing, GPU or not:
 - The MoE router refers to Transformer Engine's `te_general_gemm`, undefined when TE is absent: it is set to None,
   which megatron-core's own code treats as "use torch".
-Callers must also pass an explicit attention mask: the default causal mask is built on `device="cuda"`.
+
+Training (pipeline schedules, DDP, `get_megatron_optimizer`, gradient clipping) needs more, applied by
+`apply_cpu_training_workarounds()` (it imports megatron-core's optimizer, so it is separate and opt-in):
+- The schedules, the optimizer, the grad-clipping module and `megatron.core.utils` (its torch fallback of
+  `multi_tensor_l2norm`) create small tensors with `device="cuda"` (token counts, found-inf flags, norms):
+  inside those four modules only, `torch.zeros/ones/tensor/empty` map a CUDA
+  device to the CPU.
+- `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'`: it is replaced by
+  the same scaling (`grad *= max_norm / (total_norm + 1e-6)` when that factor is below 1) without the check.
+Not covered: the distributed optimizer's CUDA tensor-type check (use `use_distributed_optimizer=False` on CPU).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 _applied = False
+_training_applied = False
 
 
 def apply_cpu_workarounds() -> bool:
@@ -32,9 +48,66 @@ def apply_cpu_workarounds() -> bool:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _applied = True
+    return True
+
+
+class _CpuTensorFactories:
+    """Stands in for the `torch` module inside a megatron-core module: CUDA devices in factories become CPU."""
+
+    _FACTORIES = ("zeros", "ones", "tensor", "empty", "full")
+
+    def __init__(self, real: ModuleType) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in params if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.detach().mul_(clip_coeff)
+
+
+def apply_cpu_training_workarounds() -> bool:
+    """Patch what megatron-core's schedules and optimizer need on CPU (see the module docstring)."""
+    global _training_applied
+    if not apply_cpu_workarounds():
+        return False
+    if _training_applied:
+        return True
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (schedules, clip_grads, optimizer, utils):
+        module.torch = _CpuTensorFactories(torch)  # type: ignore[attr-defined]
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    _training_applied = True
+    return True
+
+
+def apply_te_absent_workarounds() -> None:
+    """Define what megatron-core's MoE code references from Transformer Engine when TE is not installed."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    _applied = True
-    return True

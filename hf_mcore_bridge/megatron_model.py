@@ -24,15 +24,21 @@ def build_gpt_model(
     *,
     device: torch.device,
     vp_stage: int | None = None,
+    initialize: bool = True,
 ) -> torch.nn.Module:
-    """A `GPTModel` for this rank's pipeline stage (and virtual stage), parameters on `device`."""
+    """A `GPTModel` for this rank's pipeline stage (and virtual stage), parameters on `device`.
+
+    `initialize=False` skips megatron-core's random initialisation (the weights are about to be loaded); on a GPU
+    the parameters are then allocated there directly.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     kwargs = transformer_config_kwargs(model, layout, dtype)
-    kwargs["use_cpu_initialization"] = True
+    kwargs["use_cpu_initialization"] = initialize or device.type == "cpu"
+    kwargs["perform_initialization"] = initialize
     config = TransformerConfig(**kwargs)
     if model.moe is None:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")

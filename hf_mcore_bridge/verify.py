@@ -137,9 +137,8 @@ def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: t
     model_cfg = from_megatron_args(args)
     divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
     device = rank_device()
-    model = build_gpt_model(
-        model_cfg, layout, dtype, padded_vocab(model_cfg, layout, divisible_by), device=device
-    ).eval()
+    padded = padded_vocab(model_cfg, layout, divisible_by)
+    model = build_gpt_model(model_cfg, layout, dtype, padded, device=device, initialize=False).eval()
     load_distributed_checkpoint(model, checkpoint_dir)
     return forward_stage(model, model_cfg, tokens, dtype)
 

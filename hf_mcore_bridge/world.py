@@ -56,7 +56,7 @@ def run_world(fn: Callable[..., None], layout: Layout, *args: Any) -> None:
 def _rank_main(rank: int, size: int, port: int, layout: Layout, fn: Callable[..., None], args: tuple) -> None:
     import torch.distributed as dist
 
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds
+    from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds, apply_te_absent_workarounds
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()
@@ -66,6 +66,7 @@ def _rank_main(rank: int, size: int, port: int, layout: Layout, fn: Callable[...
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
     apply_cpu_workarounds()
+    apply_te_absent_workarounds()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(

@@ -1,10 +1,11 @@
 """Embedded vLLM-style inference engine: paged KV cache, continuous batching, vLLM `load_weights` contract.
 
-`Engine` generates with the built-in decoder (Llama, Mistral, Qwen2, Qwen3); `VllmEngine` offers the same
-interface over vLLM where vLLM is installed. Modules: `arch` (per-architecture data and the HF name table),
-`model` (the decoder and its weight loader), `attention` (paged attention through torch SDPA), `kv_cache`
-(block allocator), `scheduler` (continuous batching), `sampling` (sampling and log-probabilities),
-`cuda_graphs` (graphs of the decode step), `engine` (`Engine`), `vllm_backend` (`VllmEngine`).
+`Engine` generates with the built-in decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE); `VllmEngine` offers the same interface over vLLM where vLLM is installed. Modules:
+`arch` (per-architecture data and the HF name table), `model` (the decoder and its weight loader), `attention`
+(paged attention through torch SDPA), `kv_cache` (block allocator), `scheduler` (continuous batching),
+`sampling` (sampling and log-probabilities), `cuda_graphs` (graphs of the decode step), `engine` (`Engine`),
+`vllm_backend` (`VllmEngine`).
 """
 
 from hf_mcore_bridge.engine.arch import ARCHITECTURES, ArchSpec, ModelConfig

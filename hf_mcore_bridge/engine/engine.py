@@ -2,7 +2,9 @@
 
 One `generate` call runs to completion: it tokenises the prompts (when given text), queues each prompt as a
 group of n samples, and loops scheduler step -> model step -> sampling until every sample has finished. Prefill
-steps run eagerly; on CUDA the decode step replays a CUDA graph captured for its shape bucket.
+steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket.
+A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
+(`model.routed_experts`), which a graph cannot capture.
 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
@@ -77,7 +79,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     """Prompt tokens prefilled in one step, at most (must be >= max_model_len: no chunked prefill)."""
     use_cuda_graphs: bool = True
-    """Replay CUDA graphs of the decode step (CUDA devices only)."""
+    """Replay CUDA graphs of the decode step (CUDA devices, dense models only: MoE models decode eagerly)."""
     graph_block_step: int = 4
     """CUDA-graph buckets of the block-table width are multiples of this many blocks."""
 
@@ -140,7 +142,7 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 class Engine:
-    """An embedded vLLM-style engine for Llama, Mistral, Qwen2 and Qwen3 decoders.
+    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE decoders.
 
     Args:
         hf_config: a transformers `PretrainedConfig` or a config.json dict.
@@ -181,7 +183,7 @@ class Engine:
             DecodeGraphs(
                 self._decode_forward, self.device, cfg.max_num_seqs, self.max_blocks_per_seq, cfg.graph_block_step
             )
-            if cfg.use_cuda_graphs and self.device.type == "cuda"
+            if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None
             else None
         )
         self._sleep_level = 0
@@ -204,9 +206,11 @@ class Engine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named, full (unsharded) tensors into the engine, in any order and any number of calls.
 
-        q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`; a tied `lm_head` is
-        skipped. Unknown names raise `UnknownWeightError`. Returns the HF names loaded by this call. Allowed while
-        awake or asleep at level 1; after `sleep(level=2)`, call `wake_up()` first, then reload every weight.
+        q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`, and each expert's
+        tensors (HF's per-expert names, as saved on the Hub) fill its slice of the stacked `experts.w13` /
+        `experts.w2`; a tied `lm_head` is skipped. Unknown names raise `UnknownWeightError`. Returns the HF names
+        loaded by this call. Allowed while awake or asleep at level 1; after `sleep(level=2)`, call `wake_up()`
+        first, then reload every weight.
         """
         if self._sleep_level == 2:
             raise EngineAsleepError("weights were released by sleep(level=2); call wake_up() before load_weights")
@@ -224,7 +228,7 @@ class Engine:
 
     @property
     def num_cuda_graphs(self) -> int:
-        """Decode-step CUDA graphs captured so far (0 off CUDA or with `use_cuda_graphs=False`)."""
+        """Decode-step CUDA graphs captured so far (0 off CUDA, for MoE models or with `use_cuda_graphs=False`)."""
         return self._graphs.num_captured if self._graphs is not None else 0
 
     # Sleep ------------------------------------------------------------------------------------------------------

@@ -1,14 +1,24 @@
-"""The shared decoder (Llama, Mistral, Qwen2, Qwen3) with fused `qkv_proj` / `gate_up_proj`, and its weight loader.
+"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE) and its weight loader.
 
 Layout follows the inference convention: a batch is a flat run of tokens `[T]` with their positions, and the
 attention metadata says how tokens group into sequences and where they live in the paged KV cache
 (`attention.py`). Numerics follow transformers' modules (float32 RMSNorm statistics, float32 rotary tables cast
-to the activation dtype), so an fp32 engine reproduces an fp32 HF model to rounding; in bf16 the fused RMSNorm
-rounds once where transformers rounds twice.
+to the activation dtype, float32 router softmax), so an fp32 engine reproduces an fp32 HF model to rounding; in
+bf16 the fused RMSNorm rounds once where transformers rounds twice.
+
+Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
+and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP
+on its own rows, adding the weighted outputs in transformers' order. This is the simple, exact path, not the fast
+one: each MoE layer syncs with the host once (the per-expert row counts) and launches a few kernels per active
+expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a grouped GEMM over the expert-sorted
+rows with on-device offsets (vLLM's fused-MoE Triton kernel, or `torch._grouped_mm`): sync-free, graph-capturable,
+and taking the same stacked `experts.w13` [E, 2F, H] / `experts.w2` [E, H, F] parameters, so only
+`routed_experts` would change. Every expert lives on every device (no expert parallelism).
 
 Weights: parameters are created empty and filled only through `load_weights`, which takes HF names and full
 (unsharded) tensors in any order and in any number of calls; `{q,k,v}_proj` go into row slices of `qkv_proj`,
-`{gate,up}_proj` into `gate_up_proj` (the name table is `arch.weight_table`). Copies are in place, so a refit
+`{gate,up}_proj` into `gate_up_proj`, and each expert's tensors (HF's per-expert names) into slice `[expert]` of
+the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`). Copies are in place, so a refit
 keeps every parameter's storage (and any CUDA graph captured over it) valid. `check_loaded` names whatever has not
 been loaded since the weights were (re)allocated.
 """
@@ -25,9 +35,14 @@ from torch import nn
 
 from hf_mcore_bridge.engine.arch import (
     Direct,
+    Entry,
+    ExpertGateUp,
+    ExpertSlice,
     FusedGateUp,
     FusedQKV,
+    MlpKind,
     ModelConfig,
+    MoeConfig,
     RopeConfig,
     ignored_names,
     weight_table,
@@ -167,24 +182,106 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    """A SiLU-gated MLP with fused gate and up projections."""
+
+    def __init__(self, hidden: int, width: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.width = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+        self.width = width
+        self.gate_up_proj = Linear(hidden, 2 * width, False, dtype, device)
+        self.down_proj = Linear(width, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: float32 weights [T, k] and expert ids [T, k] of each token's top-k experts.
+
+    router_logits: [T, E]. The softmax is over all experts in float32; with `renormalize` the k kept weights are
+    divided by their sum (Mixtral, Qwen-MoE with `norm_topk_prob`), else they keep their softmax values.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def routed_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """Sum over each token's experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
+
+    x: [T, H]; w13: [E, 2F, H] (gate rows, then up rows); w2: [E, H, F]; weights, experts: [T, k]. The token rows
+    are grouped by expert with one stable sort and each expert runs once on its rows; contributions are added in
+    ascending expert order, as transformers does. Costs one host sync (the per-expert row counts).
+    """
+    out = torch.zeros_like(x)
+    top_k = experts.shape[1]
+    flat_experts = experts.flatten()
+    flat_weights = weights.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    counts = torch.bincount(flat_experts, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        start += count
+        tokens = rows // top_k
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
+    return out
+
+
+class Experts(nn.Module):
+    """Routed experts stacked on a leading expert axis: `w13` [E, 2F, H] and `w2` [E, H, F]."""
+
+    def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.w13 = _param(moe.num_experts, 2 * moe.expert_width, hidden, dtype=dtype, device=device)
+        self.w2 = _param(moe.num_experts, hidden, moe.expert_width, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, self.w13, self.w2, weights, experts)
+
+
+class SparseMoe(nn.Module):
+    """Router (`gate`), routed experts and, where the architecture has one, a sigmoid-gated shared expert."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.moe = cfg.moe
+        self.gate = Linear(cfg.hidden_size, cfg.moe.num_experts, False, dtype, device)
+        self.experts = Experts(cfg.moe, cfg.hidden_size, dtype, device)
+        shared = cfg.moe.shared_expert_width
+        self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device) if shared is not None else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if shared is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        if self.moe.round_routing_weights:
+            weights = weights.to(x.dtype)
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: MlpKind, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp: nn.Module = (
+            SparseMoe(cfg, dtype, device)
+            if mlp is MlpKind.MOE
+            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        )
 
     def forward(
         self,
@@ -202,16 +299,21 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.mlp_kind(layer), dtype, device) for layer in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where one HF tensor goes: a parameter, and the rows of it (None: the whole parameter)."""
+    """Where one HF tensor goes: a parameter, its slice `[expert]` (stacked experts), then rows of that."""
 
     param: str
     rows: tuple[int, int] | None = None
+    """None: all rows."""
+    expert: int | None = None
+    """The index on the leading expert axis; None for a parameter that is not stacked over experts."""
 
 
 class CausalLM(nn.Module):
@@ -233,9 +335,12 @@ class CausalLM(nn.Module):
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
         self.loaded: set[str] = set()
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
-        missing_params = {t.param for t in self.targets.values()} - set(self._shapes)
-        if missing_params:
-            raise AssertionError(f"weight table names parameters the model lacks: {sorted(missing_params)}")
+        filled = {t.param for t in self.targets.values()}
+        if filled != set(self._shapes):
+            raise AssertionError(
+                f"weight table and parameters disagree: table only {sorted(filled - set(self._shapes))}, "
+                f"parameters only {sorted(set(self._shapes) - filled)}"
+            )
 
     def forward(
         self,
@@ -266,24 +371,28 @@ class CausalLM(nn.Module):
 
         Raises `UnknownWeightError` for a name the model has no place for and `ValueError` for a shape mismatch.
         """
-        params = dict(self.named_parameters())
         done: set[str] = set()
         for name, tensor in weights:
-            target = self.targets.get(name)
-            if target is None:
+            if name not in self.targets:
                 if name in self.ignored:
                     continue
                 close = difflib.get_close_matches(name, list(self.targets), n=3)
                 raise UnknownWeightError(f"unknown weight {name!r}; closest known names: {close}")
-            dest = params[target.param].data
-            if target.rows is not None:
-                dest = dest[target.rows[0] : target.rows[1]]
+            dest = self.hf_view(name)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
             dest.copy_(tensor)
             done.add(name)
         self.loaded |= done
         return done
+
+    def hf_view(self, hf_name: str) -> torch.Tensor:
+        """The engine's storage of one HF tensor: a whole parameter, or a view of its expert slice and rows."""
+        target = self.targets[hf_name]
+        data = self.get_parameter(target.param).data
+        if target.expert is not None:
+            data = data[target.expert]
+        return data if target.rows is None else data[target.rows[0] : target.rows[1]]
 
     def missing_weights(self) -> list[str]:
         """HF names not loaded since the weights were last allocated."""
@@ -318,30 +427,46 @@ def _expand(templates: Iterable[str], num_layers: int) -> set[str]:
 
 
 def _expand_targets(cfg: ModelConfig) -> dict[str, Target]:
-    """HF name -> target, for every layer (the table's `{layer}` placeholder filled in)."""
-    q_rows = cfg.num_heads * cfg.head_dim
-    kv_rows = cfg.num_kv_heads * cfg.head_dim
-    ffn = cfg.intermediate_size
+    """HF name -> target, for every layer and expert (the table's placeholders filled in)."""
     targets: dict[str, Target] = {}
     for layer in range(cfg.num_layers):
-        for entry in weight_table(cfg):
-            if "{layer}" not in _first_name(entry) and layer > 0:
-                continue
-            fill = {"layer": layer}
-            if isinstance(entry, Direct):
-                name = entry.name.format(**fill)
-                targets[name] = Target(name)
-            elif isinstance(entry, FusedQKV):
-                param = entry.target.format(**fill)
-                targets[entry.q.format(**fill)] = Target(param, (0, q_rows))
-                targets[entry.k.format(**fill)] = Target(param, (q_rows, q_rows + kv_rows))
-                targets[entry.v.format(**fill)] = Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows))
-            else:
-                param = entry.target.format(**fill)
-                targets[entry.gate.format(**fill)] = Target(param, (0, ffn))
-                targets[entry.up.format(**fill)] = Target(param, (ffn, 2 * ffn))
+        for entry in weight_table(cfg, cfg.mlp_kind(layer)):
+            targets.update(_entry_targets(cfg, entry, layer))
     return targets
 
 
-def _first_name(entry: Direct | FusedQKV | FusedGateUp) -> str:
-    return entry.name if isinstance(entry, Direct) else entry.target
+def _entry_targets(cfg: ModelConfig, entry: Entry, layer: int) -> dict[str, Target]:
+    """The targets of one table entry in one layer (model-level entries come out the same for every layer)."""
+    if isinstance(entry, Direct):
+        name = entry.name.format(layer=layer)
+        return {name: Target((entry.target or entry.name).format(layer=layer))}
+    if isinstance(entry, FusedQKV):
+        param = entry.target.format(layer=layer)
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {
+            entry.q.format(layer=layer): Target(param, (0, q_rows)),
+            entry.k.format(layer=layer): Target(param, (q_rows, q_rows + kv_rows)),
+            entry.v.format(layer=layer): Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows)),
+        }
+    if isinstance(entry, FusedGateUp):
+        param = entry.target.format(layer=layer)
+        return {
+            entry.gate.format(layer=layer): Target(param, (0, entry.width)),
+            entry.up.format(layer=layer): Target(param, (entry.width, 2 * entry.width)),
+        }
+    return _expert_targets(cfg, entry, layer)
+
+
+def _expert_targets(cfg: ModelConfig, entry: ExpertSlice | ExpertGateUp, layer: int) -> dict[str, Target]:
+    """One target per expert, in slice `[expert]` of the stacked parameter."""
+    assert cfg.moe is not None
+    param = entry.target.format(layer=layer)
+    targets: dict[str, Target] = {}
+    for expert in range(cfg.moe.num_experts):
+        fill = {"layer": layer, "expert": expert}
+        if isinstance(entry, ExpertSlice):
+            targets[entry.source.format(**fill)] = Target(param, expert=expert)
+        else:
+            targets[entry.gate.format(**fill)] = Target(param, (0, entry.width), expert)
+            targets[entry.up.format(**fill)] = Target(param, (entry.width, 2 * entry.width), expert)
+    return targets

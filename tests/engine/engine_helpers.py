@@ -1,15 +1,30 @@
 """Shared helpers of the engine tests.
 
-Tiny HF models (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 211) built from configs in code, and the
-transformers references the engine tests compare against (greedy `generate`, log-probs of a forward pass).
+Tiny HF models (2-3 layers, hidden 64, 4 heads, 2 KV heads, vocab 211; the MoE ones with 4-8 experts, top-2)
+built from configs in code, and the transformers references the engine tests compare against (greedy `generate`,
+log-probs of a forward pass). Weights reach the engine as transformers saves them (`hub_weights`): for the MoE
+models that is one tensor per expert, not the fused expert tensors of their in-memory state dict.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from hf_mcore_bridge.engine import Engine, EngineConfig
 
@@ -45,10 +60,37 @@ CONFIGS: dict[str, Callable[[], object]] = {
 }
 ARCH_NAMES = tuple(CONFIGS)
 
+QWEN3_MOE = dict(
+    COMMON,
+    num_hidden_layers=3,
+    head_dim=32,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],  # layers 0 and 2 route to experts, layer 1 is dense
+)
+
+MOE_CONFIGS: dict[str, Callable[[], object]] = {
+    "mixtral": lambda: MixtralConfig(
+        **{**COMMON, "intermediate_size": 48},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**QWEN3_MOE, norm_topk_prob=True),
+    # The same weights (same shapes, same seed) routed with the top-k softmax values as they are.
+    "qwen3_moe_unnormalised": lambda: Qwen3MoeConfig(**QWEN3_MOE, norm_topk_prob=False),
+    # A shared expert beside the routed ones; norm_topk_prob keeps its default, False.
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
+    ),
+}
+MOE_ARCH_NAMES = tuple(MOE_CONFIGS)
+
 
 def build_hf_model(arch: str, seed: int) -> PreTrainedModel:
     """A float32 HF model with every parameter random (biases and norm weights too, unlike HF's own init)."""
-    config = CONFIGS[arch]()
+    config = {**CONFIGS, **MOE_CONFIGS}[arch]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
@@ -79,10 +121,18 @@ def tiny_engine_config(**overrides: object) -> EngineConfig:
     return EngineConfig(**settings)  # type: ignore[arg-type]
 
 
+def hub_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors as transformers saves them (HF names, full tensors; per-expert names for MoE)."""
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        files = sorted(Path(directory).glob("*.safetensors"))
+        return [item for file in files for item in load_file(file).items()]
+
+
 def engine_from_hf(model: PreTrainedModel, **overrides: object) -> Engine:
-    """An engine whose weights are pushed from the HF model's state dict (HF names, full tensors)."""
+    """An engine whose weights are pushed through `load_weights` in the layout transformers saves."""
     engine = Engine(model.config, tiny_engine_config(**overrides))
-    engine.load_weights(model.state_dict().items())
+    engine.load_weights(hub_weights(model))
     return engine
 
 

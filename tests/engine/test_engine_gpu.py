@@ -1,10 +1,19 @@
-"""CUDA-only checks: the engine on the GPU against transformers, and CUDA-graph decode against eager decode."""
+"""CUDA-only checks: the engine on the GPU against transformers, CUDA-graph decode against eager decode, and the
+mixture-of-experts models, which decode eagerly even when graphs are asked for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import ARCH_NAMES, build_hf_model, hf_token_logprobs, random_prompts, tiny_engine_config
+from engine_helpers import (
+    ARCH_NAMES,
+    MOE_ARCH_NAMES,
+    build_hf_model,
+    hf_token_logprobs,
+    hub_weights,
+    random_prompts,
+    tiny_engine_config,
+)
 
 from hf_mcore_bridge.engine import Engine, SamplingParams
 
@@ -49,3 +58,18 @@ def test_refit_keeps_captured_graphs_valid():
     after = engine.generate(prompts, greedy)
     reference = _cuda_engine(second, graphs=False).generate(prompts, greedy)
     assert [o.samples[0].token_ids for o in after] == [o.samples[0].token_ids for o in reference]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
+def test_moe_decodes_eagerly_and_matches_transformers(arch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference_model = build_hf_model(arch, 0)
+    engine = Engine(reference_model.config, tiny_engine_config(device="cuda", use_cuda_graphs=True, block_size=16))
+    engine.load_weights(hub_weights(reference_model))
+    prompts = random_prompts([5, 20, 33], seed=13)
+    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=4))
+    assert engine.num_cuda_graphs == 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for sample in output.samples:
+            expected = hf_token_logprobs(reference_model, prompt, sample.token_ids, 0.8)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-4)

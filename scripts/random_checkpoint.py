@@ -1,0 +1,189 @@
+"""Random HF checkpoints of real model shapes, written shard by shard without building a transformers model.
+
+Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB) or Qwen3-MoE-shaped checkpoint
+is generated in seconds (on a GPU when there is one) and streamed to disk with bounded memory. Tensor names and
+shapes come from the project's own mapping tables (every HF tensor the converter expects), shapes from the
+config by the role of each tensor.
+
+    python scripts/random_checkpoint.py llama3-8b OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.model_plan import placed_entries
+from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "llama3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "qwen3-moe": {  # Qwen3-30B-A3B's layer shape, 8 layers
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "attention_bias": False,
+    },
+}
+
+_ROLES = [  # (pattern on the HF name, shape from the model config)
+    (r"(embed_tokens|lm_head)\.weight", lambda m, x: (m.vocab_size, m.hidden_size)),
+    (r"q_proj\.weight", lambda m, x: (m.num_attention_heads * m.head_dim, m.hidden_size)),
+    (r"[kv]_proj\.weight", lambda m, x: (m.num_query_groups * m.head_dim, m.hidden_size)),
+    (r"q_proj\.bias", lambda m, x: (m.num_attention_heads * m.head_dim,)),
+    (r"[kv]_proj\.bias", lambda m, x: (m.num_query_groups * m.head_dim,)),
+    (r"o_proj\.weight", lambda m, x: (m.hidden_size, m.num_attention_heads * m.head_dim)),
+    (r"[qk]_norm\.weight", lambda m, x: (m.head_dim,)),
+    (r"(layernorm|norm)\.weight", lambda m, x: (m.hidden_size,)),
+    (r"shared_expert_gate\.weight", lambda m, x: (1, m.hidden_size)),
+    (r"shared_expert\.(gate|up)_proj\.weight", lambda m, x: (m.moe.shared_expert_size, m.hidden_size)),
+    (r"shared_expert\.down_proj\.weight", lambda m, x: (m.hidden_size, m.moe.shared_expert_size)),
+    (r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight", lambda m, x: (m.moe.ffn_hidden_size, m.hidden_size)),
+    (r"experts\.\d+\.(down_proj|w2)\.weight", lambda m, x: (m.hidden_size, m.moe.ffn_hidden_size)),
+    (r"(mlp|block_sparse_moe)\.gate\.weight", lambda m, x: (m.moe.num_experts, m.hidden_size)),
+    (r"mlp\.(gate|up)_proj\.weight", lambda m, x: (m.ffn_hidden_size, m.hidden_size)),
+    (r"mlp\.down_proj\.weight", lambda m, x: (m.hidden_size, m.ffn_hidden_size)),
+]
+
+
+def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every HF tensor (in table order) of a model with this config, with its shape."""
+    arch = get_architecture(config["architectures"][0])
+    model: ModelConfig = config_bridge.from_hf(config, arch)
+    out = []
+    for placed in placed_entries(arch, model):
+        for name in placed.hf_names():
+            shape = next((fn(model, None) for pattern, fn in _ROLES if re.search(pattern, name)), None)
+            if shape is None:
+                raise ValueError(f"no shape rule for {name}")
+            out.append((name, shape))
+    return out
+
+
+def write_random_checkpoint(
+    directory: Path,
+    config: dict[str, Any],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_bytes: int = 2 << 30,
+    seed: int = 0,
+) -> int:
+    """Write a random checkpoint (normal, std 0.02; norms near 1) with `config`; returns the bytes written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = hf_tensor_shapes(config)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = SafetensorsStreamWriter(directory / file, [(n, s, dtype) for n, s in shard])
+        for name, shape in shard:
+            value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+            if name.endswith("norm.weight") or "layernorm" in name:
+                value = value + 1.0
+            writer.write(name, value.to(dtype).cpu())
+            weight_map[name] = file
+            total += value.numel() * dtype.itemsize
+        writer.close()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    dtype_name = config_bridge.DTYPE_NAMES[dtype]
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype_name}, indent=2))
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--layers", type=int, help="Override the number of layers.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = dict(SHAPES[args.shape])
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    total = write_random_checkpoint(args.directory, config, seed=args.seed)
+    print(f"wrote {args.directory}: {total / 2**30:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Mixture-of-experts architectures (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers.
+
+Weights reach the engine only through `load_weights`, with the per-expert names transformers saves. Checked: greedy
+tokens identical to `generate` and per-token log-probs within 1e-5 of a transformers forward pass (prompts of
+different lengths, n > 1), `norm_topk_prob` on and off, a refit to other weights, a bit-exact read-back of every
+saved tensor, the routing and expert pieces alone against transformers' own modules, which layers get experts,
+config keys (expert count, Qwen2-MoE's `qkv_bias`), and the errors for missing, unknown or misshapen expert
+tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_helpers import (
+    MOE_ARCH_NAMES,
+    MOE_CONFIGS,
+    QWEN3_MOE,
+    engine_from_hf,
+    hf_greedy,
+    hf_token_logprobs,
+    hub_weights,
+    random_prompts,
+    tiny_engine_config,
+)
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
+
+from hf_mcore_bridge.engine import Engine, MissingWeightsError, ModelConfig, SamplingParams, UnknownWeightError
+from hf_mcore_bridge.engine.model import route, routed_experts
+
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+
+
+def _greedy_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = engine.generate(prompts, GREEDY)
+    for output in outputs:
+        assert output.samples[0].token_ids == output.samples[1].token_ids
+    return [output.samples[0].token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
+def test_greedy_matches_transformers_generate(arch, get_hf_model):
+    model = get_hf_model(arch)
+    engine = engine_from_hf(model)
+    prompts = random_prompts([5, 11, 23], seed=21)
+    outputs = engine.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        reference = hf_greedy(model, prompt, 10)
+        for sample in output.samples:
+            assert sample.token_ids == reference
+            expected = hf_token_logprobs(model, prompt, sample.token_ids, temperature=1.0)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
+def test_sampled_logprobs_match_transformers_forward(arch, get_hf_model):
+    model = get_hf_model(arch)
+    engine = engine_from_hf(model)
+    prompts = random_prompts([8, 17], seed=22)
+    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=8, seed=5))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for sample in output.samples:
+            expected = hf_token_logprobs(model, prompt, sample.token_ids, temperature=0.8)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def test_norm_topk_prob_is_followed(get_hf_model):
+    """Same weights, `norm_topk_prob` True and False: each engine matches its own config's transformers log-probs
+    and is far from the other's, so the flag is neither ignored nor fixed."""
+    models = {True: get_hf_model("qwen3_moe"), False: get_hf_model("qwen3_moe_unnormalised")}
+    same_weights = zip(models[True].state_dict().values(), models[False].state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in same_weights)
+    prompt = random_prompts([12], seed=23)[0]
+    for flag, model in models.items():
+        (output,) = engine_from_hf(model).generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))
+        tokens, logprobs = output.samples[0].token_ids, output.samples[0].logprobs
+        assert tokens == hf_greedy(model, prompt, 6)
+        assert logprobs == pytest.approx(hf_token_logprobs(model, prompt, tokens, temperature=1.0), abs=1e-5)
+        other = hf_token_logprobs(models[not flag], prompt, tokens, temperature=1.0)
+        assert max(abs(a - b) for a, b in zip(logprobs, other, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_refit_switches_to_the_new_weights(arch, get_hf_model, tmp_path):
+    """Start from a saved HF directory (config.json as transformers writes it), then refit in shuffled pieces."""
+    first, second = get_hf_model(arch, 0), get_hf_model(arch, 1)
+    first.save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, tiny_engine_config())
+    prompts = random_prompts([4, 13], seed=24)
+    before = _greedy_tokens(engine, prompts)
+    assert before == [hf_greedy(first, p, 10) for p in prompts]
+
+    items = hub_weights(second)
+    random.Random(0).shuffle(items)
+    loaded: set[str] = set()
+    for chunk in (items[:7], items[7:30], items[30:]):
+        loaded |= engine.load_weights(iter(chunk))
+    after = _greedy_tokens(engine, prompts)
+    assert after == [hf_greedy(second, p, 10) for p in prompts]
+    assert after != before
+    assert loaded == set(engine.model.targets)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_every_saved_tensor_round_trips_bit_exactly(arch, get_hf_model):
+    """Each HF tensor reads back unchanged from its own slice (two names sharing a slice would clobber one)."""
+    weights = hub_weights(get_hf_model(arch))
+    engine = Engine(get_hf_model(arch).config, tiny_engine_config())
+    assert engine.load_weights(weights) == set(engine.model.targets) == {name for name, _ in weights}
+    for name, tensor in weights:
+        assert torch.equal(engine.model.hf_view(name), tensor), name
+
+
+def test_missing_expert_is_an_error_naming_it(get_hf_model):
+    model = get_hf_model("mixtral")
+    engine = Engine(model.config, tiny_engine_config())
+    skipped = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    weights = dict(hub_weights(model))
+    engine.load_weights((name, t) for name, t in weights.items() if name != skipped)
+    with pytest.raises(MissingWeightsError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w3\.weight"):
+        engine.generate([[1, 2, 3]], GREEDY)
+    engine.load_weights([(skipped, weights[skipped])])
+    engine.check_loaded()
+
+
+def test_unknown_expert_names_are_errors_naming_them(get_hf_model):
+    engine = engine_from_hf(get_hf_model("qwen3_moe"))
+    for name, shape in (
+        ("model.layers.0.mlp.experts.8.up_proj.weight", (32, 64)),  # experts 0..7 only
+        ("model.layers.1.mlp.experts.0.up_proj.weight", (32, 64)),  # layer 1 is dense (mlp_only_layers)
+        ("model.layers.2.mlp.experts.gate_up_proj", (8, 64, 64)),  # transformers' in-memory fused name
+        ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),  # Qwen2-MoE only
+    ):
+        with pytest.raises(UnknownWeightError, match=name.replace(".", r"\.")):
+            engine.load_weights([(name, torch.zeros(shape))])
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.5\.down_proj\.weight"):
+        engine.load_weights([("model.layers.2.mlp.experts.5.down_proj.weight", torch.zeros(32, 64))])
+
+
+def test_dense_layers_follow_mlp_only_layers_and_sparse_step():
+    """The layers that get experts are those transformers builds a sparse block for."""
+    config = Qwen3MoeConfig(**{**QWEN3_MOE, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    hf_layers = AutoModelForCausalLM.from_config(config).model.layers
+    expected = {i for i, layer in enumerate(hf_layers) if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)}
+    assert expected == {1, 5}
+    moe = ModelConfig.from_hf(config).moe
+    assert moe is not None and moe.layers == expected
+
+
+def test_expert_count_is_read_from_either_config_key():
+    saved = MOE_CONFIGS["qwen3_moe"]().to_dict()  # transformers 5 writes num_local_experts
+    assert "num_experts" not in saved
+    moe = ModelConfig.from_hf(saved).moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.expert_width) == (8, 2, 32)
+    renamed = {k: v for k, v in saved.items() if k != "num_local_experts"} | {"num_experts": 8}
+    assert ModelConfig.from_hf(renamed).moe == moe
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf({**saved, "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_routing_equals_transformers_router(norm_topk_prob):
+    config = Qwen3MoeConfig(**QWEN3_MOE, norm_topk_prob=norm_topk_prob)
+    router = Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    logits, hf_weights, hf_experts = router(x)
+    weights, experts = route(logits, config.num_experts_per_tok, renormalize=norm_topk_prob)
+    assert torch.equal(experts, hf_experts)
+    assert torch.equal(weights, hf_weights)
+    assert torch.allclose(weights.sum(-1), torch.ones(40)) == norm_topk_prob
+
+
+def test_routed_experts_equal_transformers_experts():
+    config = MOE_CONFIGS["mixtral"]()
+    router, experts = MixtralTopKRouter(config), MixtralExperts(config)
+    generator = torch.Generator().manual_seed(2)
+    for p in (router.weight, experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(p, std=0.3, generator=generator)
+    x = torch.randn(33, 64, generator=generator)
+    with torch.no_grad():
+        _, hf_weights, hf_experts = router(x)
+        expected = experts(x, hf_experts, hf_weights)
+        weights, chosen = route(torch.nn.functional.linear(x, router.weight), 2, renormalize=True)
+        got = routed_experts(x, experts.gate_up_proj, experts.down_proj, weights, chosen)
+    assert torch.equal(chosen, hf_experts)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_qwen2_moe_attention_bias_follows_its_qkv_bias_flag(qkv_bias):
+    config = MOE_CONFIGS["qwen2_moe"]()
+    config.qkv_bias = qkv_bias
+    attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    assert (attention.q_proj.bias is not None) == qkv_bias == ModelConfig.from_hf(config).qkv_bias

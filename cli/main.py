@@ -16,6 +16,10 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+# Let torch's CPU allocator back large tensors with transparent huge pages: conversion allocates one fresh
+# tensor per chunk, and faulting in 4 KiB pages otherwise costs more than copying the bytes. Set before torch loads.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 app = typer.Typer(
     help=(
         "Bridge HuggingFace checkpoints and Megatron-Core: convert at any TP/PP layout, verify against "

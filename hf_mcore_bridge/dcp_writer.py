@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,17 @@ def _checked(chunk: TensorChunk) -> Callable[[], torch.Tensor]:
     return produce
 
 
+@contextmanager
+def _without_crc32() -> Iterator[None]:
+    """Skip the per-record CRC32 of `torch.save` (a fifth of the writing time); readers do not check it."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
 def write_dcp(
     directory: Path,
     chunks: Sequence[TensorChunk],
@@ -124,7 +136,7 @@ def write_dcp(
     directory.mkdir(parents=True, exist_ok=True)
     planner = _StreamingPlanner(chunks, objects, on_write)
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _without_crc32():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)

@@ -61,8 +61,11 @@ def write_common(checkpoint_dir: Path, args: argparse.Namespace, iteration: int,
     (checkpoint_dir / METADATA_NAME).write_text(json.dumps(TORCH_DIST_METADATA))
 
 
+_BASIC_GLOBALS: list[Any] = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+
+
 def _safe_globals() -> list[Any]:
-    allowed: list[Any] = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+    allowed: list[Any] = list(_BASIC_GLOBALS)
     try:
         from megatron.core.enums import ModelType
         from megatron.core.transformer.enums import AttnBackend, AttnMaskType, CudaGraphScope
@@ -74,9 +77,14 @@ def _safe_globals() -> list[Any]:
 
 
 def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails."""
+    """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails.
+
+    megatron-core's enums are only imported (a few seconds) when the file actually refers to one.
+    """
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        allowed = _safe_globals() if any(name.startswith("megatron.") for name in needed) else _BASIC_GLOBALS
+        with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None

@@ -4,6 +4,7 @@ transformers' weight-loading bars), in the CLI process and in the worker process
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 
@@ -14,10 +15,8 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
+    if "transformers" in sys.modules:  # importing it only to silence it would cost a second at start-up
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass

@@ -363,20 +363,13 @@ def megatron_args(
 
 
 def _moe_args(moe: MoeConfig | None) -> dict[str, Any]:
+    """The MoE part of Megatron-LM's args: the TransformerConfig fields under Megatron-LM's argument names."""
     if moe is None:
         return {"num_experts": None}
-    return {
-        "num_experts": moe.num_experts,
-        "moe_ffn_hidden_size": moe.ffn_hidden_size,
-        "moe_router_topk": moe.topk,
-        "moe_layer_freq": 1 if all(moe.moe_layers) else [int(m) for m in moe.moe_layers],
-        "moe_router_pre_softmax": moe.pre_softmax,
-        "moe_aux_loss_coeff": moe.aux_loss_coeff,
-        "moe_shared_expert_intermediate_size": moe.shared_expert_size,
-        "moe_shared_expert_gate": moe.shared_expert_gate,
-        "moe_grouped_gemm": False,
-        "moe_router_load_balancing_type": "aux_loss",
-    }
+    args = _moe_kwargs(moe, Layout())
+    args["num_experts"] = args.pop("num_moe_experts")
+    del args["expert_tensor_parallel_size"]  # recorded with the layout
+    return args | {"moe_router_load_balancing_type": "aux_loss"}
 
 
 def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | None:

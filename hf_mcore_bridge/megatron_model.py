@@ -25,11 +25,13 @@ def build_gpt_model(
     device: torch.device,
     vp_stage: int | None = None,
     initialize: bool = True,
+    core_attention: str = "sdpa",
 ) -> torch.nn.Module:
     """A `GPTModel` for this rank's pipeline stage (and virtual stage), parameters on `device`.
 
     `initialize=False` skips megatron-core's random initialisation (the weights are about to be loaded); on a GPU
-    the parameters are then allocated there directly.
+    the parameters are then allocated there directly. `core_attention` is `sdpa` (torch's fused attention, which
+    also takes packed sequences; see `sdpa_attention`) or `local` (megatron-core's unfused attention).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -46,6 +48,10 @@ def build_gpt_model(
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
+    if core_attention == "sdpa":
+        from hf_mcore_bridge.sdpa_attention import use_sdpa
+
+        use_sdpa(spec)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     gpt = GPTModel(

@@ -81,3 +81,35 @@ def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) 
     logits = forward_stage(model, model_cfg, tokens, torch.float32)
     if logits is not None:
         torch.save(logits, out)
+
+
+def sdpa_rank(model_cfg: ModelConfig, lengths: list[int], out: str) -> None:
+    """Logits of one randomly initialised model: SDPA on separate sequences, SDPA on the same sequences packed
+    into one row (`PackedSeqParams`, thd), and megatron-core's own local attention on separate sequences."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from hf_mcore_bridge.megatron_model import causal_mask
+
+    layout = Layout()
+    padded = padded_vocab(model_cfg, layout)
+    torch.manual_seed(7)
+    sdpa = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device()).eval()
+    local = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device(), core_attention="local").eval()
+    local.load_state_dict(sdpa.state_dict())
+    generator = torch.Generator().manual_seed(8)
+    sequences = [torch.randint(0, model_cfg.vocab_size, (1, n), generator=generator) for n in lengths]
+    results: dict[str, list[torch.Tensor]] = {"sdpa": [], "local": []}
+    with torch.no_grad():
+        for tokens in sequences:
+            positions = torch.arange(tokens.shape[1])[None]
+            results["sdpa"].append(sdpa(tokens, positions, None)[0])
+            results["local"].append(local(tokens, positions, causal_mask(tokens.shape[1], device()))[0])
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+        )
+        packed_tokens = torch.cat(sequences, dim=1)
+        packed_positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed = sdpa(packed_tokens, packed_positions, None, packed_seq_params=params)[0]
+    results["packed"] = list(packed.split(lengths))
+    torch.save({k: [t.float() for t in v] for k, v in results.items()}, out)

@@ -1,0 +1,154 @@
+"""Rollouts -> padded micro-batches for the trainer's forward passes (pure tensor code, no model, no ranks).
+
+A `Rollout` is one sampled completion: prompt tokens, completion tokens, the engine's log-probs of the completion
+tokens, its reward and advantage. A micro-batch holds `B` rollouts as rows `prompt + completion`, right-padded
+with token 0 to its longest row `S`. Log-probs are indexed by the PREDICTED position: column `j` of a `[B, S - 1]`
+tensor is the log-prob of `tokens[:, j + 1]` given `tokens[:, :j + 1]`; `mask[b, j]` is 1 exactly where
+`tokens[b, j + 1]` is a completion token.
+
+Two layouts:
+- `make_microbatches`: one rollout per row, right padding (invisible to earlier positions under the causal mask,
+  so it changes no valid log-prob); the model builds its usual causal mask.
+- `pack_microbatches`: several rollouts in one row, each with its own positions (0, 1, ...) and a block-diagonal
+  causal mask (`attention_mask`), so no token attends across rollouts; advantages then become per token. The
+  local layer spec refuses megatron-core's `PackedSeqParams` (THD), hence the explicit mask; its cost is the
+  quadratic mask and attention over the whole row.
+
+Simplifications: rollouts are batched in the order given (packing fills rows greedily, first fit in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MicroBatch", "Rollout", "make_microbatches", "pack_microbatches", "response_values"]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion of one prompt."""
+
+    prompt_ids: tuple[int, ...]
+    """The prompt's tokens."""
+    completion_ids: tuple[int, ...]
+    """The generated tokens (a final stop token included)."""
+    engine_logprobs: tuple[float, ...]
+    """The engine's log-prob of each completion token (tempered, before top-k/top-p)."""
+    reward: float = 0.0
+    """The completion's reward."""
+    advantage: float = 0.0
+    """Its group-relative advantage."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids or not self.completion_ids:
+            raise ValueError("a rollout needs at least one prompt and one completion token")
+        if len(self.engine_logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"{len(self.engine_logprobs)} engine log-probs for {len(self.completion_ids)} completion tokens"
+            )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """`B` rollouts padded to a common length `S`."""
+
+    tokens: torch.Tensor
+    """[B, S] int64: prompt then completion, then 0-padding."""
+    position_ids: torch.Tensor
+    """[B, S] int64: 0..S-1 on every row."""
+    mask: torch.Tensor
+    """[B, S-1] float 0/1: predicted position `j` is a completion token."""
+    engine_logprobs: torch.Tensor
+    """[B, S-1] float32: the engine's log-probs at the masked positions, 0 elsewhere."""
+    advantages: torch.Tensor
+    """[B] float32 (one rollout per row), or [B, S-1] per predicted position (packed rows)."""
+    attention_mask: torch.Tensor | None = None
+    """[B, 1, S, S] bool, True where attention is masked out (packed rows); None: the plain causal mask."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def _microbatch(rollouts: Sequence[Rollout]) -> MicroBatch:
+    seq_len = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    rows = len(rollouts)
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    mask = torch.zeros(rows, seq_len - 1)
+    engine = torch.zeros(rows, seq_len - 1)
+    for b, rollout in enumerate(rollouts):
+        prompt, completion = len(rollout.prompt_ids), len(rollout.completion_ids)
+        tokens[b, :prompt] = torch.tensor(rollout.prompt_ids)
+        tokens[b, prompt : prompt + completion] = torch.tensor(rollout.completion_ids)
+        # the first completion token is predicted at position prompt - 1
+        mask[b, prompt - 1 : prompt - 1 + completion] = 1.0
+        engine[b, prompt - 1 : prompt - 1 + completion] = torch.tensor(rollout.engine_logprobs)
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=torch.arange(seq_len).expand(rows, seq_len).clone(),
+        mask=mask,
+        engine_logprobs=engine,
+        advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+    )
+
+
+def make_microbatches(rollouts: Sequence[Rollout], micro_batch_size: int) -> list[MicroBatch]:
+    """Consecutive chunks of `micro_batch_size` rollouts (the last may be smaller), each padded to its longest."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [_microbatch(rollouts[i : i + micro_batch_size]) for i in range(0, len(rollouts), micro_batch_size)]
+
+
+def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]]:
+    """Per row of `values: [B, S-1]`, the entries at the completion positions, in order."""
+    return [values[b][batch.mask[b].bool()].tolist() for b in range(batch.num_rows)]
+
+
+def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
+    ids = [list(r.prompt_ids) + list(r.completion_ids) for r in rollouts]
+    seq_len = sum(len(i) for i in ids)
+    tokens = torch.tensor([t for row in ids for t in row])
+    positions = torch.cat([torch.arange(len(row)) for row in ids])
+    segment = torch.cat([torch.full((len(row),), k) for k, row in enumerate(ids)])
+    mask, engine, advantages = torch.zeros(seq_len - 1), torch.zeros(seq_len - 1), torch.zeros(seq_len - 1)
+    offset = 0
+    for rollout, row in zip(rollouts, ids, strict=True):
+        start = offset + len(rollout.prompt_ids) - 1
+        stop = start + len(rollout.completion_ids)
+        mask[start:stop] = 1.0
+        engine[start:stop] = torch.tensor(rollout.engine_logprobs)
+        advantages[start:stop] = rollout.advantage
+        offset += len(row)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    allowed = causal & (segment[:, None] == segment[None, :])
+    return MicroBatch(
+        tokens=tokens[None],
+        position_ids=positions[None],
+        mask=mask[None],
+        engine_logprobs=engine[None],
+        advantages=advantages[None],
+        attention_mask=~allowed[None, None],
+    )
+
+
+def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int) -> list[MicroBatch]:
+    """Rows of whole rollouts, at most `max_tokens` tokens each (a longer rollout gets a row of its own)."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    rows: list[list[Rollout]] = []
+    used = 0
+    for rollout in rollouts:
+        size = len(rollout.prompt_ids) + len(rollout.completion_ids)
+        if not rows or used + size > max_tokens:
+            rows.append([])
+            used = 0
+        rows[-1].append(rollout)
+        used += size
+    return [_packed_row(row) for row in rows]

@@ -1,0 +1,469 @@
+"""The GRPO run's configuration: frozen dataclasses, one per YAML section, and the loader that fills them.
+
+A YAML file (or a dict) maps section by section onto `GRPOConfig`; `key.sub=value` overrides are applied on top
+(values parsed as YAML scalars, so `grpo.seed=3` is an int). An unknown key anywhere is a `GRPOConfigError`
+naming the closest valid key. `megatron_cfg.transformer` / `.optimizer` / `.ddp` are free-form dicts forwarded as
+given to megatron-core's `TransformerConfig`, `OptimizerConfig` and `DistributedDataParallelConfig`; their keys
+are checked against those classes' fields (megatron-core is imported for that), and keys the trainer derives
+itself (model shape, parallel sizes, dtype) are refused there. `validate()` checks the whole config, cheap
+checks only, before any process starts.
+
+Simplifications: the loss section IS the algorithm's `LossConfig` (one definition of the loss knobs); the vLLM
+backend is accepted by the schema but refused by the trainer for now; context parallelism needs Transformer
+Engine and is refused on CPU by megatron-core's local spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
+
+__all__ = [
+    "CheckpointingConfig",
+    "DataConfig",
+    "GRPOConfig",
+    "GRPOConfigError",
+    "GRPOSection",
+    "GenerationConfig",
+    "LoggerConfig",
+    "MegatronConfig",
+    "PolicyConfig",
+    "RewardConfig",
+    "SchedulerConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "load_config",
+]
+
+
+class GRPOConfigError(BridgeError):
+    """A configuration that cannot run: unknown key, wrong type or inconsistent values; the message says where."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """megatron-core's `OptimizerParamScheduler` (learning rate and weight decay per step)."""
+
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from `lr_warmup_init` to the optimizer's `lr`."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at step 0 of the warm-up."""
+    lr_decay_steps: int | None = None
+    """Optimizer steps over which the rate decays to `min_lr`; None: the run's total optimizer steps."""
+    lr_decay_style: str = "constant"
+    """`constant`, `linear`, `cosine`, `inverse-square-root` or `WSD` (megatron-core's names)."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """How megatron-core runs the policy: parallel sizes plus keys forwarded to its config classes."""
+
+    enabled: bool = True
+    """Train with megatron-core (the only training backend so far)."""
+    tensor_model_parallel_size: int = 1
+    """TP: heads, query groups, FFN width and vocabulary split over this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: decoder layers split into this many stages."""
+    context_parallel_size: int = 1
+    """CP: needs Transformer Engine (the local spec refuses CP > 1)."""
+    expert_model_parallel_size: int = 1
+    """EP: routed experts split over this many ranks (MoE models)."""
+    sequence_parallel: bool = False
+    """megatron-core's sequence parallelism (TP > 1 only)."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch of the training and log-prob forward passes (padded to their longest)."""
+    sequence_packing: bool = False
+    """Pack whole rollouts into single rows with a block-diagonal causal mask instead (token aggregation only)."""
+    max_tokens_per_microbatch: int = 1024
+    """Row length budget of a packed micro-batch."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padding rule (times TP), as Megatron-LM; padded logits are masked out of every softmax."""
+    transformer: Mapping[str, Any] = field(default_factory=dict)
+    """Extra `TransformerConfig` keys, forwarded as given (e.g. `recompute_granularity`)."""
+    optimizer: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-6, "weight_decay": 0.01, "clip_grad": 1.0})
+    """`OptimizerConfig` keys, forwarded as given (`lr`, `weight_decay`, `adam_beta1`, `clip_grad`, ...)."""
+    ddp: Mapping[str, Any] = field(default_factory=dict)
+    """`DistributedDataParallelConfig` keys, forwarded as given (e.g. `overlap_grad_reduce`)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate and weight-decay schedule."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The model being trained."""
+
+    model_path: str = ""
+    """A Megatron checkpoint directory (`torch_dist`) or an HF model directory (converted on the way in)."""
+    tokenizer: str | None = None
+    """A `tokenizer.json` file or a directory holding one; None: the HF model directory (or its stored assets)."""
+    dtype: str = "fp32"
+    """Parameter and compute dtype of trainer and engine: `fp32`, `bf16` or `fp16`."""
+    megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
+    """megatron-core settings."""
+
+
+@dataclass(frozen=True)
+class GRPOSection:
+    """The outer loop."""
+
+    num_prompts_per_step: int = 8
+    """Prompts drawn per step."""
+    num_generations_per_prompt: int = 8
+    """Completions sampled per prompt (the group of the advantage baseline)."""
+    max_num_steps: int = 100
+    """Steps to run (counting steps of a resumed run)."""
+    num_minibatches: int = 1
+    """Optimizer steps per GRPO step: the step's samples split into this many mini-batches (1: on-policy)."""
+    seed: int = 0
+    """Seeds the prompt order and the sampling."""
+    val_period: int = 0
+    """Run validation every this many steps (0: never)."""
+    val_num_prompts: int = 8
+    """Prompts of the validation set scored (greedy, one sample each) at each validation."""
+    normalize_rewards: bool = True
+    """Divide advantages by the group's reward standard deviation (GRPO); False: Dr. GRPO."""
+    leave_one_out: bool = False
+    """Baseline each completion with the mean of the others of its group."""
+    probe_prompt: str | None = None
+    """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Rollouts."""
+
+    backend: str = "embedded"
+    """`embedded` (the in-process engine) or `vllm` (not wired into the trainer yet)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (engine log-probs are taken before truncation)."""
+    top_k: int = 0
+    """Top-k truncation (0: off)."""
+    max_new_tokens: int = 16
+    """Tokens generated at most per completion."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sample ends after one of these; the tokenizer's EOS is NOT added implicitly."""
+    max_model_len: int = 512
+    """Prompt plus completion, at most."""
+    kv_cache_memory_bytes: int = 64 << 20
+    """The engine's KV-cache budget."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from: a built-in task, or a JSONL file."""
+
+    task: str | None = None
+    """A built-in task of `grpo.tasks` (e.g. `repeat_digit`); exclusive with `train_jsonl`."""
+    num_records: int = 1000
+    """Records generated for a built-in task."""
+    train_jsonl: str | None = None
+    """A JSONL file of `{prompt, answer}` rows."""
+    val_jsonl: str | None = None
+    """Validation rows; None with a task: a disjoint seed of the same task."""
+    prompt_field: str = "prompt"
+    """The prompt's field name in the JSONL rows."""
+    answer_field: str = "answer"
+    """The answer's field name in the JSONL rows."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded by `grpo.seed`)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How a completion is scored."""
+
+    name: str = "math"
+    """A built-in reward (`math`, `exact_match`) or a `module:function` taking `(completion_text, answer)`."""
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """Megatron distributed checkpoints of policy and optimizer (see `grpo.checkpoint`)."""
+
+    enabled: bool = False
+    """Write checkpoints (and resume from them)."""
+    checkpoint_dir: str = "checkpoints"
+    """Root directory: `iter_XXXXXXX/` per checkpoint and `latest_checkpointed_iteration.txt`."""
+    save_period: int = 50
+    """Steps between checkpoints; the last step is always saved."""
+    resume: bool = True
+    """Continue from the newest checkpoint under `checkpoint_dir` when there is one."""
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """Metrics and progress."""
+
+    log_dir: str = "logs"
+    """Where `metrics.jsonl` (and TensorBoard event files) go."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars (needs the `tensorboard` package)."""
+    print_progress: bool = True
+    """Print one progress line per step."""
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """A whole GRPO run."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The model being trained."""
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    """The outer loop."""
+    loss_fn: LossConfig = field(default_factory=LossConfig)
+    """The GRPO loss (see `grpo.losses.LossConfig`)."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Rollouts."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring."""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """Checkpoints."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Metrics and progress."""
+
+    def validate(self) -> None:
+        """Every cross-field check that needs no model or process; raises `GRPOConfigError`."""
+        _validate(self)
+
+
+# Loading --------------------------------------------------------------------------------------------------------
+
+_FORWARDED = ("transformer", "optimizer", "ddp")
+
+
+def _unknown(key: str, valid: Sequence[str], where: str) -> GRPOConfigError:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean '{where}{close[0]}'?" if close else f"; valid keys here: {sorted(valid)}"
+    return GRPOConfigError(f"unknown config key '{where}{key}'{hint}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check `value` against a field's type hint; nested dataclasses are built recursively."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, Mapping):
+            raise GRPOConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+        return _build(hint, value, f"{where}.")
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except GRPOConfigError as err:
+                errors.append(str(err))
+        raise GRPOConfigError(errors[0] if errors else f"{where} may not be null")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise GRPOConfigError(f"{where} must be a list, got {type(value).__name__}")
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is Mapping or hint is Mapping:
+        if not isinstance(value, Mapping):
+            raise GRPOConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    return _scalar(value, hint, where)
+
+
+def _scalar(value: Any, hint: Any, where: str) -> Any:
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        raise GRPOConfigError(f"{where} must be an int, got {value!r}")
+    if isinstance(hint, type) and issubclass(hint, str) and hint is not str and isinstance(value, str):
+        try:
+            return hint(value)  # StrEnum
+        except ValueError as err:
+            raise GRPOConfigError(f"{where}: {err}") from None
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise GRPOConfigError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise _unknown(str(key), names, where)
+    kwargs = {key: _coerce(value, hints[key], f"{where}{key}") for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise GRPOConfigError(f"{where.rstrip('.') or 'config'}: {err}") from None
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise GRPOConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each `a.b.c=value` applied (value parsed as a YAML scalar/flow value)."""
+    result = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise GRPOConfigError(f"override {item!r} is not of the form key.sub=value")
+        _set_dotted(result, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return result
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> GRPOConfig:
+    """A validated `GRPOConfig` from nested dicts plus dotted overrides."""
+    config = _build(GRPOConfig, apply_overrides(data, overrides))
+    config.validate()
+    return config
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> GRPOConfig:
+    """A validated `GRPOConfig` from a YAML file plus dotted overrides."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, Mapping):
+        raise GRPOConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(data, overrides)
+
+
+# Validation -----------------------------------------------------------------------------------------------------
+
+_DERIVED_TRANSFORMER_KEYS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "sequence_parallel",
+        "params_dtype",
+        "pipeline_dtype",
+        "bf16",
+        "fp16",
+    }
+)
+"""TransformerConfig keys the trainer sets from the model and the parallel sizes."""
+
+
+def megatron_config_classes() -> dict[str, type]:
+    """The megatron-core classes that `megatron_cfg.transformer/optimizer/ddp` are forwarded to."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    return {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+
+
+def _validate_forwarded(megatron: MegatronConfig) -> None:
+    for section, cls in megatron_config_classes().items():
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in getattr(megatron, section):
+            if key not in valid:
+                raise _unknown(key, valid, f"policy.megatron_cfg.{section}.")
+            if section == "transformer" and key in _DERIVED_TRANSFORMER_KEYS:
+                raise GRPOConfigError(
+                    f"policy.megatron_cfg.transformer.{key} is set by the trainer (from the model or the parallel "
+                    "sizes); set the parallel sizes under policy.megatron_cfg instead"
+                )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise GRPOConfigError(message)
+
+
+def _validate(config: GRPOConfig) -> None:
+    policy, mcfg, grpo, gen, data = (
+        config.policy,
+        config.policy.megatron_cfg,
+        config.grpo,
+        config.generation,
+        config.data,
+    )
+    _require(bool(policy.model_path), "policy.model_path is required")
+    _require(policy.dtype in ("fp32", "bf16", "fp16"), f"policy.dtype={policy.dtype!r}: one of fp32, bf16, fp16")
+    _require(mcfg.enabled, "policy.megatron_cfg.enabled=false: megatron-core is the only training backend")
+    for name in ("tensor_model", "pipeline_model", "context", "expert_model"):
+        size = getattr(mcfg, f"{name}_parallel_size")
+        _require(size >= 1, f"policy.megatron_cfg.{name}_parallel_size={size} must be >= 1")
+    _require(
+        mcfg.context_parallel_size == 1,
+        "policy.megatron_cfg.context_parallel_size > 1 needs Transformer Engine (the local layer spec has no CP)",
+    )
+    _require(
+        not mcfg.sequence_parallel or mcfg.tensor_model_parallel_size > 1,
+        "policy.megatron_cfg.sequence_parallel needs tensor_model_parallel_size > 1",
+    )
+    _require(mcfg.micro_batch_size >= 1, "policy.megatron_cfg.micro_batch_size must be >= 1")
+    _require(
+        not mcfg.sequence_packing or config.loss_fn.aggregation is Aggregation.TOKEN,
+        "policy.megatron_cfg.sequence_packing needs loss_fn.aggregation=token (a packed row holds many sequences)",
+    )
+    _require(grpo.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt must be >= 2 (group baseline)")
+    _require(grpo.num_prompts_per_step >= 1, "grpo.num_prompts_per_step must be >= 1")
+    _require(grpo.max_num_steps >= 1, "grpo.max_num_steps must be >= 1")
+    samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+    _require(
+        grpo.num_minibatches >= 1 and samples % grpo.num_minibatches == 0,
+        f"grpo.num_minibatches={grpo.num_minibatches} must divide the step's {samples} samples",
+    )
+    _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
+    _require(gen.temperature > 0, "generation.temperature must be > 0 for training (log-probs are tempered)")
+    _require(gen.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1")
+    _require((data.task is None) != (data.train_jsonl is None), "set exactly one of data.task and data.train_jsonl")
+    _require(
+        not config.checkpointing.enabled or config.checkpointing.save_period >= 1,
+        "checkpointing.save_period must be >= 1",
+    )
+    _validate_forwarded(mcfg)
+    from hf_mcore_bridge.grpo.rewards import RewardLoadError, resolve_reward_fn
+    from hf_mcore_bridge.grpo.tasks import generate_records
+
+    try:
+        resolve_reward_fn(config.reward.name)
+        if data.task is not None:
+            generate_records(data.task, 0)
+    except (RewardLoadError, ValueError) as err:
+        raise GRPOConfigError(str(err)) from None
+    if config.logger.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise GRPOConfigError("logger.tensorboard=true needs the 'tensorboard' package (pip install tensorboard)")

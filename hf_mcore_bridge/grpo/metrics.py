@@ -1,0 +1,67 @@
+"""Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard, and a progress line.
+
+Only global rank 0 logs. A metric is a float; the step number is stored under `step`. TensorBoard is imported
+only when asked for (`torch.utils.tensorboard` needs the `tensorboard` package).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLogger", "progress_line", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to `<log_dir>/metrics.jsonl` (and TensorBoard scalars when enabled)."""
+
+    def __init__(self, log_dir: Path, tensorboard: bool = False, print_progress: bool = True) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / METRICS_FILE
+        self.print_progress = print_progress
+        self._writer: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(log_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        if self.print_progress:
+            print(progress_line(step, metrics), flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:
+    value = metrics.get(key, math.nan)
+    return format(value, spec)
+
+
+def progress_line(step: int, metrics: dict[str, float]) -> str:
+    """`step 3 | reward 0.41 | kl 1.2e-03 | clip 0.000 | 812 tok/s | refit 0.02s | step 1.10s`."""
+    return (
+        f"step {step} | reward {_fmt(metrics, 'reward_mean', '.3f')} | kl {_fmt(metrics, 'kl_ref', '.2e')} "
+        f"| clip {_fmt(metrics, 'clip_fraction', '.3f')} | {_fmt(metrics, 'tokens_per_s', '.0f')} tok/s "
+        f"| refit {_fmt(metrics, 'refit_s', '.3f')}s | step {_fmt(metrics, 'step_s', '.2f')}s"
+    )
+
+
+def read_metrics(log_dir: Path) -> list[dict[str, float]]:
+    """The records of `<log_dir>/metrics.jsonl`, in order."""
+    path = log_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,321 @@
+"""The megatron-core side of GRPO on one rank: the policy model, its optimizer, log-probs and training steps.
+
+Runs inside a `world.run_world` rank (process group and `parallel_state` initialised). The policy is a
+`GPTModel` (local layer spec) loaded from a `torch_dist` checkpoint, wrapped in megatron-core's
+`DistributedDataParallel`, trained by `get_megatron_optimizer` (AdamW, grad clipping) stepped by its
+`OptimizerParamScheduler`. Every forward pass goes through `get_forward_backward_func()`, so pipeline
+parallelism uses megatron-core's schedules.
+
+Log-probs: the sampled token's `log_softmax(logits / temperature)` computed by `vocab_parallel_cross_entropy`
+over the TP-sharded vocabulary; logits of the padding rows of the vocabulary (ids >= the real vocabulary) are
+pushed to the dtype's minimum first, so they take no probability mass, exactly as in the engine whose vocabulary
+is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch, normalised by the mini-batch's global count;
+the schedule divides each micro-batch loss by the number of micro-batches and DDP averages over data-parallel
+ranks, so the loss is multiplied back by both.
+
+Micro-batches are padded rows, or packed rows with a block-diagonal mask (`grpo.batching`).
+
+Simplifications: the reference policy for the KL term is the initial weights, kept as a copy on this rank and
+swapped in for a forward pass; with PP > 1 log-probs and metrics live on the last stage and are broadcast from
+there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
+from hf_mcore_bridge.grpo.batching import MicroBatch
+from hf_mcore_bridge.grpo.config import MegatronConfig
+from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.megatron_model import causal_mask, load_distributed_checkpoint
+
+__all__ = ["Policy", "build_policy", "layout_of", "token_logprobs"]
+
+
+def layout_of(megatron: MegatronConfig) -> Layout:
+    """The parallel layout a `MegatronConfig` asks for."""
+    return Layout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+    )
+
+
+@dataclass
+class Policy:
+    """The trained model on this rank and what steps it."""
+
+    model: Any
+    """megatron-core `DistributedDataParallel` around this stage's `GPTModel`."""
+    optimizer: Any
+    """`MegatronOptimizer` from `get_megatron_optimizer`."""
+    scheduler: Any
+    """`OptimizerParamScheduler`."""
+    model_cfg: ModelConfig
+    padded_vocab: int
+    dtype: torch.dtype
+    reference: list[torch.Tensor] | None = None
+    """Initial parameter values (the KL reference), or None when no KL term is used."""
+    optimizer_steps: int = field(default=0)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare `GPTModel`."""
+        return self.model.module
+
+
+def _transformer_config(model_cfg: ModelConfig, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
+    kwargs.update(use_cpu_initialization=True, sequence_parallel=megatron.sequence_parallel)
+    if layout.pp > 1:  # micro-batches are padded to their own longest row
+        kwargs["variable_seq_lengths"] = True
+        if model_cfg.moe is None:  # megatron-core refuses variable lengths with the allgather dispatcher
+            kwargs["moe_token_dispatcher_type"] = "alltoall"
+    kwargs.update(megatron.transformer)
+    return TransformerConfig(**kwargs)
+
+
+def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.nn.Module:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if model_cfg.moe is None:
+        spec = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm, normalization="RMSNorm")
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(
+        config,
+        spec,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **gpt_model_kwargs(model_cfg, padded_vocab),
+    )
+
+
+def build_policy(
+    model_cfg: ModelConfig,
+    megatron: MegatronConfig,
+    dtype: torch.dtype,
+    padded_vocab: int,
+    checkpoint_dir: Path,
+    total_optimizer_steps: int,
+    keep_reference: bool,
+) -> Policy:
+    """This rank's policy loaded from `checkpoint_dir`, with optimizer and scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = _transformer_config(model_cfg, layout_of(megatron), dtype, megatron)
+    gpt = _gpt_model(config, model_cfg, padded_vocab)
+    load_distributed_checkpoint(gpt, checkpoint_dir)
+    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**megatron.ddp), module=gpt)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_kwargs: dict[str, Any] = {
+        "optimizer": "adam",
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "params_dtype": dtype,
+    }
+    opt_config = OptimizerConfig(**(opt_kwargs | dict(megatron.optimizer)))
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    sched = megatron.scheduler
+    decay_steps = sched.lr_decay_steps or max(total_optimizer_steps, sched.lr_warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=sched.lr_warmup_init,
+        max_lr=opt_config.lr,
+        min_lr=sched.min_lr,
+        lr_warmup_steps=sched.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=opt_config.weight_decay,
+        end_wd=opt_config.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    reference = [p.detach().clone() for p in gpt.parameters()] if keep_reference else None
+    return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """Log-probs `[B, S-1]` of `tokens[:, 1:]` under `log_softmax(logits / temperature)` over the real vocabulary.
+
+    logits: [B, S, V_local], this TP rank's slice of the padded vocabulary (rank r holds ids
+    `r * V_local ... (r + 1) * V_local - 1`); tokens: [B, S]. Collective over the TP group.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    scaled = logits[:, :-1].float() / temperature
+    local = scaled.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * local
+    padding = torch.arange(first, first + local, device=scaled.device) >= vocab_size
+    scaled = scaled.masked_fill(padding, torch.finfo(scaled.dtype).min)
+    # vocab_parallel_cross_entropy subtracts the row max from its input in place: `scaled` is ours alone.
+    return -vocab_parallel_cross_entropy(scaled, tokens[:, 1:])
+
+
+def _forward_step(
+    loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    data_iterator: Iterator[MicroBatch],
+    model: torch.nn.Module,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    batch = next(data_iterator)
+    mask = batch.attention_mask if batch.attention_mask is not None else causal_mask(batch.seq_len, batch.tokens.device)
+    output = model(batch.tokens, batch.position_ids, mask)
+    return output, partial(loss_func, batch)
+
+
+def _run_schedule(policy: Policy, batches: list[MicroBatch], loss_func: Callable, forward_only: bool) -> list[dict]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_func),
+        data_iterator=iter(batches),
+        model=[policy.model],
+        num_microbatches=len(batches),
+        seq_length=max(b.seq_len for b in batches),
+        micro_batch_size=max(b.num_rows for b in batches),
+        forward_only=forward_only,
+    )
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
+
+
+def _broadcast_from_last_stage(value: Any) -> Any:
+    """`value` as held by the last pipeline stage, on every rank (the last global rank is on the last stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_world_size() - 1)
+    return holder[0]
+
+
+def compute_logprobs(
+    policy: Policy, batches: list[MicroBatch], temperature: float, reference: bool = False
+) -> list[torch.Tensor]:
+    """Per micro-batch, the policy's log-probs `[B, S-1]` (detached); `reference=True` uses the initial weights."""
+
+    def loss_func(batch: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
+        return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
+
+    policy.model.eval()
+    with torch.no_grad(), _SwappedIn(policy, policy.reference if reference else None):
+        results = _run_schedule(policy, batches, loss_func, forward_only=True)
+    policy.model.train()
+    logprobs = [r["logprobs"] for r in results] if _is_last_stage() else None
+    return _broadcast_from_last_stage(logprobs)
+
+
+class _SwappedIn:
+    """Context manager: the given parameter values in place of the current ones (None: no swap)."""
+
+    def __init__(self, policy: Policy, values: list[torch.Tensor] | None) -> None:
+        self.params = list(policy.module.parameters())
+        self.values = values
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        if self.values is not None:
+            self.saved = [p.detach().clone() for p in self.params]
+            for param, value in zip(self.params, self.values, strict=True):
+                param.data.copy_(value)
+
+    def __exit__(self, *exc: object) -> None:
+        for param, value in zip(self.params, self.saved, strict=False):
+            param.data.copy_(value)
+
+
+def _global_count(batches: list[MicroBatch], aggregation: Aggregation) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    counter = count_valid_tokens if aggregation is Aggregation.TOKEN else count_valid_sequences
+    total = sum((counter(b.mask).float() for b in batches), torch.zeros(()))
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total
+
+
+def train_minibatch(
+    policy: Policy,
+    batches: list[MicroBatch],
+    old_logprobs: list[torch.Tensor],
+    ref_logprobs: list[torch.Tensor] | None,
+    loss_config: LossConfig,
+    temperature: float,
+) -> dict[str, float]:
+    """One optimizer step on `batches`: forward/backward through the schedule, clip, AdamW, scheduler step.
+
+    Returns the mini-batch's metrics (token-weighted means over micro-batches) plus `grad_norm` and `lr`.
+    """
+    from megatron.core import parallel_state
+
+    global_count = _global_count(batches, loss_config.aggregation)
+    scale = len(batches) * parallel_state.get_data_parallel_world_size()
+    extras = {
+        id(b): (old_logprobs[i], None if ref_logprobs is None else ref_logprobs[i]) for i, b in enumerate(batches)
+    }
+
+    def loss_func(batch: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
+        old, ref = extras[id(batch)]
+        loss, metrics = grpo_loss(
+            logprobs,
+            old,
+            batch.advantages,
+            batch.mask,
+            global_count,
+            loss_config,
+            ref_logprobs=ref,
+            engine_logprobs=batch.engine_logprobs,
+        )
+        return loss * scale, metrics
+
+    policy.model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    results = _run_schedule(policy, batches, loss_func, forward_only=False)
+    _, grad_norm, _ = policy.optimizer.step()
+    lr = policy.optimizer.param_groups[0]["lr"]
+    policy.scheduler.step(increment=1)
+    policy.optimizer_steps += 1
+    metrics = _weighted_means(results) if _is_last_stage() else None
+    metrics = _broadcast_from_last_stage(metrics)
+    return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
+
+
+def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Token-weighted means of per-micro-batch metrics; `loss`-like terms are sums (each already global-normalised)."""
+    summed = {"loss", "pg_loss", "kl_loss", "num_valid_tokens"}
+    weights = [float(r["num_valid_tokens"]) for r in results]
+    total = sum(weights) or 1.0
+    out: dict[str, float] = {}
+    for key in results[0]:
+        values = [float(r[key]) for r in results]
+        if key in summed:
+            out[key] = sum(values)
+        else:
+            out[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
+    return out

@@ -1,0 +1,502 @@
+"""The GRPO loop: `train_grpo(config) -> RunResult`.
+
+    from hf_mcore_bridge.grpo.config import load_config
+    from hf_mcore_bridge.grpo.trainer import train_grpo
+
+    if __name__ == "__main__":  # ranks are spawned processes: guard script entry points
+        result = train_grpo(load_config("examples/grpo_tiny.yaml", ["policy.model_path=/path/to/model"]))
+        print(result.series("reward_mean"))
+
+The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed, and starts one
+process per rank (`world.run_world`). On every rank, each step:
+
+1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
+   completions each with the embedded engine, scores them, computes group advantages and broadcasts them;
+2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
+   `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
+3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
+4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine, with
+   checksums of sampled tensors compared on both sides and a fixed probe prompt scored by engine and trainer
+   (`probe_token_mult_prob_error`);
+5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
+   (`rollouts.jsonl`).
+
+Assumes a dense decoder and DP = 1 (the world is TP x PP x CP x EP); the engine runs on rank 0's device with the
+policy's dtype. Simplifications: generation and training alternate (no overlap); validation is greedy, one
+sample a prompt, scored by the same reward; policy+optimizer checkpoints every `save_period`
+steps (`grpo.checkpoint`) and resume from the newest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed
+
+from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
+from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
+from hf_mcore_bridge.grpo.config import GRPOConfig
+from hf_mcore_bridge.grpo.losses import token_mult_prob_error
+from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
+from hf_mcore_bridge.grpo.policy import Policy, build_policy, compute_logprobs, layout_of, train_minibatch
+from hf_mcore_bridge.grpo.refit import checksum, engine_tensor, hf_weights
+
+__all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+"""Every step's completions with their rewards, advantages and engine log-probs (rank 0 writes it)."""
+
+REFIT_CHECKED_TENSORS = 4
+"""HF tensors whose checksums are compared on both sides of every refit (spread over the model)."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run did: one metrics record per step (as in `metrics.jsonl`)."""
+
+    steps: int
+    """Steps completed."""
+    metrics: list[dict[str, float]]
+    """Per step: `reward_mean`, `kl_ref`, `clip_fraction`, `token_mult_prob_error`, timings, ..."""
+    log_dir: Path
+    """Where `metrics.jsonl` is."""
+
+    def series(self, key: str) -> list[float]:
+        """One metric over the steps (NaN where a step lacks it)."""
+        return [float(m.get(key, float("nan"))) for m in self.metrics]
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """What the ranks need, resolved in the parent before any process starts."""
+
+    checkpoint_dir: Path
+    """The `torch_dist` checkpoint (iteration directory) the policy starts from."""
+    model_cfg: ModelConfig
+    hf_config: dict[str, Any]
+    """The engine's HF config."""
+    tokenizer_file: Path
+    padded_vocab: int
+    log_dir: Path
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def _tokenizer_file(config: GRPOConfig, candidates: list[Path]) -> Path:
+    given = config.policy.tokenizer
+    paths = [Path(given)] if given else candidates
+    for path in paths:
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if file.is_file():
+            return file
+    raise BridgeError(f"no tokenizer.json found (looked at {[str(p) for p in paths]}); set policy.tokenizer")
+
+
+def prepare_run(config: GRPOConfig) -> PreparedRun:
+    """Resolve the policy checkpoint (converting an HF directory), the engine's HF config and the tokenizer."""
+    from hf_mcore_bridge import config_bridge
+    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
+    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+
+    log_dir = Path(config.logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    layout = layout_of(config.policy.megatron_cfg)
+    source = Path(config.policy.model_path)
+    hf_dir: Path | None = None
+    if _is_hf_dir(source):
+        hf_dir = source
+        source = log_dir / "initial_policy_mcore"
+        convert_hf_to_mcore(
+            hf_dir, source, layout=layout, dtype=config.policy.dtype, overwrite=True, show_progress=False
+        )
+    root, checkpoint_dir = resolve_checkpoint(source)
+    model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
+    model_cfg.validate(layout)
+    if model_cfg.moe is not None:
+        raise BridgeError("GRPO of mixture-of-experts policies is not supported yet (refit streams dense tensors only)")
+    assets = hf_dir or hf_assets_dir(root, checkpoint_dir)
+    if assets is not None and (assets / "config.json").exists():
+        hf_config = json.loads((assets / "config.json").read_text())
+    else:
+        hf_config = config_bridge.to_hf(model_cfg, get_architecture(model_cfg.architecture))
+    divisible_by = config.policy.megatron_cfg.make_vocab_size_divisible_by
+    return PreparedRun(
+        checkpoint_dir=checkpoint_dir,
+        model_cfg=model_cfg,
+        hf_config=hf_config,
+        tokenizer_file=_tokenizer_file(config, [assets] if assets else []),
+        padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
+        log_dir=log_dir,
+    )
+
+
+def train_grpo(config: GRPOConfig) -> RunResult:
+    """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
+    from hf_mcore_bridge.world import run_world
+
+    config.validate()
+    if config.generation.backend != "embedded":
+        raise BridgeError("generation.backend=vllm is not wired into the trainer yet; use embedded")
+    prepared = prepare_run(config)
+    _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
+    run_world(_train_rank, layout_of(config.policy.megatron_cfg), config, prepared)
+    metrics = read_metrics(prepared.log_dir)
+    return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
+
+
+def _resume_step(config: GRPOConfig) -> int | None:
+    """The step a run continues after (None: a fresh start)."""
+    from hf_mcore_bridge.grpo.checkpoint import latest_step
+
+    ckpt = config.checkpointing
+    return latest_step(Path(ckpt.checkpoint_dir)) if ckpt.enabled and ckpt.resume else None
+
+
+def _trim_metrics(log_dir: Path, keep_through: int) -> None:
+    """Drop metrics and rollouts of steps after `keep_through` (all for a fresh start): they are about to be rerun."""
+    for name in ("metrics.jsonl", ROLLOUTS_FILE):
+        path = log_dir / name
+        lines = path.read_text().splitlines() if path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= keep_through]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def _log_rollouts(log_dir: Path, step: int, rollouts: list[Rollout]) -> None:
+    """Append the step's rollouts to `rollouts.jsonl`, one JSON object per completion."""
+    with (log_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as handle:
+        for rollout in rollouts:
+            handle.write(json.dumps({"step": step, **dataclasses.asdict(rollout)}) + "\n")
+
+
+# Inside a rank ---------------------------------------------------------------------------------------------------
+
+
+class _RankContext:
+    """Rank 0's engine, tokenizer, prompts and logger (None elsewhere), and the step's seeds."""
+
+    def __init__(self, config: GRPOConfig, prepared: PreparedRun) -> None:
+        import torch.distributed as dist
+
+        self.config, self.prepared = config, prepared
+        self.is_rank0 = dist.get_rank() == 0
+        self.engine: Any = None
+        self.prompts: Any = None
+        self.val_records: list[Any] = []
+        self.logger: MetricsLogger | None = None
+        if self.is_rank0:
+            self._set_up_rank0()
+
+    def _set_up_rank0(self) -> None:
+        from tokenizers import Tokenizer
+
+        from hf_mcore_bridge.engine import Engine, EngineConfig
+        from hf_mcore_bridge.grpo.data import PromptIterator
+        from hf_mcore_bridge.grpo.rewards import resolve_reward_fn
+
+        config, gen = self.config, self.config.generation
+        self.tokenizer = Tokenizer.from_file(str(self.prepared.tokenizer_file))
+        samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+        engine_config = EngineConfig(
+            dtype=DTYPES[config.policy.dtype],
+            device=str(_device()),
+            max_num_seqs=max(samples, config.grpo.val_num_prompts),
+            max_model_len=gen.max_model_len,
+            max_num_batched_tokens=max(gen.max_model_len, 8192),
+            kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
+            use_cuda_graphs=False,
+        )
+        self.engine = Engine(self.prepared.hf_config, engine_config, tokenizer=self.tokenizer)
+        train, self.val_records = _records(config)
+        self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
+        self.reward_fn = resolve_reward_fn(config.reward.name)
+        self.probe_prompt = config.grpo.probe_prompt or train[0]["prompt"]
+        self.logger = MetricsLogger(self.prepared.log_dir, config.logger.tensorboard, config.logger.print_progress)
+
+
+def _device() -> torch.device:
+    from hf_mcore_bridge.world import device
+
+    return device()
+
+
+def _records(config: GRPOConfig) -> tuple[list[Any], list[Any]]:
+    from hf_mcore_bridge.grpo.data import load_jsonl
+    from hf_mcore_bridge.grpo.tasks import generate_records
+
+    data = config.data
+    if data.task is not None:
+        train = generate_records(data.task, data.num_records, seed=config.grpo.seed)
+        val = generate_records(data.task, config.grpo.val_num_prompts, seed=config.grpo.seed + 1_000_003)
+    else:
+        assert data.train_jsonl is not None
+        train = load_jsonl(data.train_jsonl, data.prompt_field, data.answer_field)
+        val = load_jsonl(data.val_jsonl, data.prompt_field, data.answer_field) if data.val_jsonl else train
+    return train, val[: config.grpo.val_num_prompts]
+
+
+def _broadcast(value: Any) -> Any:
+    import torch.distributed as dist
+
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _sampling_params(config: GRPOConfig, n: int, seed: int, greedy: bool = False) -> Any:
+    from hf_mcore_bridge.engine import SamplingParams
+
+    gen = config.generation
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        max_tokens=gen.max_new_tokens,
+        stop_token_ids=gen.stop_token_ids,
+        seed=seed,
+    )
+
+
+def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dict[str, float]]:
+    """Rank 0: sample, score and compute advantages for one step."""
+    from hf_mcore_bridge.grpo.rewards import compute_rewards
+
+    config, group = ctx.config, ctx.config.grpo.num_generations_per_prompt
+    records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)
+    outputs = ctx.engine.generate([r["prompt"] for r in records], _sampling_params(config, group, _seed(config, step)))
+    samples = [(out.prompt_token_ids, s) for out in outputs for s in out.samples]
+    texts = [s.text or "" for _, s in samples]
+    answers = [r["answer"] for r in records for _ in range(group)]
+    rewards = torch.tensor(compute_rewards(ctx.reward_fn, texts, answers))
+    advantage_config = AdvantageConfig(
+        normalize_std=config.grpo.normalize_rewards, leave_one_out=config.grpo.leave_one_out
+    )
+    advantages = group_advantages(rewards, group, advantage_config)
+    rollouts = [
+        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a))
+        for (prompt, s), r, a in zip(samples, rewards.tolist(), advantages.tolist(), strict=True)
+    ]
+    lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.float32)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "completion_len_mean": float(lengths.mean()),
+        "truncated_fraction": sum(s.finish_reason == "length" for _, s in samples) / len(samples),
+    }
+    return rollouts, stats
+
+
+def _seed(config: GRPOConfig, step: int) -> int:
+    return config.grpo.seed * 1_000_003 + step
+
+
+def _microbatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[MicroBatch]:
+    mcfg = config.policy.megatron_cfg
+    if mcfg.sequence_packing:
+        return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch)
+    return make_microbatches(rollouts, mcfg.micro_batch_size)
+
+
+def _minibatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[list[MicroBatch]]:
+    size = len(rollouts) // config.grpo.num_minibatches
+    return [_microbatches(config, rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
+
+
+def _flat_mult_error(batches: list[MicroBatch], logprobs: list[torch.Tensor]) -> float:
+    trainer = torch.cat([lp.flatten() for lp in logprobs])
+    engine = torch.cat([b.engine_logprobs.flatten() for b in batches])
+    mask = torch.cat([b.mask.flatten() for b in batches])
+    return float(token_mult_prob_error(trainer[None], engine[None], mask[None]))
+
+
+def _train_step(policy: Policy, config: GRPOConfig, rollouts: list[Rollout]) -> dict[str, float]:
+    temperature = config.generation.temperature
+    minibatches = _minibatches(config, rollouts)
+    flat = [b for mini in minibatches for b in mini]
+    started = time.perf_counter()
+    old = compute_logprobs(policy, flat, temperature)
+    ref = compute_logprobs(policy, flat, temperature, reference=True) if policy.reference is not None else None
+    logprobs_s = time.perf_counter() - started
+    stats = {"token_mult_prob_error": _flat_mult_error(flat, old), "logprobs_s": logprobs_s}
+    started = time.perf_counter()
+    per_minibatch, offset = [], 0
+    for mini in minibatches:
+        part = slice(offset, offset + len(mini))
+        per_minibatch.append(
+            train_minibatch(policy, mini, old[part], None if ref is None else ref[part], config.loss_fn, temperature)
+        )
+        offset += len(mini)
+    stats["train_s"] = time.perf_counter() - started
+    first = per_minibatch[0]  # the on-policy mini-batch: its KL and clip fraction are the step's invariants
+    means = {k: sum(m[k] for m in per_minibatch) / len(per_minibatch) for k in first if k != "token_mult_prob_error"}
+    return (
+        stats
+        | means
+        | {"first_minibatch_clip_fraction": first["clip_fraction"], "first_minibatch_approx_kl": first["approx_kl"]}
+    )
+
+
+def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
+    """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
+    started = time.perf_counter()
+    checked, sent = checked_names(policy.model_cfg), {}
+    stream = hf_weights(policy.module, policy.model_cfg, policy.padded_vocab)
+    if ctx.is_rank0:
+        ctx.engine.load_weights(_recording(stream, checked, sent))
+    else:
+        for _ in stream:  # every rank takes part in the gathers
+            pass
+    refit_s = time.perf_counter() - started
+    if not ctx.is_rank0:
+        return {}
+    missing = sorted(checked - set(sent))
+    mismatched = [name for name, value in sent.items() if value != checksum(engine_tensor(ctx.engine, name))]
+    if missing or mismatched:
+        raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
+    return {"refit_s": refit_s, "refit_checked_tensors": float(len(sent))}
+
+
+def checked_names(model_cfg: ModelConfig) -> set[str]:
+    """`REFIT_CHECKED_TENSORS` HF names spread evenly over the table's order (first and last included)."""
+    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.model_plan import placed_entries
+
+    names = [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
+    count = min(REFIT_CHECKED_TENSORS, len(names))
+    return {names[round(i * (len(names) - 1) / max(1, count - 1))] for i in range(count)}
+
+
+def _recording(
+    stream: Iterator[tuple[str, torch.Tensor]], checked: set[str], sent: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream on, checksumming the `checked` tensors on the way."""
+    for name, tensor in stream:
+        if name in checked:
+            sent[name] = checksum(tensor)
+        yield name, tensor
+
+
+def _probe(ctx: _RankContext, policy: Policy) -> dict[str, float]:
+    """Engine vs trainer on the fixed probe prompt: `token_mult_prob_error` of one sampled completion."""
+    rollout = None
+    if ctx.is_rank0:
+        out = ctx.engine.generate([ctx.probe_prompt], _sampling_params(ctx.config, 1, seed=ctx.config.grpo.seed))[0]
+        sample = out.samples[0]
+        rollout = Rollout(tuple(out.prompt_token_ids), tuple(sample.token_ids), tuple(sample.logprobs or ()))
+    rollout = _broadcast(rollout)
+    batches = make_microbatches([rollout], 1)
+    logprobs = compute_logprobs(policy, batches, ctx.config.generation.temperature)
+    return {"probe_token_mult_prob_error": _flat_mult_error(batches, logprobs)}
+
+
+def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
+    from hf_mcore_bridge.grpo.rewards import compute_rewards
+
+    period = ctx.config.grpo.val_period
+    if not ctx.is_rank0 or period <= 0 or step % period != 0:
+        return {}
+    outputs = ctx.engine.generate(
+        [r["prompt"] for r in ctx.val_records], _sampling_params(ctx.config, 1, 0, greedy=True)
+    )
+    texts = [o.samples[0].text or "" for o in outputs]
+    rewards = compute_rewards(ctx.reward_fn, texts, [r["answer"] for r in ctx.val_records])
+    return {"val_reward": sum(rewards) / len(rewards)}
+
+
+def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
+    from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
+
+    if apply_cpu_training_workarounds():  # CPU: the ranks share the cores; oversubscribed threads crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // torch.distributed.get_world_size()))
+    torch.manual_seed(config.grpo.seed)
+    policy = build_policy(
+        prepared.model_cfg,
+        config.policy.megatron_cfg,
+        DTYPES[config.policy.dtype],
+        prepared.padded_vocab,
+        prepared.checkpoint_dir,
+        total_optimizer_steps=config.grpo.max_num_steps * config.grpo.num_minibatches,
+        keep_reference=config.loss_fn.kl_coef > 0,
+    )
+    ctx = _RankContext(config, prepared)
+    first_step = _maybe_resume(ctx, policy) + 1
+    initial = _refit(ctx, policy)  # the engine's first weights come from the trainer, through the table
+    for step in range(first_step, config.grpo.max_num_steps + 1):
+        started = time.perf_counter()
+        rollouts, rollout_stats = _generate_rollouts(ctx, step) if ctx.is_rank0 else (None, {})
+        generation_s = time.perf_counter() - started
+        rollouts = _broadcast(rollouts)
+        metrics = _train_step(policy, config, rollouts)
+        metrics |= _refit(ctx, policy) | _probe(ctx, policy) | _validate(ctx, step)
+        step_s = time.perf_counter() - started
+        if ctx.logger is not None:
+            _log_rollouts(prepared.log_dir, step, rollouts)
+            tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+            extra = {"initial_refit_s": initial["refit_s"]} if step == first_step else {}
+            ctx.logger.log(
+                step,
+                rollout_stats
+                | metrics
+                | extra
+                | {"generation_s": generation_s, "step_s": step_s, "tokens_per_s": tokens / step_s},
+            )
+        _maybe_save(ctx, policy, step)
+    if ctx.logger is not None:
+        ctx.logger.close()
+
+
+def _maybe_resume(ctx: _RankContext, policy: Policy) -> int:
+    """Load the newest checkpoint when resuming; returns the last completed step (0 for a fresh start)."""
+    from hf_mcore_bridge.grpo.checkpoint import load_checkpoint
+
+    step = _resume_step(ctx.config)
+    if step is None:
+        return 0
+    state = load_checkpoint(policy, Path(ctx.config.checkpointing.checkpoint_dir), step)
+    if ctx.is_rank0:
+        ctx.prompts.load_state_dict(state["prompts"])
+    return step
+
+
+def _maybe_save(ctx: _RankContext, policy: Policy, step: int) -> None:
+    from hf_mcore_bridge.grpo.checkpoint import save_checkpoint
+
+    ckpt = ctx.config.checkpointing
+    if not ckpt.enabled or (step % ckpt.save_period != 0 and step != ctx.config.grpo.max_num_steps):
+        return
+    prompts = _broadcast(ctx.prompts.state_dict() if ctx.is_rank0 else None)
+    state = {"prompts": prompts, "optimizer_steps": policy.optimizer_steps}
+    save_checkpoint(policy, Path(ckpt.checkpoint_dir), step, state, _megatron_args(ctx), _assets(ctx.prepared))
+
+
+def _megatron_args(ctx: _RankContext) -> Any:
+    from hf_mcore_bridge.config_bridge import megatron_args
+
+    mcfg = ctx.config.policy.megatron_cfg
+    return megatron_args(
+        ctx.prepared.model_cfg,
+        layout_of(mcfg),
+        DTYPES[ctx.config.policy.dtype],
+        make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
+        spec="local",
+    )
+
+
+def _assets(prepared: PreparedRun) -> dict[str, str]:
+    return {
+        "config.json": json.dumps(prepared.hf_config, indent=2),
+        "tokenizer.json": prepared.tokenizer_file.read_text(),
+    }

@@ -1,0 +1,88 @@
+"""The GRPO config: YAML and dotted overrides onto frozen dataclasses; unknown keys name the closest valid key;
+keys forwarded to megatron-core are checked against megatron-core's own config classes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, apply_overrides, config_from_dict, load_config
+from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo_tiny.yaml"
+BASE = {"policy": {"model_path": "/some/model"}, "data": {"task": "repeat_digit"}}
+
+
+def test_example_yaml_loads_with_overrides() -> None:
+    config = load_config(EXAMPLE, ["policy.model_path=/m", "grpo.seed=3", "loss_fn.aggregation=sequence"])
+    assert config.policy.model_path == "/m"
+    assert config.grpo.seed == 3
+    assert config.loss_fn.aggregation is Aggregation.SEQUENCE
+    assert config.policy.megatron_cfg.tensor_model_parallel_size == 2
+    assert config.policy.megatron_cfg.optimizer["lr"] == 1e-2
+    assert config.generation.stop_token_ids == (0,)
+    assert isinstance(config.loss_fn, LossConfig)
+
+
+def test_every_field_has_a_docstring_default_and_the_config_is_frozen() -> None:
+    config = config_from_dict(BASE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.grpo.seed = 1  # type: ignore[misc]
+    assert GRPOConfig().grpo.num_generations_per_prompt >= 2
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("grpo.num_generation_per_prompt=4", "num_generations_per_prompt"),
+        ("polcy.model_path=/x", "policy"),
+        ("loss_fn.kl_coeff=0.1", "kl_coef"),
+        ("policy.megatron_cfg.tensor_parallel_size=2", "tensor_model_parallel_size"),
+        ("policy.megatron_cfg.optimizer.adam_bta1=0.9", "adam_beta1"),
+        ("policy.megatron_cfg.transformer.recompute_granularty=full", "recompute_granularity"),
+        ("policy.megatron_cfg.ddp.overlap_grad_reduc=true", "overlap_grad_reduce"),
+    ],
+)
+def test_unknown_keys_name_the_closest_valid_key(override: str, suggestion: str) -> None:
+    with pytest.raises(GRPOConfigError, match=f"did you mean '[a-z_.]*{suggestion}'"):
+        config_from_dict(BASE, [override])
+
+
+def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = config_from_dict(BASE, ["policy.megatron_cfg.optimizer.adam_beta2=0.95"])
+    assert OptimizerConfig(**config.policy.megatron_cfg.optimizer).adam_beta2 == 0.95
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("policy.megatron_cfg.transformer.num_layers=4", "set by the trainer"),
+        ("grpo.num_generations_per_prompt=1", ">= 2"),
+        ("grpo.num_minibatches=3", "must divide"),
+        ("generation.temperature=0", "temperature"),
+        ("grpo.seed=abc", "must be int"),
+        ("loss_fn.clip_low=1.5", "clip_low"),
+        ("loss_fn.aggregation=tokens", "aggregation"),
+        ("reward.name=maths", "did you mean 'math'"),
+        ("data.train_jsonl=/x.jsonl", "exactly one of data.task and data.train_jsonl"),
+        ("policy.megatron_cfg.sequence_parallel=true", "tensor_model_parallel_size > 1"),
+        ("policy.megatron_cfg.context_parallel_size=2", "Transformer Engine"),
+        ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
+    ],
+)
+def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:
+    with pytest.raises(GRPOConfigError, match=message):
+        config_from_dict(BASE, [override, *(["loss_fn.aggregation=sequence"] if "packing" in override else [])])
+
+
+def test_overrides_parse_yaml_scalars_and_do_not_touch_the_input() -> None:
+    data = {"grpo": {"seed": 1}}
+    result = apply_overrides(data, ["grpo.seed=2", "generation.stop_token_ids=[1, 2]", "policy.tokenizer=null"])
+    assert data == {"grpo": {"seed": 1}}
+    assert result == {"grpo": {"seed": 2}, "generation": {"stop_token_ids": [1, 2]}, "policy": {"tokenizer": None}}
+    with pytest.raises(GRPOConfigError, match=r"key\.sub=value"):
+        apply_overrides(data, ["grpo.seed"])

@@ -249,6 +249,63 @@ def _print_inspection(report: Any, tensors: bool) -> None:
         console.print(table)
 
 
+train_app = typer.Typer(help="Train policies on megatron-core.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("grpo")
+def train_grpo_command(
+    config: Annotated[Path, typer.Option("--config", help="The run's YAML (see examples/).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: grpo.max_num_steps=50 ...")] = None,
+) -> None:
+    """GRPO on megatron-core with the embedded engine: `bridge train grpo --config run.yaml key=value ...`.
+
+    Every key under `policy.megatron_cfg` is forwarded to megatron-core (TransformerConfig, OptimizerConfig, DDP
+    config); unknown keys are errors naming the closest valid key. Metrics go to `logger.log_dir`.
+    """
+    from hf_mcore_bridge.grpo.config import load_config
+    from hf_mcore_bridge.grpo.trainer import train_grpo
+
+    def action() -> None:
+        result = train_grpo(load_config(config, overrides or []))
+        rewards = result.series("reward_mean")
+        last = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
+        typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")
+
+    _run(action)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A GRPO run (or its checkpoint directory).")],
+    destination: Annotated[Path, typer.Argument(help="Where the HF model goes; must be empty or absent.")],
+    step: Annotated[int | None, typer.Option(help="Which saved step (default: the latest).")] = None,
+    base_model: Annotated[str | None, typer.Option(help="The base model named in the model card.")] = None,
+    push_to_hub: Annotated[str | None, typer.Option(help="Upload to this Hub repo (ORG/NAME).")] = None,
+    private: Annotated[bool, typer.Option(help="Create the Hub repo private.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
+) -> None:
+    """Export a trained policy as an HF model with a model card (config, reward curve); optionally to the Hub.
+
+    The upload uses your usual Hugging Face credentials (HF_TOKEN or `huggingface-cli login`).
+    """
+    from hf_mcore_bridge.grpo.export import export_run
+
+    def action() -> None:
+        result = export_run(
+            run_dir,
+            destination,
+            step=step,
+            base_model=base_model,
+            push_to_hub=push_to_hub,
+            private=private,
+            overwrite=overwrite,
+        )
+        typer.echo(f"wrote {result.destination}" + (f"; uploaded: {result.repo_url}" if result.repo_url else ""))
+
+    _run(action)
+
+
 @app.command()
 def demo(
     workdir: Annotated[Path, typer.Argument(help="Where to put the demo checkpoints.")] = Path("demo"),

@@ -21,6 +21,9 @@ process per rank (`world.run_world`). On every rank, each step:
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
    (`rollouts.jsonl`).
 
+The resolved config is saved as `grpo_config.yaml` in the log directory, and a PNG of reward and KL over the steps
+(`training_curves.png`) is drawn there at the end.
+
 Assumes a dense decoder and DP = 1 (the world is TP x PP x CP x EP); the engine runs on rank 0's device with the
 policy's dtype. Simplifications: generation and training alternate (no overlap); validation is greedy, one
 sample a prompt, scored by the same reward; policy+optimizer checkpoints every `save_period`
@@ -48,6 +51,7 @@ from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig
 from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
+from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import Policy, build_policy, compute_logprobs, layout_of, train_minibatch
 from hf_mcore_bridge.grpo.refit import checksum, engine_tensor, hf_weights
 
@@ -152,9 +156,22 @@ def train_grpo(config: GRPOConfig) -> RunResult:
         raise BridgeError("generation.backend=vllm is not wired into the trainer yet; use embedded")
     prepared = prepare_run(config)
     _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
+    _save_config(config, prepared.log_dir)
     run_world(_train_rank, layout_of(config.policy.megatron_cfg), config, prepared)
     metrics = read_metrics(prepared.log_dir)
+    if metrics:
+        plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
     return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
+
+
+def _save_config(config: GRPOConfig, log_dir: Path) -> None:
+    """The resolved config as YAML beside the metrics (the model card of an export quotes it)."""
+    import yaml
+
+    from hf_mcore_bridge.grpo.export import CONFIG_FILE
+
+    plain = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    (log_dir / CONFIG_FILE).write_text(yaml.safe_dump(plain, sort_keys=False))
 
 
 def _resume_step(config: GRPOConfig) -> int | None:

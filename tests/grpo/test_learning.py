@@ -117,3 +117,39 @@ def test_final_checkpoint_exports_to_hf_and_transformers_says_7(run, tmp_path: P
     with torch.no_grad():
         assert int(model(ids).logits[0, -1].argmax()) == WORDS.index("7")
     assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)
+
+
+def test_bridge_export_writes_the_card_and_uploads(run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bridge export`: the folder that would be uploaded, and the Hub calls made (the Hub is not reachable here)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+
+    _, root = run
+    calls: list[tuple[str, dict]] = []
+
+    class RecordingApi:
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return SimpleNamespace(commit_url="https://huggingface.co/org/tiny-grpo/commit/1")
+
+    monkeypatch.setattr("huggingface_hub.HfApi", RecordingApi)
+    out = tmp_path / "export"
+    result = CliRunner().invoke(
+        app,
+        ["export", str(root / "ckpt"), str(out), "--push-to-hub", "org/tiny-grpo", "--private", "--base-model", "tiny"],
+    )
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "base_model: tiny" in card and f"| {STEPS} |" in card and f"max_num_steps: {STEPS}" in card
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "config.json").exists() and any(out.glob("*.safetensors"))
+    assert [name for name, _ in calls] == ["create_repo", "upload_folder"]
+    assert calls[0][1]["repo_id"] == "org/tiny-grpo" and calls[0][1]["private"] is True
+    assert calls[1][1]["folder_path"] == str(out)
+    assert (run_dir_plot := root / "logs" / "training_curves.png").exists(), run_dir_plot

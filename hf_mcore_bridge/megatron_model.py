@@ -33,15 +33,19 @@ def build_gpt_model(
     the parameters are then allocated there directly. `core_attention` is `sdpa` (torch's fused attention, which
     also takes packed sequences; see `sdpa_attention`) or `local` (megatron-core's unfused attention).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     kwargs = transformer_config_kwargs(model, layout, dtype)
     kwargs["use_cpu_initialization"] = initialize or device.type == "cpu"
     kwargs["perform_initialization"] = initialize
-    config = TransformerConfig(**kwargs)
+    gpt = gpt_model(TransformerConfig(**kwargs), model, padded_vocab, vp_stage=vp_stage, core_attention=core_attention)
+    return gpt.to(device)
+
+
+def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
+    """The local layer spec (no Transformer Engine), with SDPA core attention unless `core_attention="local"`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
     if model.moe is None:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
     else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq)
@@ -52,12 +56,22 @@ def build_gpt_model(
         from hf_mcore_bridge.sdpa_attention import use_sdpa
 
         use_sdpa(spec)
+    return spec
+
+
+def gpt_model(
+    config: object, model: ModelConfig, padded_vocab: int, *, vp_stage: int | None = None, core_attention: str = "sdpa"
+) -> torch.nn.Module:
+    """A `GPTModel` of this rank's pipeline stage for a ready `TransformerConfig` (parameters where it says)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    gpt = GPTModel(
+    spec = layer_spec(model, config, vp_stage=vp_stage, core_attention=core_attention)
+    return GPTModel(
         config, spec, pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(model, padded_vocab)
     )
-    return gpt.to(device)
 
 
 def load_distributed_checkpoint(module: torch.nn.Module, checkpoint_dir: Path) -> None:

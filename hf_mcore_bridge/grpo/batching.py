@@ -139,16 +139,19 @@ def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
 
 
 def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int) -> list[MicroBatch]:
-    """Rows of whole rollouts, at most `max_tokens` tokens each (a longer rollout gets a row of its own)."""
+    """Rows of whole rollouts, at most `max_tokens` tokens each (a longer rollout gets a row of its own), packed
+    first-fit-decreasing: longest rollouts first, each into the first row with room."""
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
     rows: list[list[Rollout]] = []
-    used = 0
-    for rollout in rollouts:
+    used: list[int] = []
+    for rollout in sorted(rollouts, key=lambda r: -(len(r.prompt_ids) + len(r.completion_ids))):
         size = len(rollout.prompt_ids) + len(rollout.completion_ids)
-        if not rows or used + size > max_tokens:
+        row = next((i for i, taken in enumerate(used) if taken + size <= max_tokens), None)
+        if row is None:
             rows.append([])
-            used = 0
-        rows[-1].append(rollout)
-        used += size
+            used.append(0)
+            row = len(rows) - 1
+        rows[row].append(rollout)
+        used[row] += size
     return [_packed_row(row) for row in rows]

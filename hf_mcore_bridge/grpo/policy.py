@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
+from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
 from hf_mcore_bridge.grpo.batching import MicroBatch
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
@@ -87,21 +87,11 @@ def _transformer_config(model_cfg: ModelConfig, layout: Layout, dtype: torch.dty
 
 
 def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.nn.Module:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    """The policy's `GPTModel`: the project's layer spec (SDPA core attention, which also takes the block-diagonal
+    masks of packed rows)."""
+    from hf_mcore_bridge.megatron_model import gpt_model
 
-    if model_cfg.moe is None:
-        spec = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm, normalization="RMSNorm")
-    else:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    return GPTModel(
-        config,
-        spec,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        **gpt_model_kwargs(model_cfg, padded_vocab),
-    )
+    return gpt_model(config, model_cfg, padded_vocab)
 
 
 def build_policy(

@@ -369,8 +369,8 @@ def _train_step(policy: Policy, config: GRPOConfig, rollouts: list[Rollout]) -> 
 def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
     """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
     started = time.perf_counter()
-    checked, sent = checked_names(policy.model_cfg), {}
-    stream = hf_weights(policy.module, policy.model_cfg, policy.padded_vocab)
+    checked, sent, produce = checked_names(policy.model_cfg), {}, [0.0]
+    stream = _timed(hf_weights(policy.module, policy.model_cfg, policy.padded_vocab), produce)
     if ctx.is_rank0:
         ctx.engine.load_weights(_recording(stream, checked, sent))
     else:
@@ -383,7 +383,23 @@ def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
     mismatched = [name for name, value in sent.items() if value != checksum(engine_tensor(ctx.engine, name))]
     if missing or mismatched:
         raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
-    return {"refit_s": refit_s, "refit_checked_tensors": float(len(sent))}
+    return {
+        "refit_s": refit_s,
+        "refit_gather_convert_s": produce[0],  # TP/PP gathers and the mapping table's to_hf
+        "refit_load_s": refit_s - produce[0],  # the engine's load_weights (same process: no transfer step)
+        "refit_checked_tensors": float(len(sent)),
+    }
+
+
+def _timed(stream: Iterator[tuple[str, torch.Tensor]], total: list[float]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream on, adding the time spent producing its items to `total[0]`."""
+    while True:
+        started = time.perf_counter()
+        item = next(stream, None)
+        total[0] += time.perf_counter() - started
+        if item is None:
+            return
+        yield item
 
 
 def checked_names(model_cfg: ModelConfig) -> set[str]:

@@ -166,7 +166,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where prompts come from: a built-in task, or a JSONL file."""
+    """Where prompts come from: a built-in task, a JSONL file, or an HF dataset by name (where reachable)."""
 
     task: str | None = None
     """A built-in task of `grpo.tasks` (e.g. `repeat_digit`); exclusive with `train_jsonl`."""
@@ -176,6 +176,13 @@ class DataConfig:
     """A JSONL file of `{prompt, answer}` rows."""
     val_jsonl: str | None = None
     """Validation rows; None with a task: a disjoint seed of the same task."""
+    hf_dataset: str | None = None
+    """An HF dataset name or path for `datasets.load_dataset` (needs the `datasets` package and the Hub or a
+    local copy); exclusive with `task` and `train_jsonl`."""
+    hf_split: str = "train"
+    """The dataset split to train on."""
+    hf_val_split: str | None = None
+    """The split to validate on (None: the first rows of the training split)."""
     prompt_field: str = "prompt"
     """The prompt's field name in the JSONL rows."""
     answer_field: str = "answer"
@@ -450,7 +457,11 @@ def _validate(config: GRPOConfig) -> None:
     _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
     _require(gen.temperature > 0, "generation.temperature must be > 0 for training (log-probs are tempered)")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1")
-    _require((data.task is None) != (data.train_jsonl is None), "set exactly one of data.task and data.train_jsonl")
+    sources = [data.task, data.train_jsonl, data.hf_dataset]
+    _require(
+        sum(source is not None for source in sources) == 1,
+        "set exactly one of data.task, data.train_jsonl and data.hf_dataset",
+    )
     _require(
         not config.checkpointing.enabled or config.checkpointing.save_period >= 1,
         "checkpointing.save_period must be >= 1",

@@ -250,13 +250,17 @@ def _device() -> torch.device:
 
 
 def _records(config: GRPOConfig) -> tuple[list[Any], list[Any]]:
-    from hf_mcore_bridge.grpo.data import load_jsonl
+    from hf_mcore_bridge.grpo.data import load_hf_dataset, load_jsonl
     from hf_mcore_bridge.grpo.tasks import generate_records
 
     data = config.data
     if data.task is not None:
         train = generate_records(data.task, data.num_records, seed=config.grpo.seed)
         val = generate_records(data.task, config.grpo.val_num_prompts, seed=config.grpo.seed + 1_000_003)
+    elif data.hf_dataset is not None:
+        fields = (data.prompt_field, data.answer_field)
+        train = load_hf_dataset(data.hf_dataset, data.hf_split, *fields)
+        val = load_hf_dataset(data.hf_dataset, data.hf_val_split, *fields) if data.hf_val_split else train
     else:
         assert data.train_jsonl is not None
         train = load_jsonl(data.train_jsonl, data.prompt_field, data.answer_field)

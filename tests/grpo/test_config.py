@@ -68,7 +68,7 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("loss_fn.clip_low=1.5", "clip_low"),
         ("loss_fn.aggregation=tokens", "aggregation"),
         ("reward.name=maths", "did you mean 'math'"),
-        ("data.train_jsonl=/x.jsonl", "exactly one of data.task and data.train_jsonl"),
+        ("data.train_jsonl=/x.jsonl", "exactly one of data.task, data.train_jsonl and data.hf_dataset"),
         ("policy.megatron_cfg.sequence_parallel=true", "tensor_model_parallel_size > 1"),
         ("policy.megatron_cfg.context_parallel_size=2", "Transformer Engine"),
         ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
@@ -86,3 +86,35 @@ def test_overrides_parse_yaml_scalars_and_do_not_touch_the_input() -> None:
     assert result == {"grpo": {"seed": 2}, "generation": {"stop_token_ids": [1, 2]}, "policy": {"tokenizer": None}}
     with pytest.raises(GRPOConfigError, match=r"key\.sub=value"):
         apply_overrides(data, ["grpo.seed"])
+
+
+def test_hf_dataset_source_feeds_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`data.hf_dataset` goes through `datasets.load_dataset` (a stand-in here: the Hub is not reachable)."""
+    import sys
+    import types
+
+    from hf_mcore_bridge.grpo.trainer import _records
+
+    calls = []
+
+    def load_dataset(path, split):
+        calls.append((path, split))
+        return [{"question": f"{split} {i}?", "solution": str(i)} for i in range(3)]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    config = config_from_dict(
+        {
+            "policy": {"model_path": "/models/any"},
+            "data": {
+                "hf_dataset": "org/math",
+                "hf_val_split": "test",
+                "prompt_field": "question",
+                "answer_field": "solution",
+            },
+        }
+    )
+    config.validate()
+    train, val = _records(config)
+    assert calls == [("org/math", "train"), ("org/math", "test")]
+    assert [r["prompt"] for r in train] == ["train 0?", "train 1?", "train 2?"]
+    assert [r["answer"] for r in val][:2] == ["0", "1"]

@@ -47,8 +47,9 @@ def run_world(fn: Callable[..., None], layout: Layout, *args: Any) -> None:
         while not context.join():
             pass
     except mp.ProcessRaisedException as err:
-        last = str(err).strip().splitlines()[-1]
-        raise BridgeError(f"a megatron-core rank failed: {last}") from None
+        text = str(err).strip()
+        detail = text if os.environ.get("BRIDGE_DEBUG") == "1" else text.splitlines()[-1]
+        raise BridgeError(f"a megatron-core rank failed: {detail}") from None
     except mp.ProcessExitedException as err:
         raise BridgeError(f"a megatron-core rank died: {err}") from None
 

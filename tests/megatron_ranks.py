@@ -100,16 +100,17 @@ def sdpa_rank(model_cfg: ModelConfig, lengths: list[int], out: str) -> None:
     sequences = [torch.randint(0, model_cfg.vocab_size, (1, n), generator=generator) for n in lengths]
     results: dict[str, list[torch.Tensor]] = {"sdpa": [], "local": []}
     with torch.no_grad():
+        sequences = [tokens.to(device()) for tokens in sequences]
         for tokens in sequences:
-            positions = torch.arange(tokens.shape[1])[None]
+            positions = torch.arange(tokens.shape[1], device=device())[None]
             results["sdpa"].append(sdpa(tokens, positions, None)[0])
             results["local"].append(local(tokens, positions, causal_mask(tokens.shape[1], device()))[0])
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
         )
         packed_tokens = torch.cat(sequences, dim=1)
-        packed_positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed_positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
         packed = sdpa(packed_tokens, packed_positions, None, packed_seq_params=params)[0]
     results["packed"] = list(packed.split(lengths))
-    torch.save({k: [t.float() for t in v] for k, v in results.items()}, out)
+    torch.save({k: [t.float().cpu() for t in v] for k, v in results.items()}, out)

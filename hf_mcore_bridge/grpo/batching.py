@@ -19,6 +19,7 @@ Simplifications: rollouts are batched in the order given (packing fills rows gre
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +72,14 @@ class MicroBatch:
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on `device`."""
+        moved = {
+            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else None
+            for f in dataclasses.fields(self)
+        }
+        return MicroBatch(**moved)
 
     @property
     def seq_len(self) -> int:

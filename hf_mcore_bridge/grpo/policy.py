@@ -211,12 +211,17 @@ def compute_logprobs(
         logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
 
+    batches = [b.to(_model_device(policy)) for b in batches]
     policy.model.eval()
     with torch.no_grad(), _SwappedIn(policy, policy.reference if reference else None):
         results = _run_schedule(policy, batches, loss_func, forward_only=True)
     policy.model.train()
-    logprobs = [r["logprobs"] for r in results] if _is_last_stage() else None
+    logprobs = [r["logprobs"].cpu() for r in results] if _is_last_stage() else None
     return _broadcast_from_last_stage(logprobs)
+
+
+def _model_device(policy: Policy) -> torch.device:
+    return next(policy.module.parameters()).device
 
 
 class _SwappedIn:
@@ -243,7 +248,7 @@ def _global_count(batches: list[MicroBatch], aggregation: Aggregation) -> torch.
     from megatron.core import parallel_state
 
     counter = count_valid_tokens if aggregation is Aggregation.TOKEN else count_valid_sequences
-    total = sum((counter(b.mask).float() for b in batches), torch.zeros(()))
+    total = sum((counter(b.mask).float() for b in batches), torch.zeros((), device=batches[0].mask.device))
     if parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total
@@ -263,6 +268,10 @@ def train_minibatch(
     """
     from megatron.core import parallel_state
 
+    device = _model_device(policy)
+    batches = [b.to(device) for b in batches]
+    old_logprobs = [t.to(device) for t in old_logprobs]
+    ref_logprobs = None if ref_logprobs is None else [t.to(device) for t in ref_logprobs]
     global_count = _global_count(batches, loss_config.aggregation)
     scale = len(batches) * parallel_state.get_data_parallel_world_size()
     extras = {

@@ -110,6 +110,8 @@ def build_policy(
 
     config = _transformer_config(model_cfg, layout_of(megatron), dtype, megatron)
     gpt = _gpt_model(config, model_cfg, padded_vocab)
+    if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization): train on this rank's GPU
+        gpt = gpt.cuda(torch.cuda.current_device())
     load_distributed_checkpoint(gpt, checkpoint_dir)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**megatron.ddp), module=gpt)
     config.no_sync_func = model.no_sync

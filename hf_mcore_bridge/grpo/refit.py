@@ -127,7 +127,7 @@ def checksum(tensor: torch.Tensor) -> float:
     """A position-weighted float64 sum (weights cycle 1..8 over the flattened tensor): cheap, and unlike a plain
     sum it changes when values are permuted (a transposed or mis-split tensor), not only when they change."""
     flat = tensor.detach().double().flatten()
-    weights = torch.arange(flat.numel(), dtype=torch.float64) % 8 + 1
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 8 + 1
     return float((flat * weights).sum())
 
 

@@ -1,4 +1,6 @@
-"""Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard, and a progress line.
+"""Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard, and progress:
+a progress bar whose text is the step's line (reward, KL, clip fraction, tokens/s, refit time) on a terminal, the
+line itself printed otherwise (logs, CI).
 
 Only global rank 0 logs. A metric is a float; the step number is stored under `step`. TensorBoard is imported
 only when asked for (`torch.utils.tensorboard` needs the `tensorboard` package).
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,22 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Appends one JSON line per step to `<log_dir>/metrics.jsonl` (and TensorBoard scalars when enabled)."""
 
-    def __init__(self, log_dir: Path, tensorboard: bool = False, print_progress: bool = True) -> None:
+    def __init__(
+        self, log_dir: Path, tensorboard: bool = False, print_progress: bool = True, total_steps: int | None = None
+    ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / METRICS_FILE
         self.print_progress = print_progress
         self._writer: Any = None
+        self._bar: Any = None
+        if print_progress and total_steps and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("GRPO", total=total_steps)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -37,12 +51,16 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, value, step)
             self._writer.flush()
-        if self.print_progress:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, description=progress_line(step, metrics))
+        elif self.print_progress:
             print(progress_line(step, metrics), flush=True)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:

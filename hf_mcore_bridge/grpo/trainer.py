@@ -240,7 +240,12 @@ class _RankContext:
         self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_fn(config.reward.name)
         self.probe_prompt = config.grpo.probe_prompt or train[0]["prompt"]
-        self.logger = MetricsLogger(self.prepared.log_dir, config.logger.tensorboard, config.logger.print_progress)
+        self.logger = MetricsLogger(
+            self.prepared.log_dir,
+            config.logger.tensorboard,
+            config.logger.print_progress,
+            total_steps=config.grpo.max_num_steps,
+        )
 
 
 def _device() -> torch.device:

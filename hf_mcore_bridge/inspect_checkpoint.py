@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hf_mcore_bridge.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
@@ -53,16 +55,13 @@ def inspect_path(path: Path | str) -> Inspection:
     return _inspect_mcore(path)
 
 
+def _row(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorRow:
+    return TensorRow(name, list(shape), str(dtype).removeprefix("torch."), _numel(shape) * dtype.itemsize)
+
+
 def _inspect_hf(path: Path) -> Inspection:
     hf = HFCheckpoint(path)
-    rows = []
-    for name in sorted(hf.names()):
-        info = hf.info(name)
-        rows.append(
-            TensorRow(
-                name, list(info.shape), str(info.dtype).removeprefix("torch."), _numel(info.shape) * info.dtype.itemsize
-            )
-        )
+    rows = [_row(name, hf.info(name).shape, hf.info(name).dtype) for name in sorted(hf.names())]
     return Inspection(
         path=str(path),
         format="huggingface safetensors",
@@ -80,14 +79,7 @@ def _inspect_mcore(path: Path) -> Inspection:
     common = read_common(checkpoint_dir)
     args = common.get("args")
     dcp = DCPCheckpoint(checkpoint_dir)
-    rows = []
-    for key in sorted(dcp.tensor_keys()):
-        meta = dcp.tensor_meta(key)
-        rows.append(
-            TensorRow(
-                key, list(meta.shape), str(meta.dtype).removeprefix("torch."), _numel(meta.shape) * meta.dtype.itemsize
-            )
-        )
+    rows = [_row(key, dcp.tensor_meta(key).shape, dcp.tensor_meta(key).dtype) for key in sorted(dcp.tensor_keys())]
     layout = {}
     notes = []
     if args is not None:

@@ -114,6 +114,9 @@ class PolicyConfig:
     """Parameter and compute dtype of trainer and engine: `fp32`, `bf16` or `fp16`."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core settings."""
+    refit_bucket_mb: int = 1024
+    """Refit hands the engine its new weights in buckets of at most this many MiB (one `load_weights` call per
+    bucket; a larger tensor goes alone): the memory the refit holds beyond both models."""
 
 
 @dataclass(frozen=True)

@@ -134,3 +134,18 @@ def checksum(tensor: torch.Tensor) -> float:
 def checksums(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """`checksum` per named tensor."""
     return {name: checksum(tensor) for name, tensor in tensors}
+
+
+def buckets(stream: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most `limit_bytes` (a larger tensor forms its own list)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in stream:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

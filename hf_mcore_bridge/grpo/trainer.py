@@ -53,7 +53,7 @@ from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import Policy, build_policy, compute_logprobs, layout_of, train_minibatch
-from hf_mcore_bridge.grpo.refit import checksum, engine_tensor, hf_weights
+from hf_mcore_bridge.grpo.refit import buckets, checksum, engine_tensor, hf_weights
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -381,7 +381,9 @@ def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
     checked, sent, produce = checked_names(policy.model_cfg), {}, [0.0]
     stream = _timed(hf_weights(policy.module, policy.model_cfg, policy.padded_vocab), produce)
     if ctx.is_rank0:
-        ctx.engine.load_weights(_recording(stream, checked, sent))
+        limit = ctx.config.policy.refit_bucket_mb << 20
+        for bucket in buckets(_recording(stream, checked, sent), limit):
+            ctx.engine.load_weights(bucket)
     else:
         for _ in stream:  # every rank takes part in the gathers
             pass

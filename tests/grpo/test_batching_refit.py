@@ -101,3 +101,12 @@ def test_packing_keeps_every_valid_token_once() -> None:
         assert sum(int(b.mask.sum()) for b in batches) == sum(len(r.completion_ids) for r in ROLLOUTS)
         for batch in batches:  # within budget, unless one rollout alone exceeds it
             assert batch.seq_len <= budget or int((batch.position_ids == 0).sum()) == 1
+
+
+def test_refit_buckets_respect_the_budget() -> None:
+    from hf_mcore_bridge.grpo.refit import buckets
+
+    stream = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 20, 5, 40, 1])]
+    grouped = list(buckets(stream, limit_bytes=4 * 30))  # 30 floats a bucket
+    assert [[name for name, _ in bucket] for bucket in grouped] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+    assert [name for bucket in grouped for name, _ in bucket] == [name for name, _ in stream]

@@ -28,7 +28,7 @@ from hf_mcore_bridge.mapping_types import Entry, dcp_key, extra_state_module, fi
 from hf_mcore_bridge.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
 from hf_mcore_bridge.model_plan import Placed
 from hf_mcore_bridge.parallel_style import Parallel
-from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
+from hf_mcore_bridge.tensor_ops import global_shape, merge_rank_shards, rank_shard
 
 FILE_NAME = "model_optim_rng.pt"
 LOCAL_SPEC_NAMES = {
@@ -87,13 +87,6 @@ def local_name(mcore_template: str, local_layer: int | None, spec: str, local_ex
         for te_name, local in LOCAL_SPEC_NAMES.items():
             name = name.replace(te_name, local)
     return name
-
-
-def _rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, tp_rank: int) -> torch.Tensor:
-    boxes = shard_boxes(tuple(full.shape), parallel, tp)
-    if parallel is Parallel.GATED_COLUMN:  # [gate_r; up_r]
-        return torch.cat((take_box(full, boxes[tp_rank]), take_box(full, boxes[tp + tp_rank])))
-    return take_box(full, boxes[0 if len(boxes) == 1 else tp_rank]).clone()
 
 
 def write_legacy(
@@ -159,7 +152,7 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, t
                 continue
             local_expert = p.expert - experts.start
         name = local_name(template, local_layer, spec, local_expert)
-        state[name] = _rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank)
+        state[name] = rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank)
         module = extra_state_module(p.template)
         if module is not None:
             state[local_name(module, local_layer, spec, local_expert) + "._extra_state"] = None
@@ -167,7 +160,7 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, t
         state["output_layer._extra_state"] = None
         if tied and not first:  # the last stage holds its own copy of the shared embedding
             embedding = next(p for p in placed if p.template.mcore.startswith("embedding"))
-            state["output_layer.weight"] = _rank_shard(full_tensor(embedding), Parallel.VOCAB, layout.tp, tp_rank)
+            state["output_layer.weight"] = rank_shard(full_tensor(embedding), Parallel.VOCAB, layout.tp, tp_rank)
     return state
 
 
@@ -245,7 +238,7 @@ class LegacySource:
                         layers.add(local_layer)
                     self._index.setdefault(key, {})[leading] = (pp_rank, ep_rank, state_key, name)
                     self._dtypes.setdefault(key, value.dtype)
-                    self._shapes.setdefault(key, self._global_shape(key, tuple(value.shape)))
+                    self._shapes.setdefault(key, global_shape(tuple(value.shape), self._style(key), self.tp))
             first_layer += len(layers)
             max_layers = first_layer
         self.num_layers = max_layers
@@ -286,14 +279,6 @@ class LegacySource:
                 suffix = suffix.replace(local, te_name)
         return f"decoder.layers.{suffix}", leading, local_layer
 
-    def _global_shape(self, key: str, shard: tuple[int, ...]) -> tuple[int, ...]:
-        parallel = self._parallel.get(key)
-        if parallel in (Parallel.COLUMN, Parallel.VOCAB, Parallel.GATED_COLUMN):
-            return (shard[0] * self.tp, *shard[1:])
-        if parallel is Parallel.ROW:
-            return (shard[0], shard[1] * self.tp, *shard[2:])
-        return shard
-
     def keys(self) -> set[str]:
         return set(self._index)
 
@@ -308,13 +293,8 @@ class LegacySource:
         if location is None:
             raise CheckpointError(f"tensor {key} at {leading} is missing from {self.directory}")
         pp_rank, ep_rank, state_key, name = location
-        shards = [self._load(t, pp_rank, ep_rank)[state_key][name].clone() for t in range(self.tp)]
-        parallel = self._parallel.get(key, Parallel.REPLICATED)
-        if parallel in (Parallel.COLUMN, Parallel.VOCAB):
-            return torch.cat(shards, dim=0)
-        if parallel is Parallel.ROW:
-            return torch.cat(shards, dim=1)
-        if parallel is Parallel.GATED_COLUMN:
-            halves = [s.chunk(2, dim=0) for s in shards]
-            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        return shards[0]
+        shards = [self._load(t, pp_rank, ep_rank)[state_key][name] for t in range(self.tp)]
+        return merge_rank_shards(shards, self._style(key))
+
+    def _style(self, key: str) -> Parallel:
+        return self._parallel.get(key, Parallel.REPLICATED)

@@ -93,6 +93,47 @@ def shard_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int) -> list[Box
     raise ValueError(f"unknown parallel style {parallel}")
 
 
+def rank_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int, rank: int) -> list[Box]:
+    """The chunks one tensor-parallel rank holds, in the order its local tensor stacks them."""
+    boxes = shard_boxes(shape, parallel, tp)
+    if parallel is Parallel.GATED_COLUMN:  # [gate_r; up_r]
+        return [boxes[rank], boxes[tp + rank]]
+    return [boxes[0] if len(boxes) == 1 else boxes[rank]]
+
+
+def rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, rank: int) -> torch.Tensor:
+    """The local tensor of one tensor-parallel rank (a copy)."""
+    return torch.cat([take_box(full, box) for box in rank_boxes(tuple(full.shape), parallel, tp, rank)])
+
+
+SPLIT_AXIS = {Parallel.COLUMN: 0, Parallel.VOCAB: 0, Parallel.GATED_COLUMN: 0, Parallel.ROW: 1}
+"""The dimension each parallel style splits (replicated tensors split none)."""
+
+
+def global_shape(local: tuple[int, ...], parallel: Parallel, tp: int) -> tuple[int, ...]:
+    """The whole tensor's shape, from one rank's local shape."""
+    axis = SPLIT_AXIS.get(parallel)
+    if axis is None:
+        return local
+    return tuple(size * tp if dim == axis else size for dim, size in enumerate(local))
+
+
+def merge_rank_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
+    """Inverse of `rank_shard`: the whole tensor (a new one) from every rank's local tensor, in rank order."""
+    axis = SPLIT_AXIS.get(parallel)
+    if axis is None:
+        return shards[0].clone()
+    shape = global_shape(tuple(shards[0].shape), parallel, len(shards))
+    out = torch.empty(shape, dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        start = 0
+        for box in rank_boxes(shape, parallel, len(shards), rank):
+            size = box[1][axis]
+            out[tuple(slice(o, o + s) for o, s in zip(*box, strict=True))] = shard.narrow(axis, start, size)
+            start += size
+    return out
+
+
 def _split_axis(shape: tuple[int, ...], axis: int, parts: int, *, base: int, extent: int) -> list[Box]:
     if extent % parts:
         raise ValueError(f"dimension {axis} of size {extent} does not split into {parts} parts")

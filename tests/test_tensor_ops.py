@@ -9,8 +9,11 @@ from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.tensor_ops import (
     fuse_gate_up,
     fuse_qkv,
+    global_shape,
+    merge_rank_shards,
     pad_vocab,
     padded_vocab_size,
+    rank_shard,
     shard_boxes,
     split_gate_up,
     split_qkv,
@@ -82,3 +85,18 @@ def test_shard_boxes_cover_each_style():
     assert torch.equal(torch.cat(chunks, dim=1), tensor)
     with pytest.raises(ValueError, match="does not split"):
         shard_boxes((6, 4), Parallel.COLUMN, 4)
+
+
+@pytest.mark.parametrize("parallel", list(Parallel))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_rank_shards_merge_back(parallel, tp):
+    full = torch.randn(16, 8)
+    shards = [rank_shard(full, parallel, tp, r) for r in range(tp)]
+    for shard in shards:
+        assert global_shape(tuple(shard.shape), parallel, tp) == (16, 8)
+    assert torch.equal(merge_rank_shards(shards, parallel), full)
+
+
+def test_gated_rank_shard_is_gate_then_up():
+    full = torch.arange(8.0)[:, None].expand(8, 2)  # rows 0-3 gate, 4-7 up
+    assert rank_shard(full, Parallel.GATED_COLUMN, 2, 1)[:, 0].tolist() == [2.0, 3.0, 6.0, 7.0]

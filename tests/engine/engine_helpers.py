@@ -26,7 +26,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from hf_mcore_bridge.engine import Engine, EngineConfig
+from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
 
 VOCAB = 211
 COMMON = dict(
@@ -166,3 +166,14 @@ def hf_token_logprobs(
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens per prompt from the engine, sampled twice (n=2): both samples must agree."""
+    outputs = engine.generate(prompts, GREEDY)
+    for output in outputs:
+        assert output.samples[0].token_ids == output.samples[1].token_ids
+    return [output.samples[0].token_ids for output in outputs]

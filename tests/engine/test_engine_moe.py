@@ -14,10 +14,12 @@ import random
 import pytest
 import torch
 from engine_helpers import (
+    GREEDY,
     MOE_ARCH_NAMES,
     MOE_CONFIGS,
     QWEN3_MOE,
     engine_from_hf,
+    engine_greedy,
     hf_greedy,
     hf_token_logprobs,
     hub_weights,
@@ -30,15 +32,6 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from hf_mcore_bridge.engine import Engine, MissingWeightsError, ModelConfig, SamplingParams, UnknownWeightError
 from hf_mcore_bridge.engine.model import route, routed_experts
-
-GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=10)
-
-
-def _greedy_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = engine.generate(prompts, GREEDY)
-    for output in outputs:
-        assert output.samples[0].token_ids == output.samples[1].token_ids
-    return [output.samples[0].token_ids for output in outputs]
 
 
 @pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
@@ -90,7 +83,7 @@ def test_refit_switches_to_the_new_weights(arch, get_hf_model, tmp_path):
     first.save_pretrained(tmp_path)
     engine = Engine.from_pretrained(tmp_path, tiny_engine_config())
     prompts = random_prompts([4, 13], seed=24)
-    before = _greedy_tokens(engine, prompts)
+    before = engine_greedy(engine, prompts)
     assert before == [hf_greedy(first, p, 10) for p in prompts]
 
     items = hub_weights(second)
@@ -98,7 +91,7 @@ def test_refit_switches_to_the_new_weights(arch, get_hf_model, tmp_path):
     loaded: set[str] = set()
     for chunk in (items[:7], items[7:30], items[30:]):
         loaded |= engine.load_weights(iter(chunk))
-    after = _greedy_tokens(engine, prompts)
+    after = engine_greedy(engine, prompts)
     assert after == [hf_greedy(second, p, 10) for p in prompts]
     assert after != before
     assert loaded == set(engine.model.targets)

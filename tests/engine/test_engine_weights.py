@@ -7,24 +7,14 @@ import random
 
 import pytest
 import torch
-from engine_helpers import engine_from_hf, hf_greedy, random_prompts, tiny_engine_config
+from engine_helpers import GREEDY, engine_from_hf, engine_greedy, hf_greedy, random_prompts, tiny_engine_config
 
 from hf_mcore_bridge.engine import (
     Engine,
     EngineAsleepError,
     MissingWeightsError,
-    SamplingParams,
     UnknownWeightError,
 )
-
-GREEDY = SamplingParams(n=2, temperature=0.0, max_tokens=10)
-
-
-def _greedy_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = engine.generate(prompts, GREEDY)
-    for output in outputs:
-        assert output.samples[0].token_ids == output.samples[1].token_ids
-    return [output.samples[0].token_ids for output in outputs]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied output layer
@@ -33,7 +23,7 @@ def test_refit_switches_to_the_new_weights_exactly(arch, get_hf_model, tmp_path)
     first.save_pretrained(tmp_path)
     engine = Engine.from_pretrained(tmp_path, tiny_engine_config())
     prompts = random_prompts([4, 13], seed=8)
-    before = _greedy_tokens(engine, prompts)
+    before = engine_greedy(engine, prompts)
     assert before == [hf_greedy(first, p, 10) for p in prompts]
 
     items = list(second.state_dict().items())
@@ -41,7 +31,7 @@ def test_refit_switches_to_the_new_weights_exactly(arch, get_hf_model, tmp_path)
     loaded: set[str] = set()
     for chunk in (items[:5], items[5:17], items[17:]):
         loaded |= engine.load_weights(iter(chunk))
-    after = _greedy_tokens(engine, prompts)
+    after = engine_greedy(engine, prompts)
     expected = [hf_greedy(second, p, 10) for p in prompts]
     assert after == expected
     assert after != before
@@ -94,7 +84,7 @@ def test_sleep_and_wake_up(get_hf_model):
     with pytest.raises(EngineAsleepError):
         engine.generate(prompts, GREEDY)
     engine.wake_up()
-    assert _greedy_tokens(engine, prompts) == expected
+    assert engine_greedy(engine, prompts) == expected
 
     engine.sleep(level=2)
     assert engine.kv_cache is None
@@ -105,4 +95,4 @@ def test_sleep_and_wake_up(get_hf_model):
     with pytest.raises(MissingWeightsError, match="sleep"):
         engine.generate(prompts, GREEDY)
     engine.load_weights(model.state_dict().items())
-    assert _greedy_tokens(engine, prompts) == expected
+    assert engine_greedy(engine, prompts) == expected

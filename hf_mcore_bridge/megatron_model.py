@@ -43,15 +43,21 @@ def build_gpt_model(
 
 
 def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
-    """The local layer spec (no Transformer Engine), with SDPA core attention unless `core_attention="local"`."""
+    """The local layer spec (no Transformer Engine), with SDPA core attention unless `core_attention="local"`, and
+    norms that take sequence parallelism where the config asks for it (`sequence_parallel_norm`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
-    if model.moe is None:
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    if model.moe is None and not sequence_parallel:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
-    else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq)
+    else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq); the final norm is in the spec
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
+    if sequence_parallel:
+        from hf_mcore_bridge.sequence_parallel_norm import use_sequence_parallel_norms
+
+        use_sequence_parallel_norms(spec)
     if core_attention == "sdpa":
         from hf_mcore_bridge.sdpa_attention import use_sdpa
 

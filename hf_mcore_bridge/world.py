@@ -1,9 +1,11 @@
 """Starting a local process world for megatron-core: one process per rank, gloo on CPU, NCCL on GPU.
 
-`run_world(fn, layout, *args)` spawns TP x PP x EP processes; each initialises `torch.distributed` and
-megatron-core's `parallel_state` for the layout (CPU workarounds applied where CUDA is absent), calls
-`fn(*args)`, and tears down. `fn` must be importable (a module-level function). A failing rank becomes a
-`BridgeError` carrying the rank's last error line.
+`run_world(fn, layout, *args)` spawns TP x PP x CP x EP processes (or `world=` processes: the data-parallel size
+is then `world / (TP x PP x CP)`, megatron-core's rule); each initialises `torch.distributed` and megatron-core's
+`parallel_state` for the layout (CPU workarounds applied where CUDA is absent), calls `fn(*args)`, and tears
+down. `fn` must be importable (a module-level function). A failing rank becomes a `BridgeError` carrying the
+rank's last error line. `run_torch_world(fn, size, *args)` starts the same kind of world without megatron-core's
+state, for backends that lay out their own device mesh (DTensor).
 """
 
 from __future__ import annotations
@@ -26,8 +28,19 @@ def _free_port() -> int:
 
 
 def world_size(layout: Layout) -> int:
-    """Ranks a layout needs with no data parallelism."""
+    """Ranks a layout needs by default: TP x PP x CP x EP (the experts' ranks double as data-parallel replicas)."""
     return layout.tp * layout.pp * layout.cp * layout.ep
+
+
+def check_world(layout: Layout, world: int) -> None:
+    """Raise `BridgeError` unless megatron-core can lay `layout` out over `world` ranks."""
+    dense = layout.tp * layout.pp * layout.cp
+    expert = layout.expert_tp * layout.ep * layout.pp
+    if world < 1 or world % dense or world % expert:
+        raise BridgeError(
+            f"{world} ranks cannot hold {layout}: the world must be a multiple of tp*pp*cp={dense}"
+            f" and of etp*ep*pp={expert}"
+        )
 
 
 def device() -> torch.device:
@@ -35,11 +48,22 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def run_world(fn: Callable[..., None], layout: Layout, *args: Any) -> None:
-    """Run `fn(*args)` on every rank of a fresh world for `layout`."""
+def run_world(fn: Callable[..., None], layout: Layout, *args: Any, world: int | None = None) -> None:
+    """Run `fn(*args)` on every rank of a fresh world for `layout` (`world` ranks; None: `world_size(layout)`)."""
+    size = world_size(layout) if world is None else world
+    check_world(layout, size)
+    _spawn(size, layout, fn, args)
+
+
+def run_torch_world(fn: Callable[..., None], size: int, *args: Any) -> None:
+    """Run `fn(*args)` on `size` ranks with `torch.distributed` initialised and no megatron-core state (worlds
+    laid out by the caller, e.g. DTensor device meshes)."""
+    _spawn(size, None, fn, args)
+
+
+def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     import torch.multiprocessing as mp
 
-    size = world_size(layout)
     context = mp.start_processes(
         _rank_main, args=(size, _free_port(), layout, fn, args), nprocs=size, join=False, start_method="spawn"
     )
@@ -49,12 +73,12 @@ def run_world(fn: Callable[..., None], layout: Layout, *args: Any) -> None:
     except mp.ProcessRaisedException as err:
         text = str(err).strip()
         detail = text if os.environ.get("BRIDGE_DEBUG") == "1" else text.splitlines()[-1]
-        raise BridgeError(f"a megatron-core rank failed: {detail}") from None
+        raise BridgeError(f"a rank failed: {detail}") from None
     except mp.ProcessExitedException as err:
-        raise BridgeError(f"a megatron-core rank died: {err}") from None
+        raise BridgeError(f"a rank died: {err}") from None
 
 
-def _rank_main(rank: int, size: int, port: int, layout: Layout, fn: Callable[..., None], args: tuple) -> None:
+def _rank_main(rank: int, size: int, port: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     import torch.distributed as dist
 
     from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds, apply_te_absent_workarounds
@@ -66,6 +90,12 @@ def _rank_main(rank: int, size: int, port: int, layout: Layout, fn: Callable[...
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
+    if layout is None:
+        try:
+            fn(*args)
+        finally:
+            dist.destroy_process_group()
+        return
     apply_cpu_workarounds()
     apply_te_absent_workarounds()
     from megatron.core import parallel_state

@@ -20,10 +20,13 @@ Measured on one H200 (torch 2.11, transformers 5.17), default arguments: engine 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import typer
@@ -278,6 +281,7 @@ def main(
     kv_gib: float = typer.Option(24.0, help="KV-cache budget, GiB."),
     cuda_graphs: bool = typer.Option(True, help="CUDA graphs for the decode step."),
     skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
+    json_path: str = typer.Option("", "--json", help="Also write the table's rows to this file."),
 ) -> None:
     if run_check:
         sys.exit(0 if check(device) else 1)
@@ -321,6 +325,8 @@ def main(
     engine_row = rows[1]
     for hf in rows[2:]:
         print(f"engine / transformers (batch {hf.batch}): {engine_row.tokens_per_s / hf.tokens_per_s:.1f}x")
+    if json_path:
+        Path(json_path).write_text(json.dumps([dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]))
 
 
 if __name__ == "__main__":

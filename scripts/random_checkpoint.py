@@ -116,6 +116,23 @@ _ROLES = [  # (pattern on the HF name, shape from the model config)
 ]
 
 
+TINY_SHAPE: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 211,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+"""A tiny Llama-like shape for the benchmarks' `--tiny` smoke runs: GQA, an odd vocabulary that Megatron pads."""
+
+
 def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every HF tensor (in table order) of a model with this config, with its shape."""
     arch = get_architecture(config["architectures"][0])

@@ -83,34 +83,76 @@ def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) 
         torch.save(logits, out)
 
 
-def sdpa_rank(model_cfg: ModelConfig, lengths: list[int], out: str) -> None:
-    """Logits of one randomly initialised model: SDPA on separate sequences, SDPA on the same sequences packed
-    into one row (`PackedSeqParams`, thd), and megatron-core's own local attention on separate sequences."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+def sdpa_rank(model_cfg: ModelConfig, layout: Layout, lengths: list[int], out: str) -> None:
+    """One randomly initialised model at `layout`, its core attention either SDPA or megatron-core's own local
+    (unfused) attention, same weights. Saved by rank 0, logits gathered over TP:
+    - `sdpa` / `local`: logits of each sequence run alone (causal);
+    - `packed_<backend>`: the sequences packed into one row by the trainer's own code (`pack_microbatches`, then
+      `policy._forward_step`, i.e. `PackedSeqParams` / THD), for each packed attention backend;
+    - `logprobs_*`: the trainer's log-probs (`token_logprobs`, vocab-parallel) of the tokens inside each sequence;
+    - `grad_diff_<backend>`: max |grad difference| (over ranks) between backward passes of a weighted sum of those
+      log-probs, packed (SDPA) vs sequence by sequence (local attention), and `grad_max` for scale; flex only on
+      CUDA (`flex_attention` has no CPU backward)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.grpo.policy import _forward_step, token_logprobs
     from hf_mcore_bridge.megatron_model import causal_mask
+    from hf_mcore_bridge.sdpa_attention import SDPAttention
 
-    layout = Layout()
     padded = padded_vocab(model_cfg, layout)
     torch.manual_seed(7)
     sdpa = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device()).eval()
     local = build_gpt_model(model_cfg, layout, torch.float32, padded, device=device(), core_attention="local").eval()
     local.load_state_dict(sdpa.state_dict())
     generator = torch.Generator().manual_seed(8)
-    sequences = [torch.randint(0, model_cfg.vocab_size, (1, n), generator=generator) for n in lengths]
-    results: dict[str, list[torch.Tensor]] = {"sdpa": [], "local": []}
-    with torch.no_grad():
-        sequences = [tokens.to(device()) for tokens in sequences]
-        for tokens in sequences:
-            positions = torch.arange(tokens.shape[1], device=device())[None]
-            results["sdpa"].append(sdpa(tokens, positions, None)[0])
-            results["local"].append(local(tokens, positions, causal_mask(tokens.shape[1], device()))[0])
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device())
-        params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
-        )
-        packed_tokens = torch.cat(sequences, dim=1)
-        packed_positions = torch.cat([torch.arange(n, device=device()) for n in lengths])[None]
-        packed = sdpa(packed_tokens, packed_positions, None, packed_seq_params=params)[0]
-    results["packed"] = list(packed.split(lengths))
-    torch.save({k: [t.float().cpu() for t in v] for k, v in results.items()}, out)
+    sequences = [torch.randint(0, model_cfg.vocab_size, (n,), generator=generator) for n in lengths]
+    weights = [torch.rand(n - 1, generator=generator).to(device()) for n in lengths]
+    rollouts = [Rollout(tuple(s[:2].tolist()), tuple(s[2:].tolist()), (0.0,) * (len(s) - 2)) for s in sequences]
+    (batch,) = pack_microbatches(rollouts, sum(lengths))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # packing puts the longest first
+    batch = batch.to(device())
+    results: dict[str, list[torch.Tensor]] = {"sdpa": [], "local": [], "logprobs_local": []}
+
+    def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(logits, tokens, model_cfg.vocab_size, temperature=1.0)[0]
+
+    local_loss = torch.zeros((), device=device())
+    for tokens, weight in zip(sequences, weights, strict=True):
+        tokens = tokens.to(device())[None]
+        positions = torch.arange(tokens.shape[1], device=device())[None]
+        with torch.no_grad():
+            results["sdpa"].append(gather_from_tensor_model_parallel_region(sdpa(tokens, positions, None))[0])
+        logits = local(tokens, positions, causal_mask(tokens.shape[1], device()))
+        results["local"].append(gather_from_tensor_model_parallel_region(logits.detach())[0])
+        logprobs = logprobs_of(logits, tokens)
+        results["logprobs_local"].append(logprobs.detach())
+        local_loss = local_loss + (logprobs * weight).sum()
+    local_loss.backward()
+    local_grads = dict(local.named_parameters())
+    start_of = dict(zip(order, batch.cu_seqlens[:-1].tolist(), strict=True))
+    for backend in ("dense", "flex"):
+        SDPAttention.packed_backend = backend
+        sdpa.zero_grad()
+        backward = backend == "dense" or torch.cuda.is_available()  # flex_attention has no CPU backward
+        with torch.set_grad_enabled(backward):
+            logits, _ = _forward_step(lambda b, o: (o, {}), iter([batch]), sdpa)
+        logprobs = logprobs_of(logits, batch.tokens)
+        packed_logits = gather_from_tensor_model_parallel_region(logits.detach())[0]
+        results[f"packed_{backend}"] = [packed_logits[start_of[i] : start_of[i] + n] for i, n in enumerate(lengths)]
+        # inside a sequence: the predictions of its tokens 1 .. n-1 (not the next sequence's first token)
+        mine = [logprobs[start_of[i] : start_of[i] + n - 1] for i, n in enumerate(lengths)]
+        results[f"logprobs_{backend}"] = [lp.detach() for lp in mine]
+        if not backward:
+            continue
+        sum((lp * w).sum() for lp, w in zip(mine, weights, strict=True)).backward()
+        diff = max((p.grad - local_grads[name].grad).abs().max() for name, p in sdpa.named_parameters())
+        diff = torch.as_tensor(diff, device=device())
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        results[f"grad_diff_{backend}"] = [diff]
+    grad_max = max(p.grad.abs().max() for p in local.parameters())
+    grad_max = torch.as_tensor(grad_max, device=device())
+    dist.all_reduce(grad_max, op=dist.ReduceOp.MAX)
+    results["grad_max"] = [grad_max]
+    if dist.get_rank() == 0:
+        torch.save({k: [t.float().cpu() for t in v] for k, v in results.items()}, out)

@@ -9,10 +9,10 @@ tensor is the log-prob of `tokens[:, j + 1]` given `tokens[:, :j + 1]`; `mask[b,
 Two layouts:
 - `make_microbatches`: one rollout per row, right padding (invisible to earlier positions under the causal mask,
   so it changes no valid log-prob); the model builds its usual causal mask.
-- `pack_microbatches`: several rollouts in one row, each with its own positions (0, 1, ...) and a block-diagonal
-  causal mask (`attention_mask`), so no token attends across rollouts; advantages then become per token. The
-  local layer spec refuses megatron-core's `PackedSeqParams` (THD), hence the explicit mask; its cost is the
-  quadratic mask and attention over the whole row.
+- `pack_microbatches`: several rollouts in one row, each with its own positions (0, 1, ...) and its boundaries
+  as `cu_seqlens` (megatron-core's `PackedSeqParams`, THD), so no token attends across rollouts and RoPE
+  restarts per rollout; advantages then become per token. No `[S, S]` mask is built for the model (the
+  attention masks by sequence itself, `sdpa_attention`); `attention_mask` derives the equivalent dense mask.
 
 Simplifications: rollouts are batched in the order given (packing fills rows greedily, first fit in order).
 """
@@ -20,12 +20,13 @@ Simplifications: rollouts are batched in the order given (packing fills rows gre
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatch", "Rollout", "make_microbatches", "pack_microbatches", "response_values"]
+__all__ = ["MicroBatch", "Rollout", "make_microbatches", "pack_microbatches", "pad_to_multiple", "response_values"]
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,30 @@ class MicroBatch:
     """[B, S-1] float32: the engine's log-probs at the masked positions, 0 elsewhere."""
     advantages: torch.Tensor
     """[B] float32 (one rollout per row), or [B, S-1] per predicted position (packed rows)."""
-    attention_mask: torch.Tensor | None = None
-    """[B, 1, S, S] bool, True where attention is masked out (packed rows); None: the plain causal mask."""
+    cu_seqlens: torch.Tensor | None = None
+    """[n + 1] int32: where each of the n rollouts of a packed row (B = 1) starts, then S; None: unpacked rows."""
+    max_seqlen: int = 0
+    """The longest rollout of a packed row."""
 
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """[1, 1, S, S] bool, True where attention is masked out (a packed row's block-diagonal causal mask, built
+        on request: the model takes `cu_seqlens`); None for unpacked rows (the plain causal mask)."""
+        if self.cu_seqlens is None:
+            return None
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=lengths.device).tril()
+        return ~(causal & (segment[:, None] == segment[None, :]))[None, None]
+
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on `device`."""
         moved = {
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor) else None
+            f.name: value.to(device) if isinstance(value := getattr(self, f.name), torch.Tensor) else value
             for f in dataclasses.fields(self)
         }
         return MicroBatch(**moved)
@@ -125,7 +139,6 @@ def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
     seq_len = sum(len(i) for i in ids)
     tokens = torch.tensor([t for row in ids for t in row])
     positions = torch.cat([torch.arange(len(row)) for row in ids])
-    segment = torch.cat([torch.full((len(row),), k) for k, row in enumerate(ids)])
     mask, engine, advantages = torch.zeros(seq_len - 1), torch.zeros(seq_len - 1), torch.zeros(seq_len - 1)
     offset = 0
     for rollout, row in zip(rollouts, ids, strict=True):
@@ -135,15 +148,15 @@ def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
         engine[start:stop] = torch.tensor(rollout.engine_logprobs)
         advantages[start:stop] = rollout.advantage
         offset += len(row)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    allowed = causal & (segment[:, None] == segment[None, :])
+    lengths = [len(row) for row in ids]
     return MicroBatch(
         tokens=tokens[None],
         position_ids=positions[None],
         mask=mask[None],
         engine_logprobs=engine[None],
         advantages=advantages[None],
-        attention_mask=~allowed[None, None],
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        max_seqlen=max(lengths),
     )
 
 
@@ -164,3 +177,35 @@ def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int) -> list[Micr
         rows[row].append(rollout)
         used[row] += size
     return [_packed_row(row) for row in rows]
+
+
+def pad_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
+    """`batch` with its rows lengthened by trailing 0-padding to a multiple of `multiple` tokens (megatron-core's
+    sequence parallelism splits the sequence over the TP ranks). The padding is masked out of the loss; in a
+    packed row it is one more sequence of its own, so no rollout attends to it; in unpadded rows causal attention
+    keeps it invisible to the real tokens."""
+    extra = -batch.seq_len % multiple
+    if extra == 0:
+        return batch
+
+    def longer(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values, values.new_zeros(*values.shape[:-1], extra)], dim=-1)
+
+    steps = torch.arange(1, extra + 1, device=batch.position_ids.device)
+    if batch.cu_seqlens is None:
+        positions = torch.cat([batch.position_ids, batch.position_ids[:, -1:] + steps], dim=-1)
+        cu_seqlens, max_seqlen = None, batch.max_seqlen
+    else:
+        positions = torch.cat([batch.position_ids, (steps - 1).expand(batch.num_rows, extra)], dim=-1)
+        cu_seqlens = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + extra])
+        max_seqlen = max(batch.max_seqlen, extra)
+    return dataclasses.replace(
+        batch,
+        tokens=longer(batch.tokens),
+        position_ids=positions,
+        mask=longer(batch.mask),
+        engine_logprobs=longer(batch.engine_logprobs),
+        advantages=longer(batch.advantages) if batch.advantages.dim() == 2 else batch.advantages,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )

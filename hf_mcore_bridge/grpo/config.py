@@ -8,6 +8,10 @@ are checked against those classes' fields (megatron-core is imported for that), 
 itself (model shape, parallel sizes, dtype) are refused there. `validate()` checks the whole config, cheap
 checks only, before any process starts.
 
+Two training backends, exactly one enabled: `policy.megatron_cfg` (megatron-core, `enabled: true` by default) and
+`policy.dtensor_cfg` (the HF model under FSDP2 and DTensor TP; enabling it needs `megatron_cfg.enabled: false`).
+`PolicyConfig.backend_cfg` is the enabled one's section, and `world_of` / `data_parallel_size` follow it.
+
 Simplifications: the loss section IS the algorithm's `LossConfig` (one definition of the loss knobs); the vLLM
 backend is accepted by the schema but refused by the trainer for now; context parallelism needs Transformer
 Engine and is refused on CPU by megatron-core's local spec.
@@ -32,6 +36,8 @@ from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
 
 __all__ = [
     "CheckpointingConfig",
+    "ClusterConfig",
+    "DTensorConfig",
     "DataConfig",
     "GRPOConfig",
     "GRPOConfigError",
@@ -73,7 +79,7 @@ class MegatronConfig:
     """How megatron-core runs the policy: parallel sizes plus keys forwarded to its config classes."""
 
     enabled: bool = True
-    """Train with megatron-core (the only training backend so far)."""
+    """Train with megatron-core (the default backend); set false to train with `policy.dtensor_cfg` instead."""
     tensor_model_parallel_size: int = 1
     """TP: heads, query groups, FFN width and vocabulary split over this many ranks."""
     pipeline_model_parallel_size: int = 1
@@ -82,6 +88,8 @@ class MegatronConfig:
     """CP: needs Transformer Engine (the local spec refuses CP > 1)."""
     expert_model_parallel_size: int = 1
     """EP: routed experts split over this many ranks (MoE models)."""
+    expert_tensor_parallel_size: int | None = None
+    """ETP: each expert's weights split over this many ranks; None: the same as TP (megatron-core's default)."""
     sequence_parallel: bool = False
     """megatron-core's sequence parallelism (TP > 1 only)."""
     micro_batch_size: int = 4
@@ -103,6 +111,39 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class DTensorConfig:
+    """The DTensor training backend: the HF transformers model sharded with FSDP2, optional tensor parallelism."""
+
+    enabled: bool = False
+    """Train the HF model with FSDP2 instead of megatron-core (needs `policy.megatron_cfg.enabled: false`)."""
+    tensor_parallel_size: int = 1
+    """TP over DTensor: attention heads and MLP width split over this many ranks (Llama-family models)."""
+    data_parallel_shard_size: int | None = None
+    """FSDP2 ranks the parameters, gradients and optimizer state are sharded over (each trains on its share of
+    every mini-batch); None: `cluster.gpus_per_node / tensor_parallel_size`, or 1 without `gpus_per_node`."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (transformers' activation checkpointing)."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch of the training and log-prob forward passes (padded to their longest)."""
+    sequence_packing: bool = False
+    """Pack whole rollouts into single rows (positions restart per rollout) instead (token aggregation only)."""
+    max_tokens_per_microbatch: int = 1024
+    """Row length budget of a packed micro-batch."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW (the schedule's `max_lr`)."""
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay, applied to matrices only (not to biases and norms, as megatron-core)."""
+    betas: tuple[float, ...] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW's epsilon."""
+    clip_grad: float = 1.0
+    """Gradients are scaled to this global L2 norm at most (0: no clipping)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule, as for megatron-core (`WSD` excepted)."""
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """The model being trained."""
 
@@ -114,9 +155,17 @@ class PolicyConfig:
     """Parameter and compute dtype of trainer and engine: `fp32`, `bf16` or `fp16`."""
     megatron_cfg: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core settings."""
+    dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
+    """DTensor (FSDP2) settings; exactly one of `megatron_cfg` and `dtensor_cfg` is enabled."""
     refit_bucket_mb: int = 1024
     """Refit hands the engine its new weights in buckets of at most this many MiB (one `load_weights` call per
     bucket; a larger tensor goes alone): the memory the refit holds beyond both models."""
+
+    @property
+    def backend_cfg(self) -> MegatronConfig | DTensorConfig:
+        """The enabled backend's section; both carry the micro-batching keys (`micro_batch_size`,
+        `sequence_packing`, `max_tokens_per_microbatch`)."""
+        return self.dtensor_cfg if self.dtensor_cfg.enabled else self.megatron_cfg
 
 
 @dataclass(frozen=True)
@@ -229,6 +278,15 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The processes of the run (one host)."""
+
+    gpus_per_node: int | None = None
+    """Ranks started: one per GPU (CPU processes without CUDA). The data-parallel size is
+    `gpus_per_node / (TP x PP x CP)`. None: TP x PP x CP x EP ranks (data parallel only as wide as EP needs)."""
+
+
+@dataclass(frozen=True)
 class GRPOConfig:
     """A whole GRPO run."""
 
@@ -248,6 +306,8 @@ class GRPOConfig:
     """Checkpoints."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Metrics and progress."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """How many ranks run."""
 
     def validate(self) -> None:
         """Every cross-field check that needs no model or process; raises `GRPOConfigError`."""
@@ -422,6 +482,98 @@ def _require(condition: bool, message: str) -> None:
         raise GRPOConfigError(message)
 
 
+def dtensor_sizes(config: GRPOConfig) -> tuple[int, int]:
+    """(data_parallel_shard_size, tensor_parallel_size) of the DTensor backend; the shard size defaults to
+    `cluster.gpus_per_node / tensor_parallel_size`, or 1."""
+    dcfg, given = config.policy.dtensor_cfg, config.cluster.gpus_per_node
+    tp = dcfg.tensor_parallel_size
+    return dcfg.data_parallel_shard_size or (given // tp if given and tp >= 1 else 1), tp
+
+
+def world_of(config: GRPOConfig) -> int:
+    """The number of ranks the run starts."""
+    from hf_mcore_bridge.grpo.policy import layout_of
+    from hf_mcore_bridge.world import world_size
+
+    if config.policy.dtensor_cfg.enabled:
+        dp_shard, tp = dtensor_sizes(config)
+        return dp_shard * tp
+    given = config.cluster.gpus_per_node
+    return world_size(layout_of(config.policy.megatron_cfg)) if given is None else given
+
+
+def data_parallel_size(config: GRPOConfig) -> int:
+    """Data-parallel replicas of the dense layers: ranks / (TP x PP x CP); the FSDP2 shards for DTensor."""
+    if config.policy.dtensor_cfg.enabled:
+        return dtensor_sizes(config)[0]
+    mcfg = config.policy.megatron_cfg
+    model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size * mcfg.context_parallel_size
+    return world_of(config) // model_parallel
+
+
+def _validate_world(config: GRPOConfig) -> None:
+    from hf_mcore_bridge.errors import BridgeError
+    from hf_mcore_bridge.grpo.policy import layout_of
+    from hf_mcore_bridge.world import check_world
+
+    try:
+        if config.policy.megatron_cfg.enabled:
+            check_world(layout_of(config.policy.megatron_cfg), world_of(config))
+    except BridgeError as err:
+        raise GRPOConfigError(f"cluster.gpus_per_node: {err}") from None
+    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    per_minibatch = samples // max(1, config.grpo.num_minibatches)
+    dp = data_parallel_size(config)
+    _require(
+        per_minibatch % dp == 0,
+        f"a mini-batch's {per_minibatch} samples do not split over the {dp} data-parallel ranks"
+        " (grpo.num_prompts_per_step * num_generations_per_prompt / num_minibatches must be a multiple of it)",
+    )
+
+
+def _validate_backend_switch(policy: PolicyConfig) -> None:
+    megatron, dtensor = policy.megatron_cfg.enabled, policy.dtensor_cfg.enabled
+    _require(
+        not (megatron and dtensor),
+        "policy.dtensor_cfg.enabled=true needs policy.megatron_cfg.enabled=false: exactly one training backend"
+        " (megatron_cfg.enabled defaults to true)",
+    )
+    _require(
+        megatron or dtensor,
+        "no training backend: set policy.megatron_cfg.enabled=true or policy.dtensor_cfg.enabled=true",
+    )
+
+
+def _validate_dtensor(config: GRPOConfig) -> None:
+    from hf_mcore_bridge.grpo.lr_schedule import SUPPORTED_STYLES
+
+    dcfg, given = config.policy.dtensor_cfg, config.cluster.gpus_per_node
+    where = "policy.dtensor_cfg"
+    tp, dp_shard = dcfg.tensor_parallel_size, dcfg.data_parallel_shard_size
+    _require(tp >= 1, f"{where}.tensor_parallel_size={tp} must be >= 1")
+    _require(dp_shard is None or dp_shard >= 1, f"{where}.data_parallel_shard_size={dp_shard} must be >= 1")
+    if given is not None:
+        _require(
+            given % tp == 0 and (dp_shard is None or given == dp_shard * tp),
+            f"cluster.gpus_per_node={given} must equal {where}.data_parallel_shard_size x tensor_parallel_size"
+            f" ({dp_shard or 'derived'} x {tp})",
+        )
+    _require(config.policy.dtype != "fp16", "policy.dtype=fp16 is not supported by the DTensor backend; use bf16")
+    _require(dcfg.micro_batch_size >= 1, f"{where}.micro_batch_size must be >= 1")
+    _require(dcfg.max_tokens_per_microbatch >= 2, f"{where}.max_tokens_per_microbatch must be >= 2")
+    _require(
+        not dcfg.sequence_packing or config.loss_fn.aggregation is Aggregation.TOKEN,
+        f"{where}.sequence_packing needs loss_fn.aggregation=token (a packed row holds many sequences)",
+    )
+    _require(len(dcfg.betas) == 2, f"{where}.betas must be two numbers (beta1, beta2), got {list(dcfg.betas)}")
+    _require(dcfg.lr >= 0 and dcfg.eps > 0 and dcfg.clip_grad >= 0, f"{where}: lr, eps, clip_grad must be >= 0")
+    style = dcfg.scheduler.lr_decay_style
+    _require(
+        style in SUPPORTED_STYLES,
+        f"{where}.scheduler.lr_decay_style={style!r}: one of {', '.join(SUPPORTED_STYLES)}",
+    )
+
+
 def _validate(config: GRPOConfig) -> None:
     policy, mcfg, grpo, gen, data = (
         config.policy,
@@ -432,10 +584,15 @@ def _validate(config: GRPOConfig) -> None:
     )
     _require(bool(policy.model_path), "policy.model_path is required")
     _require(policy.dtype in ("fp32", "bf16", "fp16"), f"policy.dtype={policy.dtype!r}: one of fp32, bf16, fp16")
-    _require(mcfg.enabled, "policy.megatron_cfg.enabled=false: megatron-core is the only training backend")
+    _validate_backend_switch(policy)
+    if policy.dtensor_cfg.enabled:
+        _validate_dtensor(config)
     for name in ("tensor_model", "pipeline_model", "context", "expert_model"):
         size = getattr(mcfg, f"{name}_parallel_size")
         _require(size >= 1, f"policy.megatron_cfg.{name}_parallel_size={size} must be >= 1")
+    etp = mcfg.expert_tensor_parallel_size
+    _require(etp is None or etp >= 1, f"policy.megatron_cfg.expert_tensor_parallel_size={etp} must be >= 1")
+    _validate_world(config)
     _require(
         mcfg.context_parallel_size == 1,
         "policy.megatron_cfg.context_parallel_size > 1 needs Transformer Engine (the local layer spec has no CP)",

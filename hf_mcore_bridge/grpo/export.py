@@ -1,6 +1,8 @@
 """`bridge export`: a GRPO run's policy as an HF model directory with a model card, optionally uploaded to the Hub.
 
-The checkpoint is converted with the ordinary export path (`convert_mcore_to_hf`); the card names the base model,
+A megatron-core checkpoint is converted with the ordinary export path (`convert_mcore_to_hf`); a DTensor run's
+checkpoint already holds its policy as an HF directory (`grpo.dtensor_checkpoint`), which is copied. The card names
+the base model and the training backend,
 carries the training config and the reward curve (a PNG and a table). The upload goes through `huggingface_hub`
 with whatever credentials the user has configured (`HF_TOKEN` or `huggingface-cli login`); the token is never
 read, printed or stored here. Everything is assembled in a temporary sibling and renamed into place.
@@ -9,18 +11,21 @@ read, printed or stored here. Everything is assembled in a temporary sibling and
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.dtensor_checkpoint import hf_policy_of
 from hf_mcore_bridge.grpo.metrics import METRICS_FILE, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
-from hf_mcore_bridge.megatron_dirs import TRACKER_NAME
+from hf_mcore_bridge.megatron_dirs import TRACKER_NAME, resolve_checkpoint
 from hf_mcore_bridge.to_hf import convert_mcore_to_hf
 
 CONFIG_FILE = "grpo_config.yaml"
+_BACKEND_NAMES = {"megatron-core": "megatron-core", "fsdp2": "PyTorch FSDP2 (DTensor)"}
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,21 @@ def find_metrics(run_dir: Path) -> Path | None:
     return found.parent if found else None
 
 
-def model_card(base_model: str | None, config_text: str | None, records: list[dict[str, float]], step: int | None):
-    """The README.md of an exported policy."""
-    front = ["---", "library_name: transformers", "tags:", "- grpo", "- megatron-core", "- reinforcement-learning"]
+def model_card(
+    base_model: str | None,
+    config_text: str | None,
+    records: list[dict[str, float]],
+    step: int | None,
+    backend: str = "megatron-core",
+):
+    """The README.md of an exported policy; `backend` names what trained it (`megatron-core` or `fsdp2`)."""
+    front = ["---", "library_name: transformers", "tags:", "- grpo", f"- {backend}", "- reinforcement-learning"]
     if base_model:
         front.append(f"base_model: {base_model}")
     lines = [*front, "---", "", "# GRPO policy", ""]
     lines.append(
-        f"Trained with GRPO on megatron-core with hf-mcore-bridge; exported from step {step if step else 'latest'}."
+        f"Trained with GRPO on {_BACKEND_NAMES.get(backend, backend)} with hf-mcore-bridge; exported from step"
+        f" {step if step else 'latest'}."
     )
     if base_model:
         lines += ["", f"Base model: `{base_model}`."]
@@ -95,14 +107,21 @@ def export_run(
     if step is not None:
         records = [r for r in records if r["step"] <= step]
     config_text = Path(config_path).read_text() if config_path else _saved_config(run_dir)
+    _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
+    hf_copy = hf_policy_of(checkpoint_dir)
     with atomic_directory(destination, overwrite=overwrite) as staging:
-        convert_mcore_to_hf(checkpoints, staging, iteration=step, overwrite=True, show_progress=False)
+        if hf_copy is not None:
+            for file in hf_copy.iterdir():
+                shutil.copy2(file, staging / file.name)
+        else:
+            convert_mcore_to_hf(checkpoints, staging, iteration=step, overwrite=True, show_progress=False)
         if records:
             plot_metrics(records, staging / PLOT_FILE)
             (staging / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
         if config_text:
             (staging / CONFIG_FILE).write_text(config_text)
-        (staging / "README.md").write_text(model_card(base_model, config_text, records, step))
+        backend = "megatron-core" if hf_copy is None else "fsdp2"
+        (staging / "README.md").write_text(model_card(base_model, config_text, records, step, backend))
     url = upload(destination, push_to_hub, private=private) if push_to_hub else None
     return ExportResult(destination, step, url)
 

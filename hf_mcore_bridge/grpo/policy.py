@@ -13,7 +13,8 @@ is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch, normalised by 
 the schedule divides each micro-batch loss by the number of micro-batches and DDP averages over data-parallel
 ranks, so the loss is multiplied back by both.
 
-Micro-batches are padded rows, or packed rows with a block-diagonal mask (`grpo.batching`).
+Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
+(THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).
 
 Simplifications: the reference policy for the KL term is the initial weights, kept as a copy on this rank and
 swapped in for a forward pass; with PP > 1 log-probs and metrics live on the last stage and are broadcast from
@@ -31,13 +32,13 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
-from hf_mcore_bridge.grpo.batching import MicroBatch
+from hf_mcore_bridge.grpo.batching import MicroBatch, pad_to_multiple
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
 from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_model import causal_mask, load_distributed_checkpoint
+from hf_mcore_bridge.megatron_model import load_distributed_checkpoint
 
-__all__ = ["Policy", "build_policy", "layout_of", "token_logprobs"]
+__all__ = ["Policy", "build_policy", "cast_parameters", "layout_of", "token_logprobs", "use_fused_adamw"]
 
 
 def layout_of(megatron: MegatronConfig) -> Layout:
@@ -47,6 +48,7 @@ def layout_of(megatron: MegatronConfig) -> Layout:
         pp=megatron.pipeline_model_parallel_size,
         cp=megatron.context_parallel_size,
         ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
     )
 
 
@@ -78,10 +80,12 @@ def _transformer_config(model_cfg: ModelConfig, layout: Layout, dtype: torch.dty
 
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
     kwargs.update(use_cpu_initialization=True, sequence_parallel=megatron.sequence_parallel)
+    if torch.cuda.is_available():  # megatron-core's torch-compiled SwiGLU: no Transformer Engine needed
+        kwargs["bias_activation_fusion"] = True
     if layout.pp > 1:  # micro-batches are padded to their own longest row
         kwargs["variable_seq_lengths"] = True
-        if model_cfg.moe is None:  # megatron-core refuses variable lengths with the allgather dispatcher
-            kwargs["moe_token_dispatcher_type"] = "alltoall"
+        # megatron-core refuses variable lengths with the allgather dispatcher (dense models included)
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
     kwargs.update(megatron.transformer)
     return TransformerConfig(**kwargs)
 
@@ -112,6 +116,7 @@ def build_policy(
     gpt = _gpt_model(config, model_cfg, padded_vocab)
     if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization): train on this rank's GPU
         gpt = gpt.cuda(torch.cuda.current_device())
+    cast_parameters(gpt, dtype)
     load_distributed_checkpoint(gpt, checkpoint_dir)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**megatron.ddp), module=gpt)
     config.no_sync_func = model.no_sync
@@ -124,6 +129,8 @@ def build_policy(
     }
     opt_config = OptimizerConfig(**(opt_kwargs | dict(megatron.optimizer)))
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if torch.cuda.is_available():
+        use_fused_adamw(optimizer)
     sched = megatron.scheduler
     decay_steps = sched.lr_decay_steps or max(total_optimizer_steps, sched.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
@@ -141,6 +148,29 @@ def build_policy(
     )
     reference = [p.detach().clone() for p in gpt.parameters()] if keep_reference else None
     return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference)
+
+
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`, in place. The local spec builds its norms as torch modules in fp32 whatever
+    `params_dtype` says; under bf16 that keeps torch's RMSNorm off its fused kernel (a dtype mismatch on every
+    call). Megatron-LM casts them with `Float16Module`, which would also rename every parameter (`module.`);
+    casting the parameters alone leaves names, checkpoints and refit as they are (buffers such as RoPE tables
+    stay fp32)."""
+    for param in module.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def use_fused_adamw(optimizer: Any) -> None:
+    """Switch the torch AdamW inside a megatron-core optimizer to its fused CUDA kernel: one pass over parameters,
+    gradients and states instead of foreach's several (megatron-core picks foreach when Apex and Transformer
+    Engine are absent; the foreach step took a quarter of a 1B-shape training iteration on an H200). Call before
+    the first step, while no optimizer state exists."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if isinstance(inner, torch.optim.AdamW) and not inner.state:
+            for group in inner.param_groups:
+                group.update(foreach=False, fused=True)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
@@ -166,9 +196,12 @@ def _forward_step(
     data_iterator: Iterator[MicroBatch],
     model: torch.nn.Module,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    from hf_mcore_bridge.sdpa_attention import packed_seq_params
+
     batch = next(data_iterator)
-    mask = batch.attention_mask if batch.attention_mask is not None else causal_mask(batch.seq_len, batch.tokens.device)
-    output = model(batch.tokens, batch.position_ids, mask)
+    # No mask: SDPA's causal flag for padded rows; packed rows are attended per sequence from their cu_seqlens.
+    packed = None if batch.cu_seqlens is None else packed_seq_params(batch.cu_seqlens, batch.max_seqlen)
+    output = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed)
     return output, partial(loss_func, batch)
 
 
@@ -193,15 +226,32 @@ def _is_last_stage() -> bool:
 
 
 def _broadcast_from_last_stage(value: Any) -> Any:
-    """`value` as held by the last pipeline stage, on every rank (the last global rank is on the last stage)."""
+    """`value` as held by the last stage of this rank's pipeline, on every stage of that pipeline."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return value
     holder = [value]
-    dist.broadcast_object_list(holder, src=dist.get_world_size() - 1)
+    dist.broadcast_object_list(
+        holder,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
     return holder[0]
+
+
+def _over_data_parallel(results: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Every data-parallel replica's per-micro-batch metrics (as floats), this replica's first."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    mine = [{k: float(v) for k, v in r.items()} for r in results]
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return mine
+    everyone: list[list[dict[str, float]]] = [[] for _ in range(parallel_state.get_data_parallel_world_size())]
+    dist.all_gather_object(everyone, mine, group=parallel_state.get_data_parallel_group())
+    return [r for replica in everyone for r in replica]
 
 
 def compute_logprobs(
@@ -213,17 +263,31 @@ def compute_logprobs(
         logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
 
-    batches = [b.to(_model_device(policy)) for b in batches]
+    lengths = [b.seq_len - 1 for b in batches]
+    batches = _on_device(policy, batches)
     policy.model.eval()
     with torch.no_grad(), _SwappedIn(policy, policy.reference if reference else None):
         results = _run_schedule(policy, batches, loss_func, forward_only=True)
     policy.model.train()
-    logprobs = [r["logprobs"].cpu() for r in results] if _is_last_stage() else None
+    logprobs = [r["logprobs"][:, :n].cpu() for r, n in zip(results, lengths, strict=True)] if _is_last_stage() else None
     return _broadcast_from_last_stage(logprobs)
 
 
 def _model_device(policy: Policy) -> torch.device:
     return next(policy.module.parameters()).device
+
+
+def _on_device(policy: Policy, batches: list[MicroBatch]) -> list[MicroBatch]:
+    """The micro-batches on the model's device, padded to a multiple of TP where sequence parallelism needs it."""
+    config = policy.module.config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return [pad_to_multiple(b, multiple).to(_model_device(policy)) for b in batches]
+
+
+def _padded_like(values: torch.Tensor, batch: MicroBatch, device: torch.device) -> torch.Tensor:
+    """`values: [B, S'-1]` right-padded with zeros to `batch`'s `[B, S-1]`, on `device`."""
+    extra = batch.seq_len - 1 - values.shape[-1]
+    return torch.nn.functional.pad(values, (0, extra)).to(device)
 
 
 class _SwappedIn:
@@ -271,9 +335,10 @@ def train_minibatch(
     from megatron.core import parallel_state
 
     device = _model_device(policy)
-    batches = [b.to(device) for b in batches]
-    old_logprobs = [t.to(device) for t in old_logprobs]
-    ref_logprobs = None if ref_logprobs is None else [t.to(device) for t in ref_logprobs]
+    batches = _on_device(policy, batches)
+    old_logprobs = [_padded_like(t, b, device) for t, b in zip(old_logprobs, batches, strict=True)]
+    if ref_logprobs is not None:
+        ref_logprobs = [_padded_like(t, b, device) for t, b in zip(ref_logprobs, batches, strict=True)]
     global_count = _global_count(batches, loss_config.aggregation)
     scale = len(batches) * parallel_state.get_data_parallel_world_size()
     extras = {
@@ -302,12 +367,12 @@ def train_minibatch(
     lr = policy.optimizer.param_groups[0]["lr"]
     policy.scheduler.step(increment=1)
     policy.optimizer_steps += 1
-    metrics = _weighted_means(results) if _is_last_stage() else None
+    metrics = _weighted_means(_over_data_parallel(results)) if _is_last_stage() else None
     metrics = _broadcast_from_last_stage(metrics)
     return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
 
 
-def _weighted_means(results: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def _weighted_means(results: list[dict[str, float]]) -> dict[str, float]:
     """Token-weighted means of per-micro-batch metrics; `loss`-like terms are sums (each already global-normalised)."""
     summed = {"loss", "pg_loss", "kl_loss", "num_valid_tokens"}
     weights = [float(r["num_valid_tokens"]) for r in results]

@@ -1,4 +1,4 @@
-"""Refit: the trained policy's weights, gathered over TP (and PP), streamed as HF-named tensors into the engine.
+"""Refit: the trained policy's weights, gathered over TP, EP (and PP), streamed as HF-named tensors into the engine.
 
 The stream is built from the SAME mapping table as conversion and export (`model_plan.placed_entries`, then
 `entry.to_hf`), so refit cannot drift from the checkpoint converters. Each parameter of the local-spec
@@ -11,7 +11,8 @@ them after loading (float64 sums), compared by the caller.
 
 Simplifications: every rank of a TP group gathers (the engine sits on global rank 0); with PP > 1 the other
 stages' HF tensors reach rank 0 as pickled objects (`gather_object`), fine for small models, not for large ones;
-data-parallel replicas are not deduplicated (DP is 1 in these worlds); MoE expert tensors are not handled.
+a routed expert's weight is gathered over expert TP, then all-gathered over EP local index by local index (every
+EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
 """
 
 from __future__ import annotations
@@ -21,12 +22,21 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig
-from hf_mcore_bridge.mapping_types import LAYER, Entry
+from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Entry, at_layer
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.model_plan import placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 
-__all__ = ["assemble_shards", "checksum", "checksums", "engine_tensor", "gather_tp", "hf_weights", "table_names"]
+__all__ = [
+    "assemble_shards",
+    "checksum",
+    "checksums",
+    "engine_tensor",
+    "gather_experts",
+    "gather_tp",
+    "hf_weights",
+    "table_names",
+]
 
 
 def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
@@ -43,17 +53,37 @@ def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Ten
     raise ValueError(f"unknown parallel style {parallel}")
 
 
-def gather_tp(local: torch.Tensor, parallel: Parallel) -> torch.Tensor:
-    """All-gather one parameter over this rank's TP group and assemble it (collective over the TP group)."""
+def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> torch.Tensor:
+    """All-gather one parameter over this rank's TP group (the expert-TP group for a routed expert's weight) and
+    assemble it (collective over that group)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    size = parallel_state.get_tensor_model_parallel_world_size()
+    if expert:
+        size = parallel_state.get_expert_tensor_parallel_world_size()
+        group = parallel_state.get_expert_tensor_parallel_group()
+    else:
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group()
     if parallel is Parallel.REPLICATED or size == 1:
         return local.detach()
     shards = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(shards, local.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(shards, local.detach().contiguous(), group=group)
     return assemble_shards(shards, parallel)
+
+
+def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
+    """This local expert's tensor from every expert-parallel rank, in EP rank order (collective over the EP group):
+    EP rank r holds global experts `r * local_count ...`, so entry r is global expert `r * local_count + j`."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_model_parallel_world_size()
+    if size == 1:
+        return [local]
+    everyone = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(everyone, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    return everyone
 
 
 def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
@@ -74,22 +104,39 @@ def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
     return names
 
 
+def _local_spec_key(template: str) -> str:
+    """A table name as the local layer spec's key map names it (a MoE layer's pre-MLP norm differs)."""
+    return template.replace(MOE_PRE_MLP_NORM, LOCAL_SPEC_MOE_NORM)
+
+
 def _local_hf_weights(
     module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
+    from megatron.core import parallel_state
+
     arch = get_architecture(model_cfg.architecture)
-    if model_cfg.moe is not None:
-        raise NotImplementedError("refit of mixture-of-experts policies is not implemented yet")
     dims = model_cfg.dims(padded_vocab)
     params = dict(module.named_parameters())
     by_template: dict[tuple[str, int | None], str] = {v: k for k, v in table_names(module).items()}
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = model_cfg.moe.num_experts // ep if model_cfg.moe else 0
     for placed in placed_entries(arch, model_cfg):
-        local_name = by_template.get((placed.template.mcore, placed.layer))
+        if placed.expert is None:
+            local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
+            if local_name is not None:  # else another pipeline stage holds it
+                entry: Entry = placed.entry
+                yield from entry.to_hf(gather_tp(params[local_name], entry.parallel), dims).items()
+            continue
+        if placed.expert >= per_rank:
+            continue  # gathered below, with the local expert of the same index on the other EP ranks
+        local_name = by_template.get((placed.template.mcore.replace(EXPERT, str(placed.expert)), placed.layer))
         if local_name is None:
-            continue  # another pipeline stage holds it
-        entry: Entry = placed.entry
-        full = gather_tp(params[local_name], entry.parallel)
-        yield from entry.to_hf(full, dims).items()
+            continue
+        full = gather_tp(params[local_name], placed.entry.parallel, expert=True)
+        for rank, tensor in enumerate(gather_experts(full)):
+            expert_entry = at_layer(placed.template, placed.layer, rank * per_rank + placed.expert)
+            yield from expert_entry.to_hf(tensor, dims).items()
 
 
 def hf_weights(
@@ -97,7 +144,8 @@ def hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model as (HF name, full tensor), on global rank 0; other ranks yield nothing.
 
-    Collective: every rank must exhaust it.
+    Collective: every rank must exhaust it. Each pipeline stage's tensors come from its first TP rank of the first
+    data-parallel replica (after the gathers every rank of a replica holds them all).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -107,10 +155,14 @@ def hf_weights(
         if dist.get_rank() == 0:
             yield from local
         else:
-            for _ in local:  # take part in the TP gathers
+            for _ in local:  # take part in the TP and EP gathers
                 pass
         return
-    mine = [(n, t.clone()) for n, t in local] if parallel_state.get_tensor_model_parallel_rank() == 0 else []
+    first = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    mine = []
+    for name, tensor in local:  # every rank takes part in the gathers
+        if first:
+            mine.append((name, tensor.cpu().clone()))
     gathered: list[list[tuple[str, torch.Tensor]]] | None = [[] for _ in range(dist.get_world_size())]
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0 and gathered is not None:
@@ -123,11 +175,19 @@ def engine_tensor(engine: object, hf_name: str) -> torch.Tensor:
     return engine.model.hf_view(hf_name)  # type: ignore[attr-defined]
 
 
+CHECKSUM_SAMPLES = 1 << 20
+"""Elements a checksum reads at most: a larger tensor is sampled at a fixed stride (cheap next to the refit)."""
+
+
 def checksum(tensor: torch.Tensor) -> float:
-    """A position-weighted float64 sum (weights cycle 1..8 over the flattened tensor): cheap, and unlike a plain
-    sum it changes when values are permuted (a transposed or mis-split tensor), not only when they change."""
-    flat = tensor.detach().double().flatten()
-    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 8 + 1
+    """A position-weighted float64 sum (weights in [1, 2), never periodic) over the flattened tensor, or over
+    every k-th element of a tensor of more than `CHECKSUM_SAMPLES` elements: cheap, and unlike a plain sum it
+    changes when values are permuted (a transposed or mis-split tensor), not only when they change."""
+    flat = tensor.detach().flatten()
+    stride = -(-flat.numel() // CHECKSUM_SAMPLES)
+    flat = flat[::stride].double()
+    # weights 1 + frac(i * golden ratio): never periodic, so no shift or block swap leaves the sum unchanged
+    weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949) % 1 + 1
     return float((flat * weights).sum())
 
 

@@ -7,8 +7,11 @@
         result = train_grpo(load_config("examples/grpo_tiny.yaml", ["policy.model_path=/path/to/model"]))
         print(result.series("reward_mean"))
 
-The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed, and starts one
-process per rank (`world.run_world`). On every rank, each step:
+The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed (an HF
+directory is what the DTensor backend reads, so there a Megatron checkpoint is exported to HF instead), and starts
+one process per rank (`backend.start_world`). The trained policy is a `backend.TrainingBackend`: megatron-core
+(`policy.megatron_cfg`, described below) or the HF model under FSDP2 (`policy.dtensor_cfg`, see
+`grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
 
 1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
    completions each with the embedded engine, scores them, computes group advantages and broadcasts them;
@@ -24,7 +27,9 @@ process per rank (`world.run_world`). On every rank, each step:
 The resolved config is saved as `grpo_config.yaml` in the log directory, and a PNG of reward and KL over the steps
 (`training_curves.png`) is drawn there at the end.
 
-Assumes a dense decoder and DP = 1 (the world is TP x PP x CP x EP); the engine runs on rank 0's device with the
+Data parallelism: `cluster.gpus_per_node` ranks make `ranks / (TP x PP x CP)` replicas; rank 0 generates every
+rollout and each replica trains on every `dp`-th rollout of each mini-batch (megatron-core's DDP averages the
+gradients; the loss is normalised by the global token count). The engine runs on rank 0's device with the
 policy's dtype. Simplifications: generation and training alternate (no overlap); validation is greedy, one
 sample a prompt, scored by the same reward; policy+optimizer checkpoints every `save_period`
 steps (`grpo.checkpoint`) and resume from the newest one.
@@ -47,13 +52,14 @@ import torch.distributed
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
+from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
-from hf_mcore_bridge.grpo.config import GRPOConfig
+from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
 from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
-from hf_mcore_bridge.grpo.policy import Policy, build_policy, compute_logprobs, layout_of, train_minibatch
-from hf_mcore_bridge.grpo.refit import buckets, checksum, engine_tensor, hf_weights
+from hf_mcore_bridge.grpo.policy import layout_of
+from hf_mcore_bridge.grpo.refit import buckets, checksum, engine_tensor
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -85,7 +91,8 @@ class PreparedRun:
     """What the ranks need, resolved in the parent before any process starts."""
 
     checkpoint_dir: Path
-    """The `torch_dist` checkpoint (iteration directory) the policy starts from."""
+    """What the policy starts from: a `torch_dist` checkpoint (iteration directory) for megatron-core, an HF
+    directory for DTensor."""
     model_cfg: ModelConfig
     hf_config: dict[str, Any]
     """The engine's HF config."""
@@ -117,6 +124,8 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
 
     log_dir = Path(config.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if config.policy.dtensor_cfg.enabled:
+        return _prepare_hf_run(config, log_dir)
     layout = layout_of(config.policy.megatron_cfg)
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
@@ -129,8 +138,16 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     root, checkpoint_dir = resolve_checkpoint(source)
     model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
     model_cfg.validate(layout)
-    if model_cfg.moe is not None:
-        raise BridgeError("GRPO of mixture-of-experts policies is not supported yet (refit streams dense tensors only)")
+    if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
+        raise GRPOConfigError(
+            "a mixture-of-experts policy at pipeline_model_parallel_size > 1 needs CUDA (megatron-core's all-to-all"
+            " token dispatcher, required for variable sequence lengths under PP, allocates CUDA streams)"
+        )
+    if model_cfg.moe is not None and layout.tp > 1 and not config.policy.megatron_cfg.sequence_parallel:
+        raise GRPOConfigError(
+            "policy.megatron_cfg.sequence_parallel must be true for a mixture-of-experts policy at"
+            " tensor_model_parallel_size > 1 (megatron-core trains MoE layers under TP only with it)"
+        )
     assets = hf_dir or hf_assets_dir(root, checkpoint_dir)
     if assets is not None and (assets / "config.json").exists():
         hf_config = json.loads((assets / "config.json").read_text())
@@ -147,17 +164,34 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     )
 
 
+def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
+    """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first)."""
+    from hf_mcore_bridge import config_bridge
+    from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
+    from hf_mcore_bridge.mappings import get_architecture
+
+    hf_dir = hf_policy_dir(Path(config.policy.model_path), log_dir)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    model_cfg = config_bridge.from_hf(hf_config, get_architecture(str((hf_config.get("architectures") or ["?"])[0])))
+    return PreparedRun(
+        checkpoint_dir=hf_dir,
+        model_cfg=model_cfg,
+        hf_config=hf_config,
+        tokenizer_file=_tokenizer_file(config, [hf_dir]),
+        padded_vocab=model_cfg.vocab_size,
+        log_dir=log_dir,
+    )
+
+
 def train_grpo(config: GRPOConfig) -> RunResult:
     """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
-    from hf_mcore_bridge.world import run_world
-
     config.validate()
     if config.generation.backend != "embedded":
         raise BridgeError("generation.backend=vllm is not wired into the trainer yet; use embedded")
     prepared = prepare_run(config)
     _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
     _save_config(config, prepared.log_dir)
-    run_world(_train_rank, layout_of(config.policy.megatron_cfg), config, prepared)
+    start_world(config, _train_rank, config, prepared)
     metrics = read_metrics(prepared.log_dir)
     if metrics:
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
@@ -233,7 +267,7 @@ class _RankContext:
             max_model_len=gen.max_model_len,
             max_num_batched_tokens=max(gen.max_model_len, 8192),
             kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
-            use_cuda_graphs=False,
+            use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
         )
         self.engine = Engine(self.prepared.hf_config, engine_config, tokenizer=self.tokenizer)
         train, self.val_records = _records(config)
@@ -330,39 +364,49 @@ def _seed(config: GRPOConfig, step: int) -> int:
 
 
 def _microbatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[MicroBatch]:
-    mcfg = config.policy.megatron_cfg
+    mcfg = config.policy.backend_cfg
     if mcfg.sequence_packing:
         return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch)
     return make_microbatches(rollouts, mcfg.micro_batch_size)
 
 
-def _minibatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[list[MicroBatch]]:
+def _minibatches(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> list[list[MicroBatch]]:
+    """The step's mini-batches, each as this data-parallel rank's micro-batches (every `dp`-th rollout)."""
     size = len(rollouts) // config.grpo.num_minibatches
-    return [_microbatches(config, rollouts[i : i + size]) for i in range(0, len(rollouts), size)]
+    dp, rank = policy.dp_size, policy.dp_rank
+    return [_microbatches(config, rollouts[i : i + size][rank::dp]) for i in range(0, len(rollouts), size)]
 
 
-def _flat_mult_error(batches: list[MicroBatch], logprobs: list[torch.Tensor]) -> float:
+def _flat_mult_error(
+    policy: TrainingBackend, batches: list[MicroBatch], logprobs: list[torch.Tensor], over_dp: bool = True
+) -> float:
+    """`token_mult_prob_error` over all the tokens of `batches` (and of the other data-parallel ranks' batches)."""
     trainer = torch.cat([lp.flatten() for lp in logprobs])
     engine = torch.cat([b.engine_logprobs.flatten() for b in batches])
     mask = torch.cat([b.mask.flatten() for b in batches])
-    return float(token_mult_prob_error(trainer[None], engine[None], mask[None]))
+    count = mask.sum().double()
+    total = torch.stack([token_mult_prob_error(trainer[None], engine[None], mask[None]).double() * count, count])
+    if over_dp and policy.dp_size > 1:
+        total = total.to(_device())  # NCCL reduces device tensors only
+        torch.distributed.all_reduce(total, group=policy.dp_group)
+    return float(total[0] / total[1].clamp(min=1))
 
 
-def _train_step(policy: Policy, config: GRPOConfig, rollouts: list[Rollout]) -> dict[str, float]:
+def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> dict[str, float]:
     temperature = config.generation.temperature
-    minibatches = _minibatches(config, rollouts)
+    minibatches = _minibatches(policy, config, rollouts)
     flat = [b for mini in minibatches for b in mini]
     started = time.perf_counter()
-    old = compute_logprobs(policy, flat, temperature)
-    ref = compute_logprobs(policy, flat, temperature, reference=True) if policy.reference is not None else None
+    old = policy.compute_logprobs(flat, temperature)
+    ref = policy.compute_logprobs(flat, temperature, reference=True) if policy.has_reference else None
     logprobs_s = time.perf_counter() - started
-    stats = {"token_mult_prob_error": _flat_mult_error(flat, old), "logprobs_s": logprobs_s}
+    stats = {"token_mult_prob_error": _flat_mult_error(policy, flat, old), "logprobs_s": logprobs_s}
     started = time.perf_counter()
     per_minibatch, offset = [], 0
     for mini in minibatches:
         part = slice(offset, offset + len(mini))
         per_minibatch.append(
-            train_minibatch(policy, mini, old[part], None if ref is None else ref[part], config.loss_fn, temperature)
+            policy.train_minibatch(mini, old[part], None if ref is None else ref[part], config.loss_fn, temperature)
         )
         offset += len(mini)
     stats["train_s"] = time.perf_counter() - started
@@ -375,11 +419,11 @@ def _train_step(policy: Policy, config: GRPOConfig, rollouts: list[Rollout]) -> 
     )
 
 
-def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
+def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
     started = time.perf_counter()
-    checked, sent, produce = checked_names(policy.model_cfg), {}, [0.0]
-    stream = _timed(hf_weights(policy.module, policy.model_cfg, policy.padded_vocab), produce)
+    checked, sent, produce = checked_names(policy.hf_names()), {}, [0.0]
+    stream = _timed(policy.hf_weights(), produce)
     if ctx.is_rank0:
         limit = ctx.config.policy.refit_bucket_mb << 20
         for bucket in buckets(_recording(stream, checked, sent), limit):
@@ -387,6 +431,8 @@ def _refit(ctx: _RankContext, policy: Policy) -> dict[str, float]:
     else:
         for _ in stream:  # every rank takes part in the gathers
             pass
+    if torch.cuda.is_available():  # the copies are asynchronous: time them to their end
+        torch.cuda.synchronize()
     refit_s = time.perf_counter() - started
     if not ctx.is_rank0:
         return {}
@@ -413,12 +459,8 @@ def _timed(stream: Iterator[tuple[str, torch.Tensor]], total: list[float]) -> It
         yield item
 
 
-def checked_names(model_cfg: ModelConfig) -> set[str]:
-    """`REFIT_CHECKED_TENSORS` HF names spread evenly over the table's order (first and last included)."""
-    from hf_mcore_bridge.mappings import get_architecture
-    from hf_mcore_bridge.model_plan import placed_entries
-
-    names = [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
+def checked_names(names: list[str]) -> set[str]:
+    """`REFIT_CHECKED_TENSORS` of the streamed HF `names`, spread evenly over their order (first and last included)."""
     count = min(REFIT_CHECKED_TENSORS, len(names))
     return {names[round(i * (len(names) - 1) / max(1, count - 1))] for i in range(count)}
 
@@ -433,7 +475,7 @@ def _recording(
         yield name, tensor
 
 
-def _probe(ctx: _RankContext, policy: Policy) -> dict[str, float]:
+def _probe(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     """Engine vs trainer on the fixed probe prompt: `token_mult_prob_error` of one sampled completion."""
     rollout = None
     if ctx.is_rank0:
@@ -442,8 +484,8 @@ def _probe(ctx: _RankContext, policy: Policy) -> dict[str, float]:
         rollout = Rollout(tuple(out.prompt_token_ids), tuple(sample.token_ids), tuple(sample.logprobs or ()))
     rollout = _broadcast(rollout)
     batches = make_microbatches([rollout], 1)
-    logprobs = compute_logprobs(policy, batches, ctx.config.generation.temperature)
-    return {"probe_token_mult_prob_error": _flat_mult_error(batches, logprobs)}
+    logprobs = policy.compute_logprobs(batches, ctx.config.generation.temperature)
+    return {"probe_token_mult_prob_error": _flat_mult_error(policy, batches, logprobs, over_dp=False)}
 
 
 def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
@@ -461,20 +503,10 @@ def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
 
 
 def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
-
-    if apply_cpu_training_workarounds():  # CPU: the ranks share the cores; oversubscribed threads crawl
+    if not torch.cuda.is_available():  # CPU: the ranks share the cores; oversubscribed threads crawl
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // torch.distributed.get_world_size()))
     torch.manual_seed(config.grpo.seed)
-    policy = build_policy(
-        prepared.model_cfg,
-        config.policy.megatron_cfg,
-        DTYPES[config.policy.dtype],
-        prepared.padded_vocab,
-        prepared.checkpoint_dir,
-        total_optimizer_steps=config.grpo.max_num_steps * config.grpo.num_minibatches,
-        keep_reference=config.loss_fn.kl_coef > 0,
-    )
+    policy = build_backend(config, prepared)
     ctx = _RankContext(config, prepared)
     first_step = _maybe_resume(ctx, policy) + 1
     initial = _refit(ctx, policy)  # the engine's first weights come from the trainer, through the table
@@ -502,45 +534,21 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         ctx.logger.close()
 
 
-def _maybe_resume(ctx: _RankContext, policy: Policy) -> int:
+def _maybe_resume(ctx: _RankContext, policy: TrainingBackend) -> int:
     """Load the newest checkpoint when resuming; returns the last completed step (0 for a fresh start)."""
-    from hf_mcore_bridge.grpo.checkpoint import load_checkpoint
-
     step = _resume_step(ctx.config)
     if step is None:
         return 0
-    state = load_checkpoint(policy, Path(ctx.config.checkpointing.checkpoint_dir), step)
+    state = policy.load_checkpoint(Path(ctx.config.checkpointing.checkpoint_dir), step)
     if ctx.is_rank0:
         ctx.prompts.load_state_dict(state["prompts"])
     return step
 
 
-def _maybe_save(ctx: _RankContext, policy: Policy, step: int) -> None:
-    from hf_mcore_bridge.grpo.checkpoint import save_checkpoint
-
+def _maybe_save(ctx: _RankContext, policy: TrainingBackend, step: int) -> None:
     ckpt = ctx.config.checkpointing
     if not ckpt.enabled or (step % ckpt.save_period != 0 and step != ctx.config.grpo.max_num_steps):
         return
     prompts = _broadcast(ctx.prompts.state_dict() if ctx.is_rank0 else None)
     state = {"prompts": prompts, "optimizer_steps": policy.optimizer_steps}
-    save_checkpoint(policy, Path(ckpt.checkpoint_dir), step, state, _megatron_args(ctx), _assets(ctx.prepared))
-
-
-def _megatron_args(ctx: _RankContext) -> Any:
-    from hf_mcore_bridge.config_bridge import megatron_args
-
-    mcfg = ctx.config.policy.megatron_cfg
-    return megatron_args(
-        ctx.prepared.model_cfg,
-        layout_of(mcfg),
-        DTYPES[ctx.config.policy.dtype],
-        make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
-        spec="local",
-    )
-
-
-def _assets(prepared: PreparedRun) -> dict[str, str]:
-    return {
-        "config.json": json.dumps(prepared.hf_config, indent=2),
-        "tokenizer.json": prepared.tokenizer_file.read_text(),
-    }
+    policy.save_checkpoint(Path(ckpt.checkpoint_dir), step, state)

@@ -65,6 +65,10 @@ def test_checksum_sees_permutations() -> None:
     assert checksum(tensor) == checksum(tensor.clone())
     assert checksum(tensor) != checksum(tensor.flip(0))
     assert checksum(tensor) != checksum(tensor.t().contiguous())
+    large = torch.randn(1500, 1500)  # sampled at a stride: still sees a transposed or re-split tensor
+    assert checksum(large) == checksum(large.clone())
+    assert checksum(large) != checksum(large.t().contiguous())
+    assert checksum(large) != checksum(torch.cat(large.chunk(2, dim=0)[::-1]))
 
 
 def test_cpu_clip_matches_torch_clip_grad_norm() -> None:
@@ -110,3 +114,22 @@ def test_refit_buckets_respect_the_budget() -> None:
     grouped = list(buckets(stream, limit_bytes=4 * 30))  # 30 floats a bucket
     assert [[name for name, _ in bucket] for bucket in grouped] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
     assert [name for bucket in grouped for name, _ in bucket] == [name for name, _ in stream]
+
+
+def test_padding_to_a_multiple_keeps_every_real_value() -> None:
+    from hf_mcore_bridge.grpo.batching import pad_to_multiple
+
+    (batch,) = make_microbatches(ROLLOUTS, 3)  # S = 5
+    padded = pad_to_multiple(batch, 4)
+    assert padded.seq_len == 8 and padded.mask.shape == (3, 7)
+    assert torch.equal(padded.tokens[:, :5], batch.tokens) and not padded.tokens[:, 5:].any()
+    assert torch.equal(padded.mask[:, :4], batch.mask) and not padded.mask[:, 4:].any()
+    assert padded.position_ids[0].tolist() == list(range(8))
+    assert pad_to_multiple(batch, 5) is batch
+
+    (row,) = pack_microbatches(ROLLOUTS, 64)  # one packed row of 5 + 4 + 5 tokens
+    packed = pad_to_multiple(row, 4)
+    assert packed.seq_len == 16
+    assert packed.cu_seqlens.tolist() == [*row.cu_seqlens.tolist(), 16]  # the padding is a sequence of its own
+    assert packed.position_ids[0, 14:].tolist() == [0, 1]
+    assert torch.equal(packed.advantages[:, :13], row.advantages) and not packed.advantages[:, 13:].any()

@@ -118,3 +118,26 @@ def test_hf_dataset_source_feeds_the_trainer(monkeypatch: pytest.MonkeyPatch) ->
     assert calls == [("org/math", "train"), ("org/math", "test")]
     assert [r["prompt"] for r in train] == ["train 0?", "train 1?", "train 2?"]
     assert [r["answer"] for r in val][:2] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["cluster.gpus_per_node=3", "policy.megatron_cfg.tensor_model_parallel_size=2"], "multiple of tp.pp.cp=2"),
+        (["cluster.gpus_per_node=2", "policy.megatron_cfg.expert_model_parallel_size=4"], "etp.ep.pp=4"),
+        (["cluster.gpus_per_node=3"], "do not split over the 3 data-parallel ranks"),
+        (["policy.megatron_cfg.expert_tensor_parallel_size=0"], "expert_tensor_parallel_size=0"),
+    ],
+)
+def test_a_world_that_cannot_hold_the_layout_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(GRPOConfigError, match=message):
+        config_from_dict(BASE, overrides).validate()
+
+
+def test_data_parallel_size_is_ranks_over_the_model_parallel_ones() -> None:
+    from hf_mcore_bridge.grpo.config import data_parallel_size, world_of
+
+    config = config_from_dict(BASE, ["cluster.gpus_per_node=8", "policy.megatron_cfg.tensor_model_parallel_size=2"])
+    assert (world_of(config), data_parallel_size(config)) == (8, 4)
+    default = config_from_dict(BASE, ["policy.megatron_cfg.expert_model_parallel_size=2"])
+    assert (world_of(default), data_parallel_size(default)) == (2, 2)  # the EP ranks replicate the dense layers

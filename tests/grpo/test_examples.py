@@ -1,4 +1,5 @@
-"""Every example config under examples/ loads: known keys only, megatron-core fields that exist, valid values."""
+"""Every example config under examples/ loads: known keys only, megatron-core fields that exist, valid values, one
+training backend enabled."""
 
 from __future__ import annotations
 
@@ -20,4 +21,4 @@ def test_there_is_an_example_per_dense_family():
 def test_example_config_loads_and_validates(path: Path):
     config = load_config(path, ["policy.model_path=/models/any"])
     config.validate()
-    assert config.policy.megatron_cfg.enabled
+    assert config.policy.megatron_cfg.enabled != config.policy.dtensor_cfg.enabled  # exactly one backend

@@ -25,8 +25,11 @@ def build_tokenizer(directory: Path) -> Path:
     return path
 
 
-def build_tiny_policy(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64, 8 heads, 4 KV groups) over `WORDS`, with its tokenizer, in `directory`."""
-    build_tiny_model(directory, "LlamaForCausalLM", seed=seed, num_hidden_layers=2, vocab_size=len(WORDS))
+def build_tiny_policy(
+    directory: Path, seed: int = 0, architecture: str = "LlamaForCausalLM", **overrides: object
+) -> Path:
+    """A 2-layer model (hidden 64, 8 heads, 4 KV groups; a Llama unless told) over `WORDS`, with its tokenizer."""
+    overrides = {"num_hidden_layers": 2, "vocab_size": len(WORDS), **overrides}
+    build_tiny_model(directory, architecture, seed=seed, **overrides)
     build_tokenizer(directory)
     return directory

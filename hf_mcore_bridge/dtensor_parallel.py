@@ -1,0 +1,147 @@
+"""Sharding a HuggingFace causal LM with DTensor: tensor parallelism, then FSDP2 (`fully_shard`).
+
+`make_mesh` builds the 2-D device mesh ("dp_shard", "tp"); `parallelize_hf_model` shards a transformers model over
+it in place; `full_hf_tensors` streams the full (unsharded) tensors back under their HF names; `clip_grad_norm`
+clips gradients that live on more than one mesh.
+
+Assumptions, checked where cheap:
+- The model is a Llama-family transformers causal LM (Llama, Mistral, Qwen2, Qwen3): decoder layers in
+  `model.model.layers`, each with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`. The attention reshapes
+  its projections with `-1` heads, so it runs on the local heads of a TP shard unchanged; `tp` must divide the
+  number of key/value heads and the MLP width.
+- Under TP only the attention and MLP projections are sharded (column-wise q/k/v/gate/up, row-wise o/down, the
+  Megatron pattern); embeddings, norms and the LM head stay replicated over "tp" and are sharded by FSDP over
+  "dp_shard" only. The logits are therefore full-vocabulary on every rank.
+- The model's parameters are the master weights (fp32 for bf16 training): FSDP2 casts them to `param_dtype` for
+  compute and reduces gradients in `reduce_dtype`, while the optimizer steps on the sharded fp32 parameters.
+- Activation checkpointing is transformers' own (`activation_checkpointing_enable`, before 5.24
+  `gradient_checkpointing_enable`; non-reentrant), so parameter names stay HF names; FSDP2 skips its forward hooks
+  during recomputation, which composes with it.
+- The process group is initialised by the caller, with `dp_shard * tp` ranks. CPU worlds (gloo) need no
+  workaround: `fully_shard`, `parallelize_module` and DTensor collectives run there as they are (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hf_mcore_bridge.errors import BridgeError
+
+# One plan for every supported architecture: their decoder layers name their projections identically.
+_LAYER_TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def make_mesh(dp_shard: int, tp: int, device_type: str) -> DeviceMesh:
+    """The ("dp_shard", "tp") mesh over an initialised world of `dp_shard * tp` ranks; TP ranks are adjacent."""
+    return init_device_mesh(device_type, (dp_shard, tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a Llama-family causal LM (`model.model.layers`)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise BridgeError(f"{type(model).__name__} has no model.layers; DTensor sharding expects a Llama-family model")
+    return layers
+
+
+def _check_tp(model: torch.nn.Module, tp: int) -> None:
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise BridgeError(
+            f"tensor parallelism over DTensor supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {config.model_type!r}"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, field) % tp:
+            raise BridgeError(f"{field}={getattr(config, field)} is not divisible by tensor_parallel_size={tp}")
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard each decoder layer's projections over `tp_mesh` (column-wise in, row-wise out)."""
+    _check_tp(model, tp_mesh.size())
+    for layer in decoder_layers(model):
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in _LAYER_TP_PLAN.items()})
+
+
+def parallelize_hf_model(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+) -> None:
+    """Shard `model` in place: TP over mesh["tp"] (if > 1), activation checkpointing, FSDP2 over mesh["dp_shard"].
+
+    Each decoder layer is its own FSDP unit (all-gathered just before use, freed after); the root unit holds the
+    embeddings, final norm and LM head and stays unsharded after forward since backward needs it first.
+    """
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if activation_checkpointing:
+        # transformers renamed gradient_checkpointing_enable (deprecated since 5.24) to activation_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    dp_mesh = mesh["dp_shard"]
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def hf_state_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The state dict's `(hf_name, value)` pairs, sharded values as they are, a tied tensor under its first name only
+    (the state dict lists a shared parameter under each of its names)."""
+    seen: set[int] = set()
+    entries = []
+    for name, value in model.state_dict().items():
+        if id(value) not in seen:
+            seen.add(id(value))
+            entries.append((name, value))
+    return entries
+
+
+def full_hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full tensor)` for every entry of `hf_state_entries`, gathering one DTensor at a time.
+
+    Collective: every rank must iterate to the end in the same order, since each DTensor is all-gathered.
+    """
+    for name, value in hf_state_entries(model):
+        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most `max_norm`; returns the norm before clipping.
+
+    `torch.nn.utils.clip_grad_norm_` stacks the per-tensor norms, which DTensor refuses across meshes: with TP the
+    projections live on the 2-D mesh and the replicated tensors on mesh["dp_shard"]. So the norm is taken per mesh
+    (each a `get_total_norm` over DTensors, made whole with `full_tensor`) and the parts combined.
+    """
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(param)
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for params in groups.values():  # one mesh per call: DTensor's foreach ops refuse mixed meshes too
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

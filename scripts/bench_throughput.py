@@ -1,0 +1,151 @@
+"""Every throughput figure of the project in one command: training, generation, refit and a whole GRPO step.
+
+Runs the three benchmark scripts one after another (each in its own process, so each starts with a clean GPU) and
+prints one table of the figures the goals are set against:
+
+a) `bench_training.py`: training tokens/s per GPU and MFU of the Megatron path, the DTensor (FSDP2) path and plain
+   HF, Llama-3.2-1B and Llama-3.1-8B shapes, packed rows of 4096 and 16384 tokens (goal: Megatron >= 1.2x
+   DTensor; MFU >= 45% on the 8B shape);
+b) `bench_engine.py`: the embedded engine against transformers `generate`, 1B shape, 64 prompts x 8 samples,
+   512 new tokens (goal >= 20x);
+c) and d) `bench_grpo.py`: a GRPO step on the 1B shape broken into generation, log-probs, training and refit, and
+   the refit against a device-to-device copy of the same bytes (goal <= 3x).
+
+    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/   # on GPUs (~8 minutes on 2 x H200)
+    python scripts/bench_throughput.py --tiny --out /tmp/bench               # tiny shapes on CPU (smoke test)
+
+Each part also writes its own JSON under `--out`; a part that fails is reported as such and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(name: str, args: list[str], log: Path) -> bool:
+    """Run one benchmark script, its output to the terminal and to `log`; whether it succeeded."""
+    print(f"\n=== {name}: {' '.join(args)}", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with log.open("w") as handle:
+        command = [sys.executable, str(HERE / name), *args]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        assert process.stdout is not None
+        for line in process.stdout:
+            handle.write(line)
+            if "warn" not in line.lower():
+                print(line, end="", flush=True)
+        return process.wait() == 0
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def training_rows(record: Any) -> list[tuple[str, str, str]]:
+    """(figure, value, goal) rows from `bench_training.py`'s JSON: per shape and length, each path's tokens/s per
+    GPU and MFU, and Megatron over DTensor."""
+    if not record:
+        return [("training", "failed (see training.log)", "")]
+    rows = []
+    results = record["results"] if isinstance(record, dict) else record
+    keyed = {(r["shape"], r["seq_len"], r["path"]): r for r in results}
+    for shape, seq_len in sorted({(r["shape"], r["seq_len"]) for r in results}):
+        cells = []
+        for path in ("megatron", "dtensor", "hf"):
+            r = keyed.get((shape, seq_len, path))
+            if r is None:
+                continue
+            if r.get("status") == "ok":
+                cells.append(f"{path} {r['tokens_per_s_per_gpu']:,.0f} ({100 * r['mfu']:.1f}%)")
+            else:
+                cells.append(f"{path} {r.get('status')}")
+        rows.append((f"training {shape} @ {seq_len}: tok/s/GPU (MFU)", ", ".join(cells), "MFU >= 45% (8B)"))
+        mega, dt = keyed.get((shape, seq_len, "megatron")), keyed.get((shape, seq_len, "dtensor"))
+        if mega and dt and mega.get("status") == dt.get("status") == "ok":
+            ratio = mega["tokens_per_s_per_gpu"] / dt["tokens_per_s_per_gpu"]
+            rows.append((f"  Megatron / DTensor, {shape} @ {seq_len}", f"{ratio:.2f}x", ">= 1.2x"))
+    return rows
+
+
+def engine_rows(record: Any) -> list[tuple[str, str, str]]:
+    if not record:
+        return [("generation", "failed (see engine.log)", "")]
+    engine, hf_rows = record[1], record[2:]
+    rows = [("generation: engine tokens/s", f"{engine['tokens_per_s']:,.0f}", "")]
+    for hf in hf_rows:
+        ratio = engine["tokens_per_s"] / hf["tokens_per_s"]
+        rows.append((f"  engine / HF generate (batch {hf['batch']})", f"{ratio:.1f}x", ">= 20x"))
+    return rows
+
+
+def grpo_rows(record: Any) -> list[tuple[str, str, str]]:
+    if not record:
+        return [("GRPO step", "failed (see grpo.log)", "")]
+    phases = record["phases"]
+    rows = [
+        (f"GRPO step: {label}", f"{phases[key]:.3f} s", "")
+        for key, label in (
+            ("generation_s", "generation"),
+            ("logprobs_s", "log-probs"),
+            ("train_s", "training"),
+            ("refit_s", "refit"),
+            ("step_s", "whole step"),
+        )
+    ]
+    if record.get("d2d_copy_s"):
+        ratio = phases["refit_s"] / record["d2d_copy_s"]
+        rows.append(("  refit / device-to-device copy", f"{ratio:.1f}x", "<= 3x"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench"), help="JSON and logs of every part")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs for the training benchmark")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
+    parser.add_argument("--parts", default="training,engine,grpo", help="which parts to run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    tiny = ["--tiny"] if args.tiny else []
+    out = args.out.resolve()
+    if "training" in parts:
+        _run(
+            "bench_training.py",
+            [*tiny, "--nproc", str(1 if args.tiny else args.nproc), "--json", str(out / "training.json")],
+            out / "training.log",
+        )
+    if "engine" in parts:
+        engine_args = ["--tiny", "--device", "cpu", "--skip-hf-batch64"] if args.tiny else []
+        _run("bench_engine.py", [*engine_args, "--json", str(out / "engine.json")], out / "engine.log")
+    if "grpo" in parts:
+        _run(
+            "bench_grpo.py",
+            [*tiny, "--work", str(out / "grpo_work"), "--json", str(out / "grpo.json")],
+            out / "grpo.log",
+        )
+    rows = []
+    if "training" in parts:
+        rows += training_rows(_load(out / "training.json"))
+    if "engine" in parts:
+        rows += engine_rows(_load(out / "engine.json"))
+    if "grpo" in parts:
+        rows += grpo_rows(_load(out / "grpo.json"))
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'figure':<{width}}  {'measured':<60}  goal")
+    for figure, value, goal in rows:
+        print(f"{figure:<{width}}  {value:<60}  {goal}")
+    summary = [{"figure": figure, "value": value, "goal": goal} for figure, value, goal in rows]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

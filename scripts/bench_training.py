@@ -1,0 +1,633 @@
+"""Training throughput of a policy update on random weights: the Megatron path vs the DTensor path vs plain HF.
+
+For each model shape (Llama-3.2-1B- and Llama-3.1-8B-shaped, from `random_checkpoint.SHAPES`) and each row length
+(4096 and 16384 tokens), every path trains on packed rows of random-length sequences that sum to exactly the row
+length (one row per micro-batch and rank, the same rows for every path), one optimizer step per iteration, and
+reports the median seconds per iteration after warm-up, training tokens/s, peak GPU memory and MFU.
+
+    python scripts/bench_training.py --nproc 2 --json bench.json        # on H200s (one process per GPU, NCCL)
+    python scripts/bench_training.py --tiny                             # a tiny shape on CPU (smoke test)
+
+What each path is, and assumes:
+- megatron: this project's `GPTModel` (`megatron_model.gpt_model`: megatron-core's local layer spec with
+  `SDPAttention`; no Transformer Engine) in bf16 under megatron-core's `Float16Module` (as Megatron-LM wraps it:
+  the local spec builds its norms in fp32, which keeps torch's RMSNorm off its fused kernel), megatron-core
+  `DistributedDataParallel` (fp32 gradient buffers), `get_megatron_optimizer` (torch AdamW on fp32 main
+  parameters, switched to its fused kernel; the distributed optimizer when there is data parallelism),
+  `get_forward_backward_func`. Packed rows go in as `PackedSeqParams` (THD): attention per sequence through
+  torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. Parallelism:
+  `--megatron-parallel dp` (default: data parallel over nproc, distributed optimizer, as NeMo-RL runs the 8B) or
+  `tp` (TP = nproc, with sequence parallelism). On CUDA it also turns on megatron-core's torch-compiled SwiGLU
+  (`bias_activation_fusion`) and cross-entropy (`cross_entropy_loss_fusion`, native), which need no Transformer
+  Engine. Loss: megatron-core's vocab-parallel cross entropy, masked at each sequence's last token.
+- dtensor: the HF `LlamaForCausalLM` (`--hf-attention`, default sdpa) sharded by
+  `hf_mcore_bridge.dtensor_parallel.parallelize_hf_model` with FSDP2 over dp_shard = nproc (tp = 1): fp32
+  parameters, bf16 compute (`param_dtype`), fp32 gradient reduction, fused torch AdamW on the fp32 shards. Packed
+  rows are given as `position_ids` restarting per sequence and no attention mask; transformers then builds the
+  block-diagonal mask itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel).
+- hf: the same HF model on one GPU (rank 0; the other ranks wait), fp32 parameters under `torch.autocast(bf16)`
+  (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
+Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
+on the device. `--recompute auto` (default) retries a configuration that ran out of memory with full activation
+recomputation (megatron-core's `recompute_granularity="full"`, which needs CUDA; transformers' checkpointing); the
+table says which ran with it. A configuration still out of memory is reported as OOM. All ranks are assumed to
+run out of memory together (they hold the same shapes); a rank that alone runs out while the others wait in a
+collective would hang the world.
+
+FLOPs (model FLOPs, identical for every path; recomputation is not counted, so it lowers MFU):
+    per row = 6 * N_matmul * T + 6 * L * (heads * head_dim) * sum_i s_i^2
+N_matmul counts the weights of every matrix product a token goes through: per layer q, k, v, o and the gated MLP
+(gate, up, down), plus the output layer (vocab x hidden, also when tied to the embedding); embedding lookups and
+norms are not counted. 6 = 2 FLOPs per multiply-add x 3 (the forward product and two backward ones). The second
+term is causal attention (QK^T and AV: 2 products x 2 FLOPs x s^2 / 2 x heads x head_dim, times 3 for fwd+bwd),
+summed over the packed sequences s_i of the row, not the row length T: attention across sequences is masked and is
+no work. This is Megatron-LM's `num_floating_point_operations` with the causal half and per-sequence lengths.
+MFU = FLOPs per iteration / (seconds per iteration x GPUs x 989e12), the H200's dense bf16 peak.
+Tokens/s counts every token of every row trained in an iteration (with TP, the ranks of a TP group share a row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from random_checkpoint import SHAPES, TINY_SHAPE
+
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.world import run_world
+
+H200_BF16_PEAK = 989e12
+"""Dense bf16 FLOP/s of one H200 (the MFU denominator)."""
+
+PATHS = ("megatron", "dtensor", "hf")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to measure and how."""
+
+    shapes: tuple[str, ...] = ("llama3.2-1b", "llama3-8b")
+    """Keys of `random_checkpoint.SHAPES` (or "tiny")."""
+    seq_lens: tuple[int, ...] = (4096, 16384)
+    """Tokens per packed row (one row per micro-batch and rank)."""
+    paths: tuple[str, ...] = PATHS
+    """Which of megatron, dtensor, hf to run."""
+    warmup: int = 2
+    """Iterations run before timing (the first compiles flex_attention and the fused kernels)."""
+    iters: int = 5
+    """Timed iterations; the median is reported."""
+    micro_batches: int = 1
+    """Rows per rank per optimizer step (gradient accumulation)."""
+    megatron_parallel: str = "dp"
+    """"dp": Megatron data parallel over nproc with the distributed optimizer; "tp": TP = nproc (sequence parallel)."""
+    recompute: str = "auto"
+    """"off", "on", or "auto" (retry with activation recomputation after running out of memory)."""
+    hf_attention: str = "sdpa"
+    """transformers' attention implementation for the dtensor and hf paths."""
+    dtype: str = "bf16"
+    """Compute dtype: bf16 or fp32."""
+    doc_len: tuple[float, float] = (1 / 16, 1 / 2)
+    """Packed sequence lengths are drawn uniformly between these fractions of the row length."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Result:
+    """One (shape, row length, path) measurement."""
+
+    shape: str
+    seq_len: int
+    path: str
+    layout: str
+    gpus: int
+    status: str
+    """"ok", "OOM", or "error: ..."."""
+    recompute: bool = False
+    step_s: float = math.nan
+    tokens_per_iter: int = 0
+    tokens_per_s: float = math.nan
+    tokens_per_s_per_gpu: float = math.nan
+    flops_per_iter: float = math.nan
+    mfu: float = math.nan
+    peak_mem_gib: float = math.nan
+
+
+@dataclass
+class Row:
+    """One packed row on the device, with what every path needs."""
+
+    tokens: torch.Tensor
+    """[1, T] int64."""
+    positions: torch.Tensor
+    """[1, T] int64, restarting at 0 at every sequence."""
+    lengths: list[int]
+    cu_seqlens: torch.Tensor
+    """[n + 1] int32."""
+    next_tokens: torch.Tensor
+    """[1, T]: the label of each position for megatron-core (the next token)."""
+    loss_mask: torch.Tensor
+    """[1, T] float: 0 at each sequence's last token (its next token belongs to another sequence)."""
+    hf_labels: torch.Tensor
+    """[1, T]: transformers' labels (it shifts them itself): -100 at each sequence's first token."""
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    return TINY_SHAPE if name == "tiny" else SHAPES[name]
+
+
+def _dims(shape: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
+    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    groups = shape.get("num_key_value_heads", heads)
+    return shape["num_hidden_layers"], hidden, heads, groups, head_dim, shape["intermediate_size"], shape["vocab_size"]
+
+
+def matmul_params(shape: dict[str, Any]) -> int:
+    """Weights of the matrix products a token goes through: attention and gated MLP per layer, and the output
+    layer (counted when tied too)."""
+    layers, hidden, heads, groups, head_dim, ffn, vocab = _dims(shape)
+    attention = hidden * (heads + 2 * groups) * head_dim + heads * head_dim * hidden
+    return layers * (attention + 3 * hidden * ffn) + vocab * hidden
+
+
+def row_flops(shape: dict[str, Any], lengths: list[int]) -> float:
+    """Model FLOPs of one training step (forward + backward) on a packed row of sequences of `lengths`."""
+    layers, _, heads, _, head_dim, _, _ = _dims(shape)
+    tokens = sum(lengths)
+    return 6.0 * matmul_params(shape) * tokens + 6.0 * layers * heads * head_dim * sum(n * n for n in lengths)
+
+
+def packed_lengths(total: int, fractions: tuple[float, float], seed: int) -> list[int]:
+    """Random sequence lengths summing to `total`, each between the given fractions of it (the last one cut)."""
+    generator = torch.Generator().manual_seed(seed)
+    low, high = max(2, int(total * fractions[0])), max(2, int(total * fractions[1]))
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(low, high + 1, (1,), generator=generator)))
+    lengths[-1] -= sum(lengths) - total
+    if lengths[-1] < 2 and len(lengths) > 1:  # too short to predict anything: give it to the one before
+        lengths[-2] += lengths.pop()
+    return lengths
+
+
+def make_row(total: int, vocab: int, fractions: tuple[float, float], seed: int, device: torch.device) -> Row:
+    lengths = packed_lengths(total, fractions, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, vocab, (1, total), generator=generator)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    loss_mask = torch.ones(1, total)
+    loss_mask[0, starts[1:] - 1] = 0.0
+    hf_labels = tokens.clone()
+    hf_labels[0, starts[:-1]] = -100
+    return Row(
+        tokens=tokens.to(device),
+        positions=positions.to(device),
+        lengths=lengths,
+        cu_seqlens=starts.to(torch.int32).to(device),
+        next_tokens=torch.roll(tokens, -1, dims=1).to(device),
+        loss_mask=loss_mask.to(device),
+        hf_labels=hf_labels.to(device),
+    )
+
+
+Step = Callable[[list[Row]], None]
+
+
+def _dtype(opts: Options) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.dtype]
+
+
+def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+    """This rank's megatron-core model, DDP and optimizer (see the module docstring); returns its training step."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab, transformer_config_kwargs
+    from hf_mcore_bridge.grpo.policy import use_fused_adamw
+    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.megatron_model import gpt_model
+    from hf_mcore_bridge.sdpa_attention import packed_seq_params
+
+    cuda = device.type == "cuda"
+    dtype = _dtype(opts)
+    model_cfg = from_hf(shape, get_architecture(shape["architectures"][0]))
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    layout = Layout(tp=tp)
+    kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
+    # on CUDA the weights are initialised where they live (megatron-core's GPU initialisation, TP-aware RNG)
+    kwargs.update(use_cpu_initialization=not cuda, perform_initialization=True, sequence_parallel=tp > 1)
+    if cuda:  # torch.compile'd megatron-core fusions that need no Transformer Engine
+        kwargs.update(bias_activation_fusion=True, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = TransformerConfig(**kwargs)
+    # the linear layers are built on the GPU, the norms (torch modules) on the default device and in fp32, which
+    # keeps torch's RMSNorm off its fused kernel: Float16Module casts them, as Megatron-LM does
+    gpt = gpt_model(config, model_cfg, padded_vocab(model_cfg, layout)).to(device)
+    if dtype != torch.float32:
+        gpt = Float16Module(config, gpt)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=dp > 1, use_distributed_optimizer=dp > 1
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-5,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=dp > 1,
+            clip_grad=1.0,
+        ),
+        [model],
+    )
+    if cuda:
+        use_fused_adamw(optimizer)
+    forward_backward = get_forward_backward_func()
+
+    def forward_step(data_iterator: Any, module: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        row = next(data_iterator)
+        # a fresh cu_seqlens tensor each forward, as in training: the flex BlockMask is rebuilt (once, for all layers)
+        params = packed_seq_params(row.cu_seqlens.clone(), max(row.lengths))
+        losses = module(row.tokens, row.positions, None, labels=row.next_tokens, packed_seq_params=params)
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = (output.float() * row.loss_mask).sum() / row.loss_mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        return losses, loss_func
+
+    def step(rows: list[Row]) -> None:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(rows),
+            model=[model],
+            num_microbatches=len(rows),
+            seq_length=rows[0].tokens.shape[1],
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        optimizer.step()
+
+    return step
+
+
+def hf_model(shape: dict[str, Any], opts: Options, device: torch.device) -> torch.nn.Module:
+    """The transformers model of `shape`, randomly initialised on `device`, fp32 parameters (master weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
+    config = AutoConfig.for_model(shape["model_type"], **fields)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=opts.hf_attention)
+    return model.train()
+
+
+def _hf_loss(model: torch.nn.Module, row: Row) -> torch.Tensor:
+    return model(input_ids=row.tokens, position_ids=row.positions, labels=row.hf_labels).loss
+
+
+def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+    """The HF model under FSDP2 over every rank (`dtensor_parallel`), torch AdamW; returns its training step."""
+    from hf_mcore_bridge.dtensor_parallel import make_mesh, parallelize_hf_model
+
+    model = hf_model(shape, opts, device)
+    mesh = make_mesh(dist.get_world_size(), 1, device.type)
+    parallelize_hf_model(
+        model, mesh, param_dtype=_dtype(opts), reduce_dtype=torch.float32, activation_checkpointing=recompute
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step(rows: list[Row]) -> None:
+        for index, row in enumerate(rows):
+            model.set_requires_gradient_sync(index == len(rows) - 1)  # reduce-scatter once, after the last one
+            (_hf_loss(model, row) / len(rows)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_hf(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+    """The HF model on this rank's device alone, autocast to the compute dtype, torch AdamW."""
+    model = hf_model(shape, opts, device)
+    if recompute:  # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})  # the kwargs dict comes first under either name
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    dtype = _dtype(opts)
+
+    def step(rows: list[Row]) -> None:
+        for row in rows:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = _hf_loss(model, row) / len(rows)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+BUILDERS: dict[str, Callable[[dict[str, Any], Options, bool, torch.device], Step]] = {
+    "megatron": build_megatron,
+    "dtensor": build_dtensor,
+    "hf": build_hf,
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Step, rows: list[Row], opts: Options, device: torch.device) -> list[float]:
+    """Seconds of each timed iteration (after `opts.warmup` untimed ones), device-synchronised around each."""
+    times = []
+    for index in range(opts.warmup + opts.iters):
+        _sync(device)
+        start = time.perf_counter()
+        step(rows)
+        _sync(device)
+        if index >= opts.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: the process's peak RSS (KiB)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How a path lays its rows over the ranks taking part."""
+
+    layout: str
+    gpus: int
+    row_seed: int
+    """Seed of this rank's rows (equal within a TP group, different across data-parallel ranks)."""
+    share: int
+    """Ranks training the same rows (TP), which count their tokens and FLOPs once."""
+    group: Any
+    """Process group of the participating ranks (None: the whole world)."""
+
+
+def _placement(path: str, opts: Options, hf_group: Any) -> _Placement:
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    if path == "megatron":
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        layout = f"TP{tp} SP" if tp > 1 else "TP1"
+        if parallel_state.get_data_parallel_world_size() > 1:
+            layout += f" DP{parallel_state.get_data_parallel_world_size()} dist-opt"
+        return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp, None)
+    if path == "dtensor":
+        return _Placement(f"FSDP2 dp_shard={world}", world, opts.seed + 1000 * dist.get_rank(), 1, None)
+    return _Placement("1 GPU, autocast", 1, opts.seed, 1, hf_group)
+
+
+def _measure(
+    shape_name: str, seq_len: int, path: str, step: Step, opts: Options, place: _Placement, device: torch.device
+) -> Result:
+    shape = shape_config(shape_name)
+    rows = [
+        make_row(seq_len, shape["vocab_size"], opts.doc_len, place.row_seed + 10 * m, device)
+        for m in range(opts.micro_batches)
+    ]
+    times = torch.tensor(time_steps(step, rows, opts, device), dtype=torch.float64, device=device)
+    counts = torch.tensor(
+        [sum(row_flops(shape, r.lengths) for r in rows) / place.share, len(rows) * seq_len / place.share],
+        dtype=torch.float64,
+        device=device,
+    )
+    peak = torch.tensor([_peak_gib(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=place.group)  # an iteration ends when the slowest rank does
+    dist.all_reduce(counts, group=place.group)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=place.group)
+    step_s = statistics.median(times.tolist())
+    flops, tokens = counts.tolist()
+    return Result(
+        shape=shape_name,
+        seq_len=seq_len,
+        path=path,
+        layout=place.layout,
+        gpus=place.gpus,
+        status="ok",
+        step_s=step_s,
+        tokens_per_iter=round(tokens),
+        tokens_per_s=tokens / step_s,
+        tokens_per_s_per_gpu=tokens / step_s / place.gpus,
+        flops_per_iter=flops,
+        mfu=flops / step_s / (place.gpus * H200_BF16_PEAK),
+        peak_mem_gib=float(peak),
+    )
+
+
+def _agree(ok: bool, device: torch.device, group: Any) -> bool:
+    """Whether every participating rank succeeded."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def run_path(shape_name: str, path: str, opts: Options, place: _Placement, device: torch.device) -> list[Result]:
+    """Every row length of one path on one shape; with `--recompute auto`, an out-of-memory configuration is
+    retried with activation recomputation, which is then kept for the longer rows."""
+    shape = shape_config(shape_name)
+    recompute = opts.recompute == "on"
+    step: Step | None = None
+    results = []
+    for seq_len in sorted(opts.seq_lens):
+        result = None
+        for attempt in range(2):
+            failure = ""
+            try:
+                if step is None:
+                    step = BUILDERS[path](shape, opts, recompute, device)
+                result = replace(_measure(shape_name, seq_len, path, step, opts, place, device), recompute=recompute)
+            except Exception as err:  # reported per configuration; the run goes on
+                failure = "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            if not _agree(not failure, device, place.group):
+                failure = failure or "OOM elsewhere"
+            if not failure:
+                break
+            step = None  # a model that ran out of memory mid-step is dropped whole
+            _free(device)
+            if not (failure.startswith("OOM") and opts.recompute == "auto" and not recompute and attempt == 0):
+                break
+            recompute = True
+        if result is None:
+            result = Result(shape_name, seq_len, path, place.layout, place.gpus, failure or "OOM", recompute)
+        results.append(result)
+    del step
+    _free(device)
+    return results
+
+
+def bench_rank(opts: Options, out: str) -> None:
+    """Rank body (inside `world.run_world`): every shape and path; rank 0 writes the results to `out`."""
+    from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
+    from hf_mcore_bridge.world import device as rank_device
+
+    apply_cpu_training_workarounds()  # a no-op on CUDA
+    device = rank_device()
+    hf_group = dist.new_group([0]) if "hf" in opts.paths else None  # collective calls: every rank makes them
+    results: list[Result] = []
+    for shape_name in opts.shapes:
+        for path in opts.paths:
+            if path != "hf" or dist.get_rank() == 0:
+                results += run_path(shape_name, path, opts, _placement(path, opts, hf_group), device)
+            dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([asdict(r) for r in results]))
+
+
+def run(opts: Options, nproc: int) -> list[Result]:
+    """Start `nproc` ranks (NCCL on GPUs, gloo on CPU), measure, return rank 0's results."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # long rows fragment memory
+    tp = nproc if opts.megatron_parallel == "tp" else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        run_world(bench_rank, Layout(tp=tp), opts, str(out), world=nproc)
+        return [Result(**r) for r in json.loads(out.read_text())]
+
+
+def format_table(results: list[Result]) -> str:
+    header = (
+        f"{'shape':<12}{'tokens/row':>11}  {'path':<9}{'layout':<24}{'GPUs':>5}{'recomp':>7}{'step s':>9}"
+        f"{'tokens/s':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}  status"
+    )
+    lines = [header]
+    for r in results:
+        if r.status == "ok":
+            numbers = (
+                f"{r.step_s:>9.3f}{r.tokens_per_s:>11.0f}{r.tokens_per_s_per_gpu:>11.0f}{r.mfu * 100:>6.1f}%"
+                f"{r.peak_mem_gib:>10.1f}"
+            )
+        else:
+            numbers = f"{'-':>9}{'-':>11}{'-':>11}{'-':>7}{'-':>10}"
+        recompute = "yes" if r.recompute else "no"
+        lines.append(
+            f"{r.shape:<12}{r.seq_len:>11}  {r.path:<9}{r.layout:<24}{r.gpus:>5}{recompute:>7}{numbers}  {r.status}"
+        )
+    return "\n".join(lines)
+
+
+def ratios(results: list[Result]) -> list[str]:
+    """Megatron's tokens/s per GPU over the DTensor path's, per shape and row length."""
+    by_key = {(r.shape, r.seq_len, r.path): r for r in results if r.status == "ok"}
+    lines = []
+    for shape, seq_len in dict.fromkeys((r.shape, r.seq_len) for r in results):
+        megatron, dtensor = by_key.get((shape, seq_len, "megatron")), by_key.get((shape, seq_len, "dtensor"))
+        if megatron and dtensor:
+            ratio = megatron.tokens_per_s_per_gpu / dtensor.tokens_per_s_per_gpu
+            lines.append(f"{shape} @ {seq_len}: Megatron / DTensor tokens/s per GPU = {ratio:.2f}x")
+    return lines
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
+    return lambda text: tuple(kind(part) for part in text.split(",") if part)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None]:
+    defaults = Options()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", type=_csv(str), default=defaults.shapes, help="comma-separated SHAPES keys")
+    parser.add_argument("--seq-lens", type=_csv(int), default=defaults.seq_lens, help="tokens per packed row")
+    parser.add_argument("--paths", type=_csv(str), default=defaults.paths, help="megatron,dtensor,hf")
+    parser.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()), help="ranks (one per GPU)")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations")
+    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations (median reported)")
+    parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches, help="rows per rank and step")
+    parser.add_argument("--megatron-parallel", choices=("tp", "dp"), default=defaults.megatron_parallel)
+    parser.add_argument("--recompute", choices=("off", "on", "auto"), default=defaults.recompute)
+    parser.add_argument("--hf-attention", default=defaults.hf_attention, help="transformers attn_implementation")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--tiny", action="store_true", help="tiny shape and rows, fp32, one rank (CPU smoke test)")
+    args = parser.parse_args(argv)
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    opts = Options(
+        shapes=args.shapes,
+        seq_lens=args.seq_lens,
+        paths=args.paths,
+        warmup=args.warmup,
+        iters=args.iters,
+        micro_batches=args.micro_batches,
+        megatron_parallel=args.megatron_parallel,
+        recompute=args.recompute,
+        hf_attention=args.hf_attention,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    nproc = args.nproc
+    if args.tiny:
+        # fp32: megatron-core's bf16 optimizer accepts CUDA tensors only
+        opts = replace(opts, shapes=("tiny",), seq_lens=(64, 128), warmup=1, iters=2, dtype="fp32")
+        nproc = 1
+    return opts, nproc, args.json
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, nproc, json_path = parse_args(argv)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {device} x {nproc}, torch {torch.__version__}; {opts}", flush=True)
+    start = time.perf_counter()
+    results = run(opts, nproc)
+    print(format_table(results))
+    for line in ratios(results):
+        print(line)
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+    if json_path is not None:
+        payload = {"options": asdict(opts), "nproc": nproc, "device": device, "results": [asdict(r) for r in results]}
+        json_path.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The throughput summary reads each benchmark's JSON into the goal table (figures as the scripts write them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_throughput  # noqa: E402
+
+
+def _training(path: str, tokens_per_gpu: float, status: str = "ok") -> dict:
+    return {
+        "shape": "s",
+        "seq_len": 4096,
+        "path": path,
+        "status": status,
+        "tokens_per_s_per_gpu": tokens_per_gpu,
+        "mfu": 0.3,
+    }
+
+
+def test_training_rows_report_each_path_and_the_megatron_over_dtensor_ratio() -> None:
+    record = {"results": [_training("megatron", 6000.0), _training("dtensor", 5000.0), _training("hf", 0.0, "OOM")]}
+    rows = bench_throughput.training_rows(record)
+    assert rows[0][1] == "megatron 6,000 (30.0%), dtensor 5,000 (30.0%), hf OOM"
+    assert rows[1][1:] == ("1.20x", ">= 1.2x")
+    assert bench_throughput.training_rows(None)[0][1].startswith("failed")
+
+
+def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:
+    engine = [
+        {"system": "engine (first run)", "batch": 512, "tokens_per_s": 100.0},
+        {"system": "engine", "batch": 512, "tokens_per_s": 400.0},
+        {"system": "transformers", "batch": 64, "tokens_per_s": 20.0},
+    ]
+    assert bench_throughput.engine_rows(engine)[-1][1:] == ("20.0x", ">= 20x")
+    phases = {"generation_s": 1.0, "logprobs_s": 0.5, "train_s": 2.0, "refit_s": 0.006, "step_s": 3.6}
+    rows = bench_throughput.grpo_rows({"phases": phases, "d2d_copy_s": 0.002})
+    assert rows[-1][1:] == ("3.0x", "<= 3x")
+    assert [r[1] for r in rows[:5]] == ["1.000 s", "0.500 s", "2.000 s", "0.006 s", "3.600 s"]

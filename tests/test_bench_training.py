@@ -1,0 +1,113 @@
+"""The training benchmark: its CPU smoke run end to end (every path, a table, JSON), its packed rows, its FLOP count
+against the weights of a real transformers model, and its out-of-memory handling (its GPU figures are reported
+separately)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_training  # noqa: E402
+
+
+def test_bench_training_tiny_runs_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_training.py", "--tiny", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("tiny ")]
+    rows = [row for row in rows if row[1].isdigit()]  # the table, not the ratio lines
+    assert sorted((row[1], row[2]) for row in rows) == sorted(
+        (str(n), path) for n in (64, 128) for path in ("megatron", "dtensor", "hf")
+    )
+    assert all(row[-1] == "ok" for row in rows), result.stdout
+    assert "Megatron / DTensor tokens/s per GPU" in result.stdout
+    payload = json.loads(out.read_text())
+    assert len(payload["results"]) == 6
+    for entry in payload["results"]:
+        assert entry["status"] == "ok"
+        for key in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "flops_per_iter", "mfu", "peak_mem_gib"):
+            assert math.isfinite(entry[key]) and entry[key] > 0, (key, entry)
+        assert entry["tokens_per_iter"] == entry["seq_len"]
+
+
+def test_packed_rows() -> None:
+    lengths = bench_training.packed_lengths(4096, (1 / 16, 1 / 2), seed=3)
+    assert sum(lengths) == 4096 and len(lengths) > 1 and min(lengths) >= 2
+    row = bench_training.make_row(40, 211, (0.1, 0.5), seed=5, device=torch.device("cpu"))
+    starts = row.cu_seqlens[:-1].tolist()
+    assert row.cu_seqlens[-1] == 40 and row.tokens.shape == row.positions.shape == (1, 40)
+    assert (row.positions[0] == 0).nonzero().flatten().tolist() == starts
+    last = [s - 1 for s in row.cu_seqlens[1:].tolist()]
+    assert (row.loss_mask[0] == 0).nonzero().flatten().tolist() == last  # no prediction across sequences
+    assert (row.hf_labels[0] == -100).nonzero().flatten().tolist() == starts
+    assert torch.equal(row.next_tokens[0, :-1], row.tokens[0, 1:])
+
+
+@pytest.mark.parametrize("shape", ["llama3.2-1b", "llama3-8b"])
+def test_flop_count_matches_the_model(shape: str) -> None:
+    """N_matmul equals the weights of every `nn.Linear` of the transformers model (the output layer included,
+    tied or not); one sequence of length T costs 6 N T plus the causal attention term."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = bench_training.shape_config(shape)
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert bench_training.matmul_params(config) == linear
+    attention = 6 * model.config.num_hidden_layers * model.config.num_attention_heads * model.config.head_dim
+    assert bench_training.row_flops(config, [100, 28]) == 6 * linear * 128 + attention * (100**2 + 28**2)
+
+
+def _fake_builder(fail_without_recompute: bool):
+    def build(shape, opts, recompute, device):
+        if fail_without_recompute and not recompute:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return lambda rows: None
+
+    return build
+
+
+@pytest.fixture
+def one_rank_world():
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_out_of_memory_is_retried_with_recompute_or_reported(one_rank_world, monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    place = bench_training._Placement("fake", 1, 0, 1, None)
+    opts = bench_training.Options(shapes=("tiny",), seq_lens=(16, 8), warmup=0, iters=1)
+    monkeypatch.setitem(bench_training.BUILDERS, "megatron", _fake_builder(fail_without_recompute=True))
+    results = bench_training.run_path("tiny", "megatron", opts, place, cpu)
+    assert [(r.seq_len, r.status, r.recompute) for r in results] == [(8, "ok", True), (16, "ok", True)]
+    off = bench_training.run_path(
+        "tiny", "megatron", bench_training.Options(recompute="off", seq_lens=(8,)), place, cpu
+    )
+    assert [(r.status, r.recompute) for r in off] == [("OOM", False)]
+    monkeypatch.setitem(bench_training.BUILDERS, "megatron", _fake_builder(fail_without_recompute=False))
+    fits = bench_training.run_path("tiny", "megatron", bench_training.Options(seq_lens=(8,), iters=1), place, cpu)
+    assert [(r.status, r.recompute) for r in fits] == [("ok", False)]

@@ -13,8 +13,8 @@ Two training backends, exactly one enabled: `policy.megatron_cfg` (megatron-core
 `PolicyConfig.backend_cfg` is the enabled one's section, and `world_of` / `data_parallel_size` follow it.
 
 Simplifications: the loss section IS the algorithm's `LossConfig` (one definition of the loss knobs); the vLLM
-backend is accepted by the schema but refused by the trainer for now; context parallelism needs Transformer
-Engine and is refused on CPU by megatron-core's local spec.
+generation backend needs the `vllm` package (checked at validation); context parallelism needs Transformer
+Engine and is refused by megatron-core's local spec.
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ class GenerationConfig:
     """Rollouts."""
 
     backend: str = "embedded"
-    """`embedded` (the in-process engine) or `vllm` (not wired into the trainer yet)."""
+    """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM,
+    top_p 1 and top_k 0, since vLLM reports log-probs after truncation)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
@@ -615,6 +616,15 @@ def _validate(config: GRPOConfig) -> None:
         f"grpo.num_minibatches={grpo.num_minibatches} must divide the step's {samples} samples",
     )
     _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
+    _require(
+        gen.backend != "vllm" or (gen.top_p == 1.0 and gen.top_k == 0),
+        "generation.backend=vllm needs top_p=1 and top_k=0 (vLLM's log-probs are taken after truncation, the"
+        " trainer's before)",
+    )
+    _require(
+        gen.backend != "vllm" or importlib.util.find_spec("vllm") is not None,
+        "generation.backend=vllm needs the 'vllm' package (not installed); use embedded",
+    )
     _require(gen.temperature > 0, "generation.temperature must be > 0 for training (log-probs are tempered)")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1")
     sources = [data.task, data.train_jsonl, data.hf_dataset]

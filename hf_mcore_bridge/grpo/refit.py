@@ -31,7 +31,6 @@ __all__ = [
     "assemble_shards",
     "checksum",
     "checksums",
-    "engine_tensor",
     "gather_experts",
     "gather_tp",
     "hf_weights",
@@ -168,11 +167,6 @@ def hf_weights(
     if dist.get_rank() == 0 and gathered is not None:
         for part in gathered:
             yield from part
-
-
-def engine_tensor(engine: object, hf_name: str) -> torch.Tensor:
-    """The tensor the embedded engine holds for one HF name (a slice of a fused parameter where fused)."""
-    return engine.model.hf_view(hf_name)  # type: ignore[attr-defined]
 
 
 CHECKSUM_SAMPLES = 1 << 20

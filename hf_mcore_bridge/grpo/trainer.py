@@ -14,7 +14,8 @@ one process per rank (`backend.start_world`). The trained policy is a `backend.T
 `grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
 
 1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
-   completions each with the embedded engine, scores them, computes group advantages and broadcasts them;
+   completions each with the rollout engine (`generation.backend`: the embedded engine or vLLM, see
+   `grpo.generation`), scores them, computes group advantages and broadcasts them;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
 3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
@@ -55,11 +56,12 @@ from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
+from hf_mcore_bridge.grpo.generation import build_engine, readable_tensor
 from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
-from hf_mcore_bridge.grpo.refit import buckets, checksum, engine_tensor
+from hf_mcore_bridge.grpo.refit import buckets, checksum
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -186,8 +188,6 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
 def train_grpo(config: GRPOConfig) -> RunResult:
     """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
     config.validate()
-    if config.generation.backend != "embedded":
-        raise BridgeError("generation.backend=vllm is not wired into the trainer yet; use embedded")
     prepared = prepare_run(config)
     _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
     _save_config(config, prepared.log_dir)
@@ -253,7 +253,7 @@ class _RankContext:
     def _set_up_rank0(self) -> None:
         from tokenizers import Tokenizer
 
-        from hf_mcore_bridge.engine import Engine, EngineConfig
+        from hf_mcore_bridge.engine import EngineConfig
         from hf_mcore_bridge.grpo.data import PromptIterator
         from hf_mcore_bridge.grpo.rewards import resolve_reward_fn
 
@@ -269,7 +269,9 @@ class _RankContext:
             kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
             use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
         )
-        self.engine = Engine(self.prepared.hf_config, engine_config, tokenizer=self.tokenizer)
+        self.engine = build_engine(
+            gen.backend, self.prepared.hf_config, engine_config, self.tokenizer, self.prepared.log_dir
+        )
         train, self.val_records = _records(config)
         self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_fn(config.reward.name)
@@ -437,14 +439,16 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     if not ctx.is_rank0:
         return {}
     missing = sorted(checked - set(sent))
-    mismatched = [name for name, value in sent.items() if value != checksum(engine_tensor(ctx.engine, name))]
+    held = {name: readable_tensor(ctx.engine, name) for name in sent}  # None where the engine's are not readable
+    compared = {name: tensor for name, tensor in held.items() if tensor is not None}
+    mismatched = [name for name, tensor in compared.items() if sent[name] != checksum(tensor)]
     if missing or mismatched:
         raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
     return {
         "refit_s": refit_s,
         "refit_gather_convert_s": produce[0],  # TP/PP gathers and the mapping table's to_hf
         "refit_load_s": refit_s - produce[0],  # the engine's load_weights (same process: no transfer step)
-        "refit_checked_tensors": float(len(sent)),
+        "refit_checked_tensors": float(len(compared)),
     }
 
 

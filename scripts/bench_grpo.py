@@ -37,7 +37,9 @@ PHASES = (
     ("logprobs_s", "log-probs (policy + reference)"),
     ("train_s", "training"),
     ("refit_s", "refit"),
-    ("refit_gather_convert_s", "  refit: gather + convert"),
+    ("refit_gather_s", "  refit: TP/EP gathers"),
+    ("refit_transfer_s", "  refit: stages to rank 0"),
+    ("refit_convert_s", "  refit: mapping table to HF"),
     ("refit_load_s", "  refit: engine load_weights"),
     ("step_s", "whole step"),
 )

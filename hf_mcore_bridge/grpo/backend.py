@@ -26,6 +26,7 @@ from hf_mcore_bridge.grpo.losses import LossConfig
 if TYPE_CHECKING:
     from hf_mcore_bridge.grpo.dtensor_policy import DTensorPolicy
     from hf_mcore_bridge.grpo.policy import Policy
+    from hf_mcore_bridge.grpo.refit import PhaseTimes
     from hf_mcore_bridge.grpo.trainer import PreparedRun
 
 __all__ = ["DTensorBackend", "MegatronBackend", "TrainingBackend", "build_backend", "start_world"]
@@ -80,8 +81,9 @@ class TrainingBackend(Protocol):
         """The HF names `hf_weights` streams, in its order."""
         ...
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole policy as (HF name, full tensor), at least on global rank 0. Collective: exhaust it everywhere."""
+    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole policy as (HF name, full tensor), at least on global rank 0. Collective: exhaust it everywhere.
+        `times` collects the seconds of its `gather` and `transfer` phases."""
         ...
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
@@ -161,10 +163,10 @@ class MegatronBackend:
         model_cfg = self.policy.model_cfg
         return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from hf_mcore_bridge.grpo.refit import hf_weights
 
-        return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab)
+        return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.checkpoint import save_checkpoint
@@ -235,8 +237,8 @@ class DTensorBackend:
     def hf_names(self) -> list[str]:
         return [name for name, _, _ in self.policy.hf_specs()]
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.policy.hf_weights()
+    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.policy.hf_weights(times)
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.dtensor_checkpoint import save_dtensor_checkpoint

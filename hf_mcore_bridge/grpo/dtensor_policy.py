@@ -49,6 +49,7 @@ from hf_mcore_bridge.grpo.batching import MicroBatch
 from hf_mcore_bridge.grpo.config import DTensorConfig
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
 from hf_mcore_bridge.grpo.lr_schedule import lr_scheduler
+from hf_mcore_bridge.grpo.refit import PhaseTimes
 
 __all__ = ["DTensorPolicy", "build_dtensor_policy", "hf_policy_dir", "load_hf_model", "token_logprobs"]
 
@@ -209,12 +210,19 @@ class DTensorPolicy:
         dist.all_gather_object(everyone, results, group=self.dp_group)
         return [r for replica in everyone for r in replica]
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model as (HF name, full tensor in the compute dtype), on every rank; tied weights once.
 
-        Collective: every rank must exhaust it.
+        Collective: every rank must exhaust it. `times` collects the all-gathers' seconds (`gather`).
         """
-        for name, tensor in full_hf_tensors(self.model):
+        times = times or PhaseTimes()
+        tensors = full_hf_tensors(self.model)
+        while True:
+            with times.phase("gather"):  # each step of the stream all-gathers one DTensor
+                item = next(tensors, None)
+            if item is None:
+                return
+            name, tensor = item
             yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     def hf_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -17,7 +17,9 @@ EP rank receives every expert: simple, and one expert tensor per EP rank in flig
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -28,6 +30,7 @@ from hf_mcore_bridge.model_plan import placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 
 __all__ = [
+    "PhaseTimes",
     "assemble_shards",
     "checksum",
     "checksums",
@@ -108,8 +111,31 @@ def _local_spec_key(template: str) -> str:
     return template.replace(MOE_PRE_MLP_NORM, LOCAL_SPEC_MOE_NORM)
 
 
+class PhaseTimes:
+    """Seconds spent per refit phase (`gather`, `transfer`), added up by the code that runs each phase. On CUDA the
+    device is synchronised before each reading, so a phase's time includes its kernels and collectives."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"gather": 0.0, "transfer": 0.0}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        _synchronize()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize()
+            self.seconds[name] += time.perf_counter() - started
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int
+    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
     from megatron.core import parallel_state
@@ -125,31 +151,36 @@ def _local_hf_weights(
             local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
             if local_name is not None:  # else another pipeline stage holds it
                 entry: Entry = placed.entry
-                yield from entry.to_hf(gather_tp(params[local_name], entry.parallel), dims).items()
+                with times.phase("gather"):
+                    full = gather_tp(params[local_name], entry.parallel)
+                yield from entry.to_hf(full, dims).items()
             continue
         if placed.expert >= per_rank:
             continue  # gathered below, with the local expert of the same index on the other EP ranks
         local_name = by_template.get((placed.template.mcore.replace(EXPERT, str(placed.expert)), placed.layer))
         if local_name is None:
             continue
-        full = gather_tp(params[local_name], placed.entry.parallel, expert=True)
-        for rank, tensor in enumerate(gather_experts(full)):
+        with times.phase("gather"):
+            experts = gather_experts(gather_tp(params[local_name], placed.entry.parallel, expert=True))
+        for rank, tensor in enumerate(experts):
             expert_entry = at_layer(placed.template, placed.layer, rank * per_rank + placed.expert)
             yield from expert_entry.to_hf(tensor, dims).items()
 
 
 def hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int
+    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model as (HF name, full tensor), on global rank 0; other ranks yield nothing.
 
     Collective: every rank must exhaust it. Each pipeline stage's tensors come from its first TP rank of the first
-    data-parallel replica (after the gathers every rank of a replica holds them all).
+    data-parallel replica (after the gathers every rank of a replica holds them all). `times` collects the time of
+    the TP/EP gathers (`gather`) and of moving other stages' tensors to rank 0 (`transfer`).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    local = _local_hf_weights(module, model_cfg, padded_vocab)
+    times = times or PhaseTimes()
+    local = _local_hf_weights(module, model_cfg, padded_vocab, times)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         if dist.get_rank() == 0:
             yield from local
@@ -163,7 +194,8 @@ def hf_weights(
         if first:
             mine.append((name, tensor.cpu().clone()))
     gathered: list[list[tuple[str, torch.Tensor]]] | None = [[] for _ in range(dist.get_world_size())]
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    with times.phase("transfer"):
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() == 0 and gathered is not None:
         for part in gathered:
             yield from part

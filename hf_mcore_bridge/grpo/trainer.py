@@ -61,7 +61,7 @@ from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
-from hf_mcore_bridge.grpo.refit import buckets, checksum
+from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -424,8 +424,8 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
 def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
     started = time.perf_counter()
-    checked, sent, produce = checked_names(policy.hf_names()), {}, [0.0]
-    stream = _timed(policy.hf_weights(), produce)
+    checked, sent, produce, times = checked_names(policy.hf_names()), {}, [0.0], PhaseTimes()
+    stream = _timed(policy.hf_weights(times), produce)
     if ctx.is_rank0:
         limit = ctx.config.policy.refit_bucket_mb << 20
         for bucket in buckets(_recording(stream, checked, sent), limit):
@@ -446,8 +446,11 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
         raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
     return {
         "refit_s": refit_s,
-        "refit_gather_convert_s": produce[0],  # TP/PP gathers and the mapping table's to_hf
-        "refit_load_s": refit_s - produce[0],  # the engine's load_weights (same process: no transfer step)
+        "refit_gather_s": times.seconds["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
+        "refit_transfer_s": times.seconds["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
+        "refit_convert_s": produce[0] - times.seconds["gather"] - times.seconds["transfer"],  # the table's to_hf
+        "refit_gather_convert_s": produce[0],  # the three above
+        "refit_load_s": refit_s - produce[0],  # the engine's load_weights (bucketing and checksums included)
         "refit_checked_tensors": float(len(compared)),
     }
 

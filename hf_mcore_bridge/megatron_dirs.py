@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import types
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,15 @@ def iteration_dirname(iteration: int | None) -> str:
 def write_tracker(root: Path, iteration: int | None) -> None:
     """Write `latest_checkpointed_iteration.txt`."""
     (root / TRACKER_NAME).write_text("release" if iteration is None else str(iteration))
+
+
+def publish_iteration(staging: Path, final: Path, root: Path, iteration: int) -> None:
+    """Rename a finished staging directory to `final` (replacing an older one) and only then point the tracker
+    at it, so that an interrupted save leaves the previous checkpoint current."""
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    write_tracker(root, iteration)
 
 
 def write_common(checkpoint_dir: Path, args: argparse.Namespace, iteration: int, extra: dict[str, Any] | None = None):

@@ -27,7 +27,7 @@ from hf_mcore_bridge.megatron_dirs import (
     HF_ASSETS_DIR,
     TRACKER_NAME,
     iteration_dirname,
-    write_tracker,
+    publish_iteration,
 )
 
 __all__ = ["latest_step", "load_checkpoint", "save_checkpoint"]
@@ -76,10 +76,7 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(staging))
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-        write_tracker(root, step)
+        publish_iteration(staging, final, root, step)
     dist.barrier()
     return final
 

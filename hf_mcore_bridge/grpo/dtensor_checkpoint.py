@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from hf_mcore_bridge.megatron_dirs import iteration_dirname, write_tracker
+from hf_mcore_bridge.megatron_dirs import iteration_dirname, publish_iteration
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.grpo.dtensor_policy import DTensorPolicy
@@ -88,10 +88,7 @@ def save_dtensor_checkpoint(
         (staging / TRAINER_STATE).write_text(json.dumps(state, indent=2))
     dist.barrier()
     if rank0:
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-        write_tracker(root, step)
+        publish_iteration(staging, final, root, step)
     dist.barrier()
     return final
 

@@ -47,7 +47,7 @@ from hf_mcore_bridge.dtensor_parallel import (
 )
 from hf_mcore_bridge.grpo.batching import MicroBatch
 from hf_mcore_bridge.grpo.config import DTensorConfig
-from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
+from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.grpo.lr_schedule import lr_scheduler
 from hf_mcore_bridge.grpo.refit import PhaseTimes
 
@@ -159,13 +159,6 @@ class DTensorPolicy:
             self.model.train()
         return out
 
-    def _global_count(self, batches: list[MicroBatch], aggregation: Aggregation) -> torch.Tensor:
-        counter = count_valid_tokens if aggregation is Aggregation.TOKEN else count_valid_sequences
-        total = sum((counter(b.mask).float() for b in batches), torch.zeros((), device=self.device))
-        if self.dp_size > 1:
-            dist.all_reduce(total, group=self.dp_group)
-        return total
-
     def train_minibatch(
         self,
         batches: list[MicroBatch],
@@ -177,7 +170,8 @@ class DTensorPolicy:
         """One optimizer step on this rank's `batches` of the mini-batch: forward/backward per micro-batch, clip,
         AdamW, scheduler. Returns token-weighted metrics over every data-parallel rank plus `grad_norm` and `lr`."""
         batches = [b.to(self.device) for b in batches]
-        global_count = self._global_count(batches, loss_config.aggregation)
+        group = self.dp_group if self.dp_size > 1 else None
+        global_count = global_valid_count([b.mask for b in batches], loss_config.aggregation, group)
         self.optimizer.zero_grad(set_to_none=True)
         results = []
         for index, batch in enumerate(batches):

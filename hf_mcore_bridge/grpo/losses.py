@@ -39,6 +39,7 @@ __all__ = [
     "clipped_surrogate",
     "count_valid_sequences",
     "count_valid_tokens",
+    "global_valid_count",
     "grpo_loss",
     "icepop_weights",
     "importance_weights",
@@ -209,6 +210,19 @@ def count_valid_tokens(mask: torch.Tensor) -> torch.Tensor:
 def count_valid_sequences(mask: torch.Tensor) -> torch.Tensor:
     """Sequences of `mask: [B, T]` with at least one valid token; summed globally for `sequence_level_mean`."""
     return mask.bool().any(dim=-1).sum()
+
+
+def global_valid_count(masks: Sequence[torch.Tensor], aggregation: Aggregation, group: object = None) -> torch.Tensor:
+    """The loss normaliser of a mini-batch: valid tokens (or, for sequence aggregation, sequences) of its
+    micro-batches' `masks` ([B, T] each), summed over the ranks of `group`, the data-parallel process group (None:
+    this rank's micro-batches are the whole mini-batch). Collective over `group`."""
+    counter = count_valid_tokens if aggregation is Aggregation.TOKEN else count_valid_sequences
+    total = sum((counter(mask).float() for mask in masks), torch.zeros((), device=masks[0].device))
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)
+    return total
 
 
 def _as_divisor(global_count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

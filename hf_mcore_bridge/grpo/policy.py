@@ -34,7 +34,7 @@ import torch
 from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
 from hf_mcore_bridge.grpo.batching import MicroBatch, pad_to_multiple
 from hf_mcore_bridge.grpo.config import MegatronConfig
-from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig, count_valid_sequences, count_valid_tokens, grpo_loss
+from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.megatron_model import load_distributed_checkpoint
 
@@ -309,17 +309,6 @@ class _SwappedIn:
             param.data.copy_(value)
 
 
-def _global_count(batches: list[MicroBatch], aggregation: Aggregation) -> torch.Tensor:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    counter = count_valid_tokens if aggregation is Aggregation.TOKEN else count_valid_sequences
-    total = sum((counter(b.mask).float() for b in batches), torch.zeros((), device=batches[0].mask.device))
-    if parallel_state.get_data_parallel_world_size() > 1:
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return total
-
-
 def train_minibatch(
     policy: Policy,
     batches: list[MicroBatch],
@@ -339,7 +328,8 @@ def train_minibatch(
     old_logprobs = [_padded_like(t, b, device) for t, b in zip(old_logprobs, batches, strict=True)]
     if ref_logprobs is not None:
         ref_logprobs = [_padded_like(t, b, device) for t, b in zip(ref_logprobs, batches, strict=True)]
-    global_count = _global_count(batches, loss_config.aggregation)
+    dp_group = parallel_state.get_data_parallel_group() if parallel_state.get_data_parallel_world_size() > 1 else None
+    global_count = global_valid_count([b.mask for b in batches], loss_config.aggregation, dp_group)
     scale = len(batches) * parallel_state.get_data_parallel_world_size()
     extras = {
         id(b): (old_logprobs[i], None if ref_logprobs is None else ref_logprobs[i]) for i, b in enumerate(batches)

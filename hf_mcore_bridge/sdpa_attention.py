@@ -39,6 +39,7 @@ path.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -141,12 +142,20 @@ def _cached_block_mask(cu_seqlens: torch.Tensor, total: int) -> Any:
     return mask
 
 
+@functools.cache
 def _varlen_attn() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
         return None
     return varlen_attn
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether the installed `varlen_attn` takes grouped heads itself (looked up once: attention is a hot path)."""
+    varlen_attn = _varlen_attn()
+    return varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _varlen(
@@ -157,7 +166,7 @@ def _varlen(
         raise ValueError("this torch has no torch.nn.attention.varlen")
     groups = query.shape[1] // key.shape[1]
     kwargs: dict[str, Any] = {}
-    if groups > 1 and "enable_gqa" in inspect.signature(varlen_attn).parameters:
+    if groups > 1 and _varlen_takes_gqa():
         kwargs["enable_gqa"] = True
     elif groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

@@ -54,9 +54,10 @@ from typing import Any
 
 import psutil
 import torch
+from random_checkpoint import write_random_checkpoint
 from safetensors import safe_open
 
-from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.tiny_models import LLAMA3_ROPE
 
 MB = 10**6
 GB = 10**9
@@ -66,13 +67,6 @@ RSS_GOAL_MB = 1500.0
 """Peak RSS goal of a dense conversion, in MB (10^6 bytes)."""
 TIME_BIN = Path("/usr/bin/time")
 INDEX_NAME = "model.safetensors.index.json"
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 @dataclass(frozen=True)
@@ -87,26 +81,6 @@ class LlamaShape:
     intermediate: int = 8192
     vocab: int = 128256
     max_positions: int = 131072
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every HF tensor name and shape, in the order HF writes them (embeddings, layers, final norm)."""
-        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        names: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
-        for i in range(self.layers):
-            p = f"model.layers.{i}"
-            names += [
-                (f"{p}.input_layernorm.weight", (h,)),
-                (f"{p}.self_attn.q_proj.weight", (q, h)),
-                (f"{p}.self_attn.k_proj.weight", (kv, h)),
-                (f"{p}.self_attn.v_proj.weight", (kv, h)),
-                (f"{p}.self_attn.o_proj.weight", (h, q)),
-                (f"{p}.post_attention_layernorm.weight", (h,)),
-                (f"{p}.mlp.gate_proj.weight", (f, h)),
-                (f"{p}.mlp.up_proj.weight", (f, h)),
-                (f"{p}.mlp.down_proj.weight", (h, f)),
-            ]
-        names.append(("model.norm.weight", (h,)))
-        return names
 
     def config(self) -> dict[str, Any]:
         """The HF `config.json` of a Llama-3.2-style model of this shape."""
@@ -141,46 +115,11 @@ def tiny_shape(layers: int) -> LlamaShape:
     )
 
 
-def _nbytes(shape: tuple[int, ...]) -> int:
-    return torch.Size(shape).numel() * torch.bfloat16.itemsize
-
-
-def _shards(tensors: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """Consecutive groups of at most `shard_bytes` (a larger tensor gets a shard of its own)."""
-    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in tensors:
-        if groups[-1] and size + _nbytes(shape) > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, shape))
-        size += _nbytes(shape)
-    return groups
-
-
-def write_random_checkpoint(directory: Path, shape: LlamaShape, *, shard_bytes: int, seed: int = 0) -> int:
-    """Write a random bf16 HF checkpoint of `shape` into `directory`; returns the bytes of tensor data.
-
-    Values are N(0, 0.02) (norm weights 1 + N(0, 0.02)), drawn from one seeded generator in bf16, so memory
-    holds one tensor at a time (the largest is the embedding, vocab x hidden).
-    """
+def write_checkpoint(directory: Path, shape: LlamaShape, *, shard_bytes: int, seed: int = 0) -> int:
+    """Write a random bf16 HF checkpoint of `shape` into `directory` (`random_checkpoint.write_random_checkpoint`,
+    one tensor in memory at a time); returns the bytes of tensor data."""
     directory.mkdir(parents=True)
-    groups = _shards(shape.tensors(), shard_bytes)
-    generator = torch.Generator().manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    for number, group in enumerate(groups, start=1):
-        file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
-        writer = SafetensorsStreamWriter(directory / file, [(n, s, torch.bfloat16) for n, s in group])
-        for name, dims in group:
-            tensor = torch.randn(dims, generator=generator, dtype=torch.bfloat16).mul_(0.02)
-            writer.write(name, tensor.add_(1.0) if len(dims) == 1 else tensor)
-            weight_map[name] = file
-        writer.close()
-    total = sum(_nbytes(s) for _, s in shape.tensors())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (directory / "config.json").write_text(json.dumps(shape.config(), indent=2) + "\n")
-    return total
+    return write_random_checkpoint(directory, shape.config(), dtype=torch.bfloat16, shard_bytes=shard_bytes, seed=seed)
 
 
 def _safetensors_files(directory: Path) -> dict[str, Path]:
@@ -356,7 +295,7 @@ def probe_legacy_format(workdir: Path, bridge: list[str]) -> str | None:
     if not re.search(r"--format\s+<[^>]*\btorch\b(?!_)", help_text):
         return "`bridge convert --help` lists no `--format torch`"
     source, mcore, back = workdir / "probe-hf", workdir / "probe-mcore", workdir / "probe-back"
-    write_random_checkpoint(source, tiny_shape(4), shard_bytes=GB)
+    write_checkpoint(source, tiny_shape(4), shard_bytes=GB)
     convert = [*bridge, "convert", "--to", "mcore", str(source), str(mcore), "--tp", "2", "--pp", "2"]
     done = subprocess.run([*convert, "--format", "torch", "--no-progress"], capture_output=True, text=True)
     try:
@@ -405,7 +344,7 @@ def prepare_size(workdir: Path, shape: LlamaShape, *, formats: list[str], shard_
     base = workdir / f"llama-{shape.layers}L"
     source, copy = base / "hf", base / "copy"
     started = time.perf_counter()
-    data_bytes = write_random_checkpoint(source, shape, shard_bytes=shard_bytes)
+    data_bytes = write_checkpoint(source, shape, shard_bytes=shard_bytes)
     generate_s = time.perf_counter() - started
     print(f"[{shape.layers}L] wrote {data_bytes / GB:.2f} GB of random bf16 in {generate_s:.1f}s", flush=True)
     (base / "logs").mkdir()

@@ -449,7 +449,6 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
         "refit_gather_s": times.seconds["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
         "refit_transfer_s": times.seconds["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
         "refit_convert_s": produce[0] - times.seconds["gather"] - times.seconds["transfer"],  # the table's to_hf
-        "refit_gather_convert_s": produce[0],  # the three above
         "refit_load_s": refit_s - produce[0],  # the engine's load_weights (bucketing and checksums included)
         "refit_checked_tensors": float(len(compared)),
     }

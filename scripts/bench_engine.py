@@ -212,10 +212,10 @@ def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'system':<24}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    print(f"{'system':<40}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
     for r in rows:
         print(
-            f"{r.system:<24}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}"
+            f"{r.system:<40}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}"
         )
 
 
@@ -226,7 +226,15 @@ def check(device: str) -> bool:
     prompts = random_prompts(6, 3, 40, 211, seed=3)
     ok = True
     results = {}
-    for graphs in (False, True) if device.startswith("cuda") else (False,):
+    variants = (
+        [(g, k) for g in (False, True) for k in ("flex", "gather")]
+        if device.startswith("cuda")
+        else [
+            (False, "gather"),
+            (False, "flex"),
+        ]
+    )
+    for graphs, kernel in variants:
         engine = Engine(
             model.config,
             EngineConfig(
@@ -238,11 +246,12 @@ def check(device: str) -> bool:
                 block_size=16,
                 max_num_batched_tokens=256,
                 use_cuda_graphs=graphs,
+                decode_attention=kernel,
             ),
         )
         engine.load_weights(model.state_dict().items())
-        results[graphs] = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=24))
-        print(f"graphs={graphs}: {engine.last_stats}")
+        results[(graphs, kernel)] = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_tokens=24))
+        print(f"graphs={graphs} decode={kernel}: {engine.last_stats}")
         if graphs:
             print(f"captured CUDA graphs: {engine.num_cuda_graphs}")
     for index, prompt in enumerate(prompts):
@@ -257,15 +266,24 @@ def check(device: str) -> bool:
             )[0, len(prompt) :].tolist()
             logits = model(torch.tensor([prompt + reference], device=device)).logits[0].double()
         expected_lp = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1, len(prompt) + 23), reference]
-        for graphs, outputs in results.items():
+        for (graphs, kernel), outputs in results.items():
             for completion in outputs[index].samples:
                 same = completion.token_ids == reference
                 err = (torch.tensor(completion.logprobs, dtype=torch.float64) - expected_lp.cpu()).abs().max().item()
                 if not same or err > 1e-4:
                     ok = False
-                    print(f"MISMATCH prompt {index} graphs={graphs}: tokens equal={same}, max |dlogprob|={err:.2e}")
+                    print(
+                        f"MISMATCH prompt {index} graphs={graphs} decode={kernel}: tokens equal={same}, "
+                        f"max |dlogprob|={err:.2e}"
+                    )
     print("CHECK PASSED" if ok else "CHECK FAILED")
     return ok
+
+
+KERNELS_OPTION = typer.Option(
+    ["auto"], help="Decode attention kernel(s) to time, one engine each: flex, gather or auto (repeatable)."
+)
+BLOCK_SIZES_OPTION = typer.Option([16], help="KV-cache block size(s), one engine each (repeatable).")
 
 
 def main(
@@ -280,6 +298,8 @@ def main(
     max_prompt: int = typer.Option(128, help="Longest prompt."),
     kv_gib: float = typer.Option(24.0, help="KV-cache budget, GiB."),
     cuda_graphs: bool = typer.Option(True, help="CUDA graphs for the decode step."),
+    decode_attention: list[str] = KERNELS_OPTION,
+    block_size: list[int] = BLOCK_SIZES_OPTION,
     skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
     json_path: str = typer.Option("", "--json", help="Also write the table's rows to this file."),
 ) -> None:
@@ -293,38 +313,57 @@ def main(
     model = build_hf(config, dtype, device)
     prompts = random_prompts(num_prompts, min_prompt, max_prompt, config.vocab_size, seed=0)
     max_model_len = max_prompt + max_tokens + 16
-    engine = Engine(
-        config,
-        EngineConfig(
-            dtype=dtype,
-            device=device,
-            max_num_seqs=num_prompts * n,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=int(kv_gib * (1 << 30)),
-            max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
-            use_cuda_graphs=cuda_graphs,
-        ),
-    )
-    engine.load_weights(model.state_dict().items())
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
-    rows = time_engine(engine, prompts, n, max_tokens, device)
-    stats = engine.last_stats
-    print(f"engine stats: {stats}")
-    if stats is not None:
-        print(f"engine mean step: {rows[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3:.2f} ms")
-    if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        print(f"CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
-    profile_decode(
-        engine, num_prompts * n, [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens], device
-    )
-    rows.append(time_hf(model, prompts, n, hf_tokens, device))
+    rows: list[Row] = []
+    engine_rows: list[Row] = []
+    for kernel in decode_attention:
+        for size in block_size:
+            engine_config = EngineConfig(
+                dtype=dtype,
+                device=device,
+                max_num_seqs=num_prompts * n,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=int(kv_gib * (1 << 30)),
+                block_size=size,
+                max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
+                use_cuda_graphs=cuda_graphs,
+                decode_attention=kernel,
+            )
+            label = f"{engine_config.decode_kernel()}, block {size}"
+            engine = Engine(config, engine_config)
+            engine.load_weights(model.state_dict().items())
+            timed = [
+                dataclasses.replace(r, system=f"{r.system} ({label})")
+                for r in time_engine(engine, prompts, n, max_tokens, device)
+            ]
+            rows += timed
+            engine_rows.append(timed[-1])
+            stats = engine.last_stats
+            print(f"[{label}] engine stats: {stats}")
+            if stats is not None:
+                mean_ms = timed[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3
+                print(f"[{label}] engine mean step: {mean_ms:.2f} ms")
+            if device.startswith("cuda"):
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                print(f"[{label}] CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
+            profile_decode(
+                engine,
+                num_prompts * n,
+                [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens],
+                device,
+            )
+            del engine
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    hf_rows = [time_hf(model, prompts, n, hf_tokens, device)]
     if not skip_hf_batch64:
-        rows.append(time_hf(model, prompts, 1, hf_tokens, device))
+        hf_rows.append(time_hf(model, prompts, 1, hf_tokens, device))
+    rows += hf_rows
     print_table(rows)
-    engine_row = rows[1]
-    for hf in rows[2:]:
-        print(f"engine / transformers (batch {hf.batch}): {engine_row.tokens_per_s / hf.tokens_per_s:.1f}x")
+    for engine_row in engine_rows:
+        for hf in hf_rows:
+            ratio = engine_row.tokens_per_s / hf.tokens_per_s
+            print(f"{engine_row.system} / transformers (batch {hf.batch}): {ratio:.1f}x")
     if json_path:
         Path(json_path).write_text(json.dumps([dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]))
 

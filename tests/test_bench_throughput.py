@@ -31,12 +31,16 @@ def test_training_rows_report_each_path_and_the_megatron_over_dtensor_ratio() ->
 
 
 def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:
-    engine = [
-        {"system": "engine (first run)", "batch": 512, "tokens_per_s": 100.0},
-        {"system": "engine", "batch": 512, "tokens_per_s": 400.0},
-        {"system": "transformers", "batch": 64, "tokens_per_s": 20.0},
+    engine = [  # the rows bench_engine.py writes: two kernels, then transformers
+        {"system": "engine, first run (flex, block 16)", "batch": 512, "tokens_per_s": 100.0},
+        {"system": "engine (flex, block 16)", "batch": 512, "tokens_per_s": 400.0},
+        {"system": "engine, first run (gather, block 16)", "batch": 512, "tokens_per_s": 90.0},
+        {"system": "engine (gather, block 16)", "batch": 512, "tokens_per_s": 200.0},
+        {"system": "transformers generate", "batch": 64, "tokens_per_s": 20.0},
     ]
-    assert bench_throughput.engine_rows(engine)[-1][1:] == ("20.0x", ">= 20x")
+    rows = bench_throughput.engine_rows(engine)
+    assert [r[1] for r in rows] == ["400", "20.0x", "200", "10.0x"]
+    assert rows[0][0].endswith("(flex, block 16)") and rows[1][2] == ">= 20x"
     phases = {"generation_s": 1.0, "logprobs_s": 0.5, "train_s": 2.0, "refit_s": 0.006, "step_s": 3.6}
     rows = bench_throughput.grpo_rows({"phases": phases, "d2d_copy_s": 0.002})
     assert rows[-1][1:] == ("3.0x", "<= 3x")

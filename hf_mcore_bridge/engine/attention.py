@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, through `torch.nn.functional.scaled_dot_product_attention` on any device.
+"""Attention over the paged KV cache: torch SDPA for prefill, FlexAttention or SDPA over gathered blocks for decode.
 
 Layout: the whole cache is one tensor `[layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]`, so one
 token's keys of one layer are a contiguous `[kv_heads, head_dim]` row addressed by a flat slot index
@@ -8,20 +8,29 @@ Two attention shapes:
 - prefill: each sequence of the batch attends only to its own fresh tokens (a prompt is computed once, with no
   cached context before it), so q, k, v are padded to `[batch, heads, max_len, head_dim]` and masked
   (causal within a sequence, padding keys hidden). Keys/values are also written into the cache.
-- decode: one query token per sequence. Its keys/values are written to the cache, then the sequence's blocks are
-  gathered through its block table into `[batch, kv_heads, n_blocks * block_size, head_dim]` and masked past the
-  sequence's length. The gather is what a fused paged-attention kernel would avoid; it keeps this module plain
-  torch. Grouped-query attention needs no key repetition here: the query heads of one KV head are folded into the
-  query-length axis (`[batch, kv_heads, group, head_dim]`), which is exact because decode has no causal mask.
+- decode: one query token per sequence, its keys/values written to the cache first. Two kernels:
+  - `flex` (CUDA default): FlexAttention reads the blocks in place. A layer's cache is viewed as one
+    `[1, kv_heads, num_blocks * block_size, head_dim]` sequence shared by the batch, and a `BlockMask` whose
+    KV-block size is the cache's block size lists each sequence's blocks (its block table) and hides the unwritten
+    tail of its last block. Compiled on CUDA (a Triton decoding kernel, grouped-query heads handled in the
+    kernel); eager elsewhere (exact, but it scores every slot: for tests).
+  - `gather`: the sequence's blocks are gathered through its block table into `[batch, kv_heads, n_blocks *
+    block_size, head_dim]` and masked past its length, then SDPA (plain torch, any device). Grouped-query
+    attention folds a KV head's query heads into the query-length axis, exact because decode has no causal mask.
 Every shape depends only on (batch, n_blocks), so the decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+DECODE_KERNELS = ("flex", "gather")
+"""Decode attention kernels (see the module docstring)."""
 
 
 def allocate_kv_cache(
@@ -70,7 +79,10 @@ class DecodeMetadata:
     """[B] int64: tokens of the sequence in the cache, the new one included."""
     key_bias: torch.Tensor | None = None
     """[B, 1, 1, n_blocks * block_size] additive mask (0 or -inf) in the activation dtype; built once per forward
-    pass by `with_key_bias` rather than once per layer."""
+    pass by `with_key_bias` rather than once per layer (`gather` kernel)."""
+    block_mask: Any = None
+    """FlexAttention `BlockMask` over the cache's blocks (`flex` kernel), built once per forward pass by
+    `with_block_mask`."""
 
 
 def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> DecodeMetadata:
@@ -80,6 +92,64 @@ def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> 
     hidden = positions[None, :] >= meta.context_lens[:, None]
     bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
     return replace(meta, key_bias=bias.view(batch, 1, 1, -1))
+
+
+def with_block_mask(meta: DecodeMetadata, block_size: int, num_blocks: int) -> DecodeMetadata:
+    """`meta` with the FlexAttention block mask of its sequences over a cache of `num_blocks` blocks.
+
+    The sparse part lists each sequence's first `ceil(context_len / block_size)` table entries, so the kernel
+    visits only those blocks. The mask function alone defines the same mask (as FlexAttention requires): a
+    [batch, num_blocks] table maps each physical block to its index in the sequence's table (-1 if absent), and a
+    slot is visible when its block belongs to the sequence and its position is below the context length.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, n_blocks = meta.block_tables.shape
+    lengths = meta.context_lens
+    device = lengths.device
+    used = (lengths + block_size - 1) // block_size
+    logical = torch.full((batch, num_blocks), -1, dtype=torch.int32, device=device)
+    positions = torch.arange(n_blocks, dtype=torch.int32, device=device).expand(batch, n_blocks)
+    # entries past `used` (the scratch block, padding the table) scatter -1; a block used by the sequence appears
+    # once among its used entries, so the maximum is its index: deterministic where padding repeats a block
+    positions = torch.where(positions < used.view(batch, 1), positions, -1)
+    logical.scatter_reduce_(1, meta.block_tables.long(), positions, reduce="amax")
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        index = logical[b, kv_idx // block_size]
+        return (index >= 0) & (index * block_size + kv_idx % block_size < lengths[b])
+
+    mask = BlockMask.from_kv_blocks(
+        used.to(torch.int32).view(batch, 1, 1),
+        meta.block_tables.to(torch.int32).view(batch, 1, 1, n_blocks),
+        BLOCK_SIZE=(_QUERY_BLOCK, block_size),
+        mask_mod=visible,
+        seq_lengths=(1, num_blocks * block_size),
+        compute_q_blocks=False,
+    )
+    return replace(meta, block_mask=mask)
+
+
+_QUERY_BLOCK = 128
+"""The block mask's query-block size (one decode query per sequence sits in the first block)."""
+
+_FLEX: dict[bool, Callable[..., torch.Tensor]] = {}
+
+
+def _flex_attention(compiled: bool) -> Callable[..., torch.Tensor]:
+    """flex_attention, compiled for CUDA once per process (one compilation per batch bucket of the decode step)."""
+    if compiled not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if compiled:
+            import torch._dynamo
+
+            # one graph per decode batch bucket: raise dynamo's per-function recompilation limit to cover them all
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            _FLEX[compiled] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+        else:
+            _FLEX[compiled] = flex_attention
+    return _FLEX[compiled]
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -121,10 +191,13 @@ def prefill_attention(
 
 
 def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMetadata, scale: float) -> torch.Tensor:
-    """One query token per sequence over its cached tokens (the new one written before this call).
+    """One query token per sequence over its cached tokens (the new one written before this call), through
+    FlexAttention when `meta` has a block mask, else SDPA over the gathered blocks.
 
     q: [B, heads, D]; layer_cache: [2, NB, BS, kv_heads, D]. Returns [B, heads, D].
     """
+    if meta.block_mask is not None:
+        return _flex_decode(q, layer_cache, meta, scale)
     batch, heads, head_dim = q.shape
     block_size, kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     n_blocks = meta.block_tables.shape[1]
@@ -137,3 +210,14 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMet
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=meta.key_bias, scale=scale)
     return out.reshape(batch, heads, head_dim)
+
+
+def _flex_decode(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = layer_cache.shape[3]
+    # the layer's cache as one sequence of slots [1, kv_heads, slots, D] (strided views, nothing copied)
+    keys = layer_cache[0].view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    values = layer_cache[1].view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    flex = _flex_attention(compiled=q.is_cuda)
+    out = flex(q.unsqueeze(2), keys, values, block_mask=meta.block_mask, scale=scale, enable_gqa=heads != kv_heads)
+    return out.squeeze(2)

@@ -2,7 +2,8 @@
 
 One `generate` call runs to completion: it tokenises the prompts (when given text), queues each prompt as a
 group of n samples, and loops scheduler step -> model step -> sampling until every sample has finished. Prefill
-steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket.
+steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket,
+and decode attention reads the paged KV blocks in place through compiled FlexAttention (`attention`).
 A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
 (`model.routed_experts`), which a graph cannot capture.
 
@@ -28,13 +29,14 @@ import torch
 
 from hf_mcore_bridge.engine.arch import ModelConfig
 from hf_mcore_bridge.engine.attention import (
+    DECODE_KERNELS,
     DecodeMetadata,
     PrefillMetadata,
     allocate_kv_cache,
     bytes_per_block,
     copy_blocks,
 )
-from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, pack, unpack
+from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
 from hf_mcore_bridge.engine.sampling import SamplingBatch, SamplingParams, counter_uniforms, sample, stream_key
@@ -82,6 +84,10 @@ class EngineConfig:
     """Replay CUDA graphs of the decode step (CUDA devices, dense models only: MoE models decode eagerly)."""
     graph_block_step: int = 4
     """CUDA-graph buckets of the block-table width are multiples of this many blocks."""
+    decode_attention: str = "auto"
+    """Decode attention kernel: `flex` (FlexAttention reads the KV blocks in place; compiled on CUDA), `gather`
+    (the blocks are gathered, then SDPA), or `auto`: `flex` on CUDA, `gather` elsewhere (eager FlexAttention
+    scores every cache slot: exact, but only for tests)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:
@@ -91,6 +97,14 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.block_size < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs, block_size must be >= 1 and max_model_len >= 2")
+        if self.decode_attention not in ("auto", *DECODE_KERNELS):
+            raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
+
+    def decode_kernel(self) -> str:
+        """The decode attention kernel `decode_attention` resolves to on this config's device."""
+        if self.decode_attention != "auto":
+            return self.decode_attention
+        return "flex" if torch.device(self.device).type == "cuda" else "gather"
 
 
 @dataclass(frozen=True)
@@ -168,7 +182,9 @@ class Engine:
                 f"sliding-window attention (window {mc.sliding_window}) is not implemented; "
                 f"use max_model_len <= {mc.sliding_window}"
             )
-        self.model = CausalLM(mc, cfg.dtype, self.device, max_positions=cfg.max_model_len)
+        self.model = CausalLM(
+            mc, cfg.dtype, self.device, max_positions=cfg.max_model_len, decode_kernel=cfg.decode_kernel()
+        )
         block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
@@ -179,10 +195,12 @@ class Engine:
                 f"sequence of max_model_len needs {self.max_blocks_per_seq} plus 2 (>= {need} bytes)"
             )
         self.kv_cache: torch.Tensor | None = self._allocate_cache()
+        # Compiled FlexAttention specialises on shapes: decode with full-width block tables and bucketed rows, so
+        # that it compiles once per batch bucket rather than per (batch, table width).
+        self._fixed_decode_shapes = cfg.decode_kernel() == "flex" and self.device.type == "cuda"
+        block_step = self.max_blocks_per_seq if self._fixed_decode_shapes else cfg.graph_block_step
         self._graphs = (
-            DecodeGraphs(
-                self._decode_forward, self.device, cfg.max_num_seqs, self.max_blocks_per_seq, cfg.graph_block_step
-            )
+            DecodeGraphs(self._decode_forward, self.device, cfg.max_num_seqs, self.max_blocks_per_seq, block_step)
             if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None
             else None
         )
@@ -432,9 +450,12 @@ class Engine:
         batch = DecodeBatch(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
         if self._graphs is not None:
             return self._graphs.run(batch)
-        rows, n_blocks = len(step.input_ids), step.block_tables.shape[1]
+        real = rows = len(step.input_ids)
+        n_blocks = step.block_tables.shape[1]
+        if self._fixed_decode_shapes:
+            rows, n_blocks = batch_bucket(real, self.config.max_num_seqs), self.max_blocks_per_seq
         ids, positions, meta = unpack(pack(batch, rows, n_blocks).to(self.device, non_blocking=True), rows, n_blocks)
-        return self._decode_forward(ids, positions, meta)
+        return self._decode_forward(ids, positions, meta)[:real]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 device tensor; the copy does not wait for queued device work (the host list is pageable, so

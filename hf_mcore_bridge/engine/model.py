@@ -48,10 +48,12 @@ from hf_mcore_bridge.engine.arch import (
     weight_table,
 )
 from hf_mcore_bridge.engine.attention import (
+    DECODE_KERNELS,
     DecodeMetadata,
     PrefillMetadata,
     decode_attention,
     prefill_attention,
+    with_block_mask,
     with_key_bias,
     write_kv,
 )
@@ -319,9 +321,19 @@ class Target:
 class CausalLM(nn.Module):
     """The decoder plus output layer; parameter names are HF's, except the fused `qkv_proj` / `gate_up_proj`."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, max_positions: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int,
+        decode_kernel: str = "gather",
+    ):
         super().__init__()
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         self.cfg = cfg
+        self.decode_kernel = decode_kernel
         self.model = Backbone(cfg, dtype, device)
         self.lm_head = (
             self.model.embed_tokens
@@ -334,6 +346,8 @@ class CausalLM(nn.Module):
         self.targets = _expand_targets(cfg)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
         self.loaded: set[str] = set()
+        self._views: dict[str, torch.Tensor] = {}
+        """HF name -> its storage view, resolved once per allocation of the weights (a refit looks each up)."""
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         filled = {t.param for t in self.targets.values()}
         if filled != set(self._shapes):
@@ -355,8 +369,11 @@ class CausalLM(nn.Module):
         input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
         """
         h = self.model.embed_tokens(input_ids)
-        if isinstance(meta, DecodeMetadata):
-            meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)
+        if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
+            if self.decode_kernel == "flex":
+                meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
+            else:
+                meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)
         cos = self.rope_cos.index_select(0, positions).to(h.dtype)
         sin = self.rope_sin.index_select(0, positions).to(h.dtype)
         for index, layer in enumerate(self.model.layers):
@@ -388,11 +405,15 @@ class CausalLM(nn.Module):
 
     def hf_view(self, hf_name: str) -> torch.Tensor:
         """The engine's storage of one HF tensor: a whole parameter, or a view of its expert slice and rows."""
-        target = self.targets[hf_name]
-        data = self.get_parameter(target.param).data
-        if target.expert is not None:
-            data = data[target.expert]
-        return data if target.rows is None else data[target.rows[0] : target.rows[1]]
+        view = self._views.get(hf_name)
+        if view is None:
+            target = self.targets[hf_name]
+            data = self.get_parameter(target.param).data
+            if target.expert is not None:
+                data = data[target.expert]
+            view = data if target.rows is None else data[target.rows[0] : target.rows[1]]
+            self._views[hf_name] = view
+        return view
 
     def missing_weights(self) -> list[str]:
         """HF names not loaded since the weights were last allocated."""
@@ -410,12 +431,14 @@ class CausalLM(nn.Module):
         for _, p in self.named_parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.loaded.clear()
+        self._views.clear()
 
     def allocate_weights(self) -> None:
         """Fresh, uninitialised storage for every parameter; all of them must be loaded again."""
         for name, p in self.named_parameters():
             p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
         self.loaded.clear()
+        self._views.clear()
 
 
 def _expand(templates: Iterable[str], num_layers: int) -> set[str]:

@@ -6,6 +6,10 @@ The stream is built from the SAME mapping table as conversion and export (`model
 layer spec, the one its checkpoints use) and its global layer number; its TP shards are all-gathered by the
 entry's parallel style (`gather_tp`, the inverse of `tensor_ops.shard_boxes`).
 
+Cost: the per-parameter plan (local parameter, table entry) is built once per module; TP shards arrive in one
+`all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
+events rather than synchronisations (`PhaseTimes`), so the host runs ahead of the device's copies.
+
 Checks, cheap by design: `checksums` of a few sampled HF tensors on the trainer side and as the engine holds
 them after loading (float64 sums), compared by the caller.
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -33,11 +39,13 @@ __all__ = [
     "PhaseTimes",
     "assemble_shards",
     "checksum",
+    "checksum_tensor",
     "checksums",
     "gather_experts",
     "gather_tp",
     "hf_weights",
     "table_names",
+    "tp_gathers",
 ]
 
 
@@ -57,7 +65,8 @@ def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Ten
 
 def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> torch.Tensor:
     """All-gather one parameter over this rank's TP group (the expert-TP group for a routed expert's weight) and
-    assemble it (collective over that group)."""
+    assemble it (collective over that group). One `all_gather_into_tensor`; a column-parallel tensor is then a
+    view of the gathered buffer, with no further copy."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -69,9 +78,22 @@ def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> 
         group = parallel_state.get_tensor_model_parallel_group()
     if parallel is Parallel.REPLICATED or size == 1:
         return local.detach()
-    shards = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(shards, local.detach().contiguous(), group=group)
-    return assemble_shards(shards, parallel)
+    gathered = local.new_empty((size * local.shape[0], *local.shape[1:]))  # the shards one after another
+    dist.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
+    if parallel in (Parallel.COLUMN, Parallel.VOCAB):
+        return gathered
+    return assemble_shards(list(gathered.chunk(size, dim=0)), parallel)
+
+
+def tp_gathers(parallel: Parallel, expert: bool = False) -> bool:
+    """Whether `gather_tp` communicates for a tensor of this style on this rank."""
+    from megatron.core import parallel_state
+
+    if parallel is Parallel.REPLICATED:
+        return False
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_world_size() > 1
+    return parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
 def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
@@ -112,26 +134,88 @@ def _local_spec_key(template: str) -> str:
 
 
 class PhaseTimes:
-    """Seconds spent per refit phase (`gather`, `transfer`), added up by the code that runs each phase. On CUDA the
-    device is synchronised before each reading, so a phase's time includes its kernels and collectives."""
+    """Seconds per refit phase (`gather`, `transfer`, `produce`, `load`), measured without stalling the device.
+
+    On CUDA a phase is bracketed by two events on the current stream and read once, in `totals`: its time is the
+    device's time between the brackets (its kernels and collectives, and any host gap the device waited through).
+    Elsewhere, host seconds. Phases may nest: `produce` (the stream's tensors, up to a bucket) holds the gathers
+    and transfers it caused."""
+
+    PHASES = ("gather", "transfer", "produce", "load")
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {"gather": 0.0, "transfer": 0.0}
+        self._host: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._cuda = torch.cuda.is_available()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        _synchronize()
+        if name not in self._host:
+            raise ValueError(f"unknown refit phase {name!r}; known: {self.PHASES}")
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((name, start, end))
+            return
         started = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize()
-            self.seconds[name] += time.perf_counter() - started
+            self._host[name] += time.perf_counter() - started
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase (on CUDA this waits for the phases' last event)."""
+        out = dict(self._host)
+        for name, start, end in self._events:
+            end.synchronize()
+            out[name] += start.elapsed_time(end) / 1e3
+        return out
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+@dataclass(frozen=True)
+class _Step:
+    """One local parameter's part of the stream: its table entry, and for a routed expert the entry of the expert
+    of the same local index on each EP rank."""
+
+    param: torch.nn.Parameter
+    entry: Entry
+    expert_entries: tuple[Entry, ...] | None = None
+
+
+_PLANS: WeakKeyDictionary[torch.nn.Module, list[_Step]] = WeakKeyDictionary()
+
+
+def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
+    """This stage's parameters in table order, with their entries: built once per module (a refit per step)."""
+    from megatron.core import parallel_state
+
+    cached = _PLANS.get(module)
+    if cached is not None:
+        return cached
+    by_template: dict[tuple[str, int | None], str] = {v: k for k, v in table_names(module).items()}
+    params = dict(module.named_parameters())
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = model_cfg.moe.num_experts // ep if model_cfg.moe else 0
+    steps: list[_Step] = []
+    for placed in placed_entries(get_architecture(model_cfg.architecture), model_cfg):
+        if placed.expert is None:
+            local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
+            if local_name is not None:  # else another pipeline stage holds it
+                steps.append(_Step(params[local_name], placed.entry))
+            continue
+        if placed.expert >= per_rank:
+            continue  # gathered with the local expert of the same index on the other EP ranks
+        local_name = by_template.get((placed.template.mcore.replace(EXPERT, str(placed.expert)), placed.layer))
+        if local_name is not None:
+            experts = tuple(at_layer(placed.template, placed.layer, r * per_rank + placed.expert) for r in range(ep))
+            steps.append(_Step(params[local_name], placed.entry, experts))
+    _PLANS[module] = steps
+    return steps
 
 
 def _local_hf_weights(
@@ -140,31 +224,25 @@ def _local_hf_weights(
     """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
     from megatron.core import parallel_state
 
-    arch = get_architecture(model_cfg.architecture)
     dims = model_cfg.dims(padded_vocab)
-    params = dict(module.named_parameters())
-    by_template: dict[tuple[str, int | None], str] = {v: k for k, v in table_names(module).items()}
     ep = parallel_state.get_expert_model_parallel_world_size()
-    per_rank = model_cfg.moe.num_experts // ep if model_cfg.moe else 0
-    for placed in placed_entries(arch, model_cfg):
-        if placed.expert is None:
-            local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
-            if local_name is not None:  # else another pipeline stage holds it
-                entry: Entry = placed.entry
+    for step in _plan(module, model_cfg):
+        param, parallel = step.param, step.entry.parallel
+        if step.expert_entries is None:
+            if tp_gathers(parallel):
                 with times.phase("gather"):
-                    full = gather_tp(params[local_name], entry.parallel)
-                yield from entry.to_hf(full, dims).items()
+                    full = gather_tp(param, parallel)
+            else:
+                full = param.detach()
+            yield from step.entry.to_hf(full, dims).items()
             continue
-        if placed.expert >= per_rank:
-            continue  # gathered below, with the local expert of the same index on the other EP ranks
-        local_name = by_template.get((placed.template.mcore.replace(EXPERT, str(placed.expert)), placed.layer))
-        if local_name is None:
-            continue
-        with times.phase("gather"):
-            experts = gather_experts(gather_tp(params[local_name], placed.entry.parallel, expert=True))
-        for rank, tensor in enumerate(experts):
-            expert_entry = at_layer(placed.template, placed.layer, rank * per_rank + placed.expert)
-            yield from expert_entry.to_hf(tensor, dims).items()
+        if tp_gathers(parallel, expert=True) or ep > 1:
+            with times.phase("gather"):
+                experts = gather_experts(gather_tp(param, parallel, expert=True))
+        else:
+            experts = [param.detach()]
+        for entry, tensor in zip(step.expert_entries, experts, strict=True):
+            yield from entry.to_hf(tensor, dims).items()
 
 
 def hf_weights(
@@ -205,16 +283,22 @@ CHECKSUM_SAMPLES = 1 << 20
 """Elements a checksum reads at most: a larger tensor is sampled at a fixed stride (cheap next to the refit)."""
 
 
-def checksum(tensor: torch.Tensor) -> float:
+def checksum_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A position-weighted float64 sum (weights in [1, 2), never periodic) over the flattened tensor, or over
-    every k-th element of a tensor of more than `CHECKSUM_SAMPLES` elements: cheap, and unlike a plain sum it
-    changes when values are permuted (a transposed or mis-split tensor), not only when they change."""
+    every k-th element of a tensor of more than `CHECKSUM_SAMPLES` elements, as a 0-dim tensor on the tensor's
+    device (reading it is the caller's synchronisation). Cheap, and unlike a plain sum it changes when values are
+    permuted (a transposed or mis-split tensor), not only when they change."""
     flat = tensor.detach().flatten()
     stride = -(-flat.numel() // CHECKSUM_SAMPLES)
     flat = flat[::stride].double()
     # weights 1 + frac(i * golden ratio): never periodic, so no shift or block swap leaves the sum unchanged
     weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949) % 1 + 1
-    return float((flat * weights).sum())
+    return (flat * weights).sum()
+
+
+def checksum(tensor: torch.Tensor) -> float:
+    """`checksum_tensor`, read as a float."""
+    return float(checksum_tensor(tensor))
 
 
 def checksums(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -61,7 +61,7 @@ from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
-from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum
+from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum, checksum_tensor
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -424,12 +424,17 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
 def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
     started = time.perf_counter()
-    checked, sent, produce, times = checked_names(policy.hf_names()), {}, [0.0], PhaseTimes()
-    stream = _timed(policy.hf_weights(times), produce)
+    checked, sent, times = checked_names(policy.hf_names()), {}, PhaseTimes()
+    stream = policy.hf_weights(times)
     if ctx.is_rank0:
-        limit = ctx.config.policy.refit_bucket_mb << 20
-        for bucket in buckets(_recording(stream, checked, sent), limit):
-            ctx.engine.load_weights(bucket)
+        groups = buckets(_recording(stream, checked, sent), ctx.config.policy.refit_bucket_mb << 20)
+        while True:
+            with times.phase("produce"):  # gathering, transferring and converting up to a bucket's worth
+                bucket = next(groups, None)
+            if bucket is None:
+                break
+            with times.phase("load"):
+                ctx.engine.load_weights(bucket)
     else:
         for _ in stream:  # every rank takes part in the gathers
             pass
@@ -438,31 +443,22 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     refit_s = time.perf_counter() - started
     if not ctx.is_rank0:
         return {}
+    phases = times.totals()
     missing = sorted(checked - set(sent))
     held = {name: readable_tensor(ctx.engine, name) for name in sent}  # None where the engine's are not readable
     compared = {name: tensor for name, tensor in held.items() if tensor is not None}
-    mismatched = [name for name, tensor in compared.items() if sent[name] != checksum(tensor)]
+    mismatched = [name for name, tensor in compared.items() if float(sent[name]) != checksum(tensor)]
     if missing or mismatched:
         raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
     return {
         "refit_s": refit_s,
-        "refit_gather_s": times.seconds["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
-        "refit_transfer_s": times.seconds["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
-        "refit_convert_s": produce[0] - times.seconds["gather"] - times.seconds["transfer"],  # the table's to_hf
-        "refit_load_s": refit_s - produce[0],  # the engine's load_weights (bucketing and checksums included)
+        "refit_gather_s": phases["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
+        "refit_transfer_s": phases["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
+        # the rest of producing the stream: the table's to_hf (and the sampled checksums)
+        "refit_convert_s": max(0.0, phases["produce"] - phases["gather"] - phases["transfer"]),
+        "refit_load_s": phases["load"],  # the engine's load_weights
         "refit_checked_tensors": float(len(compared)),
     }
-
-
-def _timed(stream: Iterator[tuple[str, torch.Tensor]], total: list[float]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass the stream on, adding the time spent producing its items to `total[0]`."""
-    while True:
-        started = time.perf_counter()
-        item = next(stream, None)
-        total[0] += time.perf_counter() - started
-        if item is None:
-            return
-        yield item
 
 
 def checked_names(names: list[str]) -> set[str]:
@@ -472,12 +468,12 @@ def checked_names(names: list[str]) -> set[str]:
 
 
 def _recording(
-    stream: Iterator[tuple[str, torch.Tensor]], checked: set[str], sent: dict[str, float]
+    stream: Iterator[tuple[str, torch.Tensor]], checked: set[str], sent: dict[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass the stream on, checksumming the `checked` tensors on the way."""
+    """Pass the stream on, checksumming the `checked` tensors on the way (on their device: read after the refit)."""
     for name, tensor in stream:
         if name in checked:
-            sent[name] = checksum(tensor)
+            sent[name] = checksum_tensor(tensor)
         yield name, tensor
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_engine_tiny_runs_on_cpu():
+def test_bench_engine_tiny_runs_on_cpu(tmp_path):
+    """Both decode kernels side by side, each against transformers in the same run."""
+    table = tmp_path / "rows.json"
+    command = [sys.executable, "scripts/bench_engine.py", "--tiny", "--device", "cpu", "--skip-hf-batch64"]
+    command += ["--decode-attention", "gather", "--decode-attention", "flex", "--json", str(table)]
     result = subprocess.run(
-        [sys.executable, "scripts/bench_engine.py", "--tiny", "--device", "cpu", "--skip-hf-batch64"],
+        command,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -19,8 +24,11 @@ def test_bench_engine_tiny_runs_on_cpu():
         env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "engine / transformers (batch 8):" in result.stdout
-    rows = [line.split() for line in result.stdout.splitlines()]
-    engine_rows = [row for row in rows if row[:1] == ["engine"] and row[1].isdigit()]
-    assert len(engine_rows) == 1
-    assert int(engine_rows[0][3]) == 4 * 2 * 16  # every sample ran to max_tokens (EOS ignored)
+    for kernel in ("gather", "flex"):
+        assert f"engine ({kernel}, block 16) / transformers (batch 8):" in result.stdout
+    rows = json.loads(table.read_text())
+    steady = {row["system"]: row for row in rows if row["system"].startswith("engine (")}
+    assert sorted(steady) == ["engine (flex, block 16)", "engine (gather, block 16)"]
+    for row in steady.values():
+        assert row["total_tokens"] == 4 * 2 * 16  # every sample ran to max_tokens (EOS ignored)
+        assert row["tokens_per_s"] > 0

@@ -23,21 +23,24 @@ pytestmark = [
 ]
 
 
-def _cuda_engine(model, graphs: bool) -> Engine:
-    engine = Engine(model.config, tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16))
+def _cuda_engine(model, graphs: bool, kernel: str = "auto") -> Engine:
+    config = tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16, decode_attention=kernel)
+    engine = Engine(model.config, config)
     engine.load_weights(model.state_dict().items())
     return engine
 
 
+@pytest.mark.parametrize("kernel", ["flex", "gather"])
 @pytest.mark.parametrize("arch", ARCH_NAMES)
-def test_cuda_graph_decode_matches_eager_and_transformers(arch):
+def test_cuda_graph_decode_matches_eager_and_transformers(arch, kernel):
+    """Compiled FlexAttention (reading the blocks in place) and SDPA over gathered blocks, eager and in graphs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     reference_model = build_hf_model(arch, 0)
     model = build_hf_model(arch, 0).to("cuda")
     prompts = random_prompts([5, 20, 33], seed=11)
     params = SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=3)
-    eager = _cuda_engine(model, graphs=False).generate(prompts, params)
-    graphed_engine = _cuda_engine(model, graphs=True)
+    eager = _cuda_engine(model, graphs=False, kernel=kernel).generate(prompts, params)
+    graphed_engine = _cuda_engine(model, graphs=True, kernel=kernel)
     graphed = graphed_engine.generate(prompts, params)
     assert graphed_engine.num_cuda_graphs > 0
     for prompt, a, b in zip(prompts, eager, graphed, strict=True):

@@ -10,9 +10,13 @@ refit (`../shared/FACTS.md`), and the refit's ratio to it.
 
     PYTHONPATH=. python3 scripts/bench_grpo.py                              # 1B shape, 64 x 8 samples, 512 tokens
     PYTHONPATH=. python3 scripts/bench_grpo.py --prompt-tokens 15872 --max-new-tokens 512 --prompts 2 \\
-        --generations 4 --packing --max-tokens-per-microbatch 16384 --recompute   # a 16K-token step
+        --generations 4 --recompute                                             # a 16K-token step
     PYTHONPATH=. python3 scripts/bench_grpo.py --shape llama3-8b --tp 2 --gpus 2   # the 8B shape on two GPUs
     python scripts/bench_grpo.py --tiny                                     # CPU smoke run (tiny shape, fp32)
+
+Training and log-prob micro-batches are packed rows of `--max-tokens-per-microbatch` tokens (THD, as
+`policy.megatron_cfg.sequence_packing` makes them); `--no-packing` gives padded micro-batches of
+`--micro-batch-size` sequences instead.
 
 Assumes one host; `--gpus` ranks (default TP x PP), the engine on rank 0. Random weights generate random tokens,
 so rewards are 0 and advantages 0: the work per step (tokens generated, log-probs, forward and backward, refit) is
@@ -140,8 +144,13 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--packing", action="store_true")
-    parser.add_argument("--max-tokens-per-microbatch", type=int, default=8192)
+    parser.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack sequences into rows of --max-tokens-per-microbatch (THD); --no-packing: padded micro-batches",
+    )
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=16384)
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation, layer by layer")
     parser.add_argument("--kl-coef", type=float, default=0.01)
     parser.add_argument("--kv-cache-gib", type=float, default=16.0)

@@ -116,13 +116,16 @@ class DecodeGraphs:
         self._graphs.clear()
         self._pool = None
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Logits [B, vocab] of the step, from the replay of its bucket's graph."""
+    def run(self, batch: DecodeBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of the step, from the replay of its bucket's graph. `device_ids` [B], when given,
+        are the step's input tokens already on the device (they replace `batch.input_ids`)."""
         real = len(batch.input_ids)
         rows = batch_bucket(real, self.max_batch)
         n_blocks = block_bucket(batch.block_tables.shape[1], self.max_blocks, self.block_step)
         captured = self._graphs.get((rows, n_blocks)) or self._capture(rows, n_blocks)
         captured.inputs.copy_(pack(batch, rows, n_blocks), non_blocking=True)
+        if device_ids is not None:
+            captured.inputs[:real].copy_(device_ids)
         captured.graph.replay()
         return captured.logits[:real]
 

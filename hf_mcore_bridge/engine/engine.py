@@ -1,7 +1,9 @@
 """`Engine`: generate completions with the embedded decoder, a paged KV cache and continuous batching.
 
 One `generate` call runs to completion: it tokenises the prompts (when given text), queues each prompt as a
-group of n samples, and loops scheduler step -> model step -> sampling until every sample has finished. Prefill
+group of n samples, and loops scheduler step -> model step -> sampling until every sample has finished. Decode
+steps are pipelined: step t+1 is scheduled and queued on the device before step t's tokens reach the host (its
+input tokens are taken on the device), so the host's bookkeeping overlaps the device's work (`_decode`). Prefill
 steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket,
 and decode attention reads the paged KV blocks in place through compiled FlexAttention (`attention`).
 A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,6 +142,10 @@ class EngineStats(SchedulerStats):
     """Fresh blocks handed out during the call (forks of shared blocks are not counted)."""
     num_blocks: int = 0
     """Blocks in the cache, the scratch block included."""
+    pipelined_steps: int = 0
+    """Decode steps launched before the previous step's tokens reached the host."""
+    discarded_tokens: int = 0
+    """Tokens computed for sequences that had already sampled a stop token (the price of pipelining)."""
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -153,6 +159,35 @@ def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 yield name, handle.get_tensor(name)
+
+
+PENDING_TOKEN = -1
+"""Placeholder in a sequence's tokens for a sampled token not yet on the host."""
+
+
+@dataclass
+class _Launched:
+    """A decode step queued on the device, its tokens on their way to the host."""
+
+    sequences: list[Sequence]
+    tokens: torch.Tensor
+    """[B] int64 on the device: the next step's input tokens."""
+    host: torch.Tensor
+    """[2, B] float64 on the host (tokens, log-probs), valid once `event` has completed."""
+    event: torch.cuda.Event | None
+    indices: list[int]
+    """Where each sequence's token goes in its `token_ids`."""
+    dropped: set[int] = field(default_factory=set)
+    """ids of sequences that stopped at the step before: their result here is discarded."""
+
+
+def _finish_reason(seq: Sequence) -> str | None:
+    """Why `seq` ends after its latest token (a stop token, or its length), setting it; None if it goes on."""
+    if seq.token_ids[-1] in seq.params.stop_token_ids:
+        seq.finish_reason = "stop"
+    elif len(seq.token_ids) >= seq.max_len:
+        seq.finish_reason = "length"
+    return seq.finish_reason
 
 
 class Engine:
@@ -206,6 +241,13 @@ class Engine:
         )
         self._sleep_level = 0
         self.last_stats: EngineStats | None = None
+        # two pinned buffers for the tokens of the (at most two) decode steps in flight
+        self._host_buffers = [
+            torch.empty((2, cfg.max_num_seqs), dtype=torch.float64, pin_memory=self.device.type == "cuda")
+            for _ in range(2)
+        ]
+        self._host_slot = 0
+        self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
         if weights_dir is not None:
             self.load_weights(iter_safetensors(weights_dir))
 
@@ -308,11 +350,19 @@ class Engine:
         groups = [self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))]
         for group in groups:
             scheduler.add(group)
+        self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
         with torch.inference_mode():
             while scheduler.has_work():
-                self._step(scheduler)
+                step = scheduler.schedule()
+                if isinstance(step, PrefillStep):
+                    self._prefill(scheduler, step)
+                else:
+                    self._decode(scheduler, step)
         self.last_stats = EngineStats(
-            **vars(scheduler.stats), blocks_allocated=allocator.total_allocations, num_blocks=self.num_blocks
+            **vars(scheduler.stats),
+            blocks_allocated=allocator.total_allocations,
+            num_blocks=self.num_blocks,
+            **self._pipeline_counts,
         )
         return [self._output(ids, group) for ids, group in zip(prompt_ids, groups, strict=True)]
 
@@ -363,37 +413,106 @@ class Engine:
             ]
         )
 
-    def _step(self, scheduler: Scheduler) -> None:
-        step = scheduler.schedule()
-        if isinstance(step, PrefillStep):
-            logits = self._run_prefill(step)
-            sequences = [seq for group in step.groups for seq in group.sequences]
-            group_of_row = [g for g, group in enumerate(step.groups) for _ in group.sequences]
-            logits = logits.index_select(0, self._to_device(group_of_row))
-        else:
-            logits = self._run_decode(step)
-            sequences = step.sequences
+    def _prefill(self, scheduler: Scheduler, step: PrefillStep) -> None:
+        """One prefill step: each admitted group's prefix once, then the first token of each of its sequences."""
+        logits = self._run_prefill(step)
+        sequences = [seq for group in step.groups for seq in group.sequences]
+        group_of_row = [g for g, group in enumerate(step.groups) for _ in group.sequences]
+        logits = logits.index_select(0, self._to_device(group_of_row))
         tokens, logprobs = sample(logits, self._sampling_batch(sequences))
         # One device-to-host transfer for both (token ids are exact in float64).
         token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        self._commit(scheduler, sequences, [int(t) for t in token_list], logprob_list)
-
-    def _commit(
-        self, scheduler: Scheduler, sequences: list[Sequence], tokens: list[int], logprobs: list[float]
-    ) -> None:
-        """Appends each sequence's new token and ends those that sampled a stop token or reached their length."""
         finished = []
-        for seq, token, logprob in zip(sequences, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
+        for seq, token, logprob in zip(sequences, token_list, logprob_list, strict=True):
+            seq.token_ids.append(int(token))
             seq.logprobs.append(logprob)
-            if token in seq.params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.token_ids) >= seq.max_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            finished.append(seq)
+            if _finish_reason(seq) is not None:
+                finished.append(seq)
         scheduler.finish(finished)
+
+    def _decode(self, scheduler: Scheduler, step: DecodeStep) -> None:
+        """Decode steps, pipelined: step t+1 is scheduled and launched before step t's tokens reach the host, so
+        the host's bookkeeping overlaps the device's work.
+
+        Step t+1 is known before t's tokens are: every sequence that does not reach its length at t decodes again,
+        its input token taken on the device from t's samples. A sequence that samples a stop token at t has then
+        run one step too many: its step-(t+1) result is dropped (its KV write lands in blocks it has released,
+        which later steps only reuse after it, in stream order). The pipeline stops, and the caller's loop
+        schedules as usual, when groups wait to be admitted or the next step could need a preemption.
+        """
+        launched = self._launch_decode(step, None)
+        while True:
+            ending = [seq for seq in launched.sequences if len(seq.token_ids) >= seq.max_len]
+            for seq in ending:
+                seq.finish_reason = "length"
+            scheduler.finish(ending)
+            following = None
+            staying = len(scheduler.running)
+            if staying and not scheduler.waiting and scheduler.allocator.num_free >= staying:
+                next_step = scheduler.schedule()
+                assert isinstance(next_step, DecodeStep)
+                following = self._launch_decode(next_step, launched)
+                self._pipeline_counts["pipelined_steps"] += 1
+            self._resolve(scheduler, launched, following)
+            if following is None:
+                return
+            launched = following
+
+    def _launch_decode(self, step: DecodeStep, previous: _Launched | None) -> _Launched:
+        """Queue one decode step and its sampling on the device (inputs from `previous`'s samples when given) and
+        the copy of its tokens to the host; reserve each sequence's token slot."""
+        device_ids = None
+        if previous is not None:
+            row_of = {id(seq): row for row, seq in enumerate(previous.sequences)}
+            rows = [row_of[id(seq)] for seq in step.sequences]
+            device_ids = previous.tokens
+            if rows != list(range(len(previous.sequences))):
+                device_ids = device_ids.index_select(0, self._to_device(rows))
+        logits = self._run_decode(step, device_ids)
+        tokens, logprobs = sample(logits, self._sampling_batch(step.sequences))
+        both = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
+        event = None
+        if both.is_cuda:
+            self._host_slot ^= 1
+            host = self._host_buffers[self._host_slot][:, : both.shape[1]]
+            host.copy_(both, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = both
+        indices = []
+        for seq in step.sequences:
+            indices.append(len(seq.token_ids))
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.logprobs.append(0.0)
+        return _Launched(step.sequences, tokens, host, event, indices)
+
+    def _resolve(self, scheduler: Scheduler, launched: _Launched, following: _Launched | None) -> None:
+        """Fill in `launched`'s tokens once on the host; end the sequences that sampled a stop token (dropping
+        their result in `following`, already queued)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        token_list, logprob_list = launched.host.tolist()
+        stopped = []
+        for seq, index, token, logprob in zip(
+            launched.sequences, launched.indices, token_list, logprob_list, strict=True
+        ):
+            if id(seq) in launched.dropped:
+                continue
+            seq.token_ids[index] = int(token)
+            seq.logprobs[index - seq.prompt_len] = logprob
+            if int(token) in seq.params.stop_token_ids:
+                if seq.finish_reason is None:
+                    stopped.append(seq)
+                seq.finish_reason = "stop"  # also where it reached its length with this token
+        if following is not None and stopped:
+            queued = {id(seq) for seq in following.sequences}
+            for seq in stopped:
+                if id(seq) in queued:
+                    del seq.token_ids[-1], seq.logprobs[-1]
+                    following.dropped.add(id(seq))
+                    self._pipeline_counts["discarded_tokens"] += 1
+        scheduler.finish(stopped)
 
     def _sampling_batch(self, sequences: list[Sequence]) -> SamplingBatch:
         first = sequences[0].params
@@ -441,20 +560,23 @@ class Engine:
         last_rows = (starts + lens - 1).to(self.device, non_blocking=True)
         return self.model(ids, positions, self.kv_cache, meta, logits_rows=last_rows)
 
-    def _run_decode(self, step: DecodeStep) -> torch.Tensor:
-        """Logits [B, vocab] for every running sequence's next token."""
+    def _run_decode(self, step: DecodeStep, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] for every running sequence's next token (input tokens from `device_ids` [B] when
+        given, else from the step)."""
         assert self.kv_cache is not None
         if step.copies:
             src, dst = zip(*step.copies, strict=True)
             copy_blocks(self.kv_cache, self._to_device(list(src)), self._to_device(list(dst)))
         batch = DecodeBatch(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
         if self._graphs is not None:
-            return self._graphs.run(batch)
+            return self._graphs.run(batch, device_ids)
         real = rows = len(step.input_ids)
         n_blocks = step.block_tables.shape[1]
         if self._fixed_decode_shapes:
             rows, n_blocks = batch_bucket(real, self.config.max_num_seqs), self.max_blocks_per_seq
         ids, positions, meta = unpack(pack(batch, rows, n_blocks).to(self.device, non_blocking=True), rows, n_blocks)
+        if device_ids is not None:
+            ids[:real].copy_(device_ids)
         return self._decode_forward(ids, positions, meta)[:real]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

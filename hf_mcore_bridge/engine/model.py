@@ -60,6 +60,11 @@ from hf_mcore_bridge.engine.attention import (
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
+_COPY_BATCH = 64
+_COPY_BATCH_BYTES = 256 << 20
+"""`load_weights` copies up to `_COPY_BATCH` tensors or this many bytes at a time (one `_foreach_copy_`); the
+caller's tensors are held until then, so a stream read lazily (from safetensors) keeps at most that much."""
+
 
 class MissingWeightsError(RuntimeError):
     """Some engine parameters were never filled by `load_weights`."""
@@ -389,6 +394,9 @@ class CausalLM(nn.Module):
         Raises `UnknownWeightError` for a name the model has no place for and `ValueError` for a shape mismatch.
         """
         done: set[str] = set()
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        held = 0
         for name, tensor in weights:
             if name not in self.targets:
                 if name in self.ignored:
@@ -396,10 +404,19 @@ class CausalLM(nn.Module):
                 close = difflib.get_close_matches(name, list(self.targets), n=3)
                 raise UnknownWeightError(f"unknown weight {name!r}; closest known names: {close}")
             dest = self.hf_view(name)
-            if tuple(dest.shape) != tuple(tensor.shape):
+            if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
-            dest.copy_(tensor)
+            dests.append(dest)
+            sources.append(tensor)
             done.add(name)
+            held += tensor.numel() * tensor.element_size()
+            if len(dests) == _COPY_BATCH or held >= _COPY_BATCH_BYTES:
+                torch._foreach_copy_(dests, sources)
+                dests, sources, held = [], [], 0
+        if dests:
+            # one multi-tensor copy per batch instead of a kernel launch per tensor (it copies tensor by tensor
+            # where dtypes, devices or layouts differ)
+            torch._foreach_copy_(dests, sources)
         self.loaded |= done
         return done
 

@@ -184,6 +184,8 @@ class _Step:
 
     param: torch.nn.Parameter
     entry: Entry
+    communicates: bool
+    """Whether producing it takes a collective (TP, expert-TP or EP gathers)."""
     expert_entries: tuple[Entry, ...] | None = None
 
 
@@ -206,14 +208,15 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
         if placed.expert is None:
             local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
             if local_name is not None:  # else another pipeline stage holds it
-                steps.append(_Step(params[local_name], placed.entry))
+                steps.append(_Step(params[local_name], placed.entry, tp_gathers(placed.entry.parallel)))
             continue
         if placed.expert >= per_rank:
             continue  # gathered with the local expert of the same index on the other EP ranks
         local_name = by_template.get((placed.template.mcore.replace(EXPERT, str(placed.expert)), placed.layer))
         if local_name is not None:
             experts = tuple(at_layer(placed.template, placed.layer, r * per_rank + placed.expert) for r in range(ep))
-            steps.append(_Step(params[local_name], placed.entry, experts))
+            communicates = tp_gathers(placed.entry.parallel, expert=True) or ep > 1
+            steps.append(_Step(params[local_name], placed.entry, communicates, experts))
     _PLANS[module] = steps
     return steps
 
@@ -222,21 +225,19 @@ def _local_hf_weights(
     module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
-    from megatron.core import parallel_state
 
     dims = model_cfg.dims(padded_vocab)
-    ep = parallel_state.get_expert_model_parallel_world_size()
     for step in _plan(module, model_cfg):
         param, parallel = step.param, step.entry.parallel
         if step.expert_entries is None:
-            if tp_gathers(parallel):
+            if step.communicates:
                 with times.phase("gather"):
                     full = gather_tp(param, parallel)
             else:
                 full = param.detach()
             yield from step.entry.to_hf(full, dims).items()
             continue
-        if tp_gathers(parallel, expert=True) or ep > 1:
+        if step.communicates:
             with times.phase("gather"):
                 experts = gather_experts(gather_tp(param, parallel, expert=True))
         else:

@@ -3,6 +3,8 @@ mechanism really ran) and against transformers (the outputs stayed right)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_helpers import engine_from_hf, hf_greedy, hf_token_logprobs, random_prompts
 
@@ -75,3 +77,28 @@ def test_samples_of_a_prompt_share_its_blocks(get_hf_model):
     assert len({tuple(s.token_ids) for s in output.samples}) > 1
     for sample in output.samples:
         assert sample.logprobs == pytest.approx(hf_token_logprobs(model, prompt, sample.token_ids, 1.0), abs=1e-5)
+
+
+def test_pipelined_decode_discards_the_step_after_a_stop(get_hf_model):
+    """Decode steps are launched before the previous step's tokens reach the host, so a sample that draws a stop
+    token has already been decoded once more: that token must vanish. Each stopped sample equals the same sample
+    drawn without the stop token (counter-based sampling), cut right after its first stop token."""
+    model = get_hf_model("llama")
+    prompts = random_prompts([6, 11], seed=8)
+    free = SamplingParams(n=6, temperature=1.5, max_tokens=24, seed=5)
+    free_outputs = engine_from_hf(model).generate(prompts, free)
+    # a token the free-running samples draw somewhere in their middle
+    middle = [t for o in free_outputs for s in o.samples for t in s.token_ids[2:-2]]
+    stop = max(set(middle), key=middle.count)
+    engine = engine_from_hf(model)
+    stopped = engine.generate(prompts, dataclasses.replace(free, stop_token_ids=(stop,)))
+    stats = engine.last_stats
+    assert stats.pipelined_steps > 0 and stats.discarded_tokens > 0
+    finished = []
+    for a, b in zip(free_outputs, stopped, strict=True):
+        for sa, sb in zip(a.samples, b.samples, strict=True):
+            cut = sa.token_ids.index(stop) + 1 if stop in sa.token_ids else len(sa.token_ids)
+            assert sb.token_ids == sa.token_ids[:cut]
+            assert sb.logprobs == pytest.approx(sa.logprobs[:cut], abs=1e-6)
+            finished.append(sb.finish_reason)
+    assert "stop" in finished and "length" in finished

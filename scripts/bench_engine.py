@@ -247,6 +247,7 @@ def check(device: str) -> bool:
                 max_num_batched_tokens=256,
                 use_cuda_graphs=graphs,
                 decode_attention=kernel,
+                flex_min_batch=1,
             ),
         )
         engine.load_weights(model.state_dict().items())
@@ -300,6 +301,7 @@ def main(
     cuda_graphs: bool = typer.Option(True, help="CUDA graphs for the decode step."),
     decode_attention: list[str] = KERNELS_OPTION,
     block_size: list[int] = BLOCK_SIZES_OPTION,
+    flex_min_batch: int = typer.Option(64, help="Decode steps of fewer sequences use the gather kernel."),
     skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
     json_path: str = typer.Option("", "--json", help="Also write the table's rows to this file."),
 ) -> None:
@@ -328,6 +330,7 @@ def main(
                 max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
                 use_cuda_graphs=cuda_graphs,
                 decode_attention=kernel,
+                flex_min_batch=flex_min_batch,
             )
             label = f"{engine_config.decode_kernel()}, block {size}"
             engine = Engine(config, engine_config)

@@ -99,12 +99,23 @@ class _Captured:
 class DecodeGraphs:
     """Lazily captured CUDA graphs of the decode step, keyed by (rows, n_blocks) bucket."""
 
-    def __init__(self, decode_fn: DecodeFn, device: torch.device, max_batch: int, max_blocks: int, block_step: int):
+    def __init__(
+        self,
+        decode_fn: DecodeFn,
+        device: torch.device,
+        max_batch: int,
+        max_blocks: int,
+        block_step: int,
+        full_width_rows: int | None = None,
+    ):
         self.decode_fn = decode_fn
         self.device = device
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.block_step = block_step
+        self.full_width_rows = full_width_rows
+        """Batch buckets of at least this many rows are captured with full-width block tables only (a kernel
+        compiled per shape runs there); None: always bucket the width."""
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool: tuple[int, int] | None = None
 
@@ -121,7 +132,10 @@ class DecodeGraphs:
         are the step's input tokens already on the device (they replace `batch.input_ids`)."""
         real = len(batch.input_ids)
         rows = batch_bucket(real, self.max_batch)
-        n_blocks = block_bucket(batch.block_tables.shape[1], self.max_blocks, self.block_step)
+        if self.full_width_rows is not None and rows >= self.full_width_rows:
+            n_blocks = self.max_blocks
+        else:
+            n_blocks = block_bucket(batch.block_tables.shape[1], self.max_blocks, self.block_step)
         captured = self._graphs.get((rows, n_blocks)) or self._capture(rows, n_blocks)
         captured.inputs.copy_(pack(batch, rows, n_blocks), non_blocking=True)
         if device_ids is not None:

@@ -90,6 +90,10 @@ class EngineConfig:
     """Decode attention kernel: `flex` (FlexAttention reads the KV blocks in place; compiled on CUDA), `gather`
     (the blocks are gathered, then SDPA), or `auto`: `flex` on CUDA, `gather` elsewhere (eager FlexAttention
     scores every cache slot: exact, but only for tests)."""
+    flex_min_batch: int = 64
+    """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
+    `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
+    runs at, so this bounds the compilations to the large buckets."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:
@@ -101,6 +105,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs, block_size must be >= 1 and max_model_len >= 2")
         if self.decode_attention not in ("auto", *DECODE_KERNELS):
             raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
+        if self.flex_min_batch < 1:
+            raise ValueError(f"flex_min_batch must be >= 1, got {self.flex_min_batch}")
 
     def decode_kernel(self) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device."""
@@ -218,7 +224,12 @@ class Engine:
                 f"use max_model_len <= {mc.sliding_window}"
             )
         self.model = CausalLM(
-            mc, cfg.dtype, self.device, max_positions=cfg.max_model_len, decode_kernel=cfg.decode_kernel()
+            mc,
+            cfg.dtype,
+            self.device,
+            max_positions=cfg.max_model_len,
+            decode_kernel=cfg.decode_kernel(),
+            flex_min_batch=cfg.flex_min_batch,
         )
         block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
@@ -230,12 +241,19 @@ class Engine:
                 f"sequence of max_model_len needs {self.max_blocks_per_seq} plus 2 (>= {need} bytes)"
             )
         self.kv_cache: torch.Tensor | None = self._allocate_cache()
-        # Compiled FlexAttention specialises on shapes: decode with full-width block tables and bucketed rows, so
-        # that it compiles once per batch bucket rather than per (batch, table width).
-        self._fixed_decode_shapes = cfg.decode_kernel() == "flex" and self.device.type == "cuda"
-        block_step = self.max_blocks_per_seq if self._fixed_decode_shapes else cfg.graph_block_step
+        # Compiled FlexAttention specialises on shapes: its steps run with full-width block tables and bucketed
+        # rows, so that it compiles once per batch bucket rather than per (batch, table width).
+        flex_rows = cfg.flex_min_batch if cfg.decode_kernel() == "flex" and self.device.type == "cuda" else None
+        self._flex_rows = flex_rows
         self._graphs = (
-            DecodeGraphs(self._decode_forward, self.device, cfg.max_num_seqs, self.max_blocks_per_seq, block_step)
+            DecodeGraphs(
+                self._decode_forward,
+                self.device,
+                cfg.max_num_seqs,
+                self.max_blocks_per_seq,
+                cfg.graph_block_step,
+                full_width_rows=flex_rows,
+            )
             if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None
             else None
         )
@@ -572,8 +590,9 @@ class Engine:
             return self._graphs.run(batch, device_ids)
         real = rows = len(step.input_ids)
         n_blocks = step.block_tables.shape[1]
-        if self._fixed_decode_shapes:
-            rows, n_blocks = batch_bucket(real, self.config.max_num_seqs), self.max_blocks_per_seq
+        bucket = batch_bucket(real, self.config.max_num_seqs)
+        if self._flex_rows is not None and bucket >= self._flex_rows:
+            rows, n_blocks = bucket, self.max_blocks_per_seq
         ids, positions, meta = unpack(pack(batch, rows, n_blocks).to(self.device, non_blocking=True), rows, n_blocks)
         if device_ids is not None:
             ids[:real].copy_(device_ids)

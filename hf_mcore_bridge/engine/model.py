@@ -333,12 +333,15 @@ class CausalLM(nn.Module):
         device: torch.device | str,
         max_positions: int,
         decode_kernel: str = "gather",
+        flex_min_batch: int = 1,
     ):
         super().__init__()
         if decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         self.cfg = cfg
         self.decode_kernel = decode_kernel
+        self.flex_min_batch = flex_min_batch
+        """With the `flex` kernel, decode passes of fewer rows use `gather` (see `EngineConfig.flex_min_batch`)."""
         self.model = Backbone(cfg, dtype, device)
         self.lm_head = (
             self.model.embed_tokens
@@ -375,7 +378,7 @@ class CausalLM(nn.Module):
         """
         h = self.model.embed_tokens(input_ids)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
-            if self.decode_kernel == "flex":
+            if self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
                 meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
             else:
                 meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)

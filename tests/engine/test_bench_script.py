@@ -14,7 +14,8 @@ def test_bench_engine_tiny_runs_on_cpu(tmp_path):
     """Both decode kernels side by side, each against transformers in the same run."""
     table = tmp_path / "rows.json"
     command = [sys.executable, "scripts/bench_engine.py", "--tiny", "--device", "cpu", "--skip-hf-batch64"]
-    command += ["--decode-attention", "gather", "--decode-attention", "flex", "--json", str(table)]
+    command += ["--decode-attention", "gather", "--decode-attention", "flex", "--flex-min-batch", "1"]
+    command += ["--json", str(table)]
     result = subprocess.run(
         command,
         cwd=ROOT,

@@ -79,10 +79,12 @@ def test_samples_of_a_prompt_share_its_blocks(get_hf_model):
         assert sample.logprobs == pytest.approx(hf_token_logprobs(model, prompt, sample.token_ids, 1.0), abs=1e-5)
 
 
-def test_pipelined_decode_discards_the_step_after_a_stop(get_hf_model):
+@pytest.mark.parametrize("kernel", [{}, {"decode_attention": "flex", "flex_min_batch": 6}])
+def test_pipelined_decode_discards_the_step_after_a_stop(get_hf_model, kernel):
     """Decode steps are launched before the previous step's tokens reach the host, so a sample that draws a stop
     token has already been decoded once more: that token must vanish. Each stopped sample equals the same sample
-    drawn without the stop token (counter-based sampling), cut right after its first stop token."""
+    drawn without the stop token (counter-based sampling), cut right after its first stop token. With FlexAttention
+    above 6 rows, the batch shrinks across the switch to the gather kernel as samples stop."""
     model = get_hf_model("llama")
     prompts = random_prompts([6, 11], seed=8)
     free = SamplingParams(n=6, temperature=1.5, max_tokens=24, seed=5)
@@ -90,7 +92,7 @@ def test_pipelined_decode_discards_the_step_after_a_stop(get_hf_model):
     # a token the free-running samples draw somewhere in their middle
     middle = [t for o in free_outputs for s in o.samples for t in s.token_ids[2:-2]]
     stop = max(set(middle), key=middle.count)
-    engine = engine_from_hf(model)
+    engine = engine_from_hf(model, max_num_seqs=12, **kernel)
     stopped = engine.generate(prompts, dataclasses.replace(free, stop_token_ids=(stop,)))
     stats = engine.last_stats
     assert stats.pipelined_steps > 0 and stats.discarded_tokens > 0

@@ -24,7 +24,9 @@ pytestmark = [
 
 
 def _cuda_engine(model, graphs: bool, kernel: str = "auto") -> Engine:
-    config = tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16, decode_attention=kernel)
+    config = tiny_engine_config(
+        device="cuda", use_cuda_graphs=graphs, block_size=16, decode_attention=kernel, flex_min_batch=1
+    )
     engine = Engine(model.config, config)
     engine.load_weights(model.state_dict().items())
     return engine

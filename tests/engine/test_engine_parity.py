@@ -27,7 +27,7 @@ LENGTHS = [5, 11, 23]  # different lengths; with block_size 4 the last blocks ar
 def test_greedy_matches_transformers_generate(arch, kernel, get_hf_model):
     """Both decode attention kernels; FlexAttention runs eagerly here (the CUDA tests run it compiled)."""
     model = get_hf_model(arch)
-    engine = engine_from_hf(model, decode_attention=kernel)
+    engine = engine_from_hf(model, decode_attention=kernel, flex_min_batch=1)
     prompts = random_prompts(LENGTHS, seed=1)
     outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=12))
     for prompt, output in zip(prompts, outputs, strict=True):

@@ -12,10 +12,15 @@ tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at bat
 `--check` compares the engine's greedy tokens with transformers `generate` and its log-probs with a transformers
 forward pass, and on CUDA compares CUDA-graph decode with eager decode; it exits non-zero on a mismatch.
 
-Measured on one H200 (torch 2.11, transformers 5.17), default arguments: engine 39,958 tokens/s (steady state;
-36,501 on the first run, which also captures CUDA graphs), transformers generate 5,404 tokens/s on the same
-64 x 8 workload (7.4x) and 1,072 tokens/s at batch 64 (37.3x). A decode step at 512 sequences took 5.6 ms at
-48 tokens of context and 14.4 ms at 640: the gather of paged keys/values before SDPA dominates at long context.
+`--decode-attention flex --decode-attention gather` (and `--block-size 16 --block-size 32`) time one engine per
+kernel and block size in the same run, each against the same `generate` rows.
+
+Measured on one H200 (torch 2.11, transformers 5.17), default arguments (FlexAttention decode, pipelined steps):
+engine 75,887 tokens/s, transformers generate 4,915 tokens/s on the same 64 x 8 workload (15.4x) and 966 tokens/s
+at batch 64 (78.6x). In one run with both kernels (before decode was pipelined): FlexAttention 63,646 tokens/s,
+the gather kernel 37,322. A decode step at 512 sequences takes 3.8 ms at 48 tokens of context and 7.4 ms at 640
+with FlexAttention (5.6 and 14.5 ms gathering the blocks first); sampling adds 1.1 ms. Figures and what limits
+them: `docs/PERFORMANCE.md`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Two attention shapes:
     `[1, kv_heads, num_blocks * block_size, head_dim]` sequence shared by the batch, and a `BlockMask` whose
     KV-block size is the cache's block size lists each sequence's blocks (its block table) and hides the unwritten
     tail of its last block. Compiled on CUDA (a Triton decoding kernel, grouped-query heads handled in the
-    kernel); eager elsewhere (exact, but it scores every slot: for tests).
+    kernel, once per batch bucket: the engine uses it for buckets of at least `EngineConfig.flex_min_batch`
+    rows); eager elsewhere (exact, but it scores every slot: for tests).
   - `gather`: the sequence's blocks are gathered through its block table into `[batch, kv_heads, n_blocks *
     block_size, head_dim]` and masked past its length, then SDPA (plain torch, any device). Grouped-query
     attention folds a KV head's query heads into the query-length axis, exact because decode has no causal mask.

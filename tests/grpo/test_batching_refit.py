@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_mcore_bridge.grpo.batching import Rollout, make_microbatches, pack_microbatches, response_values
-from hf_mcore_bridge.grpo.refit import assemble_shards, checksum
+from hf_mcore_bridge.grpo.refit import PhaseTimes, assemble_shards, checksum, checksum_tensor
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
 
@@ -133,3 +133,25 @@ def test_padding_to_a_multiple_keeps_every_real_value() -> None:
     assert packed.cu_seqlens.tolist() == [*row.cu_seqlens.tolist(), 16]  # the padding is a sequence of its own
     assert packed.position_ids[0, 14:].tolist() == [0, 1]
     assert torch.equal(packed.advantages[:, :13], row.advantages) and not packed.advantages[:, 13:].any()
+
+
+def test_phase_times_add_up_per_phase_and_refuse_unknown_names() -> None:
+    times = PhaseTimes()
+    for _ in range(3):
+        with times.phase("load"):
+            torch.ones(64, 64).sum()
+    with times.phase("produce"), times.phase("gather"):  # phases nest: produce holds the gathers it caused
+        pass
+    totals = times.totals()
+    assert set(totals) == {"gather", "transfer", "produce", "load"}
+    assert totals["load"] > 0 and totals["transfer"] == 0
+    assert totals["produce"] >= totals["gather"] >= 0
+    with pytest.raises(ValueError, match="unknown refit phase"), times.phase("convert"):
+        pass
+
+
+def test_checksum_tensor_is_the_checksum_before_it_is_read() -> None:
+    tensor = torch.randn(3000, 7)
+    value = checksum_tensor(tensor)
+    assert value.dtype == torch.float64 and value.dim() == 0
+    assert float(value) == checksum(tensor)

@@ -215,6 +215,11 @@ class GenerationConfig:
     """Prompt plus completion, at most."""
     kv_cache_memory_bytes: int = 64 << 20
     """The engine's KV-cache budget."""
+    decode_attention: str = "auto"
+    """The embedded engine's decode attention: `flex` (FlexAttention over the paged blocks, compiled per batch
+    bucket), `gather` (blocks gathered, then SDPA; nothing compiled) or `auto` (`flex` on CUDA)."""
+    flex_min_batch: int = 64
+    """With `flex`, decode steps of fewer sequences use `gather` (bounds the compilations to large buckets)."""
 
 
 @dataclass(frozen=True)
@@ -625,6 +630,11 @@ def _validate(config: GRPOConfig) -> None:
         gen.backend != "vllm" or importlib.util.find_spec("vllm") is not None,
         "generation.backend=vllm needs the 'vllm' package (not installed); use embedded",
     )
+    _require(
+        gen.decode_attention in ("auto", "flex", "gather"),
+        f"generation.decode_attention={gen.decode_attention!r}: auto, flex or gather",
+    )
+    _require(gen.flex_min_batch >= 1, "generation.flex_min_batch must be >= 1")
     _require(gen.temperature > 0, "generation.temperature must be > 0 for training (log-probs are tempered)")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1")
     sources = [data.task, data.train_jsonl, data.hf_dataset]

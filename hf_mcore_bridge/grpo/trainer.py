@@ -268,6 +268,8 @@ class _RankContext:
             max_num_batched_tokens=max(gen.max_model_len, 8192),
             kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
             use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
+            decode_attention=gen.decode_attention,
+            flex_min_batch=gen.flex_min_batch,
         )
         self.engine = build_engine(
             gen.backend, self.prepared.hf_config, engine_config, self.tokenizer, self.prepared.log_dir

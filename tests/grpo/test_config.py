@@ -72,6 +72,8 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("policy.megatron_cfg.sequence_parallel=true", "tensor_model_parallel_size > 1"),
         ("policy.megatron_cfg.context_parallel_size=2", "Transformer Engine"),
         ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
+        ("generation.decode_attention=paged", "auto, flex or gather"),
+        ("generation.flex_min_batch=0", "flex_min_batch must be >= 1"),
     ],
 )
 def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:

@@ -261,7 +261,7 @@ class Engine:
         self.last_stats: EngineStats | None = None
         # two pinned buffers for the tokens of the (at most two) decode steps in flight
         self._host_buffers = [
-            torch.empty((2, cfg.max_num_seqs), dtype=torch.float64, pin_memory=self.device.type == "cuda")
+            torch.empty(2 * cfg.max_num_seqs, dtype=torch.float64, pin_memory=self.device.type == "cuda")
             for _ in range(2)
         ]
         self._host_slot = 0
@@ -492,7 +492,7 @@ class Engine:
         event = None
         if both.is_cuda:
             self._host_slot ^= 1
-            host = self._host_buffers[self._host_slot][:, : both.shape[1]]
+            host = self._host_buffers[self._host_slot][: both.numel()].view(both.shape)  # contiguous, pinned
             host.copy_(both, non_blocking=True)
             event = torch.cuda.Event()
             event.record()

@@ -146,7 +146,10 @@ def _flex_attention(compiled: bool) -> Callable[..., torch.Tensor]:
             import torch._dynamo
 
             # one graph per decode batch bucket: raise dynamo's per-function recompilation limit to cover them all
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # (`cache_size_limit` in the torch releases before it was renamed)
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, limit, max(getattr(config, limit), 64))
             _FLEX[compiled] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
         else:
             _FLEX[compiled] = flex_attention

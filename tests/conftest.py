@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,29 @@ from hf_mcore_bridge.quiet import quiet_libraries
 from hf_mcore_bridge.tiny_models import build_tiny_model
 
 quiet_libraries()
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs `scripts/<name>` with `args` in a fresh interpreter (the checkout on its path, one thread) and asserts
+    that it succeeded; returns the completed process, its output captured as text."""
+
+    def run(name: str, args: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, f"scripts/{name}", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={"PYTHONPATH": str(REPO), "PATH": "", "OMP_NUM_THREADS": "1"},
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    return run
+
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,17 +19,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_training  # noqa: E402
 
 
-def test_bench_training_tiny_runs_on_cpu(tmp_path: Path) -> None:
+def test_bench_training_tiny_runs_on_cpu(tmp_path: Path, run_script) -> None:
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_training.py", "--tiny", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script("bench_training.py", ["--tiny", "--json", str(out)], 300)
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("tiny ")]
     rows = [row for row in rows if row[1].isdigit()]  # the table, not the ratio lines
     assert sorted((row[1], row[2]) for row in rows) == sorted(

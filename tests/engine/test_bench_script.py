@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_engine_tiny_runs_on_cpu(tmp_path):
+def test_bench_engine_tiny_runs_on_cpu(tmp_path, run_script):
     """Both decode kernels side by side, each against transformers in the same run."""
     table = tmp_path / "rows.json"
-    command = [sys.executable, "scripts/bench_engine.py", "--tiny", "--device", "cpu", "--skip-hf-batch64"]
-    command += ["--decode-attention", "gather", "--decode-attention", "flex", "--flex-min-batch", "1"]
-    command += ["--json", str(table)]
-    result = subprocess.run(
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    args = ["--tiny", "--device", "cpu", "--skip-hf-batch64", "--decode-attention", "gather"]
+    args += ["--decode-attention", "flex", "--flex-min-batch", "1", "--json", str(table)]
+    result = run_script("bench_engine.py", args, 120)
     for kernel in ("gather", "flex"):
         assert f"engine ({kernel}, block 16) / transformers (batch 8):" in result.stdout
     rows = json.loads(table.read_text())

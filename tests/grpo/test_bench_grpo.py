@@ -4,28 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytestmark = pytest.mark.slow
 
 
-def test_bench_grpo_tiny_reports_every_phase(tmp_path: Path) -> None:
+def test_bench_grpo_tiny_reports_every_phase(tmp_path: Path, run_script) -> None:
     out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_grpo.py", "--tiny", "--work", str(tmp_path / "work"), "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "", "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script("bench_grpo.py", ["--tiny", "--work", str(tmp_path / "work"), "--json", str(out)], 300)
     record = json.loads(out.read_text())
     phases = record["phases"]
     for key in ("generation_s", "logprobs_s", "train_s", "refit_s", "step_s"):

@@ -63,21 +63,27 @@ def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Ten
     raise ValueError(f"unknown parallel style {parallel}")
 
 
+def _tp_group(expert: bool) -> tuple[int, object]:
+    """(size, group) of this rank's TP group, or of its expert-TP group for a routed expert's weight."""
+    from megatron.core import parallel_state
+
+    if expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_group(),
+        )
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_group()
+
+
 def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> torch.Tensor:
     """All-gather one parameter over this rank's TP group (the expert-TP group for a routed expert's weight) and
     assemble it (collective over that group). One `all_gather_into_tensor`; a column-parallel tensor is then a
     view of the gathered buffer, with no further copy."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    if expert:
-        size = parallel_state.get_expert_tensor_parallel_world_size()
-        group = parallel_state.get_expert_tensor_parallel_group()
-    else:
-        size = parallel_state.get_tensor_model_parallel_world_size()
-        group = parallel_state.get_tensor_model_parallel_group()
-    if parallel is Parallel.REPLICATED or size == 1:
+    if not tp_gathers(parallel, expert):
         return local.detach()
+    size, group = _tp_group(expert)
     gathered = local.new_empty((size * local.shape[0], *local.shape[1:]))  # the shards one after another
     dist.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
     if parallel in (Parallel.COLUMN, Parallel.VOCAB):
@@ -87,13 +93,7 @@ def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> 
 
 def tp_gathers(parallel: Parallel, expert: bool = False) -> bool:
     """Whether `gather_tp` communicates for a tensor of this style on this rank."""
-    from megatron.core import parallel_state
-
-    if parallel is Parallel.REPLICATED:
-        return False
-    if expert:
-        return parallel_state.get_expert_tensor_parallel_world_size() > 1
-    return parallel_state.get_tensor_model_parallel_world_size() > 1
+    return parallel is not Parallel.REPLICATED and _tp_group(expert)[0] > 1
 
 
 def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:

@@ -26,6 +26,8 @@ them: `docs/PERFORMANCE.md`.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 import json
 import sys
 import time
@@ -168,7 +170,10 @@ def profile_decode(engine: Engine, rows: int, contexts: list[int], device: str) 
     """Milliseconds of one decode step (input copy + model, graph replay on CUDA) and of sampling, at `rows`
     sequences of each context length; the difference to the engine's mean step time is host-side work."""
     block_size = engine.config.block_size
-    header = f"{'context':>8}{'decode ms':>11}{'sample ms':>11}{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
+    header = (
+        f"{'context':>8}{'decode ms':>11}{'eager sample ms':>17}{'engine sampler ms':>19}"
+        f"{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
+    )
     print(f"{header}   (rows={rows})")
     for context in contexts:
         n_blocks = blocks_for(context, block_size)
@@ -194,15 +199,16 @@ def profile_decode(engine: Engine, rows: int, contexts: list[int], device: str) 
         )
         with torch.inference_mode():
             decode_ms = _time_ms(lambda step=step: engine._run_decode(step), device)
-            logits = engine._run_decode(step).clone()
+            logits = engine._run_decode(step).float()
             sample_ms = _time_ms(lambda logits=logits, batch=batch: sample(logits, batch), device)
+            sampler_ms = _time_ms(lambda logits=logits, batch=batch: engine._sampler(logits, batch), device)
             logprobs = torch.log_softmax(logits, dim=-1)
             uniforms = batch.uniforms
             draws = [
                 _time_ms(lambda c=c, lp=logprobs, u=uniforms: inverse_cdf_sample(lp, None, u, chunk=c), device)
                 for c in (logprobs.shape[1], 1024)
             ]
-        print(f"{context:>8}{decode_ms:>11.2f}{sample_ms:>11.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}")
+        print(f"{context:>8}{decode_ms:>11.2f}{sample_ms:>17.2f}{sampler_ms:>19.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}")
 
 
 def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
@@ -289,7 +295,14 @@ def check(device: str) -> bool:
 KERNELS_OPTION = typer.Option(
     ["auto"], help="Decode attention kernel(s) to time, one engine each: flex, gather or auto (repeatable)."
 )
-BLOCK_SIZES_OPTION = typer.Option([16], help="KV-cache block size(s), one engine each (repeatable).")
+BLOCK_SIZES_OPTION = typer.Option([32], help="KV-cache block size(s), one engine each (repeatable).")
+COMPILE_OPTION = typer.Option(
+    ["auto"],
+    "--compile",
+    help="torch.compile of the pointwise steps and the sampler, one engine each: on, off or auto (on for CUDA) "
+    "(repeatable).",
+)
+COMPILE_MODES = {"auto": None, "on": True, "off": False}
 
 
 def main(
@@ -306,12 +319,16 @@ def main(
     cuda_graphs: bool = typer.Option(True, help="CUDA graphs for the decode step."),
     decode_attention: list[str] = KERNELS_OPTION,
     block_size: list[int] = BLOCK_SIZES_OPTION,
+    compile_mode: list[str] = COMPILE_OPTION,
     flex_min_batch: int = typer.Option(64, help="Decode steps of fewer sequences use the gather kernel."),
     skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
     json_path: str = typer.Option("", "--json", help="Also write the table's rows to this file."),
 ) -> None:
     if run_check:
         sys.exit(0 if check(device) else 1)
+    unknown = sorted(set(compile_mode) - set(COMPILE_MODES))
+    if unknown:
+        raise typer.BadParameter(f"--compile must be on, off or auto, got {', '.join(unknown)}")
     if tiny:
         num_prompts, n, max_tokens, hf_tokens = min(num_prompts, 4), min(n, 2), min(max_tokens, 16), 8
         min_prompt, max_prompt, kv_gib = 3, 12, 0.01
@@ -323,46 +340,50 @@ def main(
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
     rows: list[Row] = []
     engine_rows: list[Row] = []
-    for kernel in decode_attention:
-        for size in block_size:
-            engine_config = EngineConfig(
-                dtype=dtype,
-                device=device,
-                max_num_seqs=num_prompts * n,
-                max_model_len=max_model_len,
-                kv_cache_memory_bytes=int(kv_gib * (1 << 30)),
-                block_size=size,
-                max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
-                use_cuda_graphs=cuda_graphs,
-                decode_attention=kernel,
-                flex_min_batch=flex_min_batch,
-            )
-            label = f"{engine_config.decode_kernel()}, block {size}"
-            engine = Engine(config, engine_config)
-            engine.load_weights(model.state_dict().items())
-            timed = [
-                dataclasses.replace(r, system=f"{r.system} ({label})")
-                for r in time_engine(engine, prompts, n, max_tokens, device)
-            ]
-            rows += timed
-            engine_rows.append(timed[-1])
-            stats = engine.last_stats
-            print(f"[{label}] engine stats: {stats}")
-            if stats is not None:
-                mean_ms = timed[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3
-                print(f"[{label}] engine mean step: {mean_ms:.2f} ms")
-            if device.startswith("cuda"):
-                peak = torch.cuda.max_memory_allocated() / 2**30
-                print(f"[{label}] CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
-            profile_decode(
-                engine,
-                num_prompts * n,
-                [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens],
-                device,
-            )
-            del engine
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    for kernel, size, mode in itertools.product(decode_attention, block_size, compile_mode):
+        engine_config = EngineConfig(
+            dtype=dtype,
+            device=device,
+            max_num_seqs=num_prompts * n,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=int(kv_gib * (1 << 30)),
+            block_size=size,
+            max_num_batched_tokens=max(8192, max_model_len, num_prompts * max_prompt),
+            use_cuda_graphs=cuda_graphs,
+            decode_attention=kernel,
+            flex_min_batch=flex_min_batch,
+            torch_compile=COMPILE_MODES[mode],
+        )
+        label = f"{engine_config.decode_kernel()}, block {size}"
+        if len(compile_mode) > 1:
+            label += ", compiled" if engine_config.compiled() else ", eager"
+        engine = Engine(config, engine_config)
+        engine.load_weights(model.state_dict().items())
+        timed = [
+            dataclasses.replace(r, system=f"{r.system} ({label})")
+            for r in time_engine(engine, prompts, n, max_tokens, device)
+        ]
+        rows += timed
+        engine_rows.append(timed[-1])
+        stats = engine.last_stats
+        print(f"[{label}] engine stats: {stats}")
+        if stats is not None:
+            mean_ms = timed[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3
+            print(f"[{label}] engine mean step: {mean_ms:.2f} ms")
+        if device.startswith("cuda"):
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            print(f"[{label}] CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
+        profile_decode(
+            engine,
+            num_prompts * n,
+            [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens],
+            device,
+        )
+        del engine
+        gc.collect()  # the engine and its CUDA graphs refer to each other: free the cache before the next one
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     hf_rows = [time_hf(model, prompts, n, hf_tokens, device)]
     if not skip_hf_batch64:
         hf_rows.append(time_hf(model, prompts, 1, hf_tokens, device))

@@ -2,8 +2,10 @@
 
 For each model shape (Llama-3.2-1B- and Llama-3.1-8B-shaped, from `random_checkpoint.SHAPES`) and each row length
 (4096 and 16384 tokens), every path trains on packed rows of random-length sequences that sum to exactly the row
-length (one row per micro-batch and rank, the same rows for every path), one optimizer step per iteration, and
-reports the median seconds per iteration after warm-up, training tokens/s, peak GPU memory and MFU.
+length (one row per micro-batch and rank, the same rows for every path), with one optimizer step per iteration
+over `--tokens-per-step` tokens per rank (32768 by default: 8 micro-batches of 4096-token rows, 2 of 16384), and
+reports the mean seconds per iteration (iterations timed back to back after warm-up), training tokens/s, peak GPU
+memory and MFU.
 
     python scripts/bench_training.py --nproc 2 --json bench.json        # on H200s (one process per GPU, NCCL)
     python scripts/bench_training.py --tiny                             # a tiny shape on CPU (smoke test)
@@ -14,17 +16,20 @@ What each path is, and assumes:
   the local spec builds its norms in fp32, which keeps torch's RMSNorm off its fused kernel), megatron-core
   `DistributedDataParallel` (fp32 gradient buffers), `get_megatron_optimizer` (torch AdamW on fp32 main
   parameters, switched to its fused kernel; the distributed optimizer when there is data parallelism),
-  `get_forward_backward_func`. Packed rows go in as `PackedSeqParams` (THD): attention per sequence through
-  torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. Parallelism:
+  `get_forward_backward_func`; with data parallelism the gradient reduce-scatter overlaps the backward and the
+  parameter all-gather the next forward (`overlap_grad_reduce`, `overlap_param_gather`). Packed rows go in as
+  `PackedSeqParams` (THD): attention per sequence through torch's varlen flash attention on CUDA
+  (`sdpa_attention`), RoPE restarting per sequence. Parallelism:
   `--megatron-parallel dp` (default: data parallel over nproc, distributed optimizer, as NeMo-RL runs the 8B) or
   `tp` (TP = nproc, with sequence parallelism). On CUDA it also turns on megatron-core's torch-compiled SwiGLU
   (`bias_activation_fusion`) and cross-entropy (`cross_entropy_loss_fusion`, native), which need no Transformer
   Engine. Loss: megatron-core's vocab-parallel cross entropy, masked at each sequence's last token.
 - dtensor: the HF `LlamaForCausalLM` (`--hf-attention`, default sdpa) sharded by
   `hf_mcore_bridge.dtensor_parallel.parallelize_hf_model` with FSDP2 over dp_shard = nproc (tp = 1): fp32
-  parameters, bf16 compute (`param_dtype`), fp32 gradient reduction, fused torch AdamW on the fp32 shards. Packed
-  rows are given as `position_ids` restarting per sequence and no attention mask; transformers then builds the
-  block-diagonal mask itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel).
+  parameters, bf16 compute (`param_dtype`), fp32 gradient reduce-scatter after every micro-batch (FSDP2's
+  default, overlapped with the backward), fused torch AdamW on the fp32 shards. Packed rows are given as
+  `position_ids` restarting per sequence and no attention mask; transformers then builds the block-diagonal mask
+  itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel).
 - hf: the same HF model on one GPU (rank 0; the other ranks wait), fp32 parameters under `torch.autocast(bf16)`
   (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
 Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
@@ -54,7 +59,6 @@ import json
 import math
 import os
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -89,12 +93,17 @@ class Options:
     """Tokens per packed row (one row per micro-batch and rank)."""
     paths: tuple[str, ...] = PATHS
     """Which of megatron, dtensor, hf to run."""
-    warmup: int = 2
-    """Iterations run before timing (the first compiles flex_attention and the fused kernels)."""
-    iters: int = 5
-    """Timed iterations; the median is reported."""
-    micro_batches: int = 1
-    """Rows per rank per optimizer step (gradient accumulation)."""
+    warmup: int = 1
+    """Iterations run before timing (the first compiles the fused kernels and creates the optimizer state)."""
+    iters: int = 3
+    """Timed iterations, run back to back; their mean is reported."""
+    micro_batches: int = 0
+    """Rows per rank per optimizer step (gradient accumulation); 0: `tokens_per_step` // row length (at least 1)."""
+    tokens_per_step: int = 32768
+    """Tokens each rank trains per optimizer step when `micro_batches` is 0: 8 rows of 4096 or 2 of 16384. A GRPO
+    step of 512 samples of ~600 tokens trains ~150K tokens per GPU on 2 GPUs, so this is on the small side."""
+    overlap_param_gather: bool = True
+    """Megatron with the distributed optimizer: the updated parameters' all-gather overlaps the next forward."""
     megatron_parallel: str = "dp"
     """"dp": Megatron data parallel over nproc with the distributed optimizer; "tp": TP = nproc (sequence parallel)."""
     recompute: str = "auto"
@@ -120,6 +129,8 @@ class Result:
     status: str
     """"ok", "OOM", or "error: ..."."""
     recompute: bool = False
+    micro_batches: int = 1
+    """Rows per rank and optimizer step."""
     step_s: float = math.nan
     tokens_per_iter: int = 0
     tokens_per_s: float = math.nan
@@ -250,7 +261,10 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     if dtype != torch.float32:
         gpt = Float16Module(config, gpt)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=dp > 1, use_distributed_optimizer=dp > 1
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=dp > 1,
+        use_distributed_optimizer=dp > 1,
+        overlap_param_gather=dp > 1 and opts.overlap_param_gather,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.no_sync_func = model.no_sync
@@ -326,8 +340,10 @@ def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def step(rows: list[Row]) -> None:
-        for index, row in enumerate(rows):
-            model.set_requires_gradient_sync(index == len(rows) - 1)  # reduce-scatter once, after the last one
+        # FSDP2's default: each micro-batch's backward reduce-scatters its gradients into the fp32 shards (overlapped
+        # with the backward). Accumulating without that sync holds unsharded fp32 gradients on every rank (32 GB
+        # for the 8B shape), which ran out of memory at 4 micro-batches.
+        for row in rows:
             (_hf_loss(model, row) / len(rows)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -369,17 +385,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Step, rows: list[Row], opts: Options, device: torch.device) -> list[float]:
-    """Seconds of each timed iteration (after `opts.warmup` untimed ones), device-synchronised around each."""
-    times = []
-    for index in range(opts.warmup + opts.iters):
-        _sync(device)
-        start = time.perf_counter()
+def time_steps(step: Step, rows: list[Row], opts: Options, device: torch.device) -> float:
+    """Mean seconds per iteration over `opts.iters` iterations run back to back (after `opts.warmup` untimed
+    ones), the device synchronised only before the first and after the last, as in training: work an iteration
+    leaves in flight (an asynchronous parameter all-gather) overlaps the next one and is still counted."""
+    for _ in range(opts.warmup):
         step(rows)
-        _sync(device)
-        if index >= opts.warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(opts.iters):
+        step(rows)
+    _sync(device)
+    return (time.perf_counter() - start) / opts.iters
 
 
 def _peak_gib(device: torch.device) -> float:
@@ -429,15 +446,20 @@ def _placement(path: str, opts: Options, hf_group: Any) -> _Placement:
     return _Placement("1 GPU, autocast", 1, opts.seed, 1, hf_group)
 
 
+def micro_batches(opts: Options, seq_len: int) -> int:
+    """Rows per rank and optimizer step at this row length."""
+    return opts.micro_batches or max(1, opts.tokens_per_step // seq_len)
+
+
 def _measure(
     shape_name: str, seq_len: int, path: str, step: Step, opts: Options, place: _Placement, device: torch.device
 ) -> Result:
     shape = shape_config(shape_name)
     rows = [
         make_row(seq_len, shape["vocab_size"], opts.doc_len, place.row_seed + 10 * m, device)
-        for m in range(opts.micro_batches)
+        for m in range(micro_batches(opts, seq_len))
     ]
-    times = torch.tensor(time_steps(step, rows, opts, device), dtype=torch.float64, device=device)
+    times = torch.tensor([time_steps(step, rows, opts, device)], dtype=torch.float64, device=device)
     counts = torch.tensor(
         [sum(row_flops(shape, r.lengths) for r in rows) / place.share, len(rows) * seq_len / place.share],
         dtype=torch.float64,
@@ -447,7 +469,7 @@ def _measure(
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=place.group)  # an iteration ends when the slowest rank does
     dist.all_reduce(counts, group=place.group)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=place.group)
-    step_s = statistics.median(times.tolist())
+    step_s = float(times)
     flops, tokens = counts.tolist()
     return Result(
         shape=shape_name,
@@ -460,6 +482,7 @@ def _measure(
         tokens_per_iter=round(tokens),
         tokens_per_s=tokens / step_s,
         tokens_per_s_per_gpu=tokens / step_s / place.gpus,
+        micro_batches=len(rows),
         flops_per_iter=flops,
         mfu=flops / step_s / (place.gpus * H200_BF16_PEAK),
         peak_mem_gib=float(peak),
@@ -500,7 +523,9 @@ def run_path(shape_name: str, path: str, opts: Options, place: _Placement, devic
                 break
             recompute = True
         if result is None:
-            result = Result(shape_name, seq_len, path, place.layout, place.gpus, failure or "OOM", recompute)
+            status = failure or "OOM"
+            rows = micro_batches(opts, seq_len)
+            result = Result(shape_name, seq_len, path, place.layout, place.gpus, status, recompute, rows)
         results.append(result)
     del step
     _free(device)
@@ -537,7 +562,8 @@ def run(opts: Options, nproc: int) -> list[Result]:
 
 def format_table(results: list[Result]) -> str:
     header = (
-        f"{'shape':<12}{'tokens/row':>11}  {'path':<9}{'layout':<24}{'GPUs':>5}{'recomp':>7}{'step s':>9}"
+        f"{'shape':<12}{'tokens/row':>11}{'rows/step':>10}  {'path':<9}{'layout':<24}{'GPUs':>5}{'recomp':>7}"
+        f"{'step s':>9}"
         f"{'tokens/s':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}  status"
     )
     lines = [header]
@@ -551,7 +577,8 @@ def format_table(results: list[Result]) -> str:
             numbers = f"{'-':>9}{'-':>11}{'-':>11}{'-':>7}{'-':>10}"
         recompute = "yes" if r.recompute else "no"
         lines.append(
-            f"{r.shape:<12}{r.seq_len:>11}  {r.path:<9}{r.layout:<24}{r.gpus:>5}{recompute:>7}{numbers}  {r.status}"
+            f"{r.shape:<12}{r.seq_len:>11}{r.micro_batches:>10}  {r.path:<9}{r.layout:<24}{r.gpus:>5}{recompute:>7}"
+            f"{numbers}  {r.status}"
         )
     return "\n".join(lines)
 
@@ -580,9 +607,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     parser.add_argument("--paths", type=_csv(str), default=defaults.paths, help="megatron,dtensor,hf")
     parser.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()), help="ranks (one per GPU)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations")
-    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations (median reported)")
-    parser.add_argument("--micro-batches", type=int, default=defaults.micro_batches, help="rows per rank and step")
+    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations (mean reported)")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=defaults.micro_batches,
+        help="rows per rank and optimizer step (0: --tokens-per-step / row length)",
+    )
+    parser.add_argument(
+        "--tokens-per-step", type=int, default=defaults.tokens_per_step, help="tokens per rank and optimizer step"
+    )
     parser.add_argument("--megatron-parallel", choices=("tp", "dp"), default=defaults.megatron_parallel)
+    parser.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.overlap_param_gather,
+        help="Megatron, distributed optimizer: overlap the parameter all-gather with the next forward",
+    )
     parser.add_argument("--recompute", choices=("off", "on", "auto"), default=defaults.recompute)
     parser.add_argument("--hf-attention", default=defaults.hf_attention, help="transformers attn_implementation")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
@@ -600,7 +641,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
         warmup=args.warmup,
         iters=args.iters,
         micro_batches=args.micro_batches,
+        tokens_per_step=args.tokens_per_step,
         megatron_parallel=args.megatron_parallel,
+        overlap_param_gather=args.overlap_param_gather,
         recompute=args.recompute,
         hf_attention=args.hf_attention,
         dtype=args.dtype,
@@ -609,7 +652,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     nproc = args.nproc
     if args.tiny:
         # fp32: megatron-core's bf16 optimizer accepts CUDA tensors only
-        opts = replace(opts, shapes=("tiny",), seq_lens=(64, 128), warmup=1, iters=2, dtype="fp32")
+        opts = replace(opts, shapes=("tiny",), seq_lens=(64, 128), micro_batches=2, warmup=1, iters=2, dtype="fp32")
         nproc = 1
     return opts, nproc, args.json
 

@@ -24,8 +24,8 @@ def test_bench_training_tiny_runs_on_cpu(tmp_path: Path, run_script) -> None:
     result = run_script("bench_training.py", ["--tiny", "--json", str(out)], 300)
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("tiny ")]
     rows = [row for row in rows if row[1].isdigit()]  # the table, not the ratio lines
-    assert sorted((row[1], row[2]) for row in rows) == sorted(
-        (str(n), path) for n in (64, 128) for path in ("megatron", "dtensor", "hf")
+    assert sorted((row[1], row[2], row[3]) for row in rows) == sorted(
+        (str(n), "2", path) for n in (64, 128) for path in ("megatron", "dtensor", "hf")
     )
     assert all(row[-1] == "ok" for row in rows), result.stdout
     assert "Megatron / DTensor tokens/s per GPU" in result.stdout
@@ -35,7 +35,14 @@ def test_bench_training_tiny_runs_on_cpu(tmp_path: Path, run_script) -> None:
         assert entry["status"] == "ok"
         for key in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "flops_per_iter", "mfu", "peak_mem_gib"):
             assert math.isfinite(entry[key]) and entry[key] > 0, (key, entry)
-        assert entry["tokens_per_iter"] == entry["seq_len"]
+        assert entry["micro_batches"] == 2
+        assert entry["tokens_per_iter"] == 2 * entry["seq_len"]
+
+
+def test_micro_batches_follow_the_tokens_per_step() -> None:
+    defaults = bench_training.Options()
+    assert [bench_training.micro_batches(defaults, n) for n in (4096, 16384, 65536)] == [8, 2, 1]
+    assert bench_training.micro_batches(bench_training.Options(micro_batches=3), 4096) == 3
 
 
 def test_packed_rows() -> None:
@@ -91,14 +98,16 @@ def one_rank_world():
 def test_out_of_memory_is_retried_with_recompute_or_reported(one_rank_world, monkeypatch) -> None:
     cpu = torch.device("cpu")
     place = bench_training._Placement("fake", 1, 0, 1, None)
-    opts = bench_training.Options(shapes=("tiny",), seq_lens=(16, 8), warmup=0, iters=1)
+    opts = bench_training.Options(shapes=("tiny",), seq_lens=(16, 8), micro_batches=1, warmup=0, iters=1)
     monkeypatch.setitem(bench_training.BUILDERS, "megatron", _fake_builder(fail_without_recompute=True))
     results = bench_training.run_path("tiny", "megatron", opts, place, cpu)
     assert [(r.seq_len, r.status, r.recompute) for r in results] == [(8, "ok", True), (16, "ok", True)]
     off = bench_training.run_path(
-        "tiny", "megatron", bench_training.Options(recompute="off", seq_lens=(8,)), place, cpu
+        "tiny", "megatron", bench_training.Options(recompute="off", seq_lens=(8,), micro_batches=1), place, cpu
     )
     assert [(r.status, r.recompute) for r in off] == [("OOM", False)]
     monkeypatch.setitem(bench_training.BUILDERS, "megatron", _fake_builder(fail_without_recompute=False))
-    fits = bench_training.run_path("tiny", "megatron", bench_training.Options(seq_lens=(8,), iters=1), place, cpu)
+    fits = bench_training.run_path(
+        "tiny", "megatron", bench_training.Options(seq_lens=(8,), micro_batches=1, iters=1), place, cpu
+    )
     assert [(r.status, r.recompute) for r in fits] == [("ok", False)]

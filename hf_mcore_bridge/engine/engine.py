@@ -5,7 +5,8 @@ group of n samples, and loops scheduler step -> model step -> sampling until eve
 steps are pipelined: step t+1 is scheduled and queued on the device before step t's tokens reach the host (its
 input tokens are taken on the device), so the host's bookkeeping overlaps the device's work (`_decode`). Prefill
 steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket,
-and decode attention reads the paged KV blocks in place through compiled FlexAttention (`attention`).
+and decode attention reads the paged KV blocks in place through compiled FlexAttention (`attention`); the
+decoder's pointwise steps and the sampler are compiled there too (`pointwise`, `sampling.Sampler`).
 A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
 (`model.routed_experts`), which a graph cannot capture.
 
@@ -41,7 +42,8 @@ from hf_mcore_bridge.engine.attention import (
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
-from hf_mcore_bridge.engine.sampling import SamplingBatch, SamplingParams, counter_uniforms, sample, stream_key
+from hf_mcore_bridge.engine.pointwise import EAGER_OPS, compiled_ops
+from hf_mcore_bridge.engine.sampling import Sampler, SamplingBatch, SamplingParams, counter_uniforms, stream_key
 from hf_mcore_bridge.engine.scheduler import (
     DecodeStep,
     Group,
@@ -78,8 +80,10 @@ class EngineConfig:
     """Prompt plus generated tokens of one sequence, at most."""
     kv_cache_memory_bytes: int = 4 << 30
     """Memory budget of the paged KV cache; sets the number of blocks."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
+    block_size: int = 32
+    """Tokens per KV-cache block. FlexAttention's decode visits a sequence's blocks one at a time, and on an H200
+    32-token blocks decoded faster than 16-token ones (`docs/PERFORMANCE.md`); the price is coarser prefix sharing
+    (a prompt's partly filled last block is copied per sample)."""
     max_num_batched_tokens: int = 8192
     """Prompt tokens prefilled in one step, at most (must be >= max_model_len: no chunked prefill)."""
     use_cuda_graphs: bool = True
@@ -95,6 +99,11 @@ class EngineConfig:
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
     runs at, so this bounds the compilations to the large buckets."""
 
+    torch_compile: bool | None = None
+    """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
+    (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
+    Each falls back to eager, with a warning, if its compilation fails. The first steps after start-up compile."""
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -107,6 +116,12 @@ class EngineConfig:
             raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
         if self.flex_min_batch < 1:
             raise ValueError(f"flex_min_batch must be >= 1, got {self.flex_min_batch}")
+
+    def compiled(self) -> bool:
+        """Whether `torch_compile` resolves to compiled steps on this config's device."""
+        if self.torch_compile is not None:
+            return self.torch_compile
+        return torch.device(self.device).type == "cuda"
 
     def decode_kernel(self) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device."""
@@ -230,6 +245,7 @@ class Engine:
             max_positions=cfg.max_model_len,
             decode_kernel=cfg.decode_kernel(),
             flex_min_batch=cfg.flex_min_batch,
+            ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
         )
         block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
@@ -245,6 +261,7 @@ class Engine:
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
         flex_rows = cfg.flex_min_batch if cfg.decode_kernel() == "flex" and self.device.type == "cuda" else None
         self._flex_rows = flex_rows
+        self._sampler = Sampler(compile=cfg.compiled())
         self._graphs = (
             DecodeGraphs(
                 self._decode_forward,
@@ -437,7 +454,7 @@ class Engine:
         sequences = [seq for group in step.groups for seq in group.sequences]
         group_of_row = [g for g, group in enumerate(step.groups) for _ in group.sequences]
         logits = logits.index_select(0, self._to_device(group_of_row))
-        tokens, logprobs = sample(logits, self._sampling_batch(sequences))
+        tokens, logprobs = self._sampler(logits, self._sampling_batch(sequences))
         # One device-to-host transfer for both (token ids are exact in float64).
         token_list, logprob_list = torch.stack([tokens.double(), logprobs.double()]).tolist()
         finished = []
@@ -487,7 +504,7 @@ class Engine:
             if rows != list(range(len(previous.sequences))):
                 device_ids = device_ids.index_select(0, self._to_device(rows))
         logits = self._run_decode(step, device_ids)
-        tokens, logprobs = sample(logits, self._sampling_batch(step.sequences))
+        tokens, logprobs = self._sampler(logits, self._sampling_batch(step.sequences))
         both = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
         event = None
         if both.is_cuda:

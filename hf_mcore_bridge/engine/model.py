@@ -57,6 +57,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
+from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -101,13 +102,6 @@ def rope_tables(inv_freq: torch.Tensor, num_positions: int) -> tuple[torch.Tenso
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, D] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -149,8 +143,11 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         self.scale = cfg.head_dim**-0.5
@@ -175,11 +172,11 @@ class Attention(nn.Module):
             q, k, _ = qkv.split(self.split, dim=-1)
             q = self.q_norm(q.view(tokens, heads, head_dim))
             k = self.k_norm(k.view(tokens, kv_heads, head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         else:
             # Without per-head norms q and k are rotated together: half the kernels of the decode step's RoPE.
             qk = qkv[:, : self.split[0] + self.split[1]].view(tokens, heads + kv_heads, head_dim)
-            q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)
+            q, k = self.ops.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
         write_kv(layer_cache, k, v, meta.slot_mapping)
         if isinstance(meta, PrefillMetadata):
             out = prefill_attention(q, k, v, meta, self.scale)
@@ -191,15 +188,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """A SiLU-gated MLP with fused gate and up projections."""
 
-    def __init__(self, hidden: int, width: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, hidden: int, width: int, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+    ) -> None:
         super().__init__()
-        self.width = width
+        self.ops = ops
         self.gate_up_proj = Linear(hidden, 2 * width, False, dtype, device)
         self.down_proj = Linear(width, hidden, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,14 +256,16 @@ class Experts(nn.Module):
 class SparseMoe(nn.Module):
     """Router (`gate`), routed experts and, where the architecture has one, a sigmoid-gated shared expert."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+    ) -> None:
         super().__init__()
         assert cfg.moe is not None
         self.moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, cfg.moe.num_experts, False, dtype, device)
         self.experts = Experts(cfg.moe, cfg.hidden_size, dtype, device)
         shared = cfg.moe.shared_expert_width
-        self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device) if shared is not None else None
+        self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device, ops) if shared is not None else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if shared is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,35 +279,55 @@ class SparseMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: MlpKind, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mlp: MlpKind,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: PointwiseOps = EAGER_OPS,
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp: nn.Module = (
-            SparseMoe(cfg, dtype, device)
+            SparseMoe(cfg, dtype, device, ops)
             if mlp is MlpKind.MOE
-            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, ops)
         )
 
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it). h: the previous layer's MLP output, added to `residual` here
+        (fused with the norm that follows); at the first layer the embeddings, with `residual` None."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = h, norm(h)
+        else:
+            x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(x, cos, sin, layer_cache, meta)
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.mlp_kind(layer), dtype, device) for layer in range(cfg.num_layers)
+            DecoderLayer(cfg, cfg.mlp_kind(layer), dtype, device, ops) for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -334,6 +354,7 @@ class CausalLM(nn.Module):
         max_positions: int,
         decode_kernel: str = "gather",
         flex_min_batch: int = 1,
+        ops: PointwiseOps = EAGER_OPS,
     ):
         super().__init__()
         if decode_kernel not in DECODE_KERNELS:
@@ -342,7 +363,9 @@ class CausalLM(nn.Module):
         self.decode_kernel = decode_kernel
         self.flex_min_batch = flex_min_batch
         """With the `flex` kernel, decode passes of fewer rows use `gather` (see `EngineConfig.flex_min_batch`)."""
-        self.model = Backbone(cfg, dtype, device)
+        self.ops = ops
+        """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
+        self.model = Backbone(cfg, dtype, device, ops)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings
@@ -372,7 +395,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows `logits_rows` of the flat batch (every row when None).
+        """Logits [N, vocab] in the model's dtype for the rows `logits_rows` of the flat batch (every row when None);
+        the sampler upcasts them to float32 as it reads them (no float32 copy of the [N, vocab] logits is written).
 
         input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
         """
@@ -384,12 +408,14 @@ class CausalLM(nn.Module):
                 meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)
         cos = self.rope_cos.index_select(0, positions).to(h.dtype)
         sin = self.rope_sin.index_select(0, positions).to(h.dtype)
+        residual = None
         for index, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[index], meta)
-        h = self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache[index], meta)
+        norm = self.model.norm
+        h = norm(h) if residual is None else self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
-        return F.linear(h, self.lm_head.weight).float()
+        return F.linear(h, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named full tensors into place; returns the HF names loaded by this call.

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hf_mcore_bridge.engine.compiled import CompiledOrEager
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -110,34 +112,58 @@ def truncation_mask(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
 
+def _masses(scores: torch.Tensor, shift: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
+    """Unnormalised probabilities exp(scores - shift), zero where `keep` is False (elementwise, any shape)."""
+    probs = (scores - shift).exp() if shift is not None else scores.exp()
+    return probs if keep is None else probs.masked_fill(~keep, 0.0)
+
+
 def inverse_cdf_sample(
-    logprobs: torch.Tensor, keep: torch.Tensor | None, uniforms: torch.Tensor, chunk: int = 1024
+    logprobs: torch.Tensor,
+    keep: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    chunk: int = 1024,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draws one token per row from softmax(logprobs) restricted to `keep`, using the given uniform numbers.
 
-    logprobs: [B, V]; keep: [B, V] bool or None (keep all); uniforms: [B] float64 in (0, 1). Returns [B] int64.
+    logprobs: [B, V] log-probabilities, or scores whose log-normaliser is `shift` [B] (the probabilities are then
+    exp(logprobs - shift), never materialised for the whole vocabulary); keep: [B, V] bool or None (keep all);
+    uniforms: [B] float64 in (0, 1). Returns [B] int64.
     Two-level inverse CDF: the float64 cumulative mass of `chunk`-token chunks picks a chunk, then the cumulative
     mass within that chunk picks the token. Exactly the flat inverse CDF, without a float64 scan of the vocabulary.
+    Every probability is computed from its score where it is used, so a compiled caller reads the scores without
+    writing the [B, V] probabilities.
     """
-    probs = logprobs.exp()
-    if keep is not None:
-        probs = probs.masked_fill(~keep, 0.0)
-    rows, vocab = probs.shape
+    rows, vocab = logprobs.shape
     full = vocab // chunk
-    sums = [probs[:, : full * chunk].view(rows, full, chunk).sum(-1, dtype=torch.float64)] if full else []
+    sums = []
+    if full:
+        head = logprobs[:, : full * chunk].view(rows, full, chunk)
+        head_keep = keep[:, : full * chunk].view(rows, full, chunk) if keep is not None else None
+        head_shift = shift[:, None, None] if shift is not None else None
+        sums.append(_masses(head, head_shift, head_keep).sum(-1, dtype=torch.float64))
     if vocab % chunk:
-        sums.append(probs[:, full * chunk :].sum(-1, keepdim=True, dtype=torch.float64))
+        tail_keep = keep[:, full * chunk :] if keep is not None else None
+        tail_shift = shift[:, None] if shift is not None else None
+        tail = _masses(logprobs[:, full * chunk :], tail_shift, tail_keep)
+        sums.append(tail.sum(-1, keepdim=True, dtype=torch.float64))
     chunk_cdf = torch.cat(sums, dim=1).cumsum(dim=1)
     # u <= 1 - 2**-52 keeps u * total strictly below the total, so a chunk with positive mass is always found.
     target = uniforms.clamp(max=1.0 - 2.0**-52)[:, None] * chunk_cdf[:, -1:]
     picked = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=chunk_cdf.shape[1] - 1)
     before = torch.where(picked > 0, chunk_cdf.gather(1, (picked - 1).clamp(min=0)), 0.0)
-    index = picked * chunk + torch.arange(chunk, device=probs.device)[None, :]
+    index = picked * chunk + torch.arange(chunk, device=logprobs.device)[None, :]
     inside = index < vocab
-    values = probs.gather(1, index.clamp(max=vocab - 1)).masked_fill(~inside, 0.0)
+    index = index.clamp(max=vocab - 1)
+    values = _masses(
+        logprobs.gather(1, index),
+        shift[:, None] if shift is not None else None,
+        inside if keep is None else inside & keep.gather(1, index),
+    )
     within = torch.searchsorted(values.cumsum(dim=1, dtype=torch.float64), target - before, right=True)
     # The two float64 sums of one chunk may round differently: never step past the chunk's last token with mass.
-    last = torch.where(values > 0, torch.arange(chunk, device=probs.device), 0).amax(dim=1, keepdim=True)
+    last = torch.where(values > 0, torch.arange(chunk, device=logprobs.device), 0).amax(dim=1, keepdim=True)
     return (picked * chunk + torch.minimum(within, last)).squeeze(1)
 
 
@@ -166,13 +192,63 @@ class SamplingBatch:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B] int64 and their log-probabilities [B] float32 (temperature-scaled, before truncation).
 
-    logits: [B, V] float32.
+    logits: [B, V] float32 (or a lower precision, upcast where read).
     """
-    logprobs = temperature_logprobs(logits, batch.temperature, scale=batch.any_scaled)
+    if batch.any_random and batch.any_truncation:
+        return _sample_truncated(logits, batch)
+    return sample_untruncated(
+        logits, batch.temperature, batch.uniforms, batch.any_random, batch.any_greedy, batch.any_scaled
+    )
+
+
+def _sample_truncated(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for batches where some row keeps only its top-k / top-p tokens (sorts every row)."""
+    logprobs = temperature_logprobs(logits.float(), batch.temperature, scale=batch.any_scaled)
     tokens = logits.argmax(dim=-1) if batch.any_greedy else None
-    if batch.any_random:
-        keep = truncation_mask(logprobs, batch.top_k, batch.top_p) if batch.any_truncation else None
-        drawn = inverse_cdf_sample(logprobs, keep, batch.uniforms)
-        tokens = drawn if tokens is None else torch.where(batch.temperature > 0, drawn, tokens)
-    assert tokens is not None
+    keep = truncation_mask(logprobs, batch.top_k, batch.top_p)
+    drawn = inverse_cdf_sample(logprobs, keep, batch.uniforms)
+    tokens = drawn if tokens is None else torch.where(batch.temperature > 0, drawn, tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def sample_untruncated(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    uniforms: torch.Tensor,
+    any_random: bool,
+    any_greedy: bool,
+    scale: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for batches without top-k / top-p: the scores' log-normaliser is one reduction and the draw reads
+    the scores in place, so no [B, V] log-probabilities are written (with `compiled_sampler`, two fused passes
+    over the logits). `scale=False` skips the division by the temperature (every temperature is 0 or 1)."""
+    scores = logits.float()
+    if scale:
+        scores = scores / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    lse = torch.logsumexp(scores, dim=-1)
+    tokens = logits.argmax(dim=-1) if any_greedy else None
+    if any_random:
+        drawn = inverse_cdf_sample(scores, None, uniforms, shift=lse)
+        tokens = drawn if tokens is None else torch.where(temperature > 0, drawn, tokens)
+    assert tokens is not None
+    return tokens, scores.gather(1, tokens[:, None]).squeeze(1) - lse
+
+
+class Sampler:
+    """`sample`, with `sample_untruncated` compiled by `torch.compile` when `compile` is set (for CUDA: its
+    reductions fuse into a few kernels that read the logits without writing [B, V] intermediates). If compilation
+    fails, a warning names the error once and eager sampling is used from then on (`CompiledOrEager`)."""
+
+    def __init__(self, compile: bool) -> None:
+        self._untruncated = CompiledOrEager(sample_untruncated, "sampling") if compile else None
+
+    @property
+    def compiled(self) -> bool:
+        return self._untruncated is not None and self._untruncated.compiled
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._untruncated is None or (batch.any_random and batch.any_truncation):
+            return sample(logits, batch)
+        return self._untruncated(
+            logits, batch.temperature, batch.uniforms, batch.any_random, batch.any_greedy, batch.any_scaled
+        )

@@ -220,6 +220,9 @@ class GenerationConfig:
     bucket), `gather` (blocks gathered, then SDPA; nothing compiled) or `auto` (`flex` on CUDA)."""
     flex_min_batch: int = 64
     """With `flex`, decode steps of fewer sequences use `gather` (bounds the compilations to large buckets)."""
+    torch_compile: bool | None = None
+    """`torch.compile` the engine's pointwise steps and sampler (fused kernels, compiled in each process's first
+    steps); null: on CUDA. `false` together with `decode_attention: gather` compiles nothing."""
 
 
 @dataclass(frozen=True)

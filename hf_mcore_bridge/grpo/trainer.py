@@ -270,6 +270,7 @@ class _RankContext:
             use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
             decode_attention=gen.decode_attention,
             flex_min_batch=gen.flex_min_batch,
+            torch_compile=gen.torch_compile,
         )
         self.engine = build_engine(
             gen.backend, self.prepared.hf_config, engine_config, self.tokenizer, self.prepared.log_dir

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from hf_mcore_bridge.engine import SamplingParams
 from hf_mcore_bridge.engine.sampling import (
+    Sampler,
     SamplingBatch,
     counter_uniforms,
     inverse_cdf_sample,
@@ -127,6 +128,74 @@ def test_greedy_rows_take_the_argmax_and_report_temperature_one_logprobs():
     tokens, logprobs = sample(logits, batch)
     assert torch.equal(tokens, logits.argmax(-1))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+
+
+def _mixed_batch(rows: int, temperature: float, seed: int) -> SamplingBatch:
+    """Every third row greedy, the others sampled at `temperature`, no truncation."""
+    generator = torch.Generator().manual_seed(seed)
+    t = torch.full((rows,), temperature)
+    t[::3] = 0.0
+    return SamplingBatch(
+        temperature=t,
+        top_k=torch.zeros(rows, dtype=torch.int64),
+        top_p=torch.ones(rows),
+        uniforms=torch.rand(rows, dtype=torch.float64, generator=generator),
+        any_random=True,
+        any_greedy=True,
+        any_truncation=False,
+        any_scaled=temperature != 1.0,
+    )
+
+
+def _float64_reference(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat inverse CDF over float64 softmax(logits / t) (argmax for greedy rows), and float64 log-probs."""
+    t = torch.where(batch.temperature > 0, batch.temperature, 1.0).double()
+    logprobs = torch.log_softmax(logits.double() / t[:, None], dim=-1)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, (batch.uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    tokens = torch.where(batch.temperature > 0, drawn, logits.argmax(-1))
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_untruncated_sampling_equals_the_float64_inverse_cdf(temperature):
+    """Without top-k / top-p the draw reads the scores in place (no log-softmax written): same tokens as the flat
+    float64 inverse CDF, log-probabilities within float32 rounding."""
+    logits = torch.randn(300, 5003, generator=torch.Generator().manual_seed(5)) * 3
+    batch = _mixed_batch(300, temperature, seed=6)
+    tokens, logprobs = sample(logits, batch)
+    expected_tokens, expected_logprobs = _float64_reference(logits, batch)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logprobs.double(), expected_logprobs, atol=1e-5, rtol=0)
+
+
+def test_compiled_sampler_equals_eager_sampling():
+    """`Sampler(compile=True)` (torch.compile's Inductor on this CPU; on CUDA in the engine) draws the eager
+    tokens, across batch sizes (a recompilation with a dynamic batch) and with a temperature."""
+    sampler = Sampler(compile=True)
+    for rows, temperature in ((64, 1.0), (37, 0.7)):
+        logits = torch.randn(rows, 5003, generator=torch.Generator().manual_seed(rows)) * 3
+        batch = _mixed_batch(rows, temperature, seed=rows + 1)
+        tokens, logprobs = sampler(logits, batch)
+        assert sampler.compiled
+        eager_tokens, eager_logprobs = sample(logits, batch)
+        assert torch.equal(tokens, eager_tokens)
+        torch.testing.assert_close(logprobs, eager_logprobs, atol=1e-5, rtol=0)
+
+
+def test_sampler_falls_back_to_eager_when_compilation_fails():
+    sampler = Sampler(compile=True)
+
+    def broken(*args):
+        raise RuntimeError("no compiler")
+
+    sampler._untruncated._compiled = broken
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(9))
+    batch = _mixed_batch(8, 1.0, seed=10)
+    with pytest.warns(UserWarning, match="compiled sampling failed, running eagerly: RuntimeError: no compiler"):
+        tokens, _ = sampler(logits, batch)
+    assert not sampler.compiled
+    assert torch.equal(tokens, sample(logits, batch)[0])
 
 
 def test_seeded_generation_is_reproducible_and_seed_dependent(get_hf_model):

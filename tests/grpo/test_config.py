@@ -74,6 +74,7 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
         ("generation.decode_attention=paged", "auto, flex or gather"),
         ("generation.flex_min_batch=0", "flex_min_batch must be >= 1"),
+        ("generation.torch_compile=maybe", "torch_compile must be bool"),
     ],
 )
 def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:

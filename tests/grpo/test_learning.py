@@ -51,7 +51,15 @@ def run(tmp_path_factory: pytest.TempPathFactory):
             },
             "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8, "max_num_steps": STEPS, "seed": 0},
             "loss_fn": {"kl_coef": 0.01},
-            "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
+            "generation": {
+                "max_new_tokens": 3,
+                "stop_token_ids": [WORDS.index("[EOS]")],
+                "max_model_len": 64,
+                # on a GPU: nothing compiled in the test's trainer processes (the compiled kernels have their own
+                # GPU tests); on the CPU these are the defaults
+                "decode_attention": "gather",
+                "torch_compile": False,
+            },
             "data": {"train_jsonl": str(_prompts(root / "say7.jsonl"))},
             "reward": {"name": "math"},
             "checkpointing": {"enabled": True, "checkpoint_dir": str(root / "ckpt"), "save_period": STEPS},

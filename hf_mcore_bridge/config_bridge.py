@@ -23,6 +23,7 @@ from hf_mcore_bridge.config_errors import ConfigError, require
 from hf_mcore_bridge.layout import Layout, validate_layout
 from hf_mcore_bridge.mapping_types import Dims
 from hf_mcore_bridge.tensor_ops import padded_vocab_size
+from hf_mcore_bridge.transformer_impl import default_transformer_impl
 
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""
@@ -247,7 +248,8 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
 
 
 def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> dict[str, Any]:
-    """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`).
+    """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`;
+    `transformer_impl` from `transformer_impl.default_transformer_impl`).
 
     MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training.
     """
@@ -278,6 +280,7 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
         "pipeline_dtype": dtype,
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
+        "transformer_impl": default_transformer_impl(),
     }
 
 

@@ -1,8 +1,8 @@
 """Building a megatron-core `GPTModel` for one pipeline stage and loading a distributed checkpoint into it.
 
-Uses megatron-core's own pieces only: `TransformerConfig`, the local layer spec (Transformer Engine is not
-assumed), `GPTModel`, and `dist_checkpointing.load`. The caller has initialised the process group and
-`parallel_state`.
+Uses megatron-core's own pieces only: `TransformerConfig`, a layer spec (the local one, or Transformer Engine's
+where it is installed: `transformer_impl`), `GPTModel`, and `dist_checkpointing.load`. The caller has
+initialised the process group and `parallel_state`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from hf_mcore_bridge.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
+from hf_mcore_bridge.transformer_impl import check_transformer_impl
 
 
 def build_gpt_model(
@@ -43,10 +44,15 @@ def build_gpt_model(
 
 
 def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
-    """The local layer spec (no Transformer Engine), with SDPA core attention unless `core_attention="local"`, and
-    norms that take sequence parallelism where the config asks for it (`sequence_parallel_norm`)."""
+    """The layer spec of `config.transformer_impl` (`transformer_impl`): Transformer Engine's, or the local spec
+    with SDPA core attention (unless `core_attention="local"`, megatron-core's unfused attention) and norms that
+    take sequence parallelism where the config asks for it (`sequence_parallel_norm`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    impl = getattr(config, "transformer_impl", "local")
+    check_transformer_impl(impl)
+    if impl == "transformer_engine":
+        return _transformer_engine_spec(model, config, vp_stage)
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
     if model.moe is None and not sequence_parallel:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
@@ -63,6 +69,19 @@ def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = Non
 
         use_sdpa(spec)
     return spec
+
+
+def _transformer_engine_spec(model: ModelConfig, config: object, vp_stage: int | None):
+    """megatron-core's Transformer Engine spec: its own fused attention (packed rows as THD), norms fused into the
+    following linear layers, sequence parallelism handled by its modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if model.moe is None:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)
 
 
 def gpt_model(

@@ -5,6 +5,8 @@ tokenizer and prompts in code, and runs `bridge train grpo`'s loop (`train_grpo`
 completions of a fixed length (no stop token: every sample runs to `--max-new-tokens`). Reported per phase, the
 median over the steps after the first (which includes warm-up: CUDA-graph capture, allocator growth):
 generation, log-probs (policy and reference), training, refit (gather + convert, engine load) and the whole step.
+On one GPU the refit is recorded as a CUDA graph at the first step and replayed from the second
+(`grpo.refit_replay`), so the steady figure is the replay's.
 Beside it, in the same command: a device-to-device copy of the policy's bytes in the same dtype, the floor of a
 refit (`../shared/FACTS.md`), and the refit's ratio to it.
 
@@ -189,7 +191,9 @@ def main() -> None:
     print(f"  {'tokens / s (whole step)':<34} {tokens / phases['step_s']:9.0f}")
     if copy_s:
         ratio = phases["refit_s"] / copy_s
-        print(f"  {'device-to-device copy, same bytes':<34} {copy_s:9.4f} s  (refit = {ratio:.0f}x the copy)")
+        print(f"  {'device-to-device copy, same bytes':<34} {copy_s:9.4f} s  (refit = {ratio:.1f}x the copy)")
+    replayed = sum(int(m.get("refit_replayed", 0)) for m in steady)
+    print(f"  refits replayed from their recording (`refit_replay`): {replayed} of {len(steady)}")
     print(f"  every metric of every step: {result.log_dir / 'metrics.jsonl'}")
     if args.json:
         record = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": phases, "d2d_copy_s": copy_s}

@@ -377,6 +377,8 @@ class CausalLM(nn.Module):
         self.targets = _expand_targets(cfg)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
         self.loaded: set[str] = set()
+        self.weights_version = 0
+        """Incremented whenever the parameters' storage is released or reallocated (they keep it otherwise)."""
         self._views: dict[str, torch.Tensor] = {}
         """HF name -> its storage view, resolved once per allocation of the weights (a refit looks each up)."""
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
@@ -478,6 +480,7 @@ class CausalLM(nn.Module):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.loaded.clear()
         self._views.clear()
+        self.weights_version += 1
 
     def allocate_weights(self) -> None:
         """Fresh, uninitialised storage for every parameter; all of them must be loaded again."""
@@ -485,6 +488,7 @@ class CausalLM(nn.Module):
             p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
         self.loaded.clear()
         self._views.clear()
+        self.weights_version += 1
 
 
 def _expand(templates: Iterable[str], num_layers: int) -> set[str]:

@@ -86,6 +86,11 @@ class TrainingBackend(Protocol):
         `times` collects the seconds of its `gather` and `transfer` phases."""
         ...
 
+    def refit_sources(self) -> list[torch.Tensor] | None:
+        """The tensors `hf_weights` reads, where producing it takes no collective and the engine shares the
+        trainer's GPU (the refit can then be recorded and replayed: `refit_replay`); else None."""
+        ...
+
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         """Write policy, optimizer and `trainer_state` for `step` under `root` (collective)."""
         ...
@@ -168,6 +173,13 @@ class MegatronBackend:
 
         return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
 
+    def refit_sources(self) -> list[torch.Tensor] | None:
+        import torch.distributed as dist
+
+        if dist.get_world_size() > 1 or not torch.cuda.is_available():
+            return None
+        return list(self.policy.module.parameters())
+
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.checkpoint import save_checkpoint
 
@@ -188,7 +200,7 @@ class MegatronBackend:
             layout_of(mcfg),
             DTYPES[self.config.policy.dtype],
             make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
-            spec="local",
+            spec="te" if self.policy.model.config.transformer_impl == "transformer_engine" else "local",
         )
 
 
@@ -239,6 +251,9 @@ class DTensorBackend:
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.policy.hf_weights(times)
+
+    def refit_sources(self) -> list[torch.Tensor] | None:
+        return None  # FSDP2's full_tensor() is a collective, and its unsharded copies are fresh each time
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.dtensor_checkpoint import save_dtensor_checkpoint

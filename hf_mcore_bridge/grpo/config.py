@@ -33,6 +33,7 @@ import yaml
 
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
+from hf_mcore_bridge.transformer_impl import check_transformer_impl
 
 __all__ = [
     "CheckpointingConfig",
@@ -85,7 +86,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     """PP: decoder layers split into this many stages."""
     context_parallel_size: int = 1
-    """CP: needs Transformer Engine (the local spec refuses CP > 1)."""
+    """CP: not supported by the trainer (must be 1)."""
     expert_model_parallel_size: int = 1
     """EP: routed experts split over this many ranks (MoE models)."""
     expert_tensor_parallel_size: int | None = None
@@ -604,7 +605,8 @@ def _validate(config: GRPOConfig) -> None:
     _validate_world(config)
     _require(
         mcfg.context_parallel_size == 1,
-        "policy.megatron_cfg.context_parallel_size > 1 needs Transformer Engine (the local layer spec has no CP)",
+        "policy.megatron_cfg.context_parallel_size > 1 is not supported (the local layer spec has no CP, and the "
+        "trainer does not split its batches over CP ranks)",
     )
     _require(
         not mcfg.sequence_parallel or mcfg.tensor_model_parallel_size > 1,
@@ -638,6 +640,12 @@ def _validate(config: GRPOConfig) -> None:
         f"generation.decode_attention={gen.decode_attention!r}: auto, flex or gather",
     )
     _require(gen.flex_min_batch >= 1, "generation.flex_min_batch must be >= 1")
+    impl = mcfg.transformer.get("transformer_impl")  # default: transformer_impl.default_transformer_impl()
+    try:
+        if impl is not None:
+            check_transformer_impl(impl)
+    except ValueError as err:
+        raise GRPOConfigError(f"policy.megatron_cfg.transformer.{err}") from None
     _require(gen.temperature > 0, "generation.temperature must be > 0 for training (log-probs are tempered)")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1")
     sources = [data.task, data.train_jsonl, data.hf_dataset]

@@ -111,7 +111,8 @@ def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
 
 
 def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """Local parameter name -> (table template name, global layer index or None) for a local-spec `GPTModel`."""
+    """Local parameter name -> (table template name, global layer index or None) for a `GPTModel` of either spec
+    (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer Engine's need none)."""
     names: dict[str, tuple[str, int | None]] = {}
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     for name, _ in module.named_parameters():
@@ -133,6 +134,12 @@ def _local_spec_key(template: str) -> str:
     return template.replace(MOE_PRE_MLP_NORM, LOCAL_SPEC_MOE_NORM)
 
 
+def _local_name(by_template: dict[tuple[str, int | None], str], template: str, layer: int | None) -> str | None:
+    """The local parameter of a table entry: named as the table names it (Transformer Engine's spec), or as the
+    local spec's key map does; None where another pipeline stage holds it."""
+    return by_template.get((template, layer)) or by_template.get((_local_spec_key(template), layer))
+
+
 class PhaseTimes:
     """Seconds per refit phase (`gather`, `transfer`, `produce`, `load`), measured without stalling the device.
 
@@ -143,10 +150,11 @@ class PhaseTimes:
 
     PHASES = ("gather", "transfer", "produce", "load")
 
-    def __init__(self) -> None:
+    def __init__(self, events: bool = True) -> None:
         self._host: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._cuda = torch.cuda.is_available()
+        self._cuda = events and torch.cuda.is_available()
+        """CUDA events bracket the phases (`events=False`: host seconds, e.g. while a refit is being recorded)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -206,7 +214,7 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
     steps: list[_Step] = []
     for placed in placed_entries(get_architecture(model_cfg.architecture), model_cfg):
         if placed.expert is None:
-            local_name = by_template.get((_local_spec_key(placed.template.mcore), placed.layer))
+            local_name = _local_name(by_template, placed.template.mcore, placed.layer)
             if local_name is not None:  # else another pipeline stage holds it
                 steps.append(_Step(params[local_name], placed.entry, tp_gathers(placed.entry.parallel)))
             continue

@@ -62,6 +62,7 @@ from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum, checksum_tensor
+from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -247,6 +248,7 @@ class _RankContext:
         self.prompts: Any = None
         self.val_records: list[Any] = []
         self.logger: MetricsLogger | None = None
+        self.refit_replay = RefitReplay()
         if self.is_rank0:
             self._set_up_rank0()
 
@@ -425,21 +427,19 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
 
 
 def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
-    """Stream the policy into rank 0's engine; compare checksums of a few tensors on both sides."""
+    """Stream the policy into rank 0's engine (or replay the recorded refit, `refit_replay`); compare checksums of
+    a few tensors on both sides."""
     started = time.perf_counter()
-    checked, sent, times = checked_names(policy.hf_names()), {}, PhaseTimes()
-    stream = policy.hf_weights(times)
+    checked, times = checked_names(policy.hf_names()), PhaseTimes()
     if ctx.is_rank0:
-        groups = buckets(_recording(stream, checked, sent), ctx.config.policy.refit_bucket_mb << 20)
-        while True:
-            with times.phase("produce"):  # gathering, transferring and converting up to a bucket's worth
-                bucket = next(groups, None)
-            if bucket is None:
-                break
-            with times.phase("load"):
-                ctx.engine.load_weights(bucket)
+        sent, mode = ctx.refit_replay.run(
+            lambda phase_times: _stream_into_engine(ctx, policy, checked, phase_times),
+            policy.refit_sources(),
+            engine_weights_version(ctx.engine),
+            times,
+        )
     else:
-        for _ in stream:  # every rank takes part in the gathers
+        for _ in policy.hf_weights(times):  # every rank takes part in the gathers
             pass
     if torch.cuda.is_available():  # the copies are asynchronous: time them to their end
         torch.cuda.synchronize()
@@ -461,7 +461,24 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
         "refit_convert_s": max(0.0, phases["produce"] - phases["gather"] - phases["transfer"]),
         "refit_load_s": phases["load"],  # the engine's load_weights
         "refit_checked_tensors": float(len(compared)),
+        "refit_replayed": float(mode != "eager"),  # 1: a replay of the recorded refit (phases not timed)
     }
+
+
+def _stream_into_engine(
+    ctx: _RankContext, policy: TrainingBackend, checked: set[str], times: PhaseTimes
+) -> dict[str, torch.Tensor]:
+    """One eager refit on rank 0: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
+    returns the checksums of the `checked` tensors as streamed."""
+    sent: dict[str, torch.Tensor] = {}
+    groups = buckets(_recording(policy.hf_weights(times), checked, sent), ctx.config.policy.refit_bucket_mb << 20)
+    while True:
+        with times.phase("produce"):  # gathering, transferring and converting up to a bucket's worth
+            bucket = next(groups, None)
+        if bucket is None:
+            return sent
+        with times.phase("load"):
+            ctx.engine.load_weights(bucket)
 
 
 def checked_names(names: list[str]) -> set[str]:

@@ -544,7 +544,11 @@ def bench_rank(opts: Options, out: str) -> None:
     for shape_name in opts.shapes:
         for path in opts.paths:
             if path != "hf" or dist.get_rank() == 0:
-                results += run_path(shape_name, path, opts, _placement(path, opts, hf_group), device)
+                done = run_path(shape_name, path, opts, _placement(path, opts, hf_group), device)
+                results += done
+                if dist.get_rank() == 0:  # as it goes: a run stopped early still shows what it measured
+                    for line in format_table(done).splitlines()[1:]:
+                        print(f"measured: {line}", flush=True)
             dist.barrier()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps([asdict(r) for r in results]))

@@ -67,6 +67,16 @@ _COPY_BATCH_BYTES = 256 << 20
 caller's tensors are held until then, so a stream read lazily (from safetensors) keeps at most that much."""
 
 
+_MEMCPY_BYTES = 1 << 20
+"""`load_weights` copies a tensor of at least this many bytes on its own (`copy_`, a device memcpy) when source and
+destination are contiguous with the same dtype and device; smaller tensors (norms, biases), whose cost is the
+launches, and any needing a conversion go through the batched multi-tensor copy."""
+
+
+def _memcpy_eligible(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    return dest.dtype == src.dtype and dest.device == src.device and dest.is_contiguous() and src.is_contiguous()
+
+
 class MissingWeightsError(RuntimeError):
     """Some engine parameters were never filled by `load_weights`."""
 
@@ -437,10 +447,14 @@ class CausalLM(nn.Module):
             dest = self.hf_view(name)
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
+            done.add(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes >= _MEMCPY_BYTES and _memcpy_eligible(dest, tensor):
+                dest.copy_(tensor)  # one memcpy at full bandwidth
+                continue
             dests.append(dest)
             sources.append(tensor)
-            done.add(name)
-            held += tensor.numel() * tensor.element_size()
+            held += nbytes
             if len(dests) == _COPY_BATCH or held >= _COPY_BATCH_BYTES:
                 torch._foreach_copy_(dests, sources)
                 dests, sources, held = [], [], 0

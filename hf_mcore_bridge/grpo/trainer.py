@@ -249,6 +249,8 @@ class _RankContext:
         self.val_records: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.refit_replay = RefitReplay()
+        self.refit_checked: set[str] | None = None
+        """The HF names whose checksums each refit compares (`checked_names`), chosen at the first refit."""
         if self.is_rank0:
             self._set_up_rank0()
 
@@ -430,7 +432,9 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     """Stream the policy into rank 0's engine (or replay the recorded refit, `refit_replay`); compare checksums of
     a few tensors on both sides."""
     started = time.perf_counter()
-    checked, times = checked_names(policy.hf_names()), PhaseTimes()
+    if ctx.refit_checked is None:  # the names do not change during a run: listed once
+        ctx.refit_checked = checked_names(policy.hf_names())
+    checked, times = ctx.refit_checked, PhaseTimes()
     if ctx.is_rank0:
         sent, mode = ctx.refit_replay.run(
             lambda phase_times: _stream_into_engine(ctx, policy, checked, phase_times),

@@ -6,7 +6,9 @@ never built here."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +21,13 @@ from hf_mcore_bridge.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron_model import layer_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from random_checkpoint import TINY_SHAPE
+
 
 @pytest.fixture
 def tiny_model_cfg() -> ModelConfig:
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    return from_hf(hf, get_architecture("LlamaForCausalLM"))
+    return from_hf(TINY_SHAPE, get_architecture(TINY_SHAPE["architectures"][0]))
 
 
 @pytest.mark.parametrize(

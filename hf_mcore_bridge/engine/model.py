@@ -4,7 +4,9 @@ Layout follows the inference convention: a batch is a flat run of tokens `[T]` w
 attention metadata says how tokens group into sequences and where they live in the paged KV cache
 (`attention.py`). Numerics follow transformers' modules (float32 RMSNorm statistics, float32 rotary tables cast
 to the activation dtype, float32 router softmax), so an fp32 engine reproduces an fp32 HF model to rounding; in
-bf16 the fused RMSNorm rounds once where transformers rounds twice.
+bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwise steps (rotary embedding, SiLU
+gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
+eager, or compiled into fused kernels (the engine's choice on CUDA). Logits come out in the model's dtype.
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
 and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP

@@ -220,7 +220,7 @@ def sample_untruncated(
     scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` for batches without top-k / top-p: the scores' log-normaliser is one reduction and the draw reads
-    the scores in place, so no [B, V] log-probabilities are written (with `compiled_sampler`, two fused passes
+    the scores in place, so no [B, V] log-probabilities are written (compiled by `Sampler`: two fused passes
     over the logits). `scale=False` skips the division by the temperature (every temperature is 0 or 1)."""
     scores = logits.float()
     if scale:

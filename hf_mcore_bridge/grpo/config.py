@@ -124,6 +124,10 @@ class DTensorConfig:
     every mini-batch); None: `cluster.gpus_per_node / tensor_parallel_size`, or 1 without `gpus_per_node`."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (transformers' activation checkpointing)."""
+    defer_gradient_sync: bool = False
+    """Reduce-scatter gradients once per mini-batch (after its last micro-batch) instead of after every micro-batch
+    (FSDP2's default). Fewer collectives, but each rank then holds the unsharded fp32 gradients between
+    micro-batches: 32 GB for an 8B model, which ran out of memory on 2 H200s in `scripts/bench_training.py`."""
     micro_batch_size: int = 4
     """Samples per micro-batch of the training and log-prob forward passes (padded to their longest)."""
     sequence_packing: bool = False

@@ -16,7 +16,8 @@ step per mini-batch, and the weights as `(hf_name, full tensor)` for the engine.
   causal mask, provided no KV cache is passed (`use_cache=False`).
 - Loss: `grpo.losses.grpo_loss` per micro-batch, normalised by the mini-batch's count summed over the
   data-parallel ranks; FSDP2 averages gradients over them, so each loss is multiplied by their number. Gradients
-  are reduced once per mini-batch (`set_requires_gradient_sync` on the last micro-batch only).
+  are reduce-scattered after every micro-batch (FSDP2's default, bounded memory), or once per mini-batch with
+  `defer_gradient_sync` (`set_requires_gradient_sync` on the last micro-batch only).
 - Optimizer: torch AdamW on the sharded parameters, weight decay on matrices only (megatron-core's default
   grouping), global-norm clipping over DTensors, megatron-core's LR schedule (`grpo.lr_schedule`).
 
@@ -175,7 +176,8 @@ class DTensorPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         results = []
         for index, batch in enumerate(batches):
-            self.model.set_requires_gradient_sync(index == len(batches) - 1)
+            if self.settings.defer_gradient_sync:  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(index == len(batches) - 1)
             logprobs = token_logprobs(self._logits(batch), batch.tokens, temperature)
             loss, metrics = grpo_loss(
                 logprobs,

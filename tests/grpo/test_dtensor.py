@@ -39,10 +39,16 @@ gradients into differences of up to `LR * 1e-3`: `LR` is kept small against the 
 LOSS = LossConfig(kl_coef=0.05)
 LAYOUTS = {
     "dp_shard2": {"data_parallel_shard_size": 2},
-    "tp2_packed_recompute": {"tensor_parallel_size": 2, "sequence_packing": True, "activation_checkpointing": True},
+    "tp2_packed_recompute_deferred": {
+        "tensor_parallel_size": 2,
+        "sequence_packing": True,
+        "activation_checkpointing": True,
+        "defer_gradient_sync": True,
+    },
 }
-"""Two-rank worlds; the second also trains on packed rows with activation checkpointing (its reference is the same:
-with token aggregation the loss does not depend on how rollouts are grouped into micro-batches)."""
+"""Two-rank worlds; the first reduce-scatters gradients after every micro-batch, the second once per mini-batch and
+also trains on packed rows with activation checkpointing (its reference is the same: with token aggregation the
+loss does not depend on how rollouts are grouped into micro-batches)."""
 
 
 def _rollouts(count: int, seed: int) -> list[Rollout]:

@@ -33,11 +33,12 @@ What each path is, and assumes:
 - hf: the same HF model on one GPU (rank 0; the other ranks wait), fp32 parameters under `torch.autocast(bf16)`
   (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
 Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
-on the device. `--recompute auto` (default) retries a configuration that ran out of memory with full activation
-recomputation (megatron-core's `recompute_granularity="full"`, which needs CUDA; transformers' checkpointing); the
-table says which ran with it. A configuration still out of memory is reported as OOM. All ranks are assumed to
-run out of memory together (they hold the same shapes); a rank that alone runs out while the others wait in a
-collective would hang the world.
+on the device. `--recompute auto` (default) uses full activation recomputation (megatron-core's
+`recompute_granularity="full"`, which needs CUDA; transformers' checkpointing) for a row length where the shorter
+length's peak memory predicts that it will not fit without (`predicted_oom`), and retries a configuration that ran
+out of memory anyway with it; the table says which ran with it. A configuration still out of memory is reported
+as OOM. All ranks are assumed to run out of memory together (they hold the same shapes); a rank that alone runs
+out while the others wait in a collective would hang the world, which the prediction makes rarer.
 
 FLOPs (model FLOPs, identical for every path; recomputation is not counted, so it lowers MFU):
     per row = 6 * N_matmul * T + 6 * L * (heads * head_dim) * sum_i s_i^2
@@ -496,20 +497,54 @@ def _agree(ok: bool, device: torch.device, group: Any) -> bool:
     return bool(flag.item())
 
 
+def _allocated_gib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def predicted_oom(
+    previous_peak_gib: float, previous_len: int, static_gib: float, seq_len: int, total_gib: float
+) -> bool:
+    """Whether rows of `seq_len` tokens are predicted to exceed 90% of the device's memory without recomputation:
+    the memory above `static_gib` (what the built model held before its first step) at the previous, shorter row
+    length, scaled with the row length. Optimizer state created at the first step counts as activations, so the
+    prediction errs towards recomputation."""
+    activations = max(0.0, previous_peak_gib - static_gib)
+    return static_gib + activations * seq_len / previous_len > 0.9 * total_gib
+
+
+def _predicted_oom(previous: Result | None, static_gib: float, seq_len: int, device: torch.device, group: Any) -> bool:
+    """`predicted_oom` on this rank's figures, agreed over `group` (any rank's prediction counts)."""
+    if device.type != "cuda" or previous is None or previous.status != "ok" or previous.recompute:
+        return False
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    predicted = predicted_oom(previous.peak_mem_gib, previous.seq_len, static_gib, seq_len, total_gib)
+    flag = torch.tensor([float(predicted)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def run_path(shape_name: str, path: str, opts: Options, place: _Placement, device: torch.device) -> list[Result]:
-    """Every row length of one path on one shape; with `--recompute auto`, an out-of-memory configuration is
-    retried with activation recomputation, which is then kept for the longer rows."""
+    """Every row length of one path on one shape. With `--recompute auto`, a row length predicted not to fit (from
+    the previous length's peak memory, `predicted_oom`) starts with activation recomputation; one that runs out of
+    memory anyway is retried with it; recomputation is then kept for the longer rows."""
     shape = shape_config(shape_name)
     recompute = opts.recompute == "on"
+    group = place.group
     step: Step | None = None
-    results = []
+    static_gib = 0.0
+    results: list[Result] = []
     for seq_len in sorted(opts.seq_lens):
         result = None
+        previous = results[-1] if results else None
+        if opts.recompute == "auto" and not recompute and _predicted_oom(previous, static_gib, seq_len, device, group):
+            recompute, step = True, None  # an out-of-memory attempt could leave ranks apart in a collective
+            _free(device)
         for attempt in range(2):
             failure = ""
             try:
                 if step is None:
                     step = BUILDERS[path](shape, opts, recompute, device)
+                    static_gib = _allocated_gib(device)
                 result = replace(_measure(shape_name, seq_len, path, step, opts, place, device), recompute=recompute)
             except Exception as err:  # reported per configuration; the run goes on
                 failure = "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"

@@ -111,3 +111,12 @@ def test_out_of_memory_is_retried_with_recompute_or_reported(one_rank_world, mon
         "tiny", "megatron", bench_training.Options(seq_lens=(8,), micro_batches=1, iters=1), place, cpu
     )
     assert [(r.status, r.recompute) for r in fits] == [("ok", False)]
+
+
+def test_recomputation_is_predicted_from_the_shorter_rows_peak() -> None:
+    """The 8B Megatron path peaked at 113 GiB at 4096 tokens (about 56 GiB held before its first step): 16384 is
+    predicted not to fit on a 140 GiB GPU, as it did not; the 1B path (24 GiB peak, ~10 static) is predicted to fit,
+    as it did (54 GiB)."""
+    assert bench_training.predicted_oom(113.0, 4096, 56.0, 16384, 139.8)
+    assert not bench_training.predicted_oom(24.0, 4096, 10.0, 16384, 139.8)
+    assert not bench_training.predicted_oom(24.0, 4096, 30.0, 16384, 139.8)  # static above the peak: no activations

@@ -21,7 +21,8 @@ sharing within the n samples of one prompt; a preempted sequence is recomputed, 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,19 @@ def _finish_reason(seq: Sequence) -> str | None:
     return seq.finish_reason
 
 
+def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`method` (a bound method) called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> torch.Tensor:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the engine of this decode-graph runner has been released")
+        return bound(*args)
+
+    return call
+
+
 class Engine:
     """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE decoders.
 
@@ -263,16 +277,7 @@ class Engine:
         self._flex_rows = flex_rows
         self._sampler = Sampler(compile=cfg.compiled())
         self._graphs = (
-            DecodeGraphs(
-                self._decode_forward,
-                self.device,
-                cfg.max_num_seqs,
-                self.max_blocks_per_seq,
-                cfg.graph_block_step,
-                full_width_rows=flex_rows,
-            )
-            if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None
-            else None
+            self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None else None
         )
         self._sleep_level = 0
         self.last_stats: EngineStats | None = None
@@ -320,6 +325,19 @@ class Engine:
                 f"{err} (weights are loaded from weights_dir or through load_weights; after sleep(level=2) "
                 "every weight must be reloaded)"
             ) from None
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """The decode step's CUDA-graph runner. It calls the engine through a weak reference, so the two form no
+        cycle: dropping the engine frees its weights, cache and graphs at once, not at the garbage collector's next
+        pass."""
+        return DecodeGraphs(
+            _weakly(self._decode_forward),
+            self.device,
+            self.config.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.config.graph_block_step,
+            full_width_rows=self._flex_rows,
+        )
 
     @property
     def num_cuda_graphs(self) -> int:

@@ -4,6 +4,9 @@ outputs exactly as transformers computes them."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from engine_helpers import engine_from_hf, hf_greedy, hf_token_logprobs, random_prompts
 
@@ -83,3 +86,17 @@ def test_flex_buckets_use_full_width_tables_and_small_ones_gather(get_hf_model, 
             assert sample.token_ids == hf_greedy(model, prompt, p.max_tokens)
             expected = hf_token_logprobs(model, prompt, sample.token_ids, 1.0)
             assert sample.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def test_an_engine_with_its_graph_runner_is_freed_when_dropped(get_hf_model):
+    """The runner reaches the engine through a weak reference: no cycle, so dropping the engine frees it (and its
+    GPU memory) at once, without the garbage collector."""
+    engine = engine_from_hf(get_hf_model("llama"))
+    engine._graphs = engine._decode_graphs()  # built only on CUDA, but constructible anywhere
+    ref = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -518,9 +518,7 @@ def _predicted_oom(previous: Result | None, static_gib: float, seq_len: int, dev
         return False
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     predicted = predicted_oom(previous.peak_mem_gib, previous.seq_len, static_gib, seq_len, total_gib)
-    flag = torch.tensor([float(predicted)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    return not _agree(not predicted, device, group)
 
 
 def run_path(shape_name: str, path: str, opts: Options, place: _Placement, device: torch.device) -> list[Result]:

@@ -59,7 +59,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
-from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
+from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -247,8 +247,7 @@ def routed_experts(
         rows = order[start : start + count]
         start += count
         tokens = rows // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = F.linear(silu_mul(F.linear(x[tokens], w13[expert])), w2[expert])
         out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
     return out
 
@@ -452,7 +451,7 @@ class CausalLM(nn.Module):
             done.add(name)
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes >= _MEMCPY_BYTES and _memcpy_eligible(dest, tensor):
-                dest.copy_(tensor)  # one memcpy at full bandwidth
+                dest.copy_(tensor)  # a device memcpy
                 continue
             dests.append(dest)
             sources.append(tensor)

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from hf_mcore_bridge.engine.attention import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
 from hf_mcore_bridge.transformer_impl import check_transformer_impl
@@ -640,7 +641,7 @@ def _validate(config: GRPOConfig) -> None:
         "generation.backend=vllm needs the 'vllm' package (not installed); use embedded",
     )
     _require(
-        gen.decode_attention in ("auto", "flex", "gather"),
+        gen.decode_attention in ("auto", *DECODE_KERNELS),
         f"generation.decode_attention={gen.decode_attention!r}: auto, flex or gather",
     )
     _require(gen.flex_min_batch >= 1, "generation.flex_min_batch must be >= 1")

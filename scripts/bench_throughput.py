@@ -28,27 +28,45 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 
-def _run(name: str, args: list[str], log: Path) -> bool:
-    """Run one benchmark script, its output to the terminal and to `log`; whether it succeeded."""
+def _run(name: str, args: list[str], log: Path, time_limit: float = 0.0) -> bool:
+    """Run one benchmark script, its output to the terminal and to `log`; whether it succeeded. With a
+    `time_limit` (seconds, 0: none) the script and every process it started are stopped when it runs out."""
     print(f"\n=== {name}: {' '.join(args)}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with log.open("w") as handle:
         command = [sys.executable, str(HERE / name), *args]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         assert process.stdout is not None
-        for line in process.stdout:
-            handle.write(line)
-            if "warn" not in line.lower():
-                print(line, end="", flush=True)
-        return process.wait() == 0
+        stream = process.stdout
+
+        def pump() -> None:
+            for line in stream:
+                handle.write(line)
+                if "warn" not in line.lower():
+                    print(line, end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = process.wait(timeout=time_limit or None)
+        except subprocess.TimeoutExpired:
+            print(f"=== {name}: stopped at its {time_limit:.0f} s limit", flush=True)
+            os.killpg(process.pid, signal.SIGKILL)  # the ranks it spawned are in its session
+            code = process.wait()
+        reader.join(timeout=10)
+        return code == 0
 
 
 def _load(path: Path) -> Any:
@@ -61,6 +79,8 @@ def training_rows(record: Any) -> list[tuple[str, str, str]]:
     if not record:
         return [("training", "failed (see training.log)", "")]
     rows = []
+    if isinstance(record, dict) and not record.get("complete", True):
+        rows.append(("training", "stopped early (time limit or failure): the rows below are what it measured", ""))
     results = record["results"] if isinstance(record, dict) else record
     keyed = {(r["shape"], r["seq_len"], r["path"]): r for r in results}
     for shape, seq_len in sorted({(r["shape"], r["seq_len"]) for r in results}):
@@ -124,6 +144,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test)")
     parser.add_argument("--parts", default="training,engine,grpo", help="which parts to run")
     parser.add_argument(
+        "--training-time-limit",
+        type=float,
+        default=0.0,
+        help="seconds after which the training part is stopped and reported as far as it got (0: no limit)",
+    )
+    parser.add_argument(
         "--training-args",
         default="",
         help='extra arguments for bench_training.py, e.g. "--shapes llama3-8b --seq-lens 4096 --iters 2"',
@@ -145,6 +171,7 @@ def main() -> None:
                 str(out / "training.json"),
             ],
             out / "training.log",
+            args.training_time_limit,
         )
     if "engine" in parts:
         engine_args = ["--tiny", "--device", "cpu", "--skip-hf-batch64"] if args.tiny else []

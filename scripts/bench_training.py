@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_summary import profile_call
 from random_checkpoint import SHAPES, TINY_SHAPE
 
 from hf_mcore_bridge.layout import Layout
@@ -116,6 +117,8 @@ class Options:
     doc_len: tuple[float, float] = (1 / 16, 1 / 2)
     """Packed sequence lengths are drawn uniformly between these fractions of the row length."""
     seed: int = 0
+    profile: bool = False
+    """After timing, profile one more iteration and print where its time goes (`profile_summary`, rank 0)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class Row:
     """[1, T] int64, restarting at 0 at every sequence."""
     lengths: list[int]
     cu_seqlens: torch.Tensor
-    """[n + 1] int32."""
+    """[n + 1] int32, on the host (`sdpa_attention.packed_seq_params`)."""
     next_tokens: torch.Tensor
     """[1, T]: the label of each position for megatron-core (the next token)."""
     loss_mask: torch.Tensor
@@ -213,7 +216,7 @@ def make_row(total: int, vocab: int, fractions: tuple[float, float], seed: int, 
         tokens=tokens.to(device),
         positions=positions.to(device),
         lengths=lengths,
-        cu_seqlens=starts.to(torch.int32).to(device),
+        cu_seqlens=starts.to(torch.int32),
         next_tokens=torch.roll(tokens, -1, dims=1).to(device),
         loss_mask=loss_mask.to(device),
         hf_labels=hf_labels.to(device),
@@ -223,11 +226,20 @@ def make_row(total: int, vocab: int, fractions: tuple[float, float], seed: int, 
 Step = Callable[[list[Row]], None]
 
 
+@dataclass
+class Trainer:
+    """One path's model, built: its training step, and how to turn on activation recomputation without a rebuild
+    (None: the path is rebuilt with it)."""
+
+    step: Step
+    enable_recompute: Callable[[], None] | None = None
+
+
 def _dtype(opts: Options) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[opts.dtype]
 
 
-def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
     """This rank's megatron-core model, DDP and optimizer (see the module docstring); returns its training step."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -253,9 +265,13 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     kwargs.update(use_cpu_initialization=not cuda, perform_initialization=True, sequence_parallel=tp > 1)
     if cuda:  # torch.compile'd megatron-core fusions that need no Transformer Engine
         kwargs.update(bias_activation_fusion=True, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
-    if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = TransformerConfig(**kwargs)
+
+    def enable_recompute() -> None:  # megatron-core's TransformerBlock reads these at every forward
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+
+    if recompute:
+        enable_recompute()
     # the linear layers are built on the GPU, the norms (torch modules) on the default device and in fp32, which
     # keeps torch's RMSNorm off its fused kernel: Float16Module casts them, as Megatron-LM does
     gpt = gpt_model(config, model_cfg, padded_vocab(model_cfg, layout)).to(device)
@@ -288,7 +304,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     def forward_step(data_iterator: Any, module: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         row = next(data_iterator)
         # a fresh cu_seqlens tensor each forward, as in training: the flex BlockMask is rebuilt (once, for all layers)
-        params = packed_seq_params(row.cu_seqlens.clone(), max(row.lengths))
+        params = packed_seq_params(row.cu_seqlens.clone(), max(row.lengths), config)
         losses = module(row.tokens, row.positions, None, labels=row.next_tokens, packed_seq_params=params)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -311,7 +327,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
         )
         optimizer.step()
 
-    return step
+    return Trainer(step, enable_recompute)
 
 
 def hf_model(shape: dict[str, Any], opts: Options, device: torch.device) -> torch.nn.Module:
@@ -329,7 +345,7 @@ def _hf_loss(model: torch.nn.Module, row: Row) -> torch.Tensor:
     return model(input_ids=row.tokens, position_ids=row.positions, labels=row.hf_labels).loss
 
 
-def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
     """The HF model under FSDP2 over every rank (`dtensor_parallel`), torch AdamW; returns its training step."""
     from hf_mcore_bridge.dtensor_parallel import make_mesh, parallelize_hf_model
 
@@ -350,15 +366,19 @@ def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return Trainer(step)  # FSDP2 wraps the checkpointed layers when sharding: a rebuild
 
 
-def build_hf(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Step:
+def build_hf(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
     """The HF model on this rank's device alone, autocast to the compute dtype, torch AdamW."""
     model = hf_model(shape, opts, device)
-    if recompute:  # transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+
+    def enable_recompute() -> None:  # transformers 5.24 renamed gradient_checkpointing_enable
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": False})  # the kwargs dict comes first under either name
+
+    if recompute:
+        enable_recompute()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     dtype = _dtype(opts)
 
@@ -371,10 +391,10 @@ def build_hf(shape: dict[str, Any], opts: Options, recompute: bool, device: torc
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return Trainer(step, enable_recompute)
 
 
-BUILDERS: dict[str, Callable[[dict[str, Any], Options, bool, torch.device], Step]] = {
+BUILDERS: dict[str, Callable[[dict[str, Any], Options, bool, torch.device], Trainer]] = {
     "megatron": build_megatron,
     "dtensor": build_dtensor,
     "hf": build_hf,
@@ -386,13 +406,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def progress(text: str) -> None:
+    """One line of progress from rank 0 (long configurations take minutes)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"  [{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
 def time_steps(step: Step, rows: list[Row], opts: Options, device: torch.device) -> float:
     """Mean seconds per iteration over `opts.iters` iterations run back to back (after `opts.warmup` untimed
     ones), the device synchronised only before the first and after the last, as in training: work an iteration
     leaves in flight (an asynchronous parameter all-gather) overlaps the next one and is still counted."""
+    start = time.perf_counter()
     for _ in range(opts.warmup):
         step(rows)
     _sync(device)
+    progress(f"warm-up {time.perf_counter() - start:.1f} s; timing {opts.iters} iterations")
     start = time.perf_counter()
     for _ in range(opts.iters):
         step(rows)
@@ -431,7 +459,7 @@ class _Placement:
     """Process group of the participating ranks (None: the whole world)."""
 
 
-def _placement(path: str, opts: Options, hf_group: Any) -> _Placement:
+def _placement(path: str, opts: Options) -> _Placement:
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
@@ -444,7 +472,7 @@ def _placement(path: str, opts: Options, hf_group: Any) -> _Placement:
         return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp, None)
     if path == "dtensor":
         return _Placement(f"FSDP2 dp_shard={world}", world, opts.seed + 1000 * dist.get_rank(), 1, None)
-    return _Placement("1 GPU, autocast", 1, opts.seed, 1, hf_group)
+    return _Placement("1 GPU, autocast", 1, opts.seed, 1, None)  # a world of its own, one rank
 
 
 def micro_batches(opts: Options, seq_len: int) -> int:
@@ -472,6 +500,10 @@ def _measure(
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=place.group)
     step_s = float(times)
     flops, tokens = counts.tolist()
+    if opts.profile:
+        summary = profile_call(lambda: step(rows), f"{shape_name} @ {seq_len} {path}")
+        if dist.get_rank() == 0:
+            print(summary, flush=True)
     return Result(
         shape=shape_name,
         seq_len=seq_len,
@@ -523,34 +555,47 @@ def _predicted_oom(previous: Result | None, static_gib: float, seq_len: int, dev
 
 def run_path(shape_name: str, path: str, opts: Options, place: _Placement, device: torch.device) -> list[Result]:
     """Every row length of one path on one shape. With `--recompute auto`, a row length predicted not to fit (from
-    the previous length's peak memory, `predicted_oom`) starts with activation recomputation; one that runs out of
-    memory anyway is retried with it; recomputation is then kept for the longer rows."""
+    the previous length's peak memory, `predicted_oom`) starts with activation recomputation, turned on in the
+    built model where the path can (`Trainer.enable_recompute`), else in a rebuilt one; one that runs out of memory
+    anyway is retried with it in a rebuilt model; recomputation is then kept for the longer rows."""
     shape = shape_config(shape_name)
     recompute = opts.recompute == "on"
     group = place.group
-    step: Step | None = None
+    trainer: Trainer | None = None
     static_gib = 0.0
     results: list[Result] = []
     for seq_len in sorted(opts.seq_lens):
         result = None
         previous = results[-1] if results else None
         if opts.recompute == "auto" and not recompute and _predicted_oom(previous, static_gib, seq_len, device, group):
-            recompute, step = True, None  # an out-of-memory attempt could leave ranks apart in a collective
-            _free(device)
+            recompute = True  # an out-of-memory attempt could leave ranks apart in a collective: avoid it
+            if trainer is not None and trainer.enable_recompute is not None:
+                trainer.enable_recompute()
+                progress(f"{shape_name} {path}: recomputation turned on for {seq_len}-token rows")
+            else:
+                trainer = None
+                _free(device)
         for attempt in range(2):
             failure = ""
             try:
-                if step is None:
-                    step = BUILDERS[path](shape, opts, recompute, device)
+                if trainer is None:
+                    start = time.perf_counter()
+                    trainer = BUILDERS[path](shape, opts, recompute, device)
                     static_gib = _allocated_gib(device)
-                result = replace(_measure(shape_name, seq_len, path, step, opts, place, device), recompute=recompute)
+                    progress(
+                        f"{shape_name} {path}{' with recomputation' if recompute else ''}: built in "
+                        f"{time.perf_counter() - start:.0f} s ({static_gib:.1f} GiB on the device)"
+                    )
+                measured = _measure(shape_name, seq_len, path, trainer.step, opts, place, device)
+                result = replace(measured, recompute=recompute)
             except Exception as err:  # reported per configuration; the run goes on
                 failure = "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
             if not _agree(not failure, device, place.group):
                 failure = failure or "OOM elsewhere"
             if not failure:
                 break
-            step = None  # a model that ran out of memory mid-step is dropped whole
+            progress(f"{shape_name} @ {seq_len} {path}: {failure}")
+            trainer = None  # a model that ran out of memory mid-step is dropped whole
             _free(device)
             if not (failure.startswith("OOM") and opts.recompute == "auto" and not recompute and attempt == 0):
                 break
@@ -560,41 +605,44 @@ def run_path(shape_name: str, path: str, opts: Options, place: _Placement, devic
             rows = micro_batches(opts, seq_len)
             result = Result(shape_name, seq_len, path, place.layout, place.gpus, status, recompute, rows)
         results.append(result)
-    del step
+    del trainer
     _free(device)
     return results
 
 
-def bench_rank(opts: Options, out: str) -> None:
-    """Rank body (inside `world.run_world`): every shape and path; rank 0 writes the results to `out`."""
+def bench_rank(shape_name: str, path: str, opts: Options, out: str) -> None:
+    """Rank body (inside `world.run_world`): one path on one shape; rank 0 writes its results to `out`."""
     from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
     from hf_mcore_bridge.world import device as rank_device
 
     apply_cpu_training_workarounds()  # a no-op on CUDA
-    device = rank_device()
-    hf_group = dist.new_group([0]) if "hf" in opts.paths else None  # collective calls: every rank makes them
-    results: list[Result] = []
-    for shape_name in opts.shapes:
-        for path in opts.paths:
-            if path != "hf" or dist.get_rank() == 0:
-                done = run_path(shape_name, path, opts, _placement(path, opts, hf_group), device)
-                results += done
-                if dist.get_rank() == 0:  # as it goes: a run stopped early still shows what it measured
-                    for line in format_table(done).splitlines()[1:]:
-                        print(f"measured: {line}", flush=True)
-            dist.barrier()
+    results = run_path(shape_name, path, opts, _placement(path, opts), rank_device())
     if dist.get_rank() == 0:
+        for line in format_table(results).splitlines()[1:]:
+            print(f"measured: {line}", flush=True)
         Path(out).write_text(json.dumps([asdict(r) for r in results]))
 
 
-def run(opts: Options, nproc: int) -> list[Result]:
-    """Start `nproc` ranks (NCCL on GPUs, gloo on CPU), measure, return rank 0's results."""
+def run(opts: Options, nproc: int, on_results: Callable[[list[Result]], None] | None = None) -> list[Result]:
+    """Measure every shape and path, each (shape, path) in a world of its own (`nproc` ranks, NCCL on GPUs, gloo
+    on CPU; one rank for the one-GPU hf path), so nothing one leaves allocated (a megatron-core model dropped after
+    an 8B run kept its memory in one process: the next path then ran out) weighs on the next. Calls
+    `on_results` with the results so far after each world; returns them all."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # long rows fragment memory
     tp = nproc if opts.megatron_parallel == "tp" else 1
+    results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        run_world(bench_rank, Layout(tp=tp), opts, str(out), world=nproc)
-        return [Result(**r) for r in json.loads(out.read_text())]
+        for shape_name in opts.shapes:
+            for path in opts.paths:
+                if path == "hf":
+                    run_world(bench_rank, Layout(), shape_name, path, opts, str(out), world=1)
+                else:
+                    run_world(bench_rank, Layout(tp=tp), shape_name, path, opts, str(out), world=nproc)
+                results += [Result(**r) for r in json.loads(out.read_text())]
+                if on_results is not None:
+                    on_results(results)
+    return results
 
 
 def format_table(results: list[Result]) -> str:
@@ -665,6 +713,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     parser.add_argument("--hf-attention", default=defaults.hf_attention, help="transformers attn_implementation")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--profile", action="store_true", help="profile one more iteration of each; print a summary")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--tiny", action="store_true", help="tiny shape and rows, fp32, one rank (CPU smoke test)")
     args = parser.parse_args(argv)
@@ -685,6 +734,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
         hf_attention=args.hf_attention,
         dtype=args.dtype,
         seed=args.seed,
+        profile=args.profile,
     )
     nproc = args.nproc
     if args.tiny:
@@ -699,14 +749,20 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device} x {nproc}, torch {torch.__version__}; {opts}", flush=True)
     start = time.perf_counter()
-    results = run(opts, nproc)
+    header: dict[str, Any] = {"options": asdict(opts), "nproc": nproc, "device": device}
+
+    def write(results: list[Result], complete: bool) -> None:
+        """The JSON as it stands (`"complete": false` until the end: a run stopped early leaves what it got)."""
+        if json_path is not None:
+            payload = {**header, "complete": complete, "results": [asdict(r) for r in results]}
+            json_path.write_text(json.dumps(payload, indent=2))
+
+    results = run(opts, nproc, lambda so_far: write(so_far, False))
     print(format_table(results))
     for line in ratios(results):
         print(line)
     print(f"wall time {time.perf_counter() - start:.0f} s")
-    if json_path is not None:
-        payload = {"options": asdict(opts), "nproc": nproc, "device": device, "results": [asdict(r) for r in results]}
-        json_path.write_text(json.dumps(payload, indent=2))
+    write(results, True)
 
 
 if __name__ == "__main__":

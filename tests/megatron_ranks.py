@@ -156,3 +156,41 @@ def sdpa_rank(model_cfg: ModelConfig, layout: Layout, lengths: list[int], out: s
     results["grad_max"] = [grad_max]
     if dist.get_rank() == 0:
         torch.save({k: [t.float().cpu() for t in v] for k, v in results.items()}, out)
+
+
+def packed_step_sync_rank(model_cfg: ModelConfig, lengths: list[int], out: str) -> None:
+    """A bf16 model (under megatron-core's `Float16Module`) trains one packed row through the trainer's
+    `_forward_step` twice: the second forward and backward under `torch.cuda.set_sync_debug_mode("error")`, which
+    raises at any operation that synchronises the host with the device. Rank 0 saves whether it did."""
+    from megatron.core.transformer.module import Float16Module
+
+    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.grpo.policy import _forward_step
+
+    layout = Layout()
+    torch.manual_seed(3)
+    gpt = build_gpt_model(model_cfg, layout, torch.bfloat16, padded_vocab(model_cfg, layout), device=device())
+    model = Float16Module(gpt.config, gpt)
+    generator = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(0, model_cfg.vocab_size, (n,), generator=generator) for n in lengths]
+    rollouts = [Rollout(tuple(s[:2].tolist()), tuple(s[2:].tolist()), (0.0,) * (len(s) - 2)) for s in sequences]
+    (batch,) = pack_microbatches(rollouts, sum(lengths))
+    batch = batch.to(device())
+
+    def step() -> None:
+        logits, _ = _forward_step(lambda b, o: (o, {}), iter([batch]), model)
+        logits.float().square().mean().backward()
+
+    step()  # first use: kernels chosen, memory allocated
+    torch.cuda.synchronize()
+    error = ""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as err:
+        error = str(err).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        Path(out).write_text(error or "no synchronisation")

@@ -45,3 +45,40 @@ def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:
     rows = bench_throughput.grpo_rows({"phases": phases, "d2d_copy_s": 0.002})
     assert rows[-1][1:] == ("3.0x", "<= 3x")
     assert [r[1] for r in rows[:5]] == ["1.000 s", "0.500 s", "2.000 s", "0.006 s", "3.600 s"]
+
+
+def test_a_stopped_training_run_reports_what_it_measured() -> None:
+    record = {"complete": False, "results": [_training("megatron", 6000.0)]}
+    rows = bench_throughput.training_rows(record)
+    assert rows[0][1].startswith("stopped early")
+    assert rows[1][1] == "megatron 6,000 (30.0%)"
+
+
+def test_a_part_past_its_time_limit_is_stopped_with_its_children(tmp_path: Path, monkeypatch) -> None:
+    """The script and the process it started (as the training ranks are) are both gone when `_run` returns."""
+    import os
+    import time
+
+    child_pid = tmp_path / "child.pid"
+    (tmp_path / "slow.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(bench_throughput, "HERE", tmp_path)
+    start = time.monotonic()
+    ok = bench_throughput._run("slow.py", [], tmp_path / "slow.log", time_limit=3.0)
+    assert not ok and time.monotonic() - start < 30
+    assert "started" in (tmp_path / "slow.log").read_text()
+    pid = int(child_pid.read_text())
+    for _ in range(50):  # the child is killed with the group; give the kernel a moment to reap it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie (killed, not yet reaped by init) counts as gone
+            assert stat.read().split()[2] == "Z"

@@ -78,7 +78,7 @@ def _fake_builder(fail_without_recompute: bool):
     def build(shape, opts, recompute, device):
         if fail_without_recompute and not recompute:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
-        return lambda rows: None
+        return bench_training.Trainer(lambda rows: None)
 
     return build
 
@@ -120,3 +120,23 @@ def test_recomputation_is_predicted_from_the_shorter_rows_peak() -> None:
     assert bench_training.predicted_oom(113.0, 4096, 56.0, 16384, 139.8)
     assert not bench_training.predicted_oom(24.0, 4096, 10.0, 16384, 139.8)
     assert not bench_training.predicted_oom(24.0, 4096, 30.0, 16384, 139.8)  # static above the peak: no activations
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["turned-on", "rebuilt"])
+def test_predicted_recomputation_is_turned_on_in_place_where_the_path_can(one_rank_world, monkeypatch, in_place):
+    """A longer row length predicted not to fit gets recomputation: in the built model where the path offers
+    `enable_recompute` (Megatron, HF), else in a rebuilt one (FSDP2)."""
+    builds: list[bool] = []
+    turned_on: list[bool] = []
+
+    def build(shape, opts, recompute, device):
+        builds.append(recompute)
+        return bench_training.Trainer(lambda rows: None, (lambda: turned_on.append(True)) if in_place else None)
+
+    monkeypatch.setitem(bench_training.BUILDERS, "megatron", build)
+    monkeypatch.setattr(bench_training, "_predicted_oom", lambda previous, *args: previous is not None)
+    place = bench_training._Placement("fake", 1, 0, 1, None)
+    opts = bench_training.Options(shapes=("tiny",), seq_lens=(8, 16), micro_batches=1, warmup=0, iters=1)
+    results = bench_training.run_path("tiny", "megatron", opts, place, torch.device("cpu"))
+    assert [(r.seq_len, r.status, r.recompute) for r in results] == [(8, "ok", False), (16, "ok", True)]
+    assert (builds, turned_on) == (([False], [True]) if in_place else ([False, True], []))

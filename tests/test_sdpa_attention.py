@@ -142,3 +142,38 @@ def test_fast_packed_backends_match_dense_mask_in_bf16_on_cuda(backend, head_dim
         scale_ref = ref.abs().max()
         dense_err, fast_err = (d - ref).abs().max() / scale_ref, (f - ref).abs().max() / scale_ref
         assert fast_err <= max(2 * dense_err, 1e-2), (name, float(fast_err), float(dense_err))
+
+
+def test_packed_rows_keep_cu_seqlens_on_the_host():
+    """Packed rows hand megatron-core host `cu_seqlens` (its RoPE reads them there); `cu_seqlens_on` copies a host
+    tensor to the device once and gives every later caller (each layer, the backward) that same copy."""
+    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.sdpa_attention import cu_seqlens_on, packed_seq_params
+
+    rollouts = [Rollout((1, 2), (3, 4, 5), (0.0, 0.0, 0.0)), Rollout((6,), (7, 8), (0.0, 0.0))]
+    (batch,) = pack_microbatches(rollouts, 8)
+    moved = batch.to(torch.device("meta"))
+    assert moved.tokens.device.type == "meta" and moved.cu_seqlens.device.type == "cpu"
+    params = packed_seq_params(moved.cu_seqlens, moved.max_seqlen)
+    assert params.cu_seqlens_q.device.type == "cpu" and params.cu_seqlens_q.tolist() == [0, 5, 8]
+    meta = torch.device("meta")
+    first = cu_seqlens_on(params.cu_seqlens_q, meta)
+    assert first.device == meta and first.dtype == torch.int32
+    assert cu_seqlens_on(params.cu_seqlens_q, meta) is first
+    assert cu_seqlens_on(params.cu_seqlens_q.clone(), meta) is not first  # a new row: a new copy
+    assert cu_seqlens_on(params.cu_seqlens_q, torch.device("cpu")) is params.cu_seqlens_q
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_training_step_does_not_synchronise_on_cuda(tmp_path):
+    """A packed row's forward and backward through the trainer's `_forward_step` (bf16, varlen flash attention,
+    megatron-core's RoPE per sequence) never waits for the device: a synchronisation would stall kernel launches
+    once per layer."""
+    from megatron_ranks import packed_step_sync_rank
+
+    config = tiny_config("LlamaForCausalLM")
+    model_cfg = config_bridge.from_hf(config, get_architecture("LlamaForCausalLM"))
+    out = tmp_path / "sync.txt"
+    run_world(packed_step_sync_rank, Layout(), model_cfg, [40, 7, 81], str(out))
+    assert out.read_text() == "no synchronisation"

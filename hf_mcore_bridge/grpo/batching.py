@@ -82,15 +82,19 @@ class MicroBatch:
         on request: the model takes `cu_seqlens`); None for unpacked rows (the plain causal mask)."""
         if self.cu_seqlens is None:
             return None
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=lengths.device).tril()
+        device = self.tokens.device
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long().to(device)
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()
         return ~(causal & (segment[:, None] == segment[None, :]))[None, None]
 
     def to(self, device: torch.device) -> MicroBatch:
-        """The same micro-batch with its tensors on `device`."""
+        """The same micro-batch with its tensors on `device`, but `cu_seqlens`, which stays on the host (where
+        megatron-core's RoPE reads it without a device synchronisation; `sdpa_attention.packed_seq_params`)."""
         moved = {
-            f.name: value.to(device) if isinstance(value := getattr(self, f.name), torch.Tensor) else value
+            f.name: value.to(device)
+            if isinstance(value := getattr(self, f.name), torch.Tensor) and f.name != "cu_seqlens"
+            else value
             for f in dataclasses.fields(self)
         }
         return MicroBatch(**moved)

@@ -200,7 +200,8 @@ def _forward_step(
 
     batch = next(data_iterator)
     # No mask: SDPA's causal flag for padded rows; packed rows are attended per sequence from their cu_seqlens.
-    packed = None if batch.cu_seqlens is None else packed_seq_params(batch.cu_seqlens, batch.max_seqlen)
+    config = getattr(model, "config", None)
+    packed = None if batch.cu_seqlens is None else packed_seq_params(batch.cu_seqlens, batch.max_seqlen, config)
     output = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed)
     return output, partial(loss_func, batch)
 

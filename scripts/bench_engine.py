@@ -2,7 +2,7 @@
 
 Default shape: Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied
 embeddings, llama3 RoPE scaling), random bf16 weights, 64 prompts x 8 samples, 512 new tokens each, EOS ignored.
-transformers is timed on fewer new tokens (its per-token cost does not fall with length) and reported as
+transformers is timed on fewer new tokens (`--hf-tokens`, 64 by default, to keep the run short) and reported as
 tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at batch 64 (one sample per prompt).
 
     PYTHONPATH=. python3 scripts/bench_engine.py            # the full benchmark (CUDA)
@@ -18,9 +18,10 @@ kernel and block size in the same run, each against the same `generate` rows.
 `--compile on --compile off` times the engine with and without its `torch.compile`d pointwise steps and sampler.
 
 Measured on one H200 (torch 2.11, transformers 5.17), default arguments (FlexAttention decode over 32-token
-blocks, pipelined steps, compiled pointwise steps and sampler): engine 103,788 tokens/s, transformers generate
-4,291 tokens/s on the same 64 x 8 workload (24.2x) and 807 tokens/s at batch 64 (128.7x). A decode step at 512
-sequences takes 2.9 ms at 48 tokens of context and 5.9 ms at 640; compiled sampling 0.25 ms (1.55 ms eager).
+blocks, pipelined steps, compiled pointwise steps and sampler): engine 103,788-106,856 tokens/s over four runs;
+transformers generate on the same 64 x 8 workload 4,291-5,821 tokens/s, i.e. 18.4x to 24.2x (timed on all 512
+new tokens, generate was no slower than on 64), and 807-858 tokens/s at batch 64 (124-129x). A decode step at
+512 sequences takes 2.9 ms at 48 tokens of context and 5.9 ms at 640; compiled sampling 0.25 ms (1.55 ms eager).
 Figures and what limits them: `docs/PERFORMANCE.md`.
 """
 

@@ -11,13 +11,15 @@ b) `bench_engine.py`: the embedded engine against transformers `generate`, 1B sh
 c) and d) `bench_grpo.py`: a GRPO step on the 1B shape broken into generation, log-probs, training and refit, and
    the refit against a device-to-device copy of the same bytes (goal <= 3x).
 
-    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/   # on GPUs (2 x H200: see below)
+    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/ --training-time-limit 385  # 2 x H200
     python scripts/bench_throughput.py --tiny --out /tmp/bench               # tiny shapes on CPU (smoke test)
 
-Time on 2 x H200: with one row per optimizer step the whole run took 337 s. Since the training part trains 32768
-tokens per GPU per optimizer step (8 rows of 4096), that part alone ran past a 585 s limit; engine and GRPO
-parts take about 160 s. `--training-args` passes options to `bench_training.py` to trim it (e.g.
-`--training-args "--paths megatron,dtensor --iters 2"`), or run `--parts training` on its own.
+Time on 2 x H200: 495 s in all, of which the training part took 324 s (both shapes, both row lengths, all three
+paths, 32768 tokens per GPU per optimizer step) and the engine and GRPO parts about 150 s (figures:
+`docs/PERFORMANCE.md`). `--training-time-limit` stops the training part when its time is up (the training rows
+measured by then are reported and the table says it stopped early), so that the other parts still run within a
+bounded call; `--training-args` passes options to `bench_training.py` (e.g. `--training-args "--paths
+megatron,dtensor --iters 2"`), or run `--parts training` on its own.
 
 Each part also writes its own JSON under `--out`; a part that fails is reported as such and the others still run.
 """

@@ -33,12 +33,16 @@ What each path is, and assumes:
 - hf: the same HF model on one GPU (rank 0; the other ranks wait), fp32 parameters under `torch.autocast(bf16)`
   (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
 Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
-on the device. `--recompute auto` (default) uses full activation recomputation (megatron-core's
+on the device. Each (shape, path) runs in a world of its own (fresh processes), so memory one leaves behind cannot
+weigh on the next. `--recompute auto` (default) uses full activation recomputation (megatron-core's
 `recompute_granularity="full"`, which needs CUDA; transformers' checkpointing) for a row length where the shorter
-length's peak memory predicts that it will not fit without (`predicted_oom`), and retries a configuration that ran
-out of memory anyway with it; the table says which ran with it. A configuration still out of memory is reported
-as OOM. All ranks are assumed to run out of memory together (they hold the same shapes); a rank that alone runs
-out while the others wait in a collective would hang the world, which the prediction makes rarer.
+length's peak memory predicts that it will not fit without (`predicted_oom`): turned on in the built model for
+the Megatron and HF paths, in a rebuilt one for FSDP2, which wraps the checkpointed layers when sharding. A
+configuration that ran out of memory anyway is retried with it in a rebuilt model; the table says which ran with
+it. A configuration still out of memory is reported as OOM. All ranks are assumed to run out of memory together
+(they hold the same shapes); a rank that alone runs out while the others wait in a collective would hang the
+world, which the prediction makes rarer. `--profile` profiles one more iteration of each configuration and prints
+where its time went (`profile_summary`: device busy time, host synchronisations, kernel time by kind).
 
 FLOPs (model FLOPs, identical for every path; recomputation is not counted, so it lowers MFU):
     per row = 6 * N_matmul * T + 6 * L * (heads * head_dim) * sum_i s_i^2

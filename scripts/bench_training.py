@@ -30,7 +30,7 @@ What each path is, and assumes:
   default, overlapped with the backward), fused torch AdamW on the fp32 shards. Packed rows are given as
   `position_ids` restarting per sequence and no attention mask; transformers then builds the block-diagonal mask
   itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel).
-- hf: the same HF model on one GPU (rank 0; the other ranks wait), fp32 parameters under `torch.autocast(bf16)`
+- hf: the same HF model on one GPU (a one-rank world of its own), fp32 parameters under `torch.autocast(bf16)`
   (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
 Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
 on the device. Each (shape, path) runs in a world of its own (fresh processes), so memory one leaves behind cannot
@@ -459,8 +459,6 @@ class _Placement:
     """Seed of this rank's rows (equal within a TP group, different across data-parallel ranks)."""
     share: int
     """Ranks training the same rows (TP), which count their tokens and FLOPs once."""
-    group: Any
-    """Process group of the participating ranks (None: the whole world)."""
 
 
 def _placement(path: str, opts: Options) -> _Placement:
@@ -473,10 +471,10 @@ def _placement(path: str, opts: Options) -> _Placement:
         layout = f"TP{tp} SP" if tp > 1 else "TP1"
         if parallel_state.get_data_parallel_world_size() > 1:
             layout += f" DP{parallel_state.get_data_parallel_world_size()} dist-opt"
-        return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp, None)
+        return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp)
     if path == "dtensor":
-        return _Placement(f"FSDP2 dp_shard={world}", world, opts.seed + 1000 * dist.get_rank(), 1, None)
-    return _Placement("1 GPU, autocast", 1, opts.seed, 1, None)  # a world of its own, one rank
+        return _Placement(f"FSDP2 dp_shard={world}", world, opts.seed + 1000 * dist.get_rank(), 1)
+    return _Placement("1 GPU, autocast", 1, opts.seed, 1)  # a world of its own, one rank
 
 
 def micro_batches(opts: Options, seq_len: int) -> int:
@@ -499,9 +497,9 @@ def _measure(
         device=device,
     )
     peak = torch.tensor([_peak_gib(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=place.group)  # an iteration ends when the slowest rank does
-    dist.all_reduce(counts, group=place.group)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=place.group)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration ends when the slowest rank does
+    dist.all_reduce(counts)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step_s = float(times)
     flops, tokens = counts.tolist()
     if opts.profile:
@@ -526,10 +524,10 @@ def _measure(
     )
 
 
-def _agree(ok: bool, device: torch.device, group: Any) -> bool:
-    """Whether every participating rank succeeded."""
+def _agree(ok: bool, device: torch.device) -> bool:
+    """Whether every rank succeeded."""
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -548,13 +546,13 @@ def predicted_oom(
     return static_gib + activations * seq_len / previous_len > 0.9 * total_gib
 
 
-def _predicted_oom(previous: Result | None, static_gib: float, seq_len: int, device: torch.device, group: Any) -> bool:
-    """`predicted_oom` on this rank's figures, agreed over `group` (any rank's prediction counts)."""
+def _predicted_oom(previous: Result | None, static_gib: float, seq_len: int, device: torch.device) -> bool:
+    """`predicted_oom` on this rank's figures, agreed over the world (any rank's prediction counts)."""
     if device.type != "cuda" or previous is None or previous.status != "ok" or previous.recompute:
         return False
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     predicted = predicted_oom(previous.peak_mem_gib, previous.seq_len, static_gib, seq_len, total_gib)
-    return not _agree(not predicted, device, group)
+    return not _agree(not predicted, device)
 
 
 def run_path(shape_name: str, path: str, opts: Options, place: _Placement, device: torch.device) -> list[Result]:
@@ -564,14 +562,13 @@ def run_path(shape_name: str, path: str, opts: Options, place: _Placement, devic
     anyway is retried with it in a rebuilt model; recomputation is then kept for the longer rows."""
     shape = shape_config(shape_name)
     recompute = opts.recompute == "on"
-    group = place.group
     trainer: Trainer | None = None
     static_gib = 0.0
     results: list[Result] = []
     for seq_len in sorted(opts.seq_lens):
         result = None
         previous = results[-1] if results else None
-        if opts.recompute == "auto" and not recompute and _predicted_oom(previous, static_gib, seq_len, device, group):
+        if opts.recompute == "auto" and not recompute and _predicted_oom(previous, static_gib, seq_len, device):
             recompute = True  # an out-of-memory attempt could leave ranks apart in a collective: avoid it
             if trainer is not None and trainer.enable_recompute is not None:
                 trainer.enable_recompute()
@@ -594,7 +591,7 @@ def run_path(shape_name: str, path: str, opts: Options, place: _Placement, devic
                 result = replace(measured, recompute=recompute)
             except Exception as err:  # reported per configuration; the run goes on
                 failure = "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
-            if not _agree(not failure, device, place.group):
+            if not _agree(not failure, device):
                 failure = failure or "OOM elsewhere"
             if not failure:
                 break

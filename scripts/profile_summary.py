@@ -3,8 +3,9 @@
 `profile_call(fn, label)` runs `fn` once under the profiler (CPU and CUDA activity) and returns a summary:
 - wall time of the call and the time some kernel was running (the union of kernel intervals over all streams), so
   `busy / wall` below 1 means the device waited for the host (launch overhead or host synchronisations);
-- the number of kernels and of host-device synchronisations (`cudaStreamSynchronize`, `cudaDeviceSynchronize`,
-  `aten::item`-style reads);
+- the number of kernels and of host-device synchronisation events (`cudaStreamSynchronize`,
+  `cudaDeviceSynchronize`, `cudaEventSynchronize`, and `aten::_local_scalar_dense`: an `item()` counts as two, its
+  read and the stream synchronisation it waits on);
 - kernel time by kind (matrix products, attention, communication, the rest) and the top kernels by total time.
 
 Assumes a CUDA device (on CPU the summary has no kernels and says so). Used by `bench_training.py --profile`.

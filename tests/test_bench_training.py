@@ -97,7 +97,7 @@ def one_rank_world():
 
 def test_out_of_memory_is_retried_with_recompute_or_reported(one_rank_world, monkeypatch) -> None:
     cpu = torch.device("cpu")
-    place = bench_training._Placement("fake", 1, 0, 1, None)
+    place = bench_training._Placement("fake", 1, 0, 1)
     opts = bench_training.Options(shapes=("tiny",), seq_lens=(16, 8), micro_batches=1, warmup=0, iters=1)
     monkeypatch.setitem(bench_training.BUILDERS, "megatron", _fake_builder(fail_without_recompute=True))
     results = bench_training.run_path("tiny", "megatron", opts, place, cpu)
@@ -135,7 +135,7 @@ def test_predicted_recomputation_is_turned_on_in_place_where_the_path_can(one_ra
 
     monkeypatch.setitem(bench_training.BUILDERS, "megatron", build)
     monkeypatch.setattr(bench_training, "_predicted_oom", lambda previous, *args: previous is not None)
-    place = bench_training._Placement("fake", 1, 0, 1, None)
+    place = bench_training._Placement("fake", 1, 0, 1)
     opts = bench_training.Options(shapes=("tiny",), seq_lens=(8, 16), micro_batches=1, warmup=0, iters=1)
     results = bench_training.run_path("tiny", "megatron", opts, place, torch.device("cpu"))
     assert [(r.seq_len, r.status, r.recompute) for r in results] == [(8, "ok", False), (16, "ok", True)]

@@ -12,7 +12,7 @@ tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at bat
 `--check` compares the engine's greedy tokens with transformers `generate` and its log-probs with a transformers
 forward pass, and on CUDA compares CUDA-graph decode with eager decode; it exits non-zero on a mismatch.
 
-`--decode-attention flex --decode-attention gather` (and `--block-size 16 --block-size 32`) time one engine per
+`--decode-attention triton --decode-attention flex` (and `--block-size 16 --block-size 32`) time one engine per
 kernel and block size in the same run, each against the same `generate` rows.
 
 `--compile on --compile off` times the engine with and without its `torch.compile`d pointwise steps and sampler.
@@ -239,7 +239,7 @@ def check(device: str) -> bool:
     ok = True
     results = {}
     variants = (
-        [(g, k) for g in (False, True) for k in ("flex", "gather")]
+        [(g, k) for g in (False, True) for k in ("triton", "flex", "gather")]
         if device.startswith("cuda")
         else [
             (False, "gather"),
@@ -294,7 +294,7 @@ def check(device: str) -> bool:
 
 
 KERNELS_OPTION = typer.Option(
-    ["auto"], help="Decode attention kernel(s) to time, one engine each: flex, gather or auto (repeatable)."
+    ["auto"], help="Decode attention kernel(s) to time, one engine each: triton, flex, gather or auto (repeatable)."
 )
 BLOCK_SIZES_OPTION = typer.Option([32], help="KV-cache block size(s), one engine each (repeatable).")
 COMPILE_OPTION = typer.Option(

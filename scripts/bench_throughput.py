@@ -77,28 +77,28 @@ def _load(path: Path) -> Any:
 
 def training_rows(record: Any) -> list[tuple[str, str, str]]:
     """(figure, value, goal) rows from `bench_training.py`'s JSON: per shape and length, each path's tokens/s per
-    GPU and MFU, and Megatron over DTensor."""
+    GPU and MFU (with its layout where a path ran at several), and Megatron over DTensor, each at its fastest."""
     if not record:
         return [("training", "failed (see training.log)", "")]
     rows = []
     if isinstance(record, dict) and not record.get("complete", True):
         rows.append(("training", "stopped early (time limit or failure): the rows below are what it measured", ""))
     results = record["results"] if isinstance(record, dict) else record
-    keyed = {(r["shape"], r["seq_len"], r["path"]): r for r in results}
     for shape, seq_len in sorted({(r["shape"], r["seq_len"]) for r in results}):
-        cells = []
+        cells, fastest = [], {}
         for path in ("megatron", "dtensor", "hf"):
-            r = keyed.get((shape, seq_len, path))
-            if r is None:
-                continue
-            if r.get("status") == "ok":
-                cells.append(f"{path} {r['tokens_per_s_per_gpu']:,.0f} ({100 * r['mfu']:.1f}%)")
-            else:
-                cells.append(f"{path} {r.get('status')}")
+            runs = [r for r in results if (r["shape"], r["seq_len"], r["path"]) == (shape, seq_len, path)]
+            for r in runs:
+                name = f"{path} [{r.get('layout', '?')}]" if len(runs) > 1 else path
+                if r.get("status") == "ok":
+                    cells.append(f"{name} {r['tokens_per_s_per_gpu']:,.0f} ({100 * r['mfu']:.1f}%)")
+                    if path not in fastest or r["tokens_per_s_per_gpu"] > fastest[path]["tokens_per_s_per_gpu"]:
+                        fastest[path] = r
+                else:
+                    cells.append(f"{name} {r.get('status')}")
         rows.append((f"training {shape} @ {seq_len}: tok/s/GPU (MFU)", ", ".join(cells), "MFU >= 45% (8B)"))
-        mega, dt = keyed.get((shape, seq_len, "megatron")), keyed.get((shape, seq_len, "dtensor"))
-        if mega and dt and mega.get("status") == dt.get("status") == "ok":
-            ratio = mega["tokens_per_s_per_gpu"] / dt["tokens_per_s_per_gpu"]
+        if "megatron" in fastest and "dtensor" in fastest:
+            ratio = fastest["megatron"]["tokens_per_s_per_gpu"] / fastest["dtensor"]["tokens_per_s_per_gpu"]
             rows.append((f"  Megatron / DTensor, {shape} @ {seq_len}", f"{ratio:.2f}x", ">= 1.2x"))
     return rows
 

@@ -11,11 +11,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_throughput  # noqa: E402
 
 
-def _training(path: str, tokens_per_gpu: float, status: str = "ok") -> dict:
+def _training(path: str, tokens_per_gpu: float, status: str = "ok", layout: str = "L") -> dict:
     return {
         "shape": "s",
         "seq_len": 4096,
         "path": path,
+        "layout": layout,
         "status": status,
         "tokens_per_s_per_gpu": tokens_per_gpu,
         "mfu": 0.3,
@@ -28,6 +29,20 @@ def test_training_rows_report_each_path_and_the_megatron_over_dtensor_ratio() ->
     assert rows[0][1] == "megatron 6,000 (30.0%), dtensor 5,000 (30.0%), hf OOM"
     assert rows[1][1:] == ("1.20x", ">= 1.2x")
     assert bench_throughput.training_rows(None)[0][1].startswith("failed")
+
+
+def test_a_path_at_two_layouts_is_listed_twice_and_compared_at_its_fastest() -> None:
+    record = [
+        _training("megatron", 4000.0, layout="TP1 DP2 dist-opt"),
+        _training("megatron", 7000.0, layout="TP2 SP"),
+        _training("dtensor", 5000.0),
+    ]
+    rows = bench_throughput.training_rows(record)
+    assert (
+        rows[0][1]
+        == "megatron [TP1 DP2 dist-opt] 4,000 (30.0%), megatron [TP2 SP] 7,000 (30.0%), dtensor 5,000 (30.0%)"
+    )
+    assert rows[1][1] == "1.40x"
 
 
 def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:

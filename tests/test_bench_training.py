@@ -140,3 +140,33 @@ def test_predicted_recomputation_is_turned_on_in_place_where_the_path_can(one_ra
     results = bench_training.run_path("tiny", "megatron", opts, place, torch.device("cpu"))
     assert [(r.seq_len, r.status, r.recompute) for r in results] == [(8, "ok", False), (16, "ok", True)]
     assert (builds, turned_on) == (([False], [True]) if in_place else ([False, True], []))
+
+
+def test_auto_layout_measures_the_recomputed_row_lengths_again_at_tp(monkeypatch) -> None:
+    """`--megatron-parallel auto`: the megatron path runs data parallel; the row lengths that needed recomputation
+    there (or ran out of memory) run again in a world of TP = nproc, and the ratio takes the faster layout."""
+    launched = []
+
+    def fake_world(body, layout, shape, path, opts, out, world):
+        launched.append((path, layout.tp, opts.seq_lens, world))
+        results = []
+        for n in opts.seq_lens:
+            tp = layout.tp > 1
+            speed = {"megatron": 900.0 if tp else (1000.0 if n == 64 else 500.0), "dtensor": 600.0}[path]
+            result = bench_training.Result(shape, n, path, f"TP{layout.tp}", world, "ok", not tp and n == 128)
+            results.append(bench_training.asdict(bench_training.replace(result, tokens_per_s_per_gpu=speed)))
+        Path(out).write_text(json.dumps(results))
+
+    monkeypatch.setattr(bench_training, "run_world", fake_world)
+    opts = bench_training.Options(shapes=("s",), seq_lens=(64, 128), paths=("megatron", "dtensor"))
+    results = bench_training.run(opts, nproc=2)
+    assert launched == [("megatron", 1, (64, 128), 2), ("megatron", 2, (128,), 2), ("dtensor", 1, (64, 128), 2)]
+    assert [(r.seq_len, r.layout) for r in results if r.path == "megatron"] == [(64, "TP1"), (128, "TP1"), (128, "TP2")]
+    lines = bench_training.ratios(results)
+    assert lines == [
+        "s @ 64: Megatron / DTensor tokens/s per GPU = 1.67x (Megatron TP1)",
+        "s @ 128: Megatron / DTensor tokens/s per GPU = 1.50x (Megatron TP2)",
+    ]
+    launched.clear()
+    bench_training.run(bench_training.replace(opts, megatron_parallel="dp"), nproc=2)
+    assert [entry[1] for entry in launched] == [1, 1]

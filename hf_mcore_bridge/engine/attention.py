@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: torch SDPA for prefill, FlexAttention or SDPA over gathered blocks for decode.
+"""Attention over the paged KV cache: torch SDPA for prefill; a Triton kernel, FlexAttention or SDPA over gathered
+blocks for decode.
 
 Layout: the whole cache is one tensor `[layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]`, so one
 token's keys of one layer are a contiguous `[kv_heads, head_dim]` row addressed by a flat slot index
@@ -8,8 +9,11 @@ Two attention shapes:
 - prefill: each sequence of the batch attends only to its own fresh tokens (a prompt is computed once, with no
   cached context before it), so q, k, v are padded to `[batch, heads, max_len, head_dim]` and masked
   (causal within a sequence, padding keys hidden). Keys/values are also written into the cache.
-- decode: one query token per sequence, its keys/values written to the cache first. Two kernels:
-  - `flex` (CUDA default): FlexAttention reads the blocks in place. A layer's cache is viewed as one
+- decode: one query token per sequence, its keys/values written to the cache first. Three kernels:
+  - `triton` (CUDA default where Triton is installed): `triton_decode.paged_decode_attention`, one kernel that
+    reads each sequence's blocks in place through its block table, split over the KV length when the batch is
+    too small to fill the GPU. Compiled once per process (not per batch bucket).
+  - `flex`: FlexAttention reads the blocks in place. A layer's cache is viewed as one
     `[1, kv_heads, num_blocks * block_size, head_dim]` sequence shared by the batch, and a `BlockMask` whose
     KV-block size is the cache's block size lists each sequence's blocks (its block table) and hides the unwritten
     tail of its last block. Compiled on CUDA (a Triton decoding kernel, grouped-query heads handled in the
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DECODE_KERNELS = ("flex", "gather")
+DECODE_KERNELS = ("triton", "flex", "gather")
 """Decode attention kernels (see the module docstring)."""
 
 
@@ -84,6 +88,8 @@ class DecodeMetadata:
     block_mask: Any = None
     """FlexAttention `BlockMask` over the cache's blocks (`flex` kernel), built once per forward pass by
     `with_block_mask`."""
+    triton: bool = False
+    """Decode through the Triton kernel (`triton`), which needs nothing beyond the block tables and lengths."""
 
 
 def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> DecodeMetadata:
@@ -195,11 +201,16 @@ def prefill_attention(
 
 
 def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMetadata, scale: float) -> torch.Tensor:
-    """One query token per sequence over its cached tokens (the new one written before this call), through
-    FlexAttention when `meta` has a block mask, else SDPA over the gathered blocks.
+    """One query token per sequence over its cached tokens (the new one written before this call), through the
+    Triton kernel when `meta.triton`, FlexAttention when `meta` has a block mask, else SDPA over the gathered
+    blocks.
 
     q: [B, heads, D]; layer_cache: [2, NB, BS, kv_heads, D]. Returns [B, heads, D].
     """
+    if meta.triton:
+        from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
+
+        return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, scale)
     if meta.block_mask is not None:
         return _flex_decode(q, layer_cache, meta, scale)
     batch, heads, head_dim = q.shape

@@ -5,7 +5,8 @@ group of n samples, and loops scheduler step -> model step -> sampling until eve
 steps are pipelined: step t+1 is scheduled and queued on the device before step t's tokens reach the host (its
 input tokens are taken on the device), so the host's bookkeeping overlaps the device's work (`_decode`). Prefill
 steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph captured for its shape bucket,
-and decode attention reads the paged KV blocks in place through compiled FlexAttention (`attention`); the
+and decode attention reads the paged KV blocks in place through a Triton kernel (`triton_decode`; compiled
+FlexAttention without Triton, `attention`); the
 decoder's pointwise steps and the sampler are compiled there too (`pointwise`, `sampling.Sampler`).
 A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
 (`model.routed_experts`), which a graph cannot capture.
@@ -53,6 +54,8 @@ from hf_mcore_bridge.engine.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from hf_mcore_bridge.engine.triton_decode import available as triton_available
+from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
 
 
 class EngineAsleepError(RuntimeError):
@@ -92,9 +95,11 @@ class EngineConfig:
     graph_block_step: int = 4
     """CUDA-graph buckets of the block-table width are multiples of this many blocks."""
     decode_attention: str = "auto"
-    """Decode attention kernel: `flex` (FlexAttention reads the KV blocks in place; compiled on CUDA), `gather`
-    (the blocks are gathered, then SDPA), or `auto`: `flex` on CUDA, `gather` elsewhere (eager FlexAttention
-    scores every cache slot: exact, but only for tests)."""
+    """Decode attention kernel: `triton` (one Triton kernel reads each sequence's KV blocks in place; CUDA),
+    `flex` (FlexAttention over the blocks; compiled on CUDA, once per batch bucket), `gather` (the blocks are
+    gathered, then SDPA; any device), or `auto`: `triton` on CUDA where Triton is installed, else `flex` on CUDA,
+    `gather` elsewhere (eager FlexAttention scores every cache slot, and Triton runs on CPU tensors only in its
+    interpreter: both exact, for tests only)."""
     flex_min_batch: int = 64
     """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
@@ -114,7 +119,8 @@ class EngineConfig:
         if self.max_num_seqs < 1 or self.block_size < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs, block_size must be >= 1 and max_model_len >= 2")
         if self.decode_attention not in ("auto", *DECODE_KERNELS):
-            raise ValueError(f"decode_attention must be auto, flex or gather, got {self.decode_attention!r}")
+            kernels = ", ".join(("auto", *DECODE_KERNELS))
+            raise ValueError(f"decode_attention must be one of {kernels}, got {self.decode_attention!r}")
         if self.flex_min_batch < 1:
             raise ValueError(f"flex_min_batch must be >= 1, got {self.flex_min_batch}")
 
@@ -124,11 +130,16 @@ class EngineConfig:
             return self.torch_compile
         return torch.device(self.device).type == "cuda"
 
-    def decode_kernel(self) -> str:
-        """The decode attention kernel `decode_attention` resolves to on this config's device."""
+    def decode_kernel(self, head_dim: int | None = None) -> str:
+        """The decode attention kernel `decode_attention` resolves to on this config's device (for a model of
+        `head_dim`, when given: `auto` takes `flex` where the Triton kernel does not support it)."""
         if self.decode_attention != "auto":
             return self.decode_attention
-        return "flex" if torch.device(self.device).type == "cuda" else "gather"
+        if torch.device(self.device).type != "cuda":
+            return "gather"
+        if triton_available() and (head_dim is None or triton_supports(head_dim)):
+            return "triton"
+        return "flex"
 
 
 @dataclass(frozen=True)
@@ -252,12 +263,18 @@ class Engine:
                 f"sliding-window attention (window {mc.sliding_window}) is not implemented; "
                 f"use max_model_len <= {mc.sliding_window}"
             )
+        kernel = cfg.decode_kernel(mc.head_dim)
+        if kernel == "triton" and not triton_supports(mc.head_dim):
+            raise ValueError(
+                f"decode_attention='triton' needs a power-of-two head_dim >= 16; this model's is {mc.head_dim} "
+                "(use flex or gather)"
+            )
         self.model = CausalLM(
             mc,
             cfg.dtype,
             self.device,
             max_positions=cfg.max_model_len,
-            decode_kernel=cfg.decode_kernel(),
+            decode_kernel=kernel,
             flex_min_batch=cfg.flex_min_batch,
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
         )
@@ -273,7 +290,7 @@ class Engine:
         self.kv_cache: torch.Tensor | None = self._allocate_cache()
         # Compiled FlexAttention specialises on shapes: its steps run with full-width block tables and bucketed
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
-        flex_rows = cfg.flex_min_batch if cfg.decode_kernel() == "flex" and self.device.type == "cuda" else None
+        flex_rows = cfg.flex_min_batch if kernel == "flex" and self.device.type == "cuda" else None
         self._flex_rows = flex_rows
         self._sampler = Sampler(compile=cfg.compiled())
         self._graphs = (

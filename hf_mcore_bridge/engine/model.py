@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -415,7 +415,9 @@ class CausalLM(nn.Module):
         """
         h = self.model.embed_tokens(input_ids)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
-            if self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
+            if self.decode_kernel == "triton":
+                meta = replace(meta, triton=True)
+            elif self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
                 meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
             else:
                 meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)

@@ -222,13 +222,15 @@ class GenerationConfig:
     kv_cache_memory_bytes: int = 64 << 20
     """The engine's KV-cache budget."""
     decode_attention: str = "auto"
-    """The embedded engine's decode attention: `flex` (FlexAttention over the paged blocks, compiled per batch
-    bucket), `gather` (blocks gathered, then SDPA; nothing compiled) or `auto` (`flex` on CUDA)."""
+    """The embedded engine's decode attention: `triton` (one Triton kernel over the paged blocks), `flex`
+    (FlexAttention over the paged blocks, compiled per batch bucket), `gather` (blocks gathered, then SDPA; nothing
+    compiled) or `auto` (`triton` on CUDA where Triton is installed, else `flex` on CUDA; `gather` elsewhere)."""
     flex_min_batch: int = 64
     """With `flex`, decode steps of fewer sequences use `gather` (bounds the compilations to large buckets)."""
     torch_compile: bool | None = None
     """`torch.compile` the engine's pointwise steps and sampler (fused kernels, compiled in each process's first
-    steps); null: on CUDA. `false` together with `decode_attention: gather` compiles nothing."""
+    steps); null: on CUDA. `false` together with `decode_attention: gather` compiles nothing (with `triton`, only
+    the Triton kernel)."""
 
 
 @dataclass(frozen=True)
@@ -642,7 +644,7 @@ def _validate(config: GRPOConfig) -> None:
     )
     _require(
         gen.decode_attention in ("auto", *DECODE_KERNELS),
-        f"generation.decode_attention={gen.decode_attention!r}: auto, flex or gather",
+        f"generation.decode_attention={gen.decode_attention!r}: one of {', '.join(('auto', *DECODE_KERNELS))}",
     )
     _require(gen.flex_min_batch >= 1, "generation.flex_min_batch must be >= 1")
     impl = mcfg.transformer.get("transformer_impl")  # default: transformer_impl.default_transformer_impl()

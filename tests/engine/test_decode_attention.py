@@ -1,32 +1,40 @@
-"""Decode attention kernels against each other and against a dense reference: FlexAttention over the paged cache
-(blocks read in place through a block mask) and SDPA over gathered blocks, with shared prompt blocks, partly
-filled last blocks, and rows padded with the scratch block as the CUDA-graph buckets pad them."""
+"""Decode attention kernels against a dense reference: the Triton kernel (here in Triton's interpreter), FlexAttention
+over the paged cache (blocks read in place through a block mask) and SDPA over gathered blocks, with shared prompt
+blocks, partly filled last blocks, and rows padded with the scratch block as the CUDA-graph buckets pad them; the
+Triton kernel also split over the KV length, in bf16, and with the strided queries the decoder hands it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hf_mcore_bridge.engine.attention import DecodeMetadata, decode_attention, with_block_mask
 from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
+from hf_mcore_bridge.engine.triton_decode import num_splits, paged_decode_attention, tile_blocks
 
-NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 24, 4, 2, 8, 8
+NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 24, 4, 2, 16, 8
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton kernel runs: compiled on a GPU, else in Triton's interpreter (see conftest)."""
 
 
 def _dense_reference(q, cache, tables, lengths, scale):
     """Each sequence's keys/values laid out contiguously, grouped heads repeated, softmax in float64."""
     out = []
+    block, kv_heads, head_dim = cache.shape[2:]
+    group = q.shape[1] // kv_heads
     for b in range(q.shape[0]):
-        slots = torch.cat([torch.arange(blk * BLOCK, blk * BLOCK + BLOCK) for blk in tables[b].tolist()])
+        slots = torch.cat([torch.arange(blk * block, blk * block + block) for blk in tables[b].tolist()])
         slots = slots[: int(lengths[b])]
-        k = cache[0].reshape(-1, KV_HEADS, HEAD_DIM)[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
-        v = cache[1].reshape(-1, KV_HEADS, HEAD_DIM)[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+        k = cache[0].reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
+        v = cache[1].reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), k) * scale, dim=-1)
         out.append(torch.einsum("ht,thd->hd", weights, v))
     return torch.stack(out).float()
 
 
-@pytest.mark.parametrize("kernel", ["gather", "flex"])
+@pytest.mark.parametrize("kernel", ["gather", "flex", "triton"])
 def test_decode_kernels_match_a_dense_reference(kernel):
     torch.manual_seed(0)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
@@ -47,7 +55,11 @@ def test_decode_kernels_match_a_dense_reference(kernel):
     )
     if kernel == "flex":
         meta = with_block_mask(meta, BLOCK, NUM_BLOCKS)
-    out = decode_attention(q, cache, meta, scale=0.3)
+    if kernel == "triton":
+        meta = replace(meta, block_tables=tables.to(TRITON_DEVICE), context_lens=lengths.to(TRITON_DEVICE), triton=True)
+        q, cache = q.to(TRITON_DEVICE), cache.to(TRITON_DEVICE)
+    out = decode_attention(q, cache, meta, scale=0.3).cpu()
+    q, cache = q.cpu(), cache.cpu()
     expected = _dense_reference(q, cache, tables, lengths, 0.3)
     assert out.shape == (len(lengths), HEADS, HEAD_DIM)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -75,3 +87,65 @@ def test_flex_mask_hides_stale_slots_of_the_last_block():
     read = cache.clone()
     read[:, 1, 1] += 5.0  # position 9: read
     assert not torch.allclose(decode_attention(q, read, meta, scale=0.3), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (6, 2)])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_triton_kernel_splits_groups_and_dtypes(splits, heads, kv_heads, dtype):
+    """Split-KV ranges (including ranges past a short sequence's end), grouped and plain heads, a group size that
+    is not a power of two, bf16 and fp32; queries strided like the decoder's (a view into a wider projection); a
+    row of length 0 (nothing to read) gives zeros."""
+    torch.manual_seed(2)
+    block, head_dim, n_blocks = 8, 16, 7
+    cache = torch.randn(2, 40, block, kv_heads, head_dim).to(dtype)
+    lengths = torch.tensor([1, block, block + 1, 3 * block, n_blocks * block, 0])
+    tables = torch.stack([torch.randperm(39)[:n_blocks] + 1 for _ in lengths])
+    q = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim).to(dtype)[:, :heads]
+    on = TRITON_DEVICE
+    out = paged_decode_attention(q.to(on), cache.to(on), tables.to(on), lengths.to(on), 0.25, splits=splits).cpu()
+    assert out.dtype == dtype and out.shape == (len(lengths), heads, head_dim)
+    expected = _dense_reference(q[:-1], cache, tables[:-1], lengths[:-1], 0.25)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities and output rounded to bf16
+    torch.testing.assert_close(out[:-1].float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(out[-1].float(), torch.zeros(heads, head_dim))
+
+
+def test_triton_kernel_reads_only_the_sequences_slots():
+    """Slots past a sequence's length, and blocks outside its table, are never read: poisoning them with NaN
+    changes nothing (a masked read of a NaN would spread)."""
+    torch.manual_seed(3)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.tensor([[4, 6, 1, SCRATCH_BLOCK]])
+    lengths = torch.tensor([10])
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    q, cache, tables, lengths = (t.to(TRITON_DEVICE) for t in (q, cache, tables, lengths))
+    before = paged_decode_attention(q, cache, tables, lengths, scale=0.3, splits=1)
+    poisoned = cache.clone()
+    poisoned[:, 1, 2:] = float("nan")  # the last block holds positions 8..11; only 8 and 9 are written
+    poisoned[:, 9] = float("nan")  # a block the sequence does not own
+    poisoned[:, SCRATCH_BLOCK] = float("nan")  # its table's next entry, past its length
+    for splits in (1, 2, 4):
+        torch.testing.assert_close(paged_decode_attention(q, poisoned, tables, lengths, 0.3, splits=splits), before)
+
+
+def test_split_count_fills_the_gpu_only_when_the_batch_does_not():
+    assert num_splits(batch=512, kv_heads=8, n_blocks=64, sm_count=132) == 1  # 4096 programs already
+    assert num_splits(batch=33, kv_heads=8, n_blocks=64, sm_count=132) == 1  # two per SM
+    assert num_splits(batch=4, kv_heads=8, n_blocks=512, sm_count=132) == 17  # 32 programs -> ~4 per SM
+    assert num_splits(batch=4, kv_heads=8, n_blocks=12, sm_count=132) == 3  # at least 4 blocks per split
+    assert num_splits(batch=1, kv_heads=1, n_blocks=2, sm_count=132) == 1
+
+
+def test_tiles_are_longer_for_long_ranges_and_wide_enough_for_the_product():
+    assert tile_blocks(block_size=32, blocks_per_split=2) == 2  # 64 tokens
+    assert tile_blocks(block_size=32, blocks_per_split=16) == 4  # 512 tokens to read: 128-token tiles
+    assert tile_blocks(block_size=16, blocks_per_split=4) == 4
+    assert tile_blocks(block_size=256, blocks_per_split=1) == 1
+    assert tile_blocks(block_size=4, blocks_per_split=1) == 16
+
+
+def test_triton_kernel_refuses_head_dims_it_cannot_take():
+    q = torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16"):
+        paged_decode_attention(q, torch.zeros(2, 3, 4, 2, 8), torch.zeros(1, 1, dtype=torch.long), torch.ones(1), 1.0)

@@ -3,6 +3,8 @@ architecture registry, and loud refusals of what the decoder does not implement.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from engine_helpers import CONFIGS
@@ -90,3 +92,16 @@ def test_unsupported_configs_are_refused():
 def test_kv_budget_must_hold_one_full_sequence():
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         Engine(CONFIGS["llama"](), EngineConfig(device="cpu", dtype=torch.float32, kv_cache_memory_bytes=4096))
+
+
+def test_decode_kernel_resolution():
+    """`auto`: gather off CUDA; on CUDA the Triton kernel where Triton is installed and takes the head dim, else
+    FlexAttention. An explicit `triton` for a head dim the kernel cannot take is refused."""
+    assert EngineConfig(device="cpu").decode_kernel(64) == "gather"
+    cuda = EngineConfig(device="cuda")
+    assert cuda.decode_kernel(8) == "flex"
+    assert cuda.decode_kernel(64) == ("triton" if importlib.util.find_spec("triton") else "flex")
+    assert EngineConfig(device="cuda", decode_attention="gather").decode_kernel(64) == "gather"
+    hf = CONFIGS["llama"]().to_dict() | {"head_dim": 8, "hidden_size": 32, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        Engine(hf, EngineConfig(device="cpu", dtype=torch.float32, decode_attention="triton"))

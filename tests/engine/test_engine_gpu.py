@@ -32,10 +32,11 @@ def _cuda_engine(model, graphs: bool, kernel: str = "auto") -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("kernel", ["flex", "gather"])
+@pytest.mark.parametrize("kernel", ["triton", "flex", "gather"])
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_cuda_graph_decode_matches_eager_and_transformers(arch, kernel):
-    """Compiled FlexAttention (reading the blocks in place) and SDPA over gathered blocks, eager and in graphs."""
+    """The Triton kernel and compiled FlexAttention (both reading the blocks in place) and SDPA over gathered
+    blocks, eager and in graphs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     reference_model = build_hf_model(arch, 0)
     model = build_hf_model(arch, 0).to("cuda")

@@ -22,10 +22,14 @@ from hf_mcore_bridge.engine import SamplingParams
 LENGTHS = [5, 11, 23]  # different lengths; with block_size 4 the last blocks are partially filled
 
 
-@pytest.mark.parametrize("kernel", ["gather", "flex"])
-@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize(
+    ("arch", "kernel"),
+    [(arch, kernel) for kernel in ("gather", "flex") for arch in ARCH_NAMES]
+    + [("llama", "triton"), ("qwen3", "triton")],  # the kernel is architecture-blind; the interpreter is slow
+)
 def test_greedy_matches_transformers_generate(arch, kernel, get_hf_model):
-    """Both decode attention kernels; FlexAttention runs eagerly here (the CUDA tests run it compiled)."""
+    """Every decode attention kernel; FlexAttention runs eagerly here and the Triton kernel in Triton's interpreter
+    (the CUDA tests run both compiled)."""
     model = get_hf_model(arch)
     engine = engine_from_hf(model, decode_attention=kernel, flex_min_batch=1)
     prompts = random_prompts(LENGTHS, seed=1)

@@ -74,7 +74,7 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("policy.megatron_cfg.transformer.transformer_impl=fast", "must be one of local, transformer_engine"),
         ("policy.megatron_cfg.transformer.transformer_impl=transformer_engine", "needs Transformer Engine"),
         ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
-        ("generation.decode_attention=paged", "auto, flex or gather"),
+        ("generation.decode_attention=paged", "one of auto, triton, flex, gather"),
         ("generation.flex_min_batch=0", "flex_min_batch must be >= 1"),
         ("generation.torch_compile=maybe", "torch_compile must be bool"),
     ],

@@ -17,11 +17,12 @@ kernel and block size in the same run, each against the same `generate` rows.
 
 `--compile on --compile off` times the engine with and without its `torch.compile`d pointwise steps and sampler.
 
-Measured on one H200 (torch 2.11, transformers 5.17), default arguments (FlexAttention decode over 32-token
-blocks, pipelined steps, compiled pointwise steps and sampler): engine 103,788-106,856 tokens/s over four runs;
-transformers generate on the same 64 x 8 workload 4,291-5,821 tokens/s, i.e. 18.4x to 24.2x (timed on all 512
-new tokens, generate was no slower than on 64), and 807-858 tokens/s at batch 64 (124-129x). A decode step at
-512 sequences takes 2.9 ms at 48 tokens of context and 5.9 ms at 640; compiled sampling 0.25 ms (1.55 ms eager).
+Measured on one H200 (torch 2.11, transformers 5.17), default arguments (the Triton decode kernel over 32-token
+blocks, pipelined steps, compiled pointwise steps and sampler): engine 120,885-121,841 tokens/s over three runs
+(FlexAttention 108,456 in the same run as the 121,841); transformers generate on the same 64 x 8 workload
+4,461-6,139 tokens/s, i.e. 19.8x to 27.1x (6,139 was timed on all 512 new tokens), and 821 tokens/s at batch 64
+(147x). A decode step at 512 sequences takes 2.68 ms at 48 tokens of context and 5.00 ms at 640; compiled
+sampling 0.25 ms (1.57 ms eager).
 Figures and what limits them: `docs/PERFORMANCE.md`.
 """
 

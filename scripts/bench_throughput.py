@@ -11,11 +11,12 @@ b) `bench_engine.py`: the embedded engine against transformers `generate`, 1B sh
 c) and d) `bench_grpo.py`: a GRPO step on the 1B shape broken into generation, log-probs, training and refit, and
    the refit against a device-to-device copy of the same bytes (goal <= 3x).
 
-    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/ --training-time-limit 385  # 2 x H200
+    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/ --training-time-limit 400  # 2 x H200
     python scripts/bench_throughput.py --tiny --out /tmp/bench               # tiny shapes on CPU (smoke test)
 
-Time on 2 x H200: 495 s in all, of which the training part took 324 s (both shapes, both row lengths, all three
-paths, 32768 tokens per GPU per optimizer step) and the engine and GRPO parts about 150 s (figures:
+Time on 2 x H200: 569 s in all, of which the training part took 388 s (both shapes, both row lengths, all three
+paths, 32768 tokens per GPU per optimizer step, the 8B Megatron 16384-token rows again at TP2) and the engine and
+GRPO parts about 165 s (figures:
 `docs/PERFORMANCE.md`). `--training-time-limit` stops the training part when its time is up (the training rows
 measured by then are reported and the table says it stopped early), so that the other parts still run within a
 bounded call; `--training-args` passes options to `bench_training.py` (e.g. `--training-args "--paths

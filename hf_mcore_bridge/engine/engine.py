@@ -55,6 +55,7 @@ from hf_mcore_bridge.engine.scheduler import (
     Sequence,
 )
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
+from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
 
 
@@ -264,11 +265,8 @@ class Engine:
                 f"use max_model_len <= {mc.sliding_window}"
             )
         kernel = cfg.decode_kernel(mc.head_dim)
-        if kernel == "triton" and not triton_supports(mc.head_dim):
-            raise ValueError(
-                f"decode_attention='triton' needs a power-of-two head_dim >= 16; this model's is {mc.head_dim} "
-                "(use flex or gather)"
-            )
+        if kernel == "triton":
+            triton_check(self.device, mc.head_dim)
         self.model = CausalLM(
             mc,
             cfg.dtype,

@@ -85,6 +85,22 @@ def supports(head_dim: int) -> bool:
     return head_dim >= MIN_HEAD_DIM and head_dim & (head_dim - 1) == 0
 
 
+def check_usable(device: torch.device, head_dim: int) -> None:
+    """Raises ValueError, naming the reason, where the kernel cannot run: Triton missing, a CPU device outside
+    Triton's interpreter, or a head dimension it does not take."""
+    if not available():
+        raise ValueError("decode_attention='triton' needs Triton (shipped with torch's CUDA builds on Linux)")
+    if device.type != "cuda" and not _interpreted():
+        raise ValueError(
+            "decode_attention='triton' runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1)"
+        )
+    if not supports(head_dim):
+        raise ValueError(
+            f"decode_attention='triton' needs a power-of-two head_dim >= {MIN_HEAD_DIM}; this model's is {head_dim} "
+            "(use flex or gather)"
+        )
+
+
 def num_splits(batch: int, kv_heads: int, n_blocks: int, sm_count: int) -> int:
     """Splits per sequence: 1 when the batch gives at least two programs per SM; otherwise enough for about four
     per SM, each over at least `MIN_BLOCKS_PER_SPLIT` blocks of the table."""

@@ -105,3 +105,10 @@ def test_decode_kernel_resolution():
     hf = CONFIGS["llama"]().to_dict() | {"head_dim": 8, "hidden_size": 32, "num_attention_heads": 4}
     with pytest.raises(ValueError, match="head_dim >= 16"):
         Engine(hf, EngineConfig(device="cpu", dtype=torch.float32, decode_attention="triton"))
+
+
+def test_triton_kernel_off_cuda_needs_the_interpreter(monkeypatch):
+    """An explicit `triton` on CPU is refused when the engine is built, not at its first decode step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        Engine(CONFIGS["llama"](), EngineConfig(device="cpu", dtype=torch.float32, decode_attention="triton"))

@@ -25,6 +25,7 @@ when the kernel is first used.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -45,24 +46,20 @@ MIN_BLOCKS_PER_SPLIT = 4
 MIN_HEAD_DIM = 16
 """`tl.dot` needs an inner dimension of at least 16."""
 
-_KERNEL: Any = None
-_SM_COUNT: dict[int, int] = {}
-
 
 def available() -> bool:
     """Whether Triton is installed (it ships with torch's CUDA builds on Linux); nothing is imported."""
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
 def _kernel() -> Any:
     """The Triton kernel (compiled on first launch per set of constants; interpreted under TRITON_INTERPRET=1)."""
-    if _KERNEL is None:
-        import triton
+    import triton
 
-        from hf_mcore_bridge.engine.paged_decode_kernel import paged_decode_kernel
+    from hf_mcore_bridge.engine.paged_decode_kernel import paged_decode_kernel
 
-        globals()["_KERNEL"] = triton.jit(paged_decode_kernel)
-    return _KERNEL
+    return triton.jit(paged_decode_kernel)
 
 
 def _interpreted() -> bool:
@@ -74,10 +71,12 @@ def device_sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 for the interpreter, so that tests reach the split path)."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def supports(head_dim: int) -> bool:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
+
 DECODE_KERNELS = ("triton", "flex", "gather")
 """Decode attention kernels (see the module docstring)."""
 
@@ -208,8 +210,6 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMet
     q: [B, heads, D]; layer_cache: [2, NB, BS, kv_heads, D]. Returns [B, heads, D].
     """
     if meta.triton:
-        from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
-
         return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, scale)
     if meta.block_mask is not None:
         return _flex_decode(q, layer_cache, meta, scale)

@@ -266,7 +266,7 @@ class Engine:
             )
         kernel = cfg.decode_kernel(mc.head_dim)
         if kernel == "triton":
-            triton_check(self.device, mc.head_dim)
+            triton_check(self.device, mc.head_dim, cfg.block_size)
         self.model = CausalLM(
             mc,
             cfg.dtype,

@@ -1,8 +1,8 @@
 """The paged decode attention kernel's body (Triton), wrapped by `triton_decode`, which documents it.
 
 Kept in a module of its own so that Triton is imported only when the kernel is first used: `triton.jit` reads the
-function's source and its `tl.constexpr` annotations, and `triton_decode` wraps it once for CUDA and once for
-Triton's interpreter (CPU tensors, tests).
+function's source and its `tl.constexpr` annotations, and `triton_decode` wraps it on first use (compiled on
+CUDA, or run by Triton's interpreter where TRITON_INTERPRET=1 was set before Triton was imported).
 """
 
 import triton.language as tl

@@ -84,19 +84,20 @@ def supports(head_dim: int) -> bool:
     return head_dim >= MIN_HEAD_DIM and head_dim & (head_dim - 1) == 0
 
 
-def check_usable(device: torch.device, head_dim: int) -> None:
+def check_usable(device: torch.device, head_dim: int, block_size: int) -> None:
     """Raises ValueError, naming the reason, where the kernel cannot run: Triton missing, a CPU device outside
-    Triton's interpreter, or a head dimension it does not take."""
+    Triton's interpreter, or a head dimension or block size it does not take."""
     if not available():
-        raise ValueError("decode_attention='triton' needs Triton (shipped with torch's CUDA builds on Linux)")
+        raise ValueError("the triton decode kernel needs Triton (shipped with torch's CUDA builds on Linux)")
     if device.type != "cuda" and not _interpreted():
         raise ValueError(
-            "decode_attention='triton' runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1)"
+            "the triton decode kernel runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, "
+            "set before Triton is imported)"
         )
-    if not supports(head_dim):
+    if not supports(head_dim) or block_size & (block_size - 1):
         raise ValueError(
-            f"decode_attention='triton' needs a power-of-two head_dim >= {MIN_HEAD_DIM}; this model's is {head_dim} "
-            "(use flex or gather)"
+            f"the triton decode kernel needs a power-of-two head_dim >= {MIN_HEAD_DIM} (got {head_dim}) and a "
+            f"power-of-two block_size (got {block_size}); use decode_attention flex or gather"
         )
 
 
@@ -137,11 +138,7 @@ def paged_decode_attention(
     _, _, block_size, kv_heads, cache_dim = layer_cache.shape
     if cache_dim != head_dim or heads % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {kv_heads} KV heads x {cache_dim}")
-    if not supports(head_dim) or block_size & (block_size - 1):
-        raise ValueError(
-            f"the triton decode kernel needs a power-of-two head_dim >= {MIN_HEAD_DIM} (got {head_dim}) and a "
-            f"power-of-two block_size (got {block_size})"
-        )
+    check_usable(q.device, head_dim, block_size)
     if q.stride(-1) != 1 or layer_cache.stride(-1) != 1:
         raise ValueError("q and the cache need a contiguous last dimension")
     n_blocks = block_tables.shape[1]
@@ -153,10 +150,6 @@ def paged_decode_attention(
         tile = tile_blocks(block_size, blocks_per_split)
     group = heads // kv_heads
     interpret = _interpreted()
-    if not q.is_cuda and not interpret:
-        raise ValueError(
-            "the triton decode kernel needs CUDA tensors (or TRITON_INTERPRET=1, set before Triton is imported)"
-        )
     fp32 = q.dtype == torch.float32
     keys, values = layer_cache[0], layer_cache[1]
     if splits == 1:

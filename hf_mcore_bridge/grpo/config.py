@@ -194,7 +194,8 @@ class GRPOSection:
     val_num_prompts: int = 8
     """Prompts of the validation set scored (greedy, one sample each) at each validation."""
     normalize_rewards: bool = True
-    """Divide advantages by the group's reward standard deviation (GRPO); False: Dr. GRPO."""
+    """Divide advantages by a reward standard deviation (GRPO; the group's, or with `leave_one_out` the one
+    `leave_one_out_std` names); False: Dr. GRPO."""
     leave_one_out: bool = False
     """Baseline each completion with the mean of the others of its group (NeMo-RL's `use_leave_one_out_baseline`)."""
     leave_one_out_std: LeaveOneOutStd = LeaveOneOutStd.OTHERS
@@ -342,7 +343,13 @@ class GRPOConfig:
 _FORWARDED = ("transformer", "optimizer", "ddp")
 
 
+_NEMO_RL_NAMES = {"use_leave_one_out_baseline": "leave_one_out"}
+"""NeMo-RL keys spelled differently here: the suggestion names ours rather than the closest string."""
+
+
 def _unknown(key: str, valid: Sequence[str], where: str) -> GRPOConfigError:
+    if _NEMO_RL_NAMES.get(key) in valid:
+        return GRPOConfigError(f"unknown config key '{where}{key}'; NeMo-RL's name for '{where}{_NEMO_RL_NAMES[key]}'")
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     hint = f"; did you mean '{where}{close[0]}'?" if close else f"; valid keys here: {sorted(valid)}"
     return GRPOConfigError(f"unknown config key '{where}{key}'{hint}")

@@ -1,7 +1,7 @@
 """Defaults that would otherwise change the objective silently: stop tokens come from the model's EOS ids (the
 reference is transformers' own reading of the same files) and a run with none is refused in one line; truncated
 sampling (top_p < 1, top_k > 0) is refused for training; `grpo.leave_one_out_std` parses and defaults to NeMo-RL's
-choice."""
+choice (a NeMo-RL config's `use_leave_one_out_baseline` is pointed to `grpo.leave_one_out`)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,9 @@ def test_leave_one_out_std_defaults_to_nemo_rl_and_parses(tmp_path: Path) -> Non
     assert config_from_dict(base[0], [*base[1], "grpo.leave_one_out_std=group"]).grpo.leave_one_out_std == "group"
     with pytest.raises(GRPOConfigError, match="leave_one_out_std"):
         config_from_dict(base[0], [*base[1], "grpo.leave_one_out_std=mean"])
+
+
+def test_nemo_rl_leave_one_out_key_points_to_ours(tmp_path: Path) -> None:
+    base = _base(tmp_path, "grpo.use_leave_one_out_baseline=true")
+    with pytest.raises(GRPOConfigError, match=r"NeMo-RL's name for 'grpo\.leave_one_out'$"):
+        config_from_dict(*base)

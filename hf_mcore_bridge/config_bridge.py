@@ -47,6 +47,8 @@ class MoeConfig:
     """Softmax over all experts, then top-k without renormalising (HF `norm_topk_prob=False`); otherwise top-k of
     the logits then softmax over the k, which equals HF's softmax -> top-k -> renormalise."""
     aux_loss_coeff: float
+    """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
+    a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
     shared_expert_size: int | None = None
     """FFN width of the shared expert (Qwen2-MoE), if any."""
     shared_expert_gate: bool = False
@@ -238,7 +240,10 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
         "moe_router_topk": moe.topk,
         "moe_layer_freq": 1 if all(moe.moe_layers) else [int(m) for m in moe.moe_layers],
         "moe_router_pre_softmax": moe.pre_softmax,
-        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        # HF configs carry a pre-training load-balancing coefficient (`router_aux_loss_coef`); turned into an
+        # always-on loss it would change the objective of every run that builds this config. A trainer that wants
+        # it sets `moe_aux_loss_coeff` itself (GRPO: policy.megatron_cfg.transformer.moe_aux_loss_coeff).
+        "moe_aux_loss_coeff": 0.0,
         "moe_shared_expert_intermediate_size": moe.shared_expert_size,
         "moe_shared_expert_gate": moe.shared_expert_gate,
         "moe_grouped_gemm": False,
@@ -251,7 +256,8 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
     """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`;
     `transformer_impl` from `transformer_impl.default_transformer_impl`).
 
-    MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training.
+    MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training. The
+    auxiliary load-balancing loss is off (`moe_aux_loss_coeff` 0, whatever the HF `router_aux_loss_coef`).
     """
     return _moe_kwargs(model.moe, layout) | {
         "num_layers": model.num_layers,
@@ -372,7 +378,8 @@ def _moe_args(moe: MoeConfig | None) -> dict[str, Any]:
     args = _moe_kwargs(moe, Layout())
     args["num_experts"] = args.pop("num_moe_experts")
     del args["expert_tensor_parallel_size"]  # recorded with the layout
-    return args | {"moe_router_load_balancing_type": "aux_loss"}
+    # the args describe the model as its HF config does (export writes `router_aux_loss_coef` back from them)
+    return args | {"moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_load_balancing_type": "aux_loss"}
 
 
 def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | None:

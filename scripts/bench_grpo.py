@@ -100,6 +100,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, prompts: Path) -> dict
         },
         "loss_fn": {"kl_coef": args.kl_coef},
         "generation": {
+            "stop_token_ids": [],  # every completion runs to max_new_tokens: a fixed token count per step
             "max_new_tokens": args.max_new_tokens,
             "max_model_len": args.prompt_tokens + args.max_new_tokens,
             "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),

@@ -19,8 +19,10 @@ Simplifications and how to extend:
   experts in every layer. Another architecture with this routing is one more `ArchSpec` with a `MoeSpec`; grouped
   or sigmoid routing with expert score biases (DeepSeek-V3) would need a new routing function and is not
   implemented. `router_jitter_noise` and the auxiliary load-balancing loss are training-only and ignored.
-- Experts load only from HF's per-expert names (the layout saved on the Hub); the fused in-memory names of a
-  transformers-5 model (`mlp.experts.gate_up_proj`) are unknown names, as are any other unlisted names.
+- Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
+  transformers-5 model (`mlp.experts.gate_up_proj` [E, 2F, H], gate rows then up rows; `mlp.experts.down_proj`
+  [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
+  with the conversion's own rules (`Architecture.fused_experts` in `mappings/`), so there is one name table.
 - RoPE types: default, linear and llama3. Others (yarn, dynamic, longrope) are refused, not approximated.
 - Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused.
 """
@@ -468,3 +470,37 @@ def _moe(cfg: ModelConfig) -> list[Entry]:
         table += _gated_mlp(f"{block}.shared_expert", moe.shared_expert_width)
         table.append(Direct(f"{block}.shared_expert_gate.weight"))
     return table
+
+
+@dataclass(frozen=True)
+class FusedPiece:
+    """One per-expert HF tensor inside a fused transformers-5 tensor."""
+
+    name: str
+    """The per-expert HF name it stands for (a key of the weight table's expansion)."""
+    expert: int | None
+    """Index on the fused tensor's leading expert axis; None: the fused tensor is the piece (a renamed router)."""
+    part: str
+    """`gate` / `up`: the first / second half of the rows (after the expert index); `all`: every row."""
+
+
+def fused_expert_pieces(cfg: ModelConfig) -> dict[str, tuple[FusedPiece, ...]]:
+    """transformers-5 in-memory name -> the per-expert tensors it holds, for every MoE layer of `cfg`.
+
+    Derived from the conversion's `fused_experts` rules of the architecture (per-expert template -> fused template,
+    part); {} for a dense model or an architecture without such rules.
+    """
+    if cfg.moe is None:
+        return {}
+    from hf_mcore_bridge.mapping_types import fill
+    from hf_mcore_bridge.mappings import get_architecture
+
+    rules = get_architecture(cfg.arch.hf_architecture).fused_experts or {}
+    pieces: dict[str, list[FusedPiece]] = {}
+    for layer in sorted(cfg.moe.layers):
+        for template, (fused_template, part) in rules.items():
+            experts = range(cfg.moe.num_experts) if EXPERT in template else (None,)
+            for expert in experts:
+                fused = fill(fused_template, layer, expert)
+                pieces.setdefault(fused, []).append(FusedPiece(fill(template, layer, expert), expert, part))
+    return {name: tuple(found) for name, found in pieces.items()}

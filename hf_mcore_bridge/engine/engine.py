@@ -322,10 +322,11 @@ class Engine:
         """Copies HF-named, full (unsharded) tensors into the engine, in any order and any number of calls.
 
         q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`, and each expert's
-        tensors (HF's per-expert names, as saved on the Hub) fill its slice of the stacked `experts.w13` /
-        `experts.w2`; a tied `lm_head` is skipped. Unknown names raise `UnknownWeightError`. Returns the HF names
-        loaded by this call. Allowed while awake or asleep at level 1; after `sleep(level=2)`, call `wake_up()`
-        first, then reload every weight.
+        tensors (HF's per-expert names, as saved on the Hub, or a transformers-5 model's fused in-memory
+        `mlp.experts.gate_up_proj` / `down_proj`, so `hf_model.named_parameters()` loads as it is) fill its slice of
+        the stacked `experts.w13` / `experts.w2`; a tied `lm_head` is skipped. Unknown names raise
+        `UnknownWeightError`. Returns the HF names loaded by this call. Allowed while awake or asleep at level 1;
+        after `sleep(level=2)`, call `wake_up()` first, then reload every weight.
         """
         if self._sleep_level == 2:
             raise EngineAsleepError("weights were released by sleep(level=2); call wake_up() before load_weights")

@@ -20,7 +20,10 @@ and taking the same stacked `experts.w13` [E, 2F, H] / `experts.w2` [E, H, F] pa
 Weights: parameters are created empty and filled only through `load_weights`, which takes HF names and full
 (unsharded) tensors in any order and in any number of calls; `{q,k,v}_proj` go into row slices of `qkv_proj`,
 `{gate,up}_proj` into `gate_up_proj`, and each expert's tensors (HF's per-expert names) into slice `[expert]` of
-the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`). Copies are in place, so a refit
+the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`); a transformers-5 model's fused
+in-memory expert tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, Mixtral's `mlp.gate.weight`) are
+split into those per-expert names first (`arch.fused_expert_pieces`), so `load_weights(hf_model.named_parameters())`
+works for every architecture. Copies are in place, so a refit
 keeps every parameter's storage (and any CUDA graph captured over it) valid. `check_loaded` names whatever has not
 been loaded since the weights were (re)allocated.
 """
@@ -41,11 +44,13 @@ from hf_mcore_bridge.engine.arch import (
     ExpertGateUp,
     ExpertSlice,
     FusedGateUp,
+    FusedPiece,
     FusedQKV,
     MlpKind,
     ModelConfig,
     MoeConfig,
     RopeConfig,
+    fused_expert_pieces,
     ignored_names,
     weight_table,
 )
@@ -387,6 +392,12 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.targets = _expand_targets(cfg)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
+        self.fused = {
+            name: pieces
+            for name, pieces in fused_expert_pieces(cfg).items()
+            if name not in self.targets and all(piece.name in self.targets for piece in pieces)
+        }
+        """transformers-5 fused expert name -> the per-expert HF names it is split into by `load_weights`."""
         self.loaded: set[str] = set()
         self.weights_version = 0
         """Incremented whenever the parameters' storage is released or reallocated (they keep it otherwise)."""
@@ -432,8 +443,10 @@ class CausalLM(nn.Module):
             h = h.index_select(0, logits_rows)
         return F.linear(h, self.lm_head.weight)
 
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF-named full tensors into place; returns the HF names loaded by this call.
+        """Copies HF-named full tensors into place; returns the HF names loaded by this call (per-expert names for
+        a fused transformers-5 expert tensor).
 
         Raises `UnknownWeightError` for a name the model has no place for and `ValueError` for a shape mismatch.
         """
@@ -441,7 +454,7 @@ class CausalLM(nn.Module):
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         held = 0
-        for name, tensor in weights:
+        for name, tensor in self._split_fused(weights):
             if name not in self.targets:
                 if name in self.ignored:
                     continue
@@ -467,6 +480,19 @@ class CausalLM(nn.Module):
             torch._foreach_copy_(dests, sources)
         self.loaded |= done
         return done
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """`weights` with each fused transformers-5 expert tensor replaced by its per-expert views."""
+        for name, tensor in weights:
+            pieces = self.fused.get(name)
+            if pieces is None:
+                yield name, tensor
+                continue
+            experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
+            if pieces[0].expert is not None and (tensor.dim() < 2 or tensor.shape[0] != experts):
+                raise ValueError(f"{name}: expected {experts} experts on dim 0, got shape {tuple(tensor.shape)}")
+            for piece in pieces:
+                yield piece.name, _piece_of(tensor, piece)
 
     def hf_view(self, hf_name: str) -> torch.Tensor:
         """The engine's storage of one HF tensor: a whole parameter, or a view of its expert slice and rows."""
@@ -506,6 +532,15 @@ class CausalLM(nn.Module):
         self.loaded.clear()
         self._views.clear()
         self.weights_version += 1
+
+
+def _piece_of(fused: torch.Tensor, piece: FusedPiece) -> torch.Tensor:
+    """One expert's tensor (a view) inside a fused `[num_experts, rows, cols]` tensor."""
+    tensor = fused if piece.expert is None else fused[piece.expert]
+    if piece.part == "all":
+        return tensor
+    half = tensor.shape[0] // 2
+    return tensor[:half] if piece.part == "gate" else tensor[half:]
 
 
 def _expand(templates: Iterable[str], num_layers: int) -> set[str]:

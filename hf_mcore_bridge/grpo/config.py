@@ -33,6 +33,7 @@ import yaml
 
 from hf_mcore_bridge.engine.attention import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.advantages import LeaveOneOutStd
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
 from hf_mcore_bridge.transformer_impl import check_transformer_impl
 
@@ -193,9 +194,14 @@ class GRPOSection:
     val_num_prompts: int = 8
     """Prompts of the validation set scored (greedy, one sample each) at each validation."""
     normalize_rewards: bool = True
-    """Divide advantages by the group's reward standard deviation (GRPO); False: Dr. GRPO."""
+    """Divide advantages by a reward standard deviation (GRPO; the group's, or with `leave_one_out` the one
+    `leave_one_out_std` names); False: Dr. GRPO."""
     leave_one_out: bool = False
-    """Baseline each completion with the mean of the others of its group."""
+    """Baseline each completion with the mean of the others of its group (NeMo-RL's `use_leave_one_out_baseline`)."""
+    leave_one_out_std: LeaveOneOutStd = LeaveOneOutStd.OTHERS
+    """With `leave_one_out` and `normalize_rewards`, what each advantage is divided by: `others`, the sample std of
+    the other rewards of its group (NeMo-RL's; an advantage whose others are all equal is left undivided), or
+    `group`, the sample std of the whole group (see `grpo.advantages`)."""
     probe_prompt: str | None = None
     """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
 
@@ -205,18 +211,19 @@ class GenerationConfig:
     """Rollouts."""
 
     backend: str = "embedded"
-    """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM,
-    top_p 1 and top_k 0, since vLLM reports log-probs after truncation)."""
+    """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass (engine log-probs are taken before truncation)."""
+    """Nucleus sampling mass; must be 1 for training (the trainer scores the untruncated distribution)."""
     top_k: int = 0
-    """Top-k truncation (0: off)."""
+    """Top-k truncation (0: off); must be 0 for training, as `top_p`."""
     max_new_tokens: int = 16
     """Tokens generated at most per completion."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Generation of a sample ends after one of these; the tokenizer's EOS is NOT added implicitly."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Generation of a sample ends after one of these. None: the model's EOS ids (`eos_token_id` of its
+    `generation_config.json`, else of `config.json`, else the tokenizer's `eos_token`); a run where none is found
+    is refused. `[]`: no stop tokens, every completion runs to `max_new_tokens`."""
     max_model_len: int = 512
     """Prompt plus completion, at most."""
     kv_cache_memory_bytes: int = 64 << 20
@@ -336,7 +343,13 @@ class GRPOConfig:
 _FORWARDED = ("transformer", "optimizer", "ddp")
 
 
+_NEMO_RL_NAMES = {"use_leave_one_out_baseline": "leave_one_out"}
+"""NeMo-RL keys spelled differently here: the suggestion names ours rather than the closest string."""
+
+
 def _unknown(key: str, valid: Sequence[str], where: str) -> GRPOConfigError:
+    if _NEMO_RL_NAMES.get(key) in valid:
+        return GRPOConfigError(f"unknown config key '{where}{key}'; NeMo-RL's name for '{where}{_NEMO_RL_NAMES[key]}'")
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     hint = f"; did you mean '{where}{close[0]}'?" if close else f"; valid keys here: {sorted(valid)}"
     return GRPOConfigError(f"unknown config key '{where}{key}'{hint}")
@@ -634,9 +647,10 @@ def _validate(config: GRPOConfig) -> None:
     )
     _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
     _require(
-        gen.backend != "vllm" or (gen.top_p == 1.0 and gen.top_k == 0),
-        "generation.backend=vllm needs top_p=1 and top_k=0 (vLLM's log-probs are taken after truncation, the"
-        " trainer's before)",
+        gen.top_p == 1.0 and gen.top_k == 0,
+        f"generation.top_p={gen.top_p} / top_k={gen.top_k}: truncated sampling is refused for training (the trainer"
+        " scores the full softmax, so its log-probs and importance ratios would not be those of the sampled"
+        " distribution); use top_p=1 and top_k=0 and tune the temperature instead",
     )
     _require(
         gen.backend != "vllm" or importlib.util.find_spec("vllm") is not None,
@@ -665,6 +679,10 @@ def _validate(config: GRPOConfig) -> None:
         "checkpointing.save_period must be >= 1",
     )
     _validate_forwarded(mcfg)
+    from hf_mcore_bridge.grpo.stop_tokens import stop_token_ids
+
+    if Path(policy.model_path).exists():  # a missing model is refused when the run starts (`with_stop_token_ids`)
+        stop_token_ids(config)
     from hf_mcore_bridge.grpo.rewards import RewardLoadError, resolve_reward_fn
     from hf_mcore_bridge.grpo.tasks import generate_records
 

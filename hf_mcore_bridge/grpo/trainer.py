@@ -63,6 +63,7 @@ from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum, checksum_tensor
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
+from hf_mcore_bridge.grpo.stop_tokens import with_stop_token_ids
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -189,6 +190,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
 def train_grpo(config: GRPOConfig) -> RunResult:
     """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
     config.validate()
+    config = with_stop_token_ids(config)
     prepared = prepare_run(config)
     _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
     _save_config(config, prepared.log_dir)
@@ -351,7 +353,9 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
     answers = [r["answer"] for r in records for _ in range(group)]
     rewards = torch.tensor(compute_rewards(ctx.reward_fn, texts, answers))
     advantage_config = AdvantageConfig(
-        normalize_std=config.grpo.normalize_rewards, leave_one_out=config.grpo.leave_one_out
+        normalize_std=config.grpo.normalize_rewards,
+        leave_one_out=config.grpo.leave_one_out,
+        leave_one_out_std=config.grpo.leave_one_out_std,
     )
     advantages = group_advantages(rewards, group, advantage_config)
     rollouts = [

@@ -124,7 +124,7 @@ def test_unknown_expert_names_are_errors_naming_them(get_hf_model):
     for name, shape in (
         ("model.layers.0.mlp.experts.8.up_proj.weight", (32, 64)),  # experts 0..7 only
         ("model.layers.1.mlp.experts.0.up_proj.weight", (32, 64)),  # layer 1 is dense (mlp_only_layers)
-        ("model.layers.2.mlp.experts.gate_up_proj", (8, 64, 64)),  # transformers' in-memory fused name
+        ("model.layers.1.mlp.experts.gate_up_proj", (8, 64, 64)),  # a fused name on the dense layer
         ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),  # Qwen2-MoE only
     ):
         with pytest.raises(UnknownWeightError, match=name.replace(".", r"\.")):

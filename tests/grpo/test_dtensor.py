@@ -313,6 +313,7 @@ def test_dtensor_world_follows_the_config(tmp_path: Path) -> None:
 
     base = {
         "policy": {"model_path": str(tmp_path), "megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}},
+        "generation": {"stop_token_ids": [0]},  # the empty model directory declares no EOS
         "data": {"task": "repeat_digit"},
     }
     config = config_from_dict(base, ["policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4"])

@@ -326,13 +326,28 @@ def test_demo_refuses_a_foreign_directory_and_an_earlier_demo_without_overwrite(
     assert snapshot(tmp_path) == before
 
 
+def test_demo_is_refused_while_locked(tmp_path):
+    earlier = tmp_path / "demo"
+    tool_marker(earlier, command="demo")
+    with (tmp_path / ".demo.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        handle.write("4343\n")
+        handle.flush()
+        before = snapshot(tmp_path)
+        assert_refused(run("demo", earlier, "--overwrite"), "another run", "pid 4343")
+        assert snapshot(tmp_path) == before
+
+
 @pytest.mark.slow
 def test_demo_replaces_an_earlier_demo_with_overwrite(tmp_path):
     earlier = tmp_path / "demo"
     tool_marker(earlier, command="demo")
     (earlier / "old.txt").write_text("from an earlier demo")
+    stale = tmp_path / ".demo.partial-0123abcd"
+    tool_marker(stale, command="demo")
     result = run("demo", earlier, "--tp", "1", "--pp", "1", "--overwrite")
     assert result.exit_code == 0, result.output
+    assert f"note: removed {stale}, the unfinished output of an interrupted run" in result.output
     assert "bit-identical" in result.output and str(tmp_path / "demo" / "mcore") in result.output
     assert not (earlier / "old.txt").exists() and (earlier / "hf-back" / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]

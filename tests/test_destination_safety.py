@@ -414,8 +414,10 @@ def test_retry_after_a_failed_upload_reuses_the_local_copy(run_dir, tmp_path, mo
     assert [name for name, _ in hub.calls] == ["create_repo", "upload_folder"] * 2
     upload = hub.calls[-1][1]
     assert upload["folder_path"] == str(out) and MARKER in upload["ignore_patterns"]
-    # Another step is another export: it is not reused, and replacing the copy needs --overwrite.
+    # Another step or another card is another export: not reused, and replacing the copy needs --overwrite.
     assert_refused(run("export", run_dir, out, "--step", "5", "--push-to-hub", "org/tiny"), "--overwrite")
+    assert_refused(run("export", run_dir, out, "--base-model", "x/y", "--push-to-hub", "org/tiny"), "--overwrite")
+    assert snapshot(tmp_path) == written and len(hub.calls) == 4
 
 
 @pytest.mark.parametrize(("step", "expected"), [(None, 10), (5, 5)])

@@ -124,7 +124,13 @@ def export_run(
     checkpoints = find_checkpoints(run_dir)
     _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
     exported_step = step_of(checkpoint_dir)
-    record = {"command": _EXPORT_COMMAND, "sources": [str(real_path(run_dir))], "step": exported_step}
+    # What makes two exports the same (a retry may reuse the first): the run, the step, the card's base model.
+    record = {
+        "command": _EXPORT_COMMAND,
+        "sources": [str(real_path(run_dir))],
+        "step": exported_step,
+        "base_model": base_model,
+    }
     reuse = push_to_hub is not None and not (overwrite or overwrite_foreign) and _holds_export(destination, record)
     if not reuse:
         check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -133,26 +139,30 @@ def export_run(
         notice(f"{destination} already holds this export (same run, step {exported_step}); uploading it as it is")
     else:
         _write_export(
-            checkpoints, checkpoint_dir, run_dir, destination, exported_step, base_model, config_path, record,
-            overwrite=overwrite, overwrite_foreign=overwrite_foreign,
-        )  # fmt: skip
+            checkpoint_dir,
+            run_dir,
+            destination,
+            record,
+            config_path=config_path,
+            overwrite=overwrite,
+            overwrite_foreign=overwrite_foreign,
+        )
     url = upload(api, destination, push_to_hub) if api is not None and push_to_hub is not None else None
     return ExportResult(destination, exported_step, url)
 
 
 def _write_export(
-    checkpoints: Path,
     checkpoint_dir: Path,
     run_dir: Path,
     destination: Path,
-    step: int | None,
-    base_model: str | None,
-    config_path: Path | None,
     record: dict[str, Any],
     *,
+    config_path: Path | None,
     overwrite: bool,
     overwrite_foreign: bool,
 ) -> None:
+    """Assemble the HF directory, metrics, plot, config and card of one export (`record` names step and base model)."""
+    step, base_model = record["step"], record["base_model"]
     log_dir = find_metrics(run_dir)
     records = read_metrics(log_dir) if log_dir else []
     if step is not None:

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from hf_mcore_bridge.destination import (
+    DestinationError,
     check_existing,
     check_overlap,
     clear_leftovers,
@@ -88,11 +89,19 @@ def atomic_directory(
 
 
 def _replace(staging: Path, dst: Path) -> None:
-    """Put `staging` at `dst`; an existing `dst` is renamed aside and removed only once the new one is in place."""
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        dst.rename(old)
-    staging.rename(dst)
+    """Put `staging` at `dst`; an existing `dst` is renamed aside and removed only once the new one is in place.
+
+    When a rename fails (e.g. `dst` is a mount point) the old output is put back and the new one removed.
+    """
+    old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}" if dst.exists() else None
+    try:
+        if old is not None:
+            dst.rename(old)
+        staging.rename(dst)
+    except OSError as err:
+        if old is not None and old.exists() and not dst.exists():
+            old.rename(dst)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DestinationError(f"could not put the output in place at {dst}: {err.strerror or err}") from None
     if old is not None:
         shutil.rmtree(old)

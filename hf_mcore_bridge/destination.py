@@ -128,7 +128,10 @@ def lock_path(dst: Path) -> Path:
 
 @contextmanager
 def destination_lock(dst: Path, shown: Path | str) -> Iterator[None]:
-    """Hold the lock of destination `dst` (a real path whose parent exists); refuse when another run holds it."""
+    """Hold the lock of destination `dst` (a real path whose parent exists); refuse when another run holds it.
+
+    Not `filelock`: the refusal names the holder, so the holder writes its pid into the file it locks.
+    """
     path = lock_path(dst)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -187,6 +187,22 @@ def test_a_file_as_destination_is_refused(case):
     assert snapshot(case.work) == before
 
 
+def test_failed_swap_puts_the_old_output_back(case, monkeypatch):
+    destination = case.work / "out"
+    assert invoke(case, case.source, destination).exit_code == 0
+    before = snapshot(case.work)
+    rename = Path.rename
+
+    def refuse_the_new_one(self, target):  # renaming the old output aside works; putting the new one in fails
+        if self.name.startswith(".out.partial-") and Path(target) == destination.resolve():
+            raise OSError(16, "Device or resource busy")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse_the_new_one)
+    assert_refused(invoke(case, case.source, destination, "--overwrite"), "could not put the output in place")
+    assert snapshot(case.work) == before
+
+
 # --- requirement 5: the lock and the leftovers of interrupted runs ---
 
 

@@ -179,6 +179,17 @@ def test_tool_output_needs_overwrite_and_is_then_replaced(case):
     assert sorted(p.name for p in case.work.iterdir()) == ["out", "src"]
 
 
+def test_destination_through_a_symlink_is_written_where_it_points(case):
+    real = case.work / "real"
+    assert invoke(case, case.source, real).exit_code == 0
+    (real / "stale.txt").write_text("from the first run")
+    (case.work / "link").symlink_to(real)
+    result = invoke(case, case.source, case.work / "link", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert os.readlink(case.work / "link") == str(real) and not (real / "stale.txt").exists()
+    assert (real / MARKER).exists() and sorted(p.name for p in case.work.iterdir()) == ["link", "real", "src"]
+
+
 def test_a_file_as_destination_is_refused(case):
     destination = case.work / "out"
     destination.write_text("a file")

@@ -80,9 +80,9 @@ def _run(action: Callable[[], T]) -> T:
             raise
         typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output is written (atomic.Terminated: 143)
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
-        raise typer.Exit(130) from None
+        raise typer.Exit(getattr(err, "exit_code", 130)) from None
     except Exception as err:
         if _state["debug"]:
             raise
@@ -101,7 +101,7 @@ def main(
 @app.command()
 def convert(
     source: Annotated[Path, typer.Argument(help="HF model directory (--to mcore) or Megatron checkpoint (--to hf).")],
-    destination: Annotated[Path, typer.Argument(help="Output directory; must be empty or absent.")],
+    destination: Annotated[Path, typer.Argument(help="Output directory: absent, empty, or see --overwrite.")],
     to: Annotated[Target, typer.Option("--to", help="Target format.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size the checkpoint is prepared for.")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline-parallel size.")] = 1,
@@ -121,7 +121,13 @@ def convert(
     hf_config: Annotated[Path | None, typer.Option(help="HF config.json (or its directory) for --to hf.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="Directory with tokenizer files for --to hf.")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard (--to hf).")] = "5GB",
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a destination written earlier by this tool.")] = False,
+    overwrite_foreign: Annotated[
+        bool,
+        typer.Option(
+            help="Replace any non-empty destination, even one this tool did not write (deletes its contents)."
+        ),
+    ] = False,
     ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
     allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -146,6 +152,7 @@ def convert(
                 spec=spec.value,
                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                 overwrite=overwrite,
+                overwrite_foreign=overwrite_foreign,
                 ignore_unknown=ignore_unknown,
                 allow_pickle=allow_pickle,
                 show_progress=progress,
@@ -163,6 +170,7 @@ def convert(
                 hf_config=hf_config,
                 tokenizer=tokenizer,
                 overwrite=overwrite,
+                overwrite_foreign=overwrite_foreign,
                 ignore_unknown=ignore_unknown,
                 show_progress=progress,
             )
@@ -278,12 +286,18 @@ def train_grpo_command(
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A GRPO run (or its checkpoint directory).")],
-    destination: Annotated[Path, typer.Argument(help="Where the HF model goes; must be empty or absent.")],
+    destination: Annotated[Path, typer.Argument(help="Where the HF model goes: absent, empty, or see --overwrite.")],
     step: Annotated[int | None, typer.Option(help="Which saved step (default: the latest).")] = None,
     base_model: Annotated[str | None, typer.Option(help="The base model named in the model card.")] = None,
     push_to_hub: Annotated[str | None, typer.Option(help="Upload to this Hub repo (ORG/NAME).")] = None,
     private: Annotated[bool, typer.Option(help="Create the Hub repo private.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a destination written earlier by this tool.")] = False,
+    overwrite_foreign: Annotated[
+        bool,
+        typer.Option(
+            help="Replace any non-empty destination, even one this tool did not write (deletes its contents)."
+        ),
+    ] = False,
 ) -> None:
     """Export a trained policy as an HF model with a model card (config, reward curve); optionally to the Hub.
 
@@ -300,6 +314,7 @@ def export(
             push_to_hub=push_to_hub,
             private=private,
             overwrite=overwrite,
+            overwrite_foreign=overwrite_foreign,
         )
         typer.echo(f"wrote {result.destination}" + (f"; uploaded: {result.repo_url}" if result.repo_url else ""))
 
@@ -311,12 +326,19 @@ def demo(
     workdir: Annotated[Path, typer.Argument(help="Where to put the demo checkpoints.")] = Path("demo"),
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 2,
     pp: Annotated[int, typer.Option(help="Pipeline-parallel size.")] = 2,
+    overwrite: Annotated[bool, typer.Option(help="Replace a directory written by an earlier demo.")] = False,
+    overwrite_foreign: Annotated[
+        bool,
+        typer.Option(
+            help="Replace any non-empty destination, even one this tool did not write (deletes its contents)."
+        ),
+    ] = False,
 ) -> None:
     """Build a tiny Llama-architecture checkpoint locally, convert it to TP x PP, verify it, export it back."""
     from hf_mcore_bridge.demo import run_demo
 
     def action() -> None:
-        for line in run_demo(workdir, tp=tp, pp=pp):
+        for line in run_demo(workdir, tp=tp, pp=pp, overwrite=overwrite, overwrite_foreign=overwrite_foreign):
             typer.echo(line)
 
     _run(action)

@@ -18,6 +18,7 @@ import torch
 from hf_mcore_bridge import config_bridge
 from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
+from hf_mcore_bridge.destination import check_destination, real_path
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
@@ -128,10 +129,17 @@ def convert_mcore_to_hf(
     hf_config: Path | None = None,
     tokenizer: Path | None = None,
     overwrite: bool = False,
+    overwrite_foreign: bool = False,
     ignore_unknown: bool = False,
     show_progress: bool = True,
 ) -> ConversionResult:
-    """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer)."""
+    """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
+
+    The destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
+    output of this tool, `overwrite_foreign` anything.
+    """
+    sources = [source, hf_config, tokenizer]
+    check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     from huggingface_hub import split_torch_state_dict_into_shards
 
     started = time.perf_counter()
@@ -163,7 +171,13 @@ def convert_mcore_to_hf(
         filename_pattern="model{suffix}.safetensors",
     )
     destination = Path(destination)
-    with atomic_directory(destination, overwrite=overwrite) as staging:
+    with atomic_directory(
+        destination,
+        sources=sources,
+        overwrite=overwrite,
+        overwrite_foreign=overwrite_foreign,
+        record={"command": "convert --to hf", "sources": [str(real_path(s)) for s in sources if s is not None]},
+    ) as staging:
         writers = {
             file: SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
             for file, names in split.filename_to_tensors.items()

@@ -19,6 +19,7 @@ from hf_mcore_bridge import config_bridge
 from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
+from hf_mcore_bridge.destination import check_destination, real_path
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.legacy_format import write_legacy
@@ -142,6 +143,7 @@ def convert_hf_to_mcore(
     spec: str = "te",
     make_vocab_size_divisible_by: int = 128,
     overwrite: bool = False,
+    overwrite_foreign: bool = False,
     ignore_unknown: bool = False,
     allow_pickle: bool = False,
     show_progress: bool = True,
@@ -150,8 +152,10 @@ def convert_hf_to_mcore(
     """Convert an HF model directory into a Megatron-LM-loadable checkpoint (`release/`).
 
     `checkpoint_format` is `torch_dist` (megatron-core's distributed checkpoint, loadable at any layout) or
-    `torch` (the legacy per-rank files, exactly at `layout`).
+    `torch` (the legacy per-rank files, exactly at `layout`). The destination is checked before any work
+    (`destination.check_destination`): `overwrite` replaces only an output of this tool, `overwrite_foreign` anything.
     """
+    check_destination(destination, [source], overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     started = time.perf_counter()
     layout = layout or Layout()
     hf = HFCheckpoint(source, allow_pickle=allow_pickle)
@@ -178,7 +182,13 @@ def convert_hf_to_mcore(
         ckpt_format=checkpoint_format,
     )
     destination = Path(destination)
-    with atomic_directory(destination, overwrite=overwrite) as staging:
+    with atomic_directory(
+        destination,
+        sources=[source],
+        overwrite=overwrite,
+        overwrite_foreign=overwrite_foreign,
+        record={"command": "convert --to mcore", "sources": [str(real_path(source))]},
+    ) as staging:
         checkpoint_dir = staging / iteration_dirname(None)
         if checkpoint_format == "torch":
             files = layout.tp * layout.pp * layout.ep

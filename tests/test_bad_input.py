@@ -113,9 +113,10 @@ def test_non_empty_destination_needs_overwrite(llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    assert_one_line_error(_to_mcore(llama, out), "not empty", "--overwrite")
+    assert_one_line_error(_to_mcore(llama, out), "not empty", "--overwrite-foreign")
+    assert_one_line_error(_to_mcore(llama, out, "--overwrite"), "not written by", "--overwrite-foreign")
     assert (out / "keep.txt").read_text() == "precious"
-    assert _to_mcore(llama, out, "--overwrite").exit_code == 0
+    assert _to_mcore(llama, out, "--overwrite-foreign").exit_code == 0
     assert not (out / "keep.txt").exists() and (out / "release" / ".metadata").exists()
 
 

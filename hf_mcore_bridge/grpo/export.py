@@ -5,7 +5,15 @@ checkpoint already holds its policy as an HF directory (`grpo.dtensor_checkpoint
 the base model and the training backend,
 carries the training config and the reward curve (a PNG and a table). The upload goes through `huggingface_hub`
 with whatever credentials the user has configured (`HF_TOKEN` or `huggingface-cli login`); the token is never
-read, printed or stored here. Everything is assembled in a temporary sibling and renamed into place.
+read, printed or stored here.
+
+Order of work, so that nothing is written for a run that cannot finish: the repo id is checked with
+huggingface_hub's own validator, the destination with `destination.check_destination` (never the run itself,
+never a directory this tool did not write), then the Hub is reached (`create_repo`, which also proves the
+credentials may write there), then the local copy is assembled in a temporary sibling and renamed into place, and
+only then uploaded. A retry after a failed upload finds the local copy of the same run and step (its marker says
+so) and uploads it as it is. The card names the step that was exported; a `generation_config.json` is always
+written (the run's own, else one built from the model config's and tokenizer's special token ids).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_mcore_bridge.atomic import atomic_directory
+from hf_mcore_bridge.destination import MARKER_NAME, check_destination, check_overlap, notice, read_marker, real_path
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.dtensor_checkpoint import hf_policy_of
 from hf_mcore_bridge.grpo.metrics import METRICS_FILE, read_metrics
@@ -25,6 +34,8 @@ from hf_mcore_bridge.megatron_dirs import TRACKER_NAME, resolve_checkpoint
 from hf_mcore_bridge.to_hf import convert_mcore_to_hf
 
 CONFIG_FILE = "grpo_config.yaml"
+GENERATION_CONFIG_FILE = "generation_config.json"
+_EXPORT_COMMAND = "export"
 _BACKEND_NAMES = {"megatron-core": "megatron-core", "fsdp2": "PyTorch FSDP2 (DTensor)"}
 
 
@@ -44,9 +55,10 @@ def find_checkpoints(run_dir: Path) -> Path:
 
 
 def _find(run_dir: Path, name: str) -> Path | None:
-    """`name` under the run directory or, when given the checkpoint directory itself, under its parent."""
+    """`name` under the run directory or, when given the checkpoint directory itself, under its parent; never a
+    copy inside an earlier export (which may sit beside the checkpoints and holds a filtered copy)."""
     for root in (run_dir, run_dir.parent):
-        found = sorted(root.rglob(name))
+        found = sorted(p for p in root.rglob(name) if (read_marker(p.parent) or {}).get("command") != _EXPORT_COMMAND)
         if found:
             return found[0]
     return None
@@ -70,9 +82,9 @@ def model_card(
     if base_model:
         front.append(f"base_model: {base_model}")
     lines = [*front, "---", "", "# GRPO policy", ""]
+    exported = f"step {step}" if step is not None else "a release checkpoint (no training step recorded)"
     lines.append(
-        f"Trained with GRPO on {_BACKEND_NAMES.get(backend, backend)} with hf-mcore-bridge; exported from step"
-        f" {step if step else 'latest'}."
+        f"Trained with GRPO on {_BACKEND_NAMES.get(backend, backend)} with hf-mcore-bridge; exported from {exported}."
     )
     if base_model:
         lines += ["", f"Base model: `{base_model}`."]
@@ -98,23 +110,86 @@ def export_run(
     push_to_hub: str | None = None,
     private: bool = False,
     overwrite: bool = False,
+    overwrite_foreign: bool = False,
 ) -> ExportResult:
-    """Export a run's checkpoint (the latest, or `step`) to `destination`; upload it when `push_to_hub` names a repo."""
+    """Export a run's checkpoint (the latest, or `step`) to `destination`; upload it when `push_to_hub` names a repo.
+
+    `overwrite` replaces an earlier output of this tool, `overwrite_foreign` anything (see `destination`).
+    """
     run_dir, destination = Path(run_dir), Path(destination)
+    if push_to_hub is not None:
+        check_repo_id(push_to_hub)
+    sources = [run_dir, config_path]
+    check_overlap(destination, sources)
     checkpoints = find_checkpoints(run_dir)
+    _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
+    exported_step = step_of(checkpoint_dir)
+    # What makes two exports the same (a retry may reuse the first): the run, the step, the card's base model.
+    record = {
+        "command": _EXPORT_COMMAND,
+        "sources": [str(real_path(run_dir))],
+        "step": exported_step,
+        "base_model": base_model,
+    }
+    reuse = push_to_hub is not None and not (overwrite or overwrite_foreign) and _holds_export(destination, record)
+    if not reuse:
+        check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
+    api = hub_repo(push_to_hub, private=private) if push_to_hub is not None else None
+    if reuse:
+        notice(f"{destination} already holds this export (same run, step {exported_step}); uploading it as it is")
+    else:
+        _write_export(
+            checkpoint_dir,
+            run_dir,
+            destination,
+            record,
+            config_path=config_path,
+            overwrite=overwrite,
+            overwrite_foreign=overwrite_foreign,
+        )
+    url = upload(api, destination, push_to_hub) if api is not None and push_to_hub is not None else None
+    return ExportResult(destination, exported_step, url)
+
+
+def _write_export(
+    checkpoint_dir: Path,
+    run_dir: Path,
+    destination: Path,
+    record: dict[str, Any],
+    *,
+    config_path: Path | None,
+    overwrite: bool,
+    overwrite_foreign: bool,
+) -> None:
+    """Assemble the HF directory, metrics, plot, config and card of one export (`record` names step and base model)."""
+    step, base_model = record["step"], record["base_model"]
     log_dir = find_metrics(run_dir)
     records = read_metrics(log_dir) if log_dir else []
     if step is not None:
         records = [r for r in records if r["step"] <= step]
     config_text = Path(config_path).read_text() if config_path else _saved_config(run_dir)
-    _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
     hf_copy = hf_policy_of(checkpoint_dir)
-    with atomic_directory(destination, overwrite=overwrite) as staging:
+    with atomic_directory(
+        destination,
+        sources=[run_dir, config_path],
+        overwrite=overwrite,
+        overwrite_foreign=overwrite_foreign,
+        record=record,
+    ) as staging:
         if hf_copy is not None:
             for file in hf_copy.iterdir():
-                shutil.copy2(file, staging / file.name)
+                if file.is_file():
+                    shutil.copy2(file, staging / file.name)
         else:
-            convert_mcore_to_hf(checkpoints, staging, iteration=step, overwrite=True, show_progress=False)
+            # Converted into a subdirectory of the staging directory, so that an interruption leaves nothing
+            # outside it; then moved up.
+            converted = staging / "converted"
+            convert_mcore_to_hf(checkpoint_dir, converted, show_progress=False)
+            for file in converted.iterdir():
+                if file.name != MARKER_NAME:
+                    file.rename(staging / file.name)
+            shutil.rmtree(converted)
+        write_generation_config(staging)
         if records:
             plot_metrics(records, staging / PLOT_FILE)
             (staging / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -122,8 +197,36 @@ def export_run(
             (staging / CONFIG_FILE).write_text(config_text)
         backend = "megatron-core" if hf_copy is None else "fsdp2"
         (staging / "README.md").write_text(model_card(base_model, config_text, records, step, backend))
-    url = upload(destination, push_to_hub, private=private) if push_to_hub else None
-    return ExportResult(destination, step, url)
+
+
+def step_of(checkpoint_dir: Path) -> int | None:
+    """The training step of a checkpoint directory (`iter_0000042` -> 42); None for `release`."""
+    name = checkpoint_dir.name
+    return int(name.removeprefix("iter_")) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def _holds_export(destination: Path, record: dict[str, Any]) -> bool:
+    """Whether `destination` is a finished export of the same run and step (a retry after a failed upload)."""
+    marker = read_marker(real_path(destination)) if destination.is_dir() else None
+    return marker is not None and all(marker.get(key) == value for key, value in record.items())
+
+
+def write_generation_config(directory: Path) -> None:
+    """`generation_config.json` for an HF directory that has none: the special token ids of its config, with the
+    tokenizer's filling what the config leaves unset."""
+    if (directory / GENERATION_CONFIG_FILE).exists():
+        return
+    from transformers import AutoConfig, GenerationConfig
+
+    generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))
+    if (directory / "tokenizer_config.json").exists() or (directory / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(generation, name) is None and getattr(tokenizer, name, None) is not None:
+                setattr(generation, name, getattr(tokenizer, name))
+    generation.save_pretrained(directory)
 
 
 def _saved_config(run_dir: Path) -> str | None:
@@ -131,16 +234,43 @@ def _saved_config(run_dir: Path) -> str | None:
     return found.read_text() if found else None
 
 
-def upload(folder: Path, repo_id: str, *, private: bool) -> str:
-    """Create (if needed) and upload to a Hub model repo with the user's configured credentials."""
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a Hub repo id that huggingface_hub's own validator refuses (one line)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise BridgeError(f"--push-to-hub {repo_id!r} is not a valid Hub repo id: {str(err).splitlines()[0]}") from None
+
+
+def _hub_error(action: str, repo_id: str, err: Exception) -> BridgeError:
+    """One line for a failed Hub call (network, auth, permissions); the message never holds the token."""
+    return BridgeError(f"{action} {repo_id} failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+
+
+def hub_repo(repo_id: str, *, private: bool) -> Any:
+    """Reach the Hub before anything is written: create the model repo (if needed) with the user's credentials."""
     from huggingface_hub import HfApi
 
     api: Any = HfApi()
     try:
         api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    except Exception as err:
+        raise _hub_error("reaching the Hub repo", repo_id, err) from None
+    return api
+
+
+def upload(api: Any, folder: Path, repo_id: str) -> str:
+    """Upload `folder` (without this tool's marker) to the repo `hub_repo` reached."""
+    try:
         commit = api.upload_folder(
-            repo_id=repo_id, repo_type="model", folder_path=str(folder), commit_message="Upload GRPO policy"
+            repo_id=repo_id,
+            repo_type="model",
+            folder_path=str(folder),
+            commit_message="Upload GRPO policy",
+            ignore_patterns=[MARKER_NAME],
         )
-    except Exception as err:  # network, auth, permissions: one line, no token in it
-        raise BridgeError(f"upload to {repo_id} failed: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+    except Exception as err:
+        raise _hub_error("upload to", repo_id, err) from None
     return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")

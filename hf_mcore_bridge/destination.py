@@ -1,0 +1,187 @@
+"""Where a writing command may put its output: the one check they all make, the lock, the marker, the leftovers.
+
+`check_destination` is called by every command that writes a directory (`convert --to mcore`, `convert --to hf`,
+`export`, `demo`) before any work, and again under the lock when the output is created (`atomic.atomic_directory`):
+
+- real paths (symlinks followed) of the destination and every source: a destination equal to, inside, or containing
+  a source is refused;
+- an absent or empty destination is fine; a non-empty one is replaced only with `--overwrite` and only when this tool
+  wrote it (its marker file, `MARKER_NAME`, is inside), unless `--overwrite-foreign` says to replace anything.
+
+The lock is `fcntl.flock` on `.NAME.lock` beside the destination, held for the whole write; the kernel releases it
+when its process dies, even by SIGKILL, so a lock that can be taken means no live run of this tool is writing there.
+Under the lock, leftovers of interrupted runs (`.NAME.partial-XXXXXXXX` and `.NAME.old-XXXXXXXX` siblings, the names
+this tool gives) are removed with a one-line notice, or, for an `.old` one whose destination is missing (a run killed
+between the two renames of a replacement), renamed back into place.
+
+Assumes POSIX (flock, rename within a directory is atomic). The lock is advisory: it keeps runs of this tool apart,
+not other programs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from hf_mcore_bridge import __version__
+from hf_mcore_bridge.errors import BridgeError
+
+TOOL_NAME = "hf-mcore-bridge"
+MARKER_NAME = ".hf-mcore-bridge.json"
+"""Written inside every directory this tool produces; `--overwrite` replaces only directories that hold it."""
+_SUFFIX = re.compile(r"[0-9a-f]{8}")
+
+
+class DestinationError(BridgeError):
+    """A destination that may not be written: it overlaps a source, holds data this tool did not write, or is busy."""
+
+
+def notice(message: str) -> None:
+    """One line on stderr about something done to the user's files that they did not ask for by name."""
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def real_path(path: Path | str) -> Path:
+    """Absolute path with every symlink followed (a missing tail is kept as given)."""
+    return Path(path).expanduser().resolve()
+
+
+def check_overlap(destination: Path | str, sources: Iterable[Path | str | None]) -> Path:
+    """Refuse a destination equal to, inside, or containing any source; return the destination's real path."""
+    dst = real_path(destination)
+    for source in sources:
+        if source is None:
+            continue
+        src = real_path(source)
+        if dst == src:
+            problem = "is the source"
+        elif dst.is_relative_to(src):
+            problem = "is inside the source"
+        elif src.is_relative_to(dst):
+            problem = "contains the source"
+        else:
+            continue
+        raise DestinationError(f"destination {destination} {problem} {source}; choose a directory apart from it")
+    return dst
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The marker this tool left in `directory`, or None when it holds none (or not a readable one of ours)."""
+    try:
+        record = json.loads((directory / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("written_by") == TOOL_NAME else None
+
+
+def write_marker(directory: Path, record: dict[str, Any] | None = None) -> None:
+    """Mark `directory` as written by this tool (version, time, pid and what the caller records, e.g. sources)."""
+    marker = {"written_by": TOOL_NAME, "version": __version__, "created": time.time(), "pid": os.getpid()}
+    (directory / MARKER_NAME).write_text(json.dumps({**marker, **(record or {})}, indent=2) + "\n")
+
+
+def check_existing(dst: Path, shown: Path | str, *, overwrite: bool, overwrite_foreign: bool) -> None:
+    """Refuse an existing destination that may not be replaced (`dst` is the real path, `shown` the user's)."""
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise DestinationError(f"destination {shown} exists and is not a directory")
+    if not any(dst.iterdir()) or overwrite_foreign:
+        return
+    if read_marker(dst) is None:
+        raise DestinationError(
+            f"destination {shown} is not empty and was not written by {TOOL_NAME}; choose another directory "
+            "(or pass --overwrite-foreign to delete what is in it)"
+        )
+    if not overwrite:
+        raise DestinationError(f"destination {shown} is not empty; pass --overwrite to replace it")
+
+
+def check_destination(
+    destination: Path | str,
+    sources: Iterable[Path | str | None] = (),
+    *,
+    overwrite: bool = False,
+    overwrite_foreign: bool = False,
+) -> Path:
+    """The check every writing command makes before any work; returns the destination's real path.
+
+    Raises `DestinationError` (one line) for a destination that overlaps a source or may not be replaced.
+    """
+    dst = check_overlap(destination, sources)
+    check_existing(dst, destination, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
+    return dst
+
+
+def lock_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.lock"
+
+
+@contextmanager
+def destination_lock(dst: Path, shown: Path | str) -> Iterator[None]:
+    """Hold the lock of destination `dst` (a real path whose parent exists); refuse when another run holds it.
+
+    Not `filelock`: the refusal names the holder, so the holder writes its pid into the file it locks.
+    """
+    path = lock_path(dst)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DestinationError(
+                f"destination {shown} is being written by another run (pid {holder}); wait for it to finish"
+            ) from None
+        # The previous holder removes the file before releasing it: a lock taken on a removed file is no lock.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)
+
+
+def _leftovers(dst: Path, kind: str) -> list[Path]:
+    prefix = f".{dst.name}.{kind}-"
+    return sorted(
+        p
+        for p in dst.parent.iterdir()
+        if p.name.startswith(prefix) and _SUFFIX.fullmatch(p.name[len(prefix) :]) and p.is_dir() and not p.is_symlink()
+    )
+
+
+def clear_leftovers(dst: Path) -> None:
+    """Tidy what interrupted runs to `dst` left beside it. Call only while holding `destination_lock(dst)`."""
+    for old in _leftovers(dst, "old"):
+        if not dst.exists():
+            old.rename(dst)
+            notice(f"restored {dst} from {old.name}, left by a run interrupted while replacing it")
+        else:
+            shutil.rmtree(old)
+            notice(f"removed {old}, the replaced output of an interrupted run")
+    for partial in _leftovers(dst, "partial"):
+        if read_marker(partial) is not None or not any(partial.iterdir()):
+            shutil.rmtree(partial)
+            notice(f"removed {partial}, the unfinished output of an interrupted run")
+        else:
+            notice(f"left {partial} in place: named like an unfinished output, but without the {MARKER_NAME} marker")

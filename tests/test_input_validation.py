@@ -334,6 +334,8 @@ def test_interrupted_export_exits_130_and_leaves_nothing(dcp, tmp_path, monkeypa
 @pytest.fixture
 def small_disk(tmp_path):
     """A 512 KiB tmpfs (root only): a real full disk for writers, not a simulated error."""
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount command here to create a small tmpfs")
     mount = tmp_path / "small"
     mount.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
@@ -386,3 +388,28 @@ def test_config_vocabulary_larger_than_the_checkpoints(dcp, tmp_path):
         "(256, 64)",
         "vocab_size=300",
     )
+
+
+def test_write_errors_are_told_from_read_errors(tmp_path):
+    import errno
+
+    from hf_mcore_bridge.errors import CheckpointError
+    from hf_mcore_bridge.write_errors import WriteError, device_of, reported_write_errors
+
+    staging, destination = tmp_path / ".out.partial", tmp_path / "out"
+    (staging / "release").mkdir(parents=True)
+    (staging / "release" / "a.bin").write_bytes(b"x")
+
+    def raised(error: BaseException) -> BaseException:
+        with pytest.raises(BaseException) as info, reported_write_errors(staging, destination):
+            raise error
+        return info.value
+
+    written = raised(OSError(errno.EIO, "Input/output error"))  # a write() failure carries no file name
+    assert isinstance(written, WriteError)
+    assert str(written) == f"I/O error on {device_of(staging)} while writing {destination / 'release' / 'a.bin'}"
+    read = raised(OSError(errno.EIO, "Input/output error", "/elsewhere/model.safetensors"))
+    assert isinstance(read, CheckpointError) and not isinstance(read, WriteError)
+    assert str(read) == "input/output error while reading /elsewhere/model.safetensors"
+    unrelated = RuntimeError("unrelated")
+    assert raised(unrelated) is unrelated  # not a write failure: passes through unchanged

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
@@ -31,7 +30,7 @@ from hf_mcore_bridge.model_plan import Placed, placed_entries
 from hf_mcore_bridge.progress import progress_bar
 from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.to_mcore import ConversionResult
-from hf_mcore_bridge.write_errors import reported_write_errors
+from hf_mcore_bridge.write_errors import written_atomically
 
 
 def _is_legacy(checkpoint_dir: Path) -> bool:
@@ -176,7 +175,7 @@ def convert_mcore_to_hf(
         filename_pattern="model{suffix}.safetensors",
     )
     destination = Path(destination)
-    with atomic_directory(destination, overwrite=overwrite) as staging, reported_write_errors(staging, destination):
+    with written_atomically(destination, overwrite=overwrite) as staging:
         writers: dict[str, SafetensorsStreamWriter] = {}
         try:
             for file, names in split.filename_to_tensors.items():

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
@@ -32,7 +31,7 @@ from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.progress import progress_bar
 from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
-from hf_mcore_bridge.write_errors import reported_write_errors
+from hf_mcore_bridge.write_errors import written_atomically
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,7 @@ def convert_hf_to_mcore(
         ckpt_format=checkpoint_format,
     )
     destination = Path(destination)
-    with atomic_directory(destination, overwrite=overwrite) as staging, reported_write_errors(staging, destination):
+    with written_atomically(destination, overwrite=overwrite) as staging:
         checkpoint_dir = staging / iteration_dirname(None)
         if checkpoint_format == "torch":
             files = layout.tp * layout.pp * layout.ep

@@ -5,6 +5,8 @@ full disk into `unexpected pos 704 vs 598`, and a Python `write()` on a full dis
 file name. Inside `reported_write_errors` an `OSError` becomes a `WriteError` naming the file (as it will be
 named under the destination) and the mount it is on; a torch serialization failure is traced to its cause by
 writing a probe file next to the failed one, which fails with the errno the serializer swallowed.
+`written_atomically` is `atomic.atomic_directory` with both kinds of failure reported so: those while writing into
+the temporary sibling, and those around it (creating it on a read-only mount, renaming it into place).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 
 _TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")
@@ -87,7 +90,9 @@ def _newest_file(directory: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_mtime_ns) if files else directory
 
 
-def _shown(file: Path, staging: Path, destination: Path) -> Path:
+def _shown(file: Path, staging: Path | None, destination: Path) -> Path:
+    if staging is None:  # outside the temporary sibling: it, or an older destination moved aside, is the destination
+        return destination if file.name.startswith(f".{destination.name}.") else file
     try:
         return destination / file.relative_to(staging)
     except ValueError:
@@ -95,10 +100,22 @@ def _shown(file: Path, staging: Path, destination: Path) -> Path:
 
 
 @contextmanager
-def reported_write_errors(staging: Path, destination: Path) -> Iterator[None]:
+def written_atomically(destination: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """`atomic_directory(destination)` with every failure to write reported as one line naming file and cause."""
+    with (
+        reported_write_errors(None, destination),
+        atomic_directory(destination, overwrite=overwrite) as staging,
+        reported_write_errors(staging, destination),
+    ):
+        yield staging
+
+
+@contextmanager
+def reported_write_errors(staging: Path | None, destination: Path) -> Iterator[None]:
     """Turn a failure while writing under `staging` into a one-line `WriteError` (exit 2 in the CLI).
 
-    The file is named as it would be under `destination`. Errors of other kinds pass through unchanged.
+    The file is named as it would be under `destination`; with no `staging`, failures around it (in the
+    destination's parent) are reported. Errors of other kinds pass through unchanged.
     """
     try:
         yield
@@ -110,13 +127,14 @@ def reported_write_errors(staging: Path, destination: Path) -> Iterator[None]:
         raise _reported(err, staging, destination) from err
 
 
-def _reported(err: OSError | RuntimeError, staging: Path, destination: Path) -> BridgeError:
+def _reported(err: OSError | RuntimeError, staging: Path | None, destination: Path) -> BridgeError:
+    output = staging if staging is not None else destination.absolute().parent
     if isinstance(err, OSError):
-        file = Path(err.filename) if err.filename else _newest_file(staging)
-        if err.filename and not file.absolute().is_relative_to(staging.absolute()):
+        file = Path(err.filename) if err.filename else _newest_file(output)
+        if err.filename and not file.absolute().is_relative_to(output.absolute()):
             return CheckpointError(f"{(err.strerror or str(err)).lower()} while reading {file}")
-        return WriteError(describe(err.errno, _shown(file, staging, destination), device_of(staging), str(err)))
-    file = _newest_file(staging)
-    code = probe_errno(file.parent if file.is_file() else file)
+        return WriteError(describe(err.errno, _shown(file, staging, destination), device_of(output), str(err)))
+    file = _newest_file(output) if staging is not None else destination
+    code = probe_errno(file.parent if file.is_file() or staging is None else file)
     first_line = str(err).strip().splitlines()[0]
-    return WriteError(describe(code, _shown(file, staging, destination), device_of(staging), first_line))
+    return WriteError(describe(code, _shown(file, staging, destination), device_of(output), first_line))

@@ -331,18 +331,27 @@ def test_interrupted_export_exits_130_and_leaves_nothing(dcp, tmp_path, monkeypa
 # --- full disk ---
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 512 KiB tmpfs (root only): a real full disk for writers, not a simulated error."""
+def _mounted_tmpfs(directory: Path, options: str):
+    """A tmpfs mounted at `directory` (root only), unmounted afterwards; skips where mounting is not permitted."""
     if shutil.which("mount") is None or shutil.which("umount") is None:
         pytest.skip("no mount command here to create a small tmpfs")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
+    directory.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True)
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip() or result.returncode}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip() or result.returncode}")
+    yield directory
+    subprocess.run(["umount", str(directory)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: a real full disk for writers, not a simulated error."""
+    yield from _mounted_tmpfs(tmp_path / "small", "size=512k")
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    yield from _mounted_tmpfs(tmp_path / "ro", "ro,size=512k")
 
 
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
@@ -361,6 +370,14 @@ def test_full_disk_to_hf(dcp, small_disk):
     line = assert_refused(result, small_disk, dcp, before, f"no space left on {small_disk} (tmpfs) while writing")
     assert f"{small_disk / 'out' / 'model.safetensors'}" in line or "model-0000" in line, line
     assert os.listdir(small_disk) == []
+
+
+def test_read_only_destination(llama, read_only_disk, tmp_path):
+    before = snapshot(llama)
+    result = _to_mcore(llama, read_only_disk / "out")
+    assert_refused(result, read_only_disk, llama, before, f"{read_only_disk} (tmpfs) is read-only; cannot write")
+    assert f"cannot write {read_only_disk / 'out'}" in result.output
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary sibling anywhere
 
 
 def test_write_error_description_names_cause(tmp_path):

@@ -178,6 +178,8 @@ def convert(
             f"wrote {result.destination} ({result.model.architecture}, {result.tensors} tensors, "
             f"{result.bytes_written / 2**20:.1f} MiB) in {result.seconds:.1f}s"
         )
+        for note in result.notes:
+            typer.echo(f"note: {note}", err=True)
 
     _run(action)
 

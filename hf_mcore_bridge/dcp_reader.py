@@ -131,11 +131,24 @@ class DCPCheckpoint:
         chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
         return TensorMeta(key, tuple(entry.size), entry.properties.dtype, chunks)
 
+    def location(self, key: str) -> Path:
+        """The data file holding a tensor's first chunk (or the metadata file when it has none)."""
+        for index, info in self.metadata.storage_data.items():  # only called for messages
+            if index.fqn == key:
+                return self.directory / info.relative_path
+        return self.directory / ".metadata"
+
     def _load_item(self, index: MetadataIndex) -> Any:
         info = self.metadata.storage_data[index]
-        with (self.directory / info.relative_path).open("rb") as handle:
-            handle.seek(info.offset)
-            payload = handle.read(info.length)
+        path = self.directory / info.relative_path
+        try:
+            with path.open("rb") as handle:
+                handle.seek(info.offset)
+                payload = handle.read(info.length)
+        except OSError as err:
+            raise CheckpointError(f"reading {index.fqn} from {path} failed: {err.strerror or err}") from None
+        if len(payload) != info.length:
+            raise CheckpointError(f"{path} is truncated: {index.fqn} needs bytes up to {info.offset + info.length}")
         try:
             return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         except Exception as err:

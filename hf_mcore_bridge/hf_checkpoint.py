@@ -162,10 +162,15 @@ class HFCheckpoint:
                 continue
             info = self._tensors[fused]
             shape = info.shape[1:] if expert is not None else info.shape
-            if part != "all":
+            if part != "all" and shape:  # a fused tensor of the wrong rank is reported by the shape check
                 shape = (shape[0] // 2, *shape[1:])
             self._aliases[name] = (fused, expert, part)
             self._tensors[name] = TensorInfo(info.file, shape, info.dtype)
+
+    def fused_source(self, name: str) -> tuple[str, bool, str] | None:
+        """For a per-expert name read from a fused tensor: (fused name, has an expert axis, part); else None."""
+        alias = self._aliases.get(name)
+        return None if alias is None else (alias[0], alias[1] is not None, alias[2])
 
     def names(self) -> set[str]:
         """All tensor names in the checkpoint (fused expert tensors that are read per expert appear per expert)."""
@@ -198,8 +203,12 @@ class HFCheckpoint:
     def _read_alias(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         fused, expert, part = self._aliases[name]
         info = self._tensors[fused]
-        with safe_open(str(info.file), framework="pt") as handle:
-            tensor = handle.get_slice(fused)[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
+        try:
+            with safe_open(str(info.file), framework="pt") as handle:
+                slice_ = handle.get_slice(fused)
+                tensor = slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"reading {fused} from {info.file.name} failed: {err}") from None
         if part != "all":
             half = tensor.shape[0] // 2
             tensor = tensor[:half] if part == "gate" else tensor[half:]

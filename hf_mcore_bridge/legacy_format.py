@@ -127,7 +127,10 @@ def write_legacy(
                     )
                 directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, ep_rank, layout)
                 directory.mkdir(parents=True)
-                torch.save(state, directory / FILE_NAME)
+                # a file object we close ourselves: torch's own file writer stays open (holding the space of a
+                # partial file) until garbage collection when a write fails
+                with (directory / FILE_NAME).open("wb") as handle:
+                    torch.save(state, handle)
                 files += 1
                 on_write()
     return files
@@ -202,7 +205,43 @@ class LegacySource:
         self._index: dict[str, dict[tuple[int, ...], tuple[int, int, str, str]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, torch.dtype] = {}
+        self._check_rank_files()
         self._scan()
+
+    def _check_rank_files(self) -> None:
+        """Every rank file readable (a truncated file is refused here, naming it) and holding the same tensors,
+        of the same shard shapes, as its tensor-parallel rank 0."""
+        references: dict[tuple[int, int], dict[str, Any]] = {}
+        for (tp_rank, pp_rank, ep_rank), path in sorted(self._files.items()):
+            state = self._load(tp_rank, pp_rank, ep_rank)
+            if tp_rank == 0:
+                references[(pp_rank, ep_rank)] = state
+                continue
+            reference = references[(pp_rank, ep_rank)]
+            for key, module_state in reference.items():
+                if not re.fullmatch(r"model\d*", key):
+                    continue
+                ours = state.get(key)
+                if not isinstance(ours, dict):
+                    raise CheckpointError(f"{path} lacks {key}, which {self._files[(0, pp_rank, ep_rank)]} holds")
+                for name, value in module_state.items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    other = ours.get(name)
+                    if not isinstance(other, torch.Tensor) or other.shape != value.shape:
+                        found = "nothing" if other is None else f"shape {tuple(getattr(other, 'shape', ()))}"
+                        raise CheckpointError(
+                            f"{path} holds {found} for {name}, where tensor-parallel rank 0 holds shape "
+                            f"{tuple(value.shape)}"
+                        )
+
+    def location(self, key: str) -> str:
+        """The file a tensor's (first) shard is read from."""
+        by_leading = self._index.get(key)
+        if not by_leading:
+            return str(self.directory)
+        pp_rank, ep_rank, _, _ = next(iter(by_leading.values()))
+        return str(self._files[(0, pp_rank, ep_rank)])
 
     def _load(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, Any]:
         return safe_torch_load(self._files[(tp_rank, pp_rank, ep_rank)], mmap=True)
@@ -283,6 +322,8 @@ class LegacySource:
         return set(self._index)
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._shapes:
+            raise CheckpointError(f"tensor {key} is missing from {self.directory}")
         return self._shapes[key]
 
     def dtype(self, key: str) -> torch.dtype:

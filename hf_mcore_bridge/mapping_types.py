@@ -3,7 +3,8 @@
 A table is a tuple of entries. Each entry names one megatron-core tensor (its distributed-checkpoint key, with a
 `{layer}` placeholder for decoder layers), the HF tensor(s) it is made of, and its tensor-parallel style. The
 entry knows how to go both ways (HF -> megatron and back), so a table is written once and drives conversion,
-export and refit alike.
+export and refit alike. Each entry also states the HF tensors' full shapes in model dimensions (`Size`), so every
+tensor can be checked against the config before anything is written, in either direction.
 """
 
 from __future__ import annotations
@@ -36,6 +37,24 @@ class LayerKind(enum.Enum):
     """Layers with a routed mixture of experts."""
 
 
+class Size(enum.Enum):
+    """A model dimension that HF tensor shapes are written in; resolved from the model config when checking."""
+
+    HIDDEN = "hidden"
+    Q = "query heads * head_dim"
+    KV = "key/value heads * head_dim"
+    HEAD_DIM = "head_dim"
+    FFN = "dense MLP width"
+    EXPERT_FFN = "routed expert MLP width"
+    SHARED_FFN = "shared expert MLP width"
+    VOCAB = "vocabulary"
+    EXPERTS = "routed experts"
+    ONE = "1"
+
+
+Shape = tuple[Size, ...]
+
+
 @dataclass(frozen=True)
 class Dims:
     """The model dimensions that fused-tensor transforms need."""
@@ -58,6 +77,8 @@ class Direct:
     mcore: str
     hf: str
     parallel: Parallel
+    shape: Shape
+    """The HF tensor's full shape."""
     untied_only: bool = False
     """Present only when the output layer is not tied to the word embeddings."""
     layers: LayerKind = LayerKind.ALL
@@ -66,6 +87,10 @@ class Direct:
     @property
     def hf_sources(self) -> tuple[str, ...]:
         return (self.hf,)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        """The full shape of each HF tensor, in model dimensions."""
+        return {self.hf: self.shape}
 
     def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
         shape = shapes[self.hf]
@@ -100,12 +125,17 @@ class FusedQKV:
     k: str
     v: str
     parallel: Parallel = Parallel.COLUMN
+    tail: Shape = (Size.HIDDEN,)
+    """The dimensions after the output rows: the input width for weights, none for biases."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {self.q: (Size.Q, *self.tail), self.k: (Size.KV, *self.tail), self.v: (Size.KV, *self.tail)}
 
     def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
         q, k, v = shapes[self.q], shapes[self.k], shapes[self.v]
@@ -140,12 +170,17 @@ class FusedGateUp:
     gate: str
     up: str
     parallel: Parallel = Parallel.GATED_COLUMN
+    width: Size = Size.FFN
+    """The MLP width (rows of gate and of up): dense, routed expert or shared expert."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
         return (self.gate, self.up)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {self.gate: (self.width, Size.HIDDEN), self.up: (self.width, Size.HIDDEN)}
 
     def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
         gate, up = shapes[self.gate], shapes[self.up]

@@ -36,6 +36,10 @@ class McoreSource(Protocol):
 
     def dtype(self, key: str) -> torch.dtype: ...
 
+    def location(self, key: str) -> str:
+        """The file a tensor is (first) read from, for messages."""
+        ...
+
     def read(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:
         """The tensor at the given leading (layer / expert) indices, without those axes."""
         ...
@@ -55,6 +59,9 @@ class DCPSource:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.dcp.tensor_meta(key).dtype
+
+    def location(self, key: str) -> str:
+        return str(self.dcp.location(key))
 
     @property
     def stacked(self) -> bool | None:

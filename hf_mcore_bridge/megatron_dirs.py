@@ -67,7 +67,8 @@ def write_common(checkpoint_dir: Path, args: argparse.Namespace, iteration: int,
         "num_floating_point_operations_so_far": 0,
         **(extra or {}),
     }
-    torch.save(common, checkpoint_dir / COMMON_NAME)
+    with (checkpoint_dir / COMMON_NAME).open("wb") as handle:  # closed on failure (see legacy_format.write_legacy)
+        torch.save(common, handle)
     (checkpoint_dir / METADATA_NAME).write_text(json.dumps(TORCH_DIST_METADATA))
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from hf_mcore_bridge.config_errors import ConfigError, require
-from hf_mcore_bridge.mapping_types import Direct, Entry, FusedGateUp, LayerKind
+from hf_mcore_bridge.mapping_types import Direct, Entry, FusedGateUp, LayerKind, Size
 from hf_mcore_bridge.parallel_style import Parallel
 
 MC_LAYER = "decoder.layers.{layer}"
@@ -23,10 +23,10 @@ def routed_experts(norm: str, router: str, gate: str, up: str, down: str) -> tup
     """Pre-MLP norm, router and routed experts of a MoE layer, from their HF name templates."""
     moe = LayerKind.MOE
     return (
-        Direct(f"{MC_LAYER}.pre_mlp_layernorm.weight", norm, Parallel.REPLICATED, layers=moe),
-        Direct(f"{MC_LAYER}.mlp.router.weight", router, Parallel.REPLICATED, layers=moe),
-        FusedGateUp(f"{MC_EXPERT}.linear_fc1.weight", gate=gate, up=up, layers=moe),
-        Direct(f"{MC_EXPERT}.linear_fc2.weight", down, Parallel.ROW, layers=moe),
+        Direct(f"{MC_LAYER}.pre_mlp_layernorm.weight", norm, Parallel.REPLICATED, (Size.HIDDEN,), layers=moe),
+        Direct(f"{MC_LAYER}.mlp.router.weight", router, Parallel.REPLICATED, (Size.EXPERTS, Size.HIDDEN), layers=moe),
+        FusedGateUp(f"{MC_EXPERT}.linear_fc1.weight", gate=gate, up=up, width=Size.EXPERT_FFN, layers=moe),
+        Direct(f"{MC_EXPERT}.linear_fc2.weight", down, Parallel.ROW, (Size.HIDDEN, Size.EXPERT_FFN), layers=moe),
     )
 
 

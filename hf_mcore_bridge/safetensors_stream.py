@@ -68,6 +68,11 @@ class SafetensorsStreamWriter:
         return self._next == len(self._order)
 
     def close(self) -> None:
+        """Close the file after every declared tensor was written."""
         self._handle.close()
         if not self.complete:
             raise AssertionError(f"{self.path.name}: {len(self._order) - self._next} declared tensors never written")
+
+    def abandon(self) -> None:
+        """Close the file, complete or not: after a failure the caller reports that failure, not this file."""
+        self._handle.close()

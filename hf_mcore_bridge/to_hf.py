@@ -1,8 +1,9 @@
 """Megatron checkpoint (any layout, `torch_dist` or legacy) -> HF model directory, streaming tensor by tensor.
 
 The HF config comes from the checkpoint's stored HF assets, an explicit `--hf-config`, or is rebuilt from the
-checkpoint's `args`. Every expected tensor is checked against the checkpoint's shapes before anything is written,
-so an `args` that contradicts the tensors is refused up front. Safetensors shards are planned with
+checkpoint's `args`. Every expected tensor's global shape and dtype is checked against that config before
+anything is written, so an `args` that contradicts the tensors is refused up front; a failure while writing
+names the file and its cause. Safetensors shards are planned with
 `huggingface_hub` (sizes only) and written with their headers first, so memory holds one layer tensor at a time.
 """
 
@@ -16,11 +17,11 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.destination import check_destination, real_path
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
+from hf_mcore_bridge.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
 from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
 from hf_mcore_bridge.mapping_types import Dims, Entry, Placement
 from hf_mcore_bridge.mappings import get_architecture
@@ -30,6 +31,7 @@ from hf_mcore_bridge.model_plan import Placed, placed_entries
 from hf_mcore_bridge.progress import progress_bar
 from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.to_mcore import ConversionResult
+from hf_mcore_bridge.write_errors import written_atomically
 
 
 def _is_legacy(checkpoint_dir: Path) -> bool:
@@ -107,6 +109,7 @@ def _plan(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelCon
     count, missing, wheres = min(candidates, key=lambda c: c[0])
     if count:
         raise CheckpointError(f"{count} tensor(s) missing from the checkpoint, e.g. {missing[0]}")
+    sizes = megatron_sizes(model)
     plan = []
     for p, where in zip(placed, wheres, strict=True):
         shape = source.shape(where.key)
@@ -114,6 +117,17 @@ def _plan(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelCon
         if leading != where.leading_shape:
             found, implied = (" x ".join(map(str, dims_)) for dims_ in (leading, where.leading_shape))
             raise CheckpointError(f"{where.key} stacks {found} layers/experts, the config says {implied}")
+        entry = p.entry
+        check_mcore_shape(
+            where.key,
+            source.location,
+            shape,
+            where.leading_shape,
+            entry.hf_expected(),
+            entry.mcore_shape,
+            sizes,
+            dims,
+        )
         shape = shape[len(where.leading) :]
         plan.append(_Planned(p, where, shape, p.entry.hf_shapes(shape, dims)))
     return plan
@@ -151,7 +165,7 @@ def convert_mcore_to_hf(
     mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
     placed = placed_entries(arch, model)
-    padded = mcore.shape(placed[0].placement(model).key)[0]
+    padded = _padded_vocab(mcore, placed[0].placement(model).key, model)
     dims = model.dims(padded)
     plan = _plan(placed, mcore, dims, model)
     unknown = sorted(mcore.keys() - {planned.where.key for planned in plan})
@@ -160,38 +174,38 @@ def convert_mcore_to_hf(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
     out_dtype = DTYPES[dtype] if dtype else None
-    specs = {
-        name: (shape, out_dtype or mcore.dtype(planned.where.key))
-        for planned in plan
-        for name, shape in planned.hf_shapes.items()
-    }
+    keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan}
+    choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
+    specs = {name: (shape, choice.dtype) for planned in plan for name, shape in planned.hf_shapes.items()}
     split = split_torch_state_dict_into_shards(
         {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
         max_shard_size=max_shard_size,
         filename_pattern="model{suffix}.safetensors",
     )
     destination = Path(destination)
-    with atomic_directory(
+    with written_atomically(
         destination,
         sources=sources,
         overwrite=overwrite,
         overwrite_foreign=overwrite_foreign,
         record={"command": "convert --to hf", "sources": [str(real_path(s)) for s in sources if s is not None]},
     ) as staging:
-        writers = {
-            file: SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
-            for file, names in split.filename_to_tensors.items()
-        }
+        writers: dict[str, SafetensorsStreamWriter] = {}
         try:
+            for file, names in split.filename_to_tensors.items():
+                writers[file] = SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
             with progress_bar("export to hf", total=len(plan), enabled=show_progress) as advance:
                 for planned in plan:
                     tensor = mcore.read(planned.where.key, planned.where.leading)
                     for name, value in planned.placed.entry.to_hf(tensor, dims).items():
                         writers[split.tensor_to_filename[name]].write(name, value.to(specs[name][1]))
                     advance()
-        finally:
+        except BaseException:
             for writer in writers.values():
-                writer.close()
+                writer.abandon()  # the failure above is the one to report, not the files it left short
+            raise
+        for writer in writers.values():
+            writer.close()
         if split.is_sharded:
             index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
             (staging / INDEX_NAME).write_text(_json(index))
@@ -204,7 +218,20 @@ def convert_mcore_to_hf(
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
     from hf_mcore_bridge.layout import Layout
 
-    return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started)
+    notes = (choice.note,) if choice.note else ()
+    return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
+
+
+def _padded_vocab(source: McoreSource, embedding_key: str, model: ModelConfig) -> int:
+    """The checkpoint's padded vocabulary: the rows of its word embedding, at least the config's vocab_size."""
+    shape = source.shape(embedding_key)
+    if len(shape) != 2 or shape[0] < model.vocab_size:
+        raise CheckpointError(
+            f"{embedding_key} in {source.location(embedding_key)} has shape {shape}, but the config implies "
+            f"(padded vocabulary >= {model.vocab_size}, {model.hidden_size}) (vocab_size={model.vocab_size}, "
+            f"hidden_size={model.hidden_size})"
+        )
+    return shape[0]
 
 
 def _copy_assets(root: Path, checkpoint_dir: Path, tokenizer: Path | None, staging: Path) -> None:

@@ -1,9 +1,11 @@
 """HF checkpoint -> Megatron-Core distributed checkpoint (`torch_dist`), from one CPU process, streaming.
 
-Assumes the HF directory holds safetensors. Each megatron-core tensor is produced when the writer asks for it
-and dropped once written: plain tensors are read chunk by chunk (row ranges straight from the safetensors file),
-fused ones (QKV, gate/up) are built once per layer and reused for their tensor-parallel chunks. Peak memory is
-therefore about one fused layer tensor, whatever the model size.
+Assumes the HF directory holds safetensors. Every tensor's shape and dtype is checked against the config (from
+the safetensors headers) before the destination is created; a failure while writing names the file and its
+cause. Each megatron-core tensor is produced when the writer asks for it and dropped once written: plain tensors
+are read chunk by chunk (row ranges straight from the safetensors file), fused ones (QKV, gate/up) are built once
+per layer and reused for their tensor-parallel chunks. Peak memory is therefore about one fused layer tensor,
+whatever the model size.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from pathlib import Path
 import torch
 
 from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.atomic import atomic_directory
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.destination import check_destination, real_path
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
+from hf_mcore_bridge.input_checks import check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.legacy_format import write_legacy
 from hf_mcore_bridge.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
@@ -30,6 +32,7 @@ from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.progress import progress_bar
 from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
+from hf_mcore_bridge.write_errors import written_atomically
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,27 @@ class ConversionResult:
     tensors: int
     bytes_written: int
     seconds: float
+    notes: tuple[str, ...] = ()
+    """One-line notices for the user (e.g. that a checkpoint of mixed dtypes was cast to one)."""
 
 
-def _source_dtype(hf: HFCheckpoint, placed: list[Placed]) -> torch.dtype:
-    return hf.info(placed[0].hf_names()[0]).dtype
+def check_hf_tensors(
+    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
+) -> tuple[torch.dtype, str | None]:
+    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts)."""
+    expected = {name: shape for p in placed for name, shape in p.entry.hf_expected().items()}
+
+    def info(name: str) -> tuple[tuple[int, ...], str]:
+        return hf.info(name).shape, hf.info(name).file.name
+
+    check_hf_shapes(expected, hf_sizes(model, hf.config), info, hf.fused_source)
+    choice = choose_dtype(
+        {name: hf.info(name).dtype for name in expected},
+        lambda name: hf.info(name).file.name,
+        DTYPES[dtype] if dtype else None,
+        "--dtype",
+    )
+    return choice.dtype, choice.note
 
 
 class Producer:
@@ -168,7 +188,7 @@ def convert_hf_to_mcore(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
         )
     check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
-    target_dtype = DTYPES[dtype] if dtype else _source_dtype(hf, placed)
+    target_dtype, note = check_hf_tensors(hf, placed, model, dtype)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
     producer = Producer(hf, dims, target_dtype)
@@ -182,7 +202,7 @@ def convert_hf_to_mcore(
         ckpt_format=checkpoint_format,
     )
     destination = Path(destination)
-    with atomic_directory(
+    with written_atomically(
         destination,
         sources=[source],
         overwrite=overwrite,
@@ -212,4 +232,6 @@ def convert_hf_to_mcore(
         write_tracker(staging, None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
-    return ConversionResult(destination, model, layout, len(chunks), bytes_written, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    notes = (note,) if note else ()
+    return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

@@ -7,18 +7,19 @@ from typing import Any
 
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_errors import refuse_if
-from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, FusedQKV
+from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, FusedQKV, Size
 from hf_mcore_bridge.parallel_style import Parallel
 
 HF_LAYER = "model.layers.{layer}"
 MC_LAYER = "decoder.layers.{layer}"
 
 ATTENTION = (
-    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight", Parallel.VOCAB),
+    Direct("embedding.word_embeddings.weight", "model.embed_tokens.weight", Parallel.VOCAB, (Size.VOCAB, Size.HIDDEN)),
     Direct(
         f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight",
         f"{HF_LAYER}.input_layernorm.weight",
         Parallel.REPLICATED,
+        (Size.HIDDEN,),
     ),
     FusedQKV(
         f"{MC_LAYER}.self_attention.linear_qkv.weight",
@@ -26,9 +27,14 @@ ATTENTION = (
         k=f"{HF_LAYER}.self_attn.k_proj.weight",
         v=f"{HF_LAYER}.self_attn.v_proj.weight",
     ),
-    Direct(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{HF_LAYER}.self_attn.o_proj.weight", Parallel.ROW),
-    Direct("decoder.final_layernorm.weight", "model.norm.weight", Parallel.REPLICATED),
-    Direct("output_layer.weight", "lm_head.weight", Parallel.VOCAB, untied_only=True),
+    Direct(
+        f"{MC_LAYER}.self_attention.linear_proj.weight",
+        f"{HF_LAYER}.self_attn.o_proj.weight",
+        Parallel.ROW,
+        (Size.HIDDEN, Size.Q),
+    ),
+    Direct("decoder.final_layernorm.weight", "model.norm.weight", Parallel.REPLICATED, (Size.HIDDEN,)),
+    Direct("output_layer.weight", "lm_head.weight", Parallel.VOCAB, (Size.VOCAB, Size.HIDDEN), untied_only=True),
 )
 """Embedding, attention, final norm and output layer: shared by every family, dense or MoE."""
 
@@ -37,13 +43,16 @@ DENSE_MLP = (
         f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight",
         f"{HF_LAYER}.post_attention_layernorm.weight",
         Parallel.REPLICATED,
+        (Size.HIDDEN,),
     ),
     FusedGateUp(
         f"{MC_LAYER}.mlp.linear_fc1.weight",
         gate=f"{HF_LAYER}.mlp.gate_proj.weight",
         up=f"{HF_LAYER}.mlp.up_proj.weight",
     ),
-    Direct(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW),
+    Direct(
+        f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW, (Size.HIDDEN, Size.FFN)
+    ),
 )
 """The gated dense MLP with its pre-MLP norm (fused into `linear_fc1` under the Transformer-Engine naming)."""
 

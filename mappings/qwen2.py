@@ -21,6 +21,7 @@ QKV_BIAS = FusedQKV(
     q=f"{HF_LAYER}.self_attn.q_proj.bias",
     k=f"{HF_LAYER}.self_attn.k_proj.bias",
     v=f"{HF_LAYER}.self_attn.v_proj.bias",
+    tail=(),
 )
 
 ARCHITECTURE = Architecture(

@@ -10,7 +10,7 @@ from typing import Any
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_bridge import MoeConfig
 from hf_mcore_bridge.config_errors import refuse_if, require
-from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, LayerKind
+from hf_mcore_bridge.mapping_types import Direct, FusedGateUp, LayerKind, Size
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, MC_LAYER
 from hf_mcore_bridge.mappings.qwen2 import QKV_BIAS
 from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE, ROUTED
@@ -42,18 +42,21 @@ SHARED_EXPERT = (
         f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight",
         gate=f"{SHARED}.gate_proj.weight",
         up=f"{SHARED}.up_proj.weight",
+        width=Size.SHARED_FFN,
         layers=LayerKind.MOE,
     ),
     Direct(
         f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight",
         f"{SHARED}.down_proj.weight",
         Parallel.ROW,
+        (Size.HIDDEN, Size.SHARED_FFN),
         layers=LayerKind.MOE,
     ),
     Direct(
         f"{MC_LAYER}.mlp.shared_experts.gate_weight",
         f"{HF_MOE}.shared_expert_gate.weight",
         Parallel.REPLICATED,
+        (Size.ONE, Size.HIDDEN),
         layers=LayerKind.MOE,
     ),
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_errors import refuse_if
-from hf_mcore_bridge.mapping_types import Direct
+from hf_mcore_bridge.mapping_types import Direct, Size
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
 from hf_mcore_bridge.parallel_style import Parallel
 
@@ -19,8 +19,18 @@ def check(config: Mapping[str, Any]) -> None:
 
 
 QK_NORMS = (
-    Direct(f"{MC_LAYER}.self_attention.q_layernorm.weight", f"{HF_LAYER}.self_attn.q_norm.weight", Parallel.REPLICATED),
-    Direct(f"{MC_LAYER}.self_attention.k_layernorm.weight", f"{HF_LAYER}.self_attn.k_norm.weight", Parallel.REPLICATED),
+    Direct(
+        f"{MC_LAYER}.self_attention.q_layernorm.weight",
+        f"{HF_LAYER}.self_attn.q_norm.weight",
+        Parallel.REPLICATED,
+        (Size.HEAD_DIM,),
+    ),
+    Direct(
+        f"{MC_LAYER}.self_attention.k_layernorm.weight",
+        f"{HF_LAYER}.self_attn.k_norm.weight",
+        Parallel.REPLICATED,
+        (Size.HEAD_DIM,),
+    ),
 )
 
 ARCHITECTURE = Architecture(

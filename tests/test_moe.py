@@ -256,7 +256,7 @@ def test_moe_bad_input(tiny_moe_models, tmp_path):
     result = run(
         "convert", "--to", "hf", tmp_path / "m", tmp_path / "hf", "--hf-config", tmp_path / "four.json", "--no-progress"
     )
-    assert_one_line_error(result, "experts", "4 x 8", "4 x 4")
+    assert_one_line_error(result, "mlp.router.weight", "(4, 8, 64)", "(4, 4, 64)", "num_experts=4")
     jitter = dict(read_json(hf_dir / "config.json"), router_jitter_noise=0.1)
     shutil.copytree(hf_dir, tmp_path / "jitter")
     (tmp_path / "jitter" / "config.json").write_text(json.dumps(jitter))

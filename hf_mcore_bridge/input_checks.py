@@ -1,0 +1,192 @@
+"""Every tensor's full shape and dtype checked against the model config before anything is written.
+
+The expected shapes come from the architecture's table (each entry states its HF tensors' shapes in model
+dimensions, `Size`) resolved with the `ModelConfig`; only headers are read (safetensors headers, DCP metadata,
+the shard shapes of legacy files), never tensor data. The same expectations serve both directions: HF tensors
+against `config.json`, and the global megatron-core tensors of a Megatron checkpoint (built from the HF shapes
+by the entry's own `mcore_shape`) against the config the checkpoint is exported with (its HF assets or `args`).
+
+Dtypes: weights must be floating point; a checkpoint whose floating tensors mix dtypes is refused unless a
+target dtype is given, in which case everything is cast to it and a one-line note says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.mapping_types import Dims, Shape, Size
+
+Resolved = dict[Size, tuple[int, str]]
+"""Each model dimension's size and the config field(s) it comes from."""
+
+
+def _sizes(model: ModelConfig) -> dict[Size, int | None]:
+    moe = model.moe
+    return {
+        Size.HIDDEN: model.hidden_size,
+        Size.Q: model.num_attention_heads * model.head_dim,
+        Size.KV: model.num_query_groups * model.head_dim,
+        Size.HEAD_DIM: model.head_dim,
+        Size.FFN: model.ffn_hidden_size,
+        Size.EXPERT_FFN: moe.ffn_hidden_size if moe else None,
+        Size.SHARED_FFN: moe.shared_expert_size if moe else None,
+        Size.VOCAB: model.vocab_size,
+        Size.EXPERTS: moe.num_experts if moe else None,
+        Size.ONE: 1,
+    }
+
+
+def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
+    """Model dimensions labelled with the HF `config.json` fields they come from."""
+    labels = {
+        Size.HIDDEN: "hidden_size",
+        Size.Q: "num_attention_heads * head_dim",
+        Size.KV: "num_key_value_heads * head_dim",
+        Size.HEAD_DIM: "head_dim",
+        Size.FFN: "intermediate_size",
+        # Mixtral keeps the expert width in intermediate_size and the expert count in num_local_experts
+        Size.EXPERT_FFN: "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size",
+        Size.SHARED_FFN: "shared_expert_intermediate_size",
+        Size.VOCAB: "vocab_size",
+        Size.EXPERTS: "num_experts" if config.get("num_experts") else "num_local_experts",
+        Size.ONE: "1",
+    }
+    return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
+
+
+def megatron_sizes(model: ModelConfig) -> Resolved:
+    """Model dimensions labelled with the Megatron-LM argument names they correspond to."""
+    labels = {
+        Size.HIDDEN: "hidden_size",
+        Size.Q: "num_attention_heads * kv_channels",
+        Size.KV: "num_query_groups * kv_channels",
+        Size.HEAD_DIM: "kv_channels",
+        Size.FFN: "ffn_hidden_size",
+        Size.EXPERT_FFN: "moe_ffn_hidden_size",
+        Size.SHARED_FFN: "moe_shared_expert_intermediate_size",
+        Size.VOCAB: "vocab_size",
+        Size.EXPERTS: "num_experts",
+        Size.ONE: "1",
+    }
+    return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
+
+
+def concrete(shape: Shape, sizes: Resolved) -> tuple[int, ...]:
+    return tuple(sizes[s][0] for s in shape)
+
+
+def explain(shapes: Iterable[Shape], sizes: Resolved, extra: Iterable[str] = ()) -> str:
+    """`hidden_size=64, intermediate_size=96`: the config fields that determine a set of shapes."""
+    seen = dict.fromkeys(sizes[s][1] + f"={sizes[s][0]}" for shape in shapes for s in shape if s is not Size.ONE)
+    return ", ".join([*seen, *extra])
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return str(tuple(shape))
+
+
+def mismatch(name: str, where: str, found: tuple[int, ...], expected: tuple[int, ...], why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{name} in {where} has shape {_fmt(found)}, but the config implies {_fmt(expected)} ({why})"
+    )
+
+
+def check_hf_shapes(
+    expected: Mapping[str, Shape],
+    sizes: Resolved,
+    info: Callable[[str], tuple[tuple[int, ...], str]],
+    fused: Callable[[str], tuple[str, bool, str] | None] = lambda name: None,
+) -> None:
+    """Every HF tensor's full shape against the config, in table order; the first difference is the error.
+
+    `info(name)` gives (shape, file name); `fused(name)` says whether a per-expert name is read from a fused
+    transformers-5 tensor (fused name, has an expert axis, part), whose own shape is then what is checked.
+    """
+    checked_fused: set[str] = set()
+    for name, shape in expected.items():
+        want = concrete(shape, sizes)
+        source = fused(name)
+        if source is not None:
+            fused_name, per_expert, part = source
+            if fused_name in checked_fused:
+                continue
+            checked_fused.add(fused_name)
+            shape = ((Size.EXPERTS,) if per_expert else ()) + shape
+            want = concrete(shape, sizes)
+            if part != "all":  # gate and up stacked on the first axis after the experts
+                rows = 1 if per_expert else 0
+                want = (*want[:rows], 2 * want[rows], *want[rows + 1 :])
+            name = fused_name
+        found, where = info(name)
+        if found != want:
+            raise mismatch(name, where, found, want, explain([shape], sizes))
+
+
+def check_mcore_shape(
+    key: str,
+    location: Callable[[str], str],
+    found: tuple[int, ...],
+    leading: tuple[int, ...],
+    hf_expected: Mapping[str, Shape],
+    mcore_shape: Callable[[Mapping[str, tuple[int, ...]], Dims], tuple[int, ...]],
+    sizes: Resolved,
+    dims: Dims,
+) -> None:
+    """A Megatron tensor's global shape (leading layer / expert axes included) against the config.
+
+    `location(key)` names the file the tensor is read from (looked up only for the message)."""
+    hf_shapes = {name: concrete(shape, sizes) for name, shape in hf_expected.items()}
+    want = (*leading, *mcore_shape(hf_shapes, dims))
+    if found != want:
+        vocab = any(Size.VOCAB in shape for shape in hf_expected.values())
+        padded = [f"padded vocabulary={dims.padded_vocab_size}"] if vocab else []
+        raise mismatch(key, location(key), found, want, explain(hf_expected.values(), sizes, padded))
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype tensors are written in, and the note to show when that casts a mixed checkpoint."""
+
+    dtype: torch.dtype
+    note: str | None = None
+
+
+def choose_dtype(
+    dtypes: Mapping[str, torch.dtype], where: Callable[[str], str], requested: torch.dtype | None, flag: str
+) -> DtypeChoice:
+    """Refuse non-floating weights; refuse mixed floating dtypes unless `requested` (then note the cast).
+
+    `dtypes` maps each tensor (in table order) to its dtype, `where(name)` names its file, `flag` is how the
+    user asks for a dtype (`--dtype`).
+    """
+    for name, dtype in dtypes.items():
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
+                "(bfloat16, float16 or float32)"
+            )
+    counts = Counter(dtypes.values())
+    if len(counts) <= 1:
+        return DtypeChoice(requested or next(iter(counts), torch.float32))
+    first = {dtype: next(n for n, d in dtypes.items() if d == dtype) for dtype in counts}
+    parts = [f"{_name(d)} ({c} tensor{'s' * (c != 1)}, e.g. {first[d]})" for d, c in counts.most_common()]
+    mixed = ", ".join(parts)
+    if requested is None:
+        raise CheckpointError(
+            f"the checkpoint mixes dtypes: {mixed}; pass {flag} bf16, fp16 or fp32 to cast every tensor to one"
+        )
+    summary = " and ".join(f"{c} {_name(d)}" for d, c in counts.most_common())
+    return DtypeChoice(
+        requested, f"the checkpoint mixes dtypes ({summary} tensors); all cast to {_name(requested)} ({flag})"
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

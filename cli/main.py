@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from hf_mcore_bridge.cli import validate
 from hf_mcore_bridge.errors import BridgeError
@@ -29,7 +30,44 @@ from hf_mcore_bridge.layout import Layout
 # tensor per chunk, and faulting in 4 KiB pages otherwise costs more than copying the bytes. Set before torch loads.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+
+def _is_usage_error(err: Exception) -> bool:
+    # typer >= 0.26 vendors its own copy of click, so its UsageError is not click's: recognise it by class name
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return "UsageError" in names and "NoArgsIsHelpError" not in names
+
+
+class _Group(TyperGroup):
+    """Usage errors (unknown option, bad choice, missing argument) as one `error:` line with exit status 2, like
+    every other error, instead of click's usage block."""
+
+    @staticmethod
+    def _one_line(err: Exception) -> NoReturn:
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        message = " ".join(err.format_message().split())  # type: ignore[attr-defined]
+        typer.secho(f"error: {message}{hint}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except Exception as err:
+            if _is_usage_error(err):
+                self._one_line(err)
+            raise
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as err:
+            if _is_usage_error(err):
+                self._one_line(err)
+            raise
+
+
 app = typer.Typer(
+    cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"]},
     help=(
         "Bridge HuggingFace checkpoints and Megatron-Core: convert at any TP/PP layout, verify against "

@@ -402,13 +402,18 @@ def train_grpo_command(
     """GRPO on megatron-core with the embedded engine: `bridge train grpo --config run.yaml key=value ...`.
 
     Every key under `policy.megatron_cfg` is forwarded to megatron-core (TransformerConfig, OptimizerConfig, DDP
-    config); unknown keys are errors naming the closest valid key. Metrics go to `logger.log_dir`.
+    config); unknown keys are errors naming the closest valid key. Metrics go to `logger.log_dir`. The whole
+    config (values, paths, the tokenizer) is checked before the model is converted or any process starts.
     """
-    from hf_mcore_bridge.grpo.config import load_config
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    _check(lambda: validate.existing_file(config, "--config"))
 
     def action() -> None:
-        result = train_grpo(load_config(config, overrides or []))
+        from hf_mcore_bridge.grpo.config import load_config
+        from hf_mcore_bridge.grpo.trainer import train_grpo
+
+        run_config = load_config(config, overrides or [])
+        validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)
+        result = train_grpo(run_config)
         rewards = result.series("reward_mean")
         last = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
         typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")

@@ -8,7 +8,7 @@ the way the target ranks will read them, and is recorded in the checkpoint's `ar
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from hf_mcore_bridge.errors import LayoutError
@@ -148,14 +148,15 @@ def _validate_pipeline(layout: Layout, num_layers: int) -> None:
 
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""HF config keys that hold the routed-expert count (Mixtral; Qwen-MoE; DeepSeek-style)."""
+"""HF config keys that hold the routed-expert count (Mixtral; Qwen-MoE; DeepSeek-style); a config with none of them
+is a dense model. A mixture-of-experts family with another key must add it here."""
 
 
 def validate_layout_for_hf_config(layout: Layout, config: Mapping[str, Any]) -> None:
     """`validate_layout` from an HF `config.json` read as plain JSON: a cheap check before anything heavy loads.
 
-    Checks what the dense part of the config states (layers, heads, query groups, FFN width) and the expert count
-    where one of the usual keys holds it; a value the config lacks is left to the full conversion to report.
+    Checks the layers, heads, query groups and FFN width the config states, and EP/ETP against the expert count
+    (`_EXPERT_COUNT_KEYS`); a value the config lacks is left to the full conversion to report.
     Sizes below 1 are refused whatever the config says.
     """
 
@@ -169,8 +170,6 @@ def validate_layout_for_hf_config(layout: Layout, config: Mapping[str, Any]) -> 
     if heads is None or layers is None or ffn is None:
         return  # the full conversion names the missing or malformed key
     experts = next((n for key in _EXPERT_COUNT_KEYS if (n := count(key)) is not None), None)
-    if experts is None and (layout.ep != 1 or layout.etp is not None):
-        layout = replace(layout, ep=1, etp=None)  # no expert count under a key we know: the full check decides
     validate_layout(
         layout,
         num_layers=layers,

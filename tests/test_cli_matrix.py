@@ -13,8 +13,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -318,6 +320,7 @@ def test_read_only_destination_is_refused_up_front(workspace, read_only_dir, arg
 
 _PROBE = """
 import sys
+import time
 from hf_mcore_bridge.cli.main import app
 heavy = ("torch", "transformers", "megatron", "safetensors", "numpy")
 try:
@@ -392,3 +395,59 @@ def test_snapshot_sees_every_kind_of_change(tmp_path):
             assert_unchanged(before, tmp_path)
         undo()
         assert_unchanged(before, tmp_path)
+
+
+# --- verify's verdicts and interrupts -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_verify_fail_exits_1_without_an_internal_error(workspace, tmp_path):
+    """A checkpoint that does not hold the HF model: FAIL and exit status 1; the same checkpoint against its own
+    model: OK and 0 (so the FAIL comes from the changed weight, not from the command)."""
+    from safetensors.torch import load_file, save_file
+
+    changed = Path(shutil.copytree(workspace / "llama", tmp_path / "changed"))
+    tensors = load_file(changed / "model.safetensors")
+    tensors["model.layers.3.post_attention_layernorm.weight"] *= 1.5
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    before = snapshot(workspace, changed)
+    failed = runner.invoke(app, ["verify", str(changed), str(workspace / "mcore"), "--seq-len", "8", "--batch", "1"])
+    assert failed.exit_code == 1, failed.output
+    assert failed.output.startswith("FAIL ") and "error" not in failed.output, failed.output
+    passed = runner.invoke(app, ["verify", str(workspace / "llama"), str(workspace / "mcore"), "--seq-len", "8"])
+    assert passed.exit_code == 0 and passed.output.startswith("OK "), passed.output
+    assert_unchanged(before, workspace, changed)
+
+
+@pytest.mark.slow
+def test_verify_interrupted_by_ctrl_c_exits_130_and_cleans_up(workspace, tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C does) once the ranks run: status 130, one line, the scratch
+    directory removed, the sources unchanged."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    before = snapshot(workspace)
+    bridge = Path(sys.executable).parent / "bridge"
+    process = subprocess.Popen(
+        [str(bridge), "verify", str(workspace / "llama"), str(workspace / "mcore")],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(1200):  # the world starts once verify has made its scratch directory
+            if any(scratch.glob("bridge-verify-*")) or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, out + err
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted"), out + err
+    assert list(scratch.iterdir()) == []  # neither the scratch directory nor torch's per-rank error files
+    assert_unchanged(before, workspace)

@@ -43,6 +43,8 @@ def workspace(tiny_models, tmp_path_factory) -> Path:
     (root / "bad_json" / "config.json").write_text("{not json")
     (root / "yaml_syntax.yaml").write_text("policy:\n  model_path: [unclosed\n")
     (root / "yaml_list.yaml").write_text("- policy\n- data\n")
+    (root / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81 not text")
+    (root / "empty.yaml").write_text("")
     run = {
         "policy": {"model_path": str(root / "llama")},
         "data": {"task": "repeat_digit"},
@@ -174,6 +176,8 @@ TRAIN_GRPO: list[Case] = [
     ("config-is-a-directory", [*GRPO, "{W}/empty"], 2, r"--config: .*empty is not a file"),
     ("yaml-syntax-error", [*GRPO, "{W}/yaml_syntax.yaml"], 2, r"not valid YAML: .* at line \d+, column \d+"),
     ("yaml-not-a-mapping", [*GRPO, "{W}/yaml_list.yaml"], 2, r"top level must be a mapping"),
+    ("config-not-text", [*GRPO, "{W}/binary.yaml"], 2, r"binary\.yaml: cannot read the config"),
+    ("config-empty", [*GRPO, "{W}/empty.yaml"], 2, r"policy\.model_path is required"),
     ("config-missing-option", ["train", "grpo"], 2, r"Missing option '--config'"),
     ("unknown-key", [*GRPO, "{W}/run.yaml", "grpo.num_generation_per_prompt=4"], 2, r"did you mean"),
     ("malformed-override", [*GRPO, "{W}/run.yaml", "grpo.seed"], 2, r"not of the form key\.sub=value"),

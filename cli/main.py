@@ -205,7 +205,9 @@ def convert(
     iteration: Annotated[int | None, typer.Option(help="Which saved iteration to export (--to hf).")] = None,
     hf_config: Annotated[Path | None, typer.Option(help="HF config.json (or its directory) for --to hf.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="Directory with tokenizer files for --to hf.")] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard (--to hf).")] = "5GB",
+    max_shard_size: Annotated[
+        str | None, typer.Option(help="Largest safetensors shard, e.g. 500MB (--to hf; default 5GB).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty destination.")] = False,
     ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
     allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
@@ -219,6 +221,30 @@ def convert(
     layout = Layout(tp, pp, vpp, cp, ep, etp, first_stage_layers, last_stage_layers)
 
     def checks() -> int:
+        validate.options_for_direction(
+            f"--to {to.value}",
+            {
+                "--tp": tp != 1,
+                "--pp": pp != 1,
+                "--vpp": vpp is not None,
+                "--cp": cp != 1,
+                "--ep": ep != 1,
+                "--etp": etp is not None,
+                "--first-stage-layers": first_stage_layers is not None,
+                "--last-stage-layers": last_stage_layers is not None,
+                "--spec": spec is not Spec.te,
+                "--format": fmt is not Format.torch_dist,
+                "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
+                "--allow-pickle": allow_pickle,
+            }
+            if to is Target.hf
+            else {
+                "--iteration": iteration is not None,
+                "--hf-config": hf_config is not None,
+                "--tokenizer": tokenizer is not None,
+                "--max-shard-size": max_shard_size is not None,
+            },
+        )
         if to is Target.mcore:
             validate.layout_fits(layout, validate.hf_model_dir(source, "source"))
             validate.at_least("--make-vocab-size-divisible-by", make_vocab_size_divisible_by, 1)
@@ -230,7 +256,7 @@ def convert(
             if tokenizer is not None:
                 validate.existing_dir(tokenizer, "--tokenizer")
         validate.writable_destination(destination)
-        return validate.shard_size(max_shard_size)
+        return validate.shard_size(max_shard_size or "5GB")
 
     shard_bytes = _check(checks)
 

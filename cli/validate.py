@@ -69,6 +69,15 @@ def hf_config_option(path: Path) -> dict[str, Any]:
     return read_json_object(path, "--hf-config")
 
 
+def options_for_direction(direction: str, other_direction_options: dict[str, bool]) -> None:
+    """Refuse an option of the other conversion direction (given: True) instead of silently ignoring it."""
+    given = [name for name, was_given in other_direction_options.items() if was_given]
+    if given:
+        other = "--to hf" if direction == "--to mcore" else "--to mcore"
+        verb = "applies" if len(given) == 1 else "apply"
+        raise BridgeError(f"{', '.join(given)} {verb} to {other} only, not to {direction}")
+
+
 def at_least(option: str, value: int | None, minimum: int) -> None:
     """An integer option (None: not given) must be >= `minimum`."""
     if value is not None and value < minimum:

@@ -114,6 +114,12 @@ CONVERT_TO_MCORE: list[Case] = [
     ("destination-is-a-file", [*TO_MCORE, "{W}/llama", "{W}/file.txt"], 2, r"exists and is not a directory"),
     ("destination-under-a-file", [*TO_MCORE, "{W}/llama", "{W}/file.txt/out"], 2, r"file\.txt is not a directory"),
     ("destination-not-empty", [*TO_MCORE, "{W}/llama", "{W}/mcore"], 2, r"is not empty; pass --overwrite"),
+    (
+        "hf-only-options",
+        [*TO_MCORE, "--tokenizer", "{W}/llama", "--max-shard-size", "1GB", "{W}/llama", "{W}/out"],
+        2,
+        r"--tokenizer, --max-shard-size apply to --to hf only, not to --to mcore",
+    ),
 ]
 
 TO_HF = ["convert", "--to", "hf", "--no-progress"]
@@ -138,6 +144,8 @@ CONVERT_TO_HF: list[Case] = [
     ("iteration-unknown", [*TO_HF, "--iteration", "5", "{W}/mcore", "{W}/out"], 2, r"has no iteration 5"),
     ("destination-is-a-file", [*TO_HF, "{W}/mcore", "{W}/file.txt"], 2, r"exists and is not a directory"),
     ("destination-not-empty", [*TO_HF, "{W}/mcore", "{W}/llama"], 2, r"is not empty; pass --overwrite"),
+    ("tp-with-to-hf", [*TO_HF, "--tp", "2", "{W}/mcore", "{W}/out"], 2, r"--tp applies to --to mcore only"),
+    ("format-with-to-hf", [*TO_HF, "--format", "torch", "{W}/mcore", "{W}/out"], 2, r"--format applies to --to mcore"),
 ]
 
 VERIFY: list[Case] = [

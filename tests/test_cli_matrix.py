@@ -480,3 +480,11 @@ def test_expert_parallel_sizes_checked_against_the_config(variant, tiny_moe_mode
     validate_layout_for_hf_config(Layout(ep=experts), config)
     with pytest.raises(LayoutError, match=f"num_experts={experts} is not divisible by ep=3"):
         validate_layout_for_hf_config(Layout(ep=3), config)
+
+
+def test_debug_raises_the_up_front_error_with_its_traceback(workspace):
+    from hf_mcore_bridge.errors import BridgeError
+
+    result = runner.invoke(app, ["--debug", "verify", str(workspace / "llama"), str(workspace / "mcore"), "--tp", "3"])
+    assert result.exit_code != 0 and isinstance(result.exception, BridgeError)
+    assert "num_attention_heads=8 is not divisible by tp=3" in str(result.exception)

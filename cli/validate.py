@@ -5,8 +5,8 @@ well under a second, before torch, transformers or megatron-core load and before
 are deliberately cheap (stat calls and a `config.json` read as plain JSON); the library repeats the thorough ones
 (tensor shapes, the full model config) when it runs.
 
-Assumes: only the standard library plus `hf_mcore_bridge.errors` / `hf_mcore_bridge.layout` (both torch-free) are
-imported here; anything heavier would defeat the point.
+Assumes: only the standard library plus `hf_mcore_bridge.errors` / `hf_mcore_bridge.layout` (both torch-free) and,
+for `--max-shard-size`, huggingface_hub's size parser are imported here; anything heavier would defeat the point.
 """
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ def tolerance(value: float | None) -> None:
 
 
 def shard_size(text: str) -> int:
-    """`--max-shard-size` in bytes: a plain byte count or huggingface_hub's `5GB` / `500MB` form; must be > 0."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # light: no torch
+    """`--max-shard-size` in bytes: a plain byte count or huggingface_hub's `5GB` / `500MB` form; must be > 0.
+
+    Parsed with the function huggingface_hub's shard splitter itself uses, so exactly what the export accepts is
+    accepted here (it lives in a private module and loads no torch).
+    """
+    from huggingface_hub.serialization._base import parse_size_to_int
 
     text = text.strip()
     try:

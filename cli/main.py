@@ -1,7 +1,12 @@
 """The `bridge` command (also installed as `hf-mcore-bridge`): a thin shell over the library.
 
-Every sub-command calls one library function. Errors about the user's input (`BridgeError`) are printed as one
-line and exit with status 2; `--debug` shows the traceback instead.
+Every sub-command first checks all its options cheaply (`cli/validate.py`: paths, numbers, sizes, the layout
+against the model's config.json), then imports the library (torch, transformers, megatron-core) and calls one
+function. Exit status: 0 success, 1 a verification that failed (`FAIL ...`) or an unexpected error ("internal
+error", `--debug` shows the traceback), 2 bad input or environment (one line, `error: ...`), 130 interrupted.
+
+Only light modules (typer, the standard library, `hf_mcore_bridge.errors` / `.layout`) are imported at the top
+so that a mistyped path is reported in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -12,15 +17,58 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperGroup
+
+from hf_mcore_bridge.cli import validate
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.layout import Layout
 
 # Let torch's CPU allocator back large tensors with transparent huge pages: conversion allocates one fresh
 # tensor per chunk, and faulting in 4 KiB pages otherwise costs more than copying the bytes. Set before torch loads.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+
+def _is_usage_error(err: Exception) -> bool:
+    # typer >= 0.26 vendors its own copy of click, so its UsageError is not click's: recognise it by class name
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return "UsageError" in names and "NoArgsIsHelpError" not in names
+
+
+class _Group(TyperGroup):
+    """Usage errors (unknown option, bad choice, missing argument) as one `error:` line with exit status 2, like
+    every other error, instead of click's usage block."""
+
+    @staticmethod
+    def _one_line(err: Exception) -> NoReturn:
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        message = " ".join(err.format_message().split())  # type: ignore[attr-defined]
+        typer.secho(f"error: {message}{hint}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(2)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except Exception as err:
+            if _is_usage_error(err):
+                self._one_line(err)
+            raise
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as err:
+            if _is_usage_error(err):
+                self._one_line(err)
+            raise
+
+
 app = typer.Typer(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help=(
         "Bridge HuggingFace checkpoints and Megatron-Core: convert at any TP/PP layout, verify against "
         "transformers, inspect.\n\nTypical use:\n\n"
@@ -68,18 +116,31 @@ def _quiet_libraries() -> None:
         quiet_libraries()
 
 
+def _fail(err: BridgeError) -> NoReturn:
+    """Report bad input as one line and exit 2 (with --debug: the traceback)."""
+    if _state["debug"]:
+        raise err
+    typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(2) from None
+
+
+def _check(checks: Callable[[], T]) -> T:
+    """Run a command's up-front option checks, before any heavy import: a `BridgeError` is one line and exit 2."""
+    try:
+        return checks()
+    except BridgeError as err:
+        _fail(err)
+
+
 def _run(action: Callable[[], T]) -> T:
     """Run a command body: one-line errors for bad input, tracebacks only with --debug."""
-    from hf_mcore_bridge.errors import BridgeError
-
     _quiet_libraries()
     try:
         return action()
+    except (typer.Exit, typer.Abort):
+        raise  # a deliberate exit status (verify's FAIL is 1), not an error
     except BridgeError as err:
-        if _state["debug"]:
-            raise
-        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
-        raise typer.Exit(2) from None
+        _fail(err)
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output is written (atomic.Terminated: 143)
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
         raise typer.Exit(getattr(err, "exit_code", 130)) from None
@@ -90,15 +151,39 @@ def _run(action: Callable[[], T]) -> T:
         raise typer.Exit(1) from None
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"hf-mcore-bridge {version('hf-mcore-bridge')}")
+        except PackageNotFoundError:  # running from a checkout that was not installed
+            from hf_mcore_bridge import __version__
+
+            typer.echo(f"hf-mcore-bridge {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """Bridge HuggingFace checkpoints and Megatron-Core."""
     _state["debug"] = debug or os.environ.get("BRIDGE_DEBUG") == "1"
 
 
-@app.command()
+CONVERT_EXAMPLES = """Examples:
+
+\b
+  bridge convert --to mcore --tp 2 --pp 2 ./Llama-3.2-1B ./llama-mcore
+  bridge convert --to mcore --format torch --tp 2 ./Llama-3.2-1B ./llama-legacy
+  bridge convert --to hf --max-shard-size 2GB ./llama-mcore ./llama-hf"""
+
+
+@app.command(epilog=CONVERT_EXAMPLES)
 def convert(
     source: Annotated[Path, typer.Argument(help="HF model directory (--to mcore) or Megatron checkpoint (--to hf).")],
     destination: Annotated[Path, typer.Argument(help="Output directory: absent, empty, or see --overwrite.")],
@@ -120,7 +205,9 @@ def convert(
     iteration: Annotated[int | None, typer.Option(help="Which saved iteration to export (--to hf).")] = None,
     hf_config: Annotated[Path | None, typer.Option(help="HF config.json (or its directory) for --to hf.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="Directory with tokenizer files for --to hf.")] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard (--to hf).")] = "5GB",
+    max_shard_size: Annotated[
+        str | None, typer.Option(help="Largest safetensors shard, e.g. 500MB (--to hf; default 5GB).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a destination written earlier by this tool.")] = False,
     overwrite_foreign: Annotated[
         bool,
@@ -137,13 +224,52 @@ def convert(
     --to mcore writes a Megatron-LM-loadable checkpoint (release/, args, vocabulary padded for --tp) from one
     CPU process, streaming tensor by tensor. --to hf reads a checkpoint of any layout and format.
     """
-    from hf_mcore_bridge.layout import Layout
+    layout = Layout(tp, pp, vpp, cp, ep, etp, first_stage_layers, last_stage_layers)
+
+    def checks() -> int:
+        validate.options_for_direction(
+            f"--to {to.value}",
+            {
+                "--tp": tp != 1,
+                "--pp": pp != 1,
+                "--vpp": vpp is not None,
+                "--cp": cp != 1,
+                "--ep": ep != 1,
+                "--etp": etp is not None,
+                "--first-stage-layers": first_stage_layers is not None,
+                "--last-stage-layers": last_stage_layers is not None,
+                "--spec": spec is not Spec.te,
+                "--format": fmt is not Format.torch_dist,
+                "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
+                "--allow-pickle": allow_pickle,
+            }
+            if to is Target.hf
+            else {
+                "--iteration": iteration is not None,
+                "--hf-config": hf_config is not None,
+                "--tokenizer": tokenizer is not None,
+                "--max-shard-size": max_shard_size is not None,
+            },
+        )
+        if to is Target.mcore:
+            validate.layout_fits(layout, validate.hf_model_dir(source, "source"))
+            validate.at_least("--make-vocab-size-divisible-by", make_vocab_size_divisible_by, 1)
+        else:
+            validate.existing_dir(source, "source")
+            validate.at_least("--iteration", iteration, 0)
+            if hf_config is not None:
+                validate.hf_config_option(hf_config)
+            if tokenizer is not None:
+                validate.existing_dir(tokenizer, "--tokenizer")
+        validate.writable_destination(destination)
+        return validate.shard_size(max_shard_size or "5GB")
+
+    shard_bytes = _check(checks)
 
     def action() -> None:
         if to is Target.mcore:
             from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
-            layout = Layout(tp, pp, vpp, cp, ep, etp, first_stage_layers, last_stage_layers)
             result = convert_hf_to_mcore(
                 source,
                 destination,
@@ -166,7 +292,7 @@ def convert(
                 destination,
                 iteration=iteration,
                 dtype=dtype.value if dtype else None,
-                max_shard_size=max_shard_size,
+                max_shard_size=shard_bytes,
                 hf_config=hf_config,
                 tokenizer=tokenizer,
                 overwrite=overwrite,
@@ -184,7 +310,14 @@ def convert(
     _run(action)
 
 
-@app.command()
+VERIFY_EXAMPLES = """Examples:
+
+\b
+  bridge verify ./Llama-3.2-1B ./llama-mcore --tp 2 --pp 2
+  bridge verify ./Llama-3.2-1B ./llama-mcore --dtype bf16 --tolerance 0.2"""
+
+
+@app.command(epilog=VERIFY_EXAMPLES)
 def verify(
     hf_dir: Annotated[Path, typer.Argument(help="The HF model directory (the reference).")],
     mcore_dir: Annotated[Path, typer.Argument(help="The Megatron checkpoint (root, iter_* or release).")],
@@ -198,16 +331,28 @@ def verify(
 ) -> None:
     """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
 
-    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU). Exits non-zero beyond the tolerance.
+    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU). Prints OK or FAIL; a FAIL beyond the tolerance
+    exits with status 1.
     """
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.verify import VerifyJob
-    from hf_mcore_bridge.verify import verify as run_verify
+    layout = Layout(tp=tp, pp=pp, ep=ep)
+
+    def checks() -> None:
+        hf_config = validate.hf_model_dir(hf_dir, "HF directory")
+        validate.existing_dir(mcore_dir, "Megatron checkpoint")
+        validate.at_least("--seq-len", seq_len, 1)
+        validate.at_least("--batch", batch, 1)
+        validate.tolerance(tolerance)
+        validate.layout_fits(layout, hf_config)
+
+    _check(checks)
 
     def action() -> None:
+        from hf_mcore_bridge.verify import VerifyJob
+        from hf_mcore_bridge.verify import verify as run_verify
+
         (result,) = run_verify(
             [VerifyJob(hf_dir, mcore_dir)],
-            Layout(tp=tp, pp=pp, ep=ep),
+            layout,
             dtype=dtype.value,
             batch=batch,
             seq_len=seq_len,
@@ -220,16 +365,29 @@ def verify(
     _run(action)
 
 
-@app.command()
+INSPECT_EXAMPLES = """Examples:
+
+\b
+  bridge inspect ./llama-mcore
+  bridge inspect ./Llama-3.2-1B --json --no-tensors"""
+
+
+@app.command(epilog=INSPECT_EXAMPLES)
 def inspect(
     path: Annotated[Path, typer.Argument(help="An HF model directory or a Megatron checkpoint.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
     tensors: Annotated[bool, typer.Option(help="List every tensor.")] = True,
 ) -> None:
-    """Show architecture, layout, dtype, parameter count and tensors of a checkpoint."""
-    from hf_mcore_bridge.inspect_checkpoint import inspect_path
+    """Show architecture, layout, dtype, parameter count and tensors of a checkpoint.
+
+    Reads HF safetensors directories and Megatron checkpoints in both formats this tool writes (torch_dist and
+    the legacy per-rank torch files, at any TP/PP/VPP/EP).
+    """
+    _check(lambda: validate.existing_dir(path, "checkpoint"))
 
     def action() -> None:
+        from hf_mcore_bridge.inspect_checkpoint import inspect_path
+
         report = inspect_path(path)
         if as_json:
             typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -259,11 +417,20 @@ def _print_inspection(report: Any, tensors: bool) -> None:
         console.print(table)
 
 
-train_app = typer.Typer(help="Train policies on megatron-core.", no_args_is_help=True)
+train_app = typer.Typer(
+    help="Train policies on megatron-core.", no_args_is_help=True, context_settings=app.info.context_settings
+)
 app.add_typer(train_app, name="train")
 
 
-@train_app.command("grpo")
+GRPO_EXAMPLES = """Examples:
+
+\b
+  bridge train grpo --config examples/grpo_tiny.yaml policy.model_path=./tiny-llama
+  bridge train grpo --config run.yaml grpo.max_num_steps=50 logger.log_dir=runs/a"""
+
+
+@train_app.command("grpo", epilog=GRPO_EXAMPLES)
 def train_grpo_command(
     config: Annotated[Path, typer.Option("--config", help="The run's YAML (see examples/).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: grpo.max_num_steps=50 ...")] = None,
@@ -271,13 +438,18 @@ def train_grpo_command(
     """GRPO on megatron-core with the embedded engine: `bridge train grpo --config run.yaml key=value ...`.
 
     Every key under `policy.megatron_cfg` is forwarded to megatron-core (TransformerConfig, OptimizerConfig, DDP
-    config); unknown keys are errors naming the closest valid key. Metrics go to `logger.log_dir`.
+    config); unknown keys are errors naming the closest valid key. Metrics go to `logger.log_dir`. The whole
+    config (values, paths, the tokenizer) is checked before the model is converted or any process starts.
     """
-    from hf_mcore_bridge.grpo.config import load_config
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    _check(lambda: validate.existing_file(config, "--config"))
 
     def action() -> None:
-        result = train_grpo(load_config(config, overrides or []))
+        from hf_mcore_bridge.grpo.config import load_config
+        from hf_mcore_bridge.grpo.trainer import train_grpo
+
+        run_config = load_config(config, overrides or [])
+        validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)
+        result = train_grpo(run_config)
         rewards = result.series("reward_mean")
         last = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
         typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")
@@ -285,7 +457,14 @@ def train_grpo_command(
     _run(action)
 
 
-@app.command()
+EXPORT_EXAMPLES = """Examples:
+
+\b
+  bridge export runs/grpo ./policy-hf
+  bridge export runs/grpo ./policy-hf --step 100 --push-to-hub my-org/my-policy --private"""
+
+
+@app.command(epilog=EXPORT_EXAMPLES)
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A GRPO run (or its checkpoint directory).")],
     destination: Annotated[Path, typer.Argument(help="Where the HF model goes: absent, empty, or see --overwrite.")],
@@ -305,9 +484,17 @@ def export(
 
     The upload uses your usual Hugging Face credentials (HF_TOKEN or `huggingface-cli login`).
     """
-    from hf_mcore_bridge.grpo.export import export_run
+
+    def checks() -> None:
+        validate.existing_dir(run_dir, "run directory")
+        validate.at_least("--step", step, 0)
+        validate.writable_destination(destination)
+
+    _check(checks)
 
     def action() -> None:
+        from hf_mcore_bridge.grpo.export import export_run
+
         result = export_run(
             run_dir,
             destination,
@@ -323,7 +510,14 @@ def export(
     _run(action)
 
 
-@app.command()
+DEMO_EXAMPLES = """Examples:
+
+\b
+  bridge demo
+  bridge demo /tmp/bridge-demo --tp 2 --pp 1"""
+
+
+@app.command(epilog=DEMO_EXAMPLES)
 def demo(
     workdir: Annotated[Path, typer.Argument(help="Where to put the demo checkpoints.")] = Path("demo"),
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 2,
@@ -337,9 +531,17 @@ def demo(
     ] = False,
 ) -> None:
     """Build a tiny Llama-architecture checkpoint locally, convert it to TP x PP, verify it, export it back."""
-    from hf_mcore_bridge.demo import run_demo
+
+    def checks() -> None:
+        validate.at_least("--tp", tp, 1)
+        validate.at_least("--pp", pp, 1)
+        validate.writable_destination(workdir)
+
+    _check(checks)
 
     def action() -> None:
+        from hf_mcore_bridge.demo import run_demo
+
         for line in run_demo(workdir, tp=tp, pp=pp, overwrite=overwrite, overwrite_foreign=overwrite_foreign):
             typer.echo(line)
 

@@ -1,4 +1,11 @@
-"""`bridge inspect`: what an HF directory or a Megatron checkpoint holds, for people (a table) and machines (JSON)."""
+"""`bridge inspect`: what an HF directory or a Megatron checkpoint holds, for people (a table) and machines (JSON).
+
+Reads every format the tool writes: HF safetensors, megatron-core `torch_dist` (tensor metadata only) and the
+legacy per-rank `torch` files (each rank's file opened weights-only, memory-mapped). Legacy tensors are reported in
+the distributed checkpoint's stacked, global form, so both Megatron formats of one model read the same; that needs
+the architecture recorded in `args.hf_architecture` (this tool records it) to know how tensors were split over TP
+ranks. Without it the shapes are those of tensor-parallel rank 0, and a note says so.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import torch
 from hf_mcore_bridge.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
-from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint, safe_torch_load
 
 
 @dataclass
@@ -76,12 +83,43 @@ def _inspect_hf(path: Path) -> Inspection:
 
 def _inspect_mcore(path: Path) -> Inspection:
     _, checkpoint_dir = resolve_checkpoint(path)
+    if not (checkpoint_dir / ".metadata").exists() and any(checkpoint_dir.glob("mp_rank_*")):
+        return _inspect_legacy(checkpoint_dir)
     common = read_common(checkpoint_dir)
     args = common.get("args")
     dcp = DCPCheckpoint(checkpoint_dir)
     rows = [_row(key, dcp.tensor_meta(key).shape, dcp.tensor_meta(key).dtype) for key in sorted(dcp.tensor_keys())]
-    layout = {}
+    return _megatron_inspection(checkpoint_dir, "torch_dist", common.get("iteration", "?"), args, rows, [])
+
+
+def _inspect_legacy(checkpoint_dir: Path) -> Inspection:
+    from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
+    from hf_mcore_bridge.mappings import get_architecture
+
+    first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))
+    if not first:
+        raise CheckpointError(f"{checkpoint_dir} holds no mp_rank_*/{FILE_NAME}")
+    state = safe_torch_load(first[0], mmap=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{first[0]} does not hold a dict")
+    args = state.get("args")
+    architecture = getattr(args, "hf_architecture", None)
     notes = []
+    if architecture is None:
+        table: tuple = ()
+        notes.append("args name no architecture: shapes are those of tensor-parallel rank 0")
+    else:
+        table = get_architecture(architecture).table
+    tied = not getattr(args, "untie_embeddings_and_output_weights", True)
+    source = LegacySource(checkpoint_dir, table, tied=tied)
+    rows = [_row(key, source.shape(key), source.dtype(key)) for key in sorted(source.keys())]
+    return _megatron_inspection(checkpoint_dir, "torch (legacy)", state.get("iteration", "?"), args, rows, notes)
+
+
+def _megatron_inspection(
+    checkpoint_dir: Path, fmt: str, iteration: Any, args: Any, rows: list[TensorRow], notes: list[str]
+) -> Inspection:
+    layout = {}
     if args is not None:
         for name, arg in (
             ("tp", "tensor_model_parallel_size"),
@@ -98,12 +136,12 @@ def _inspect_mcore(path: Path) -> Inspection:
         if padded and vocab and padded != vocab:
             notes.append(f"vocabulary {vocab} padded to {padded} (parameter count includes the padding)")
     else:
-        notes.append("common.pt has no args: the layout is unknown")
+        notes.append("the checkpoint records no args: the layout is unknown")
     if not rows:
         raise CheckpointError(f"{checkpoint_dir} holds no tensors")
     return Inspection(
         path=str(checkpoint_dir),
-        format=f"megatron-core torch_dist (iteration {common.get('iteration', '?')})",
+        format=f"megatron-core {fmt} (iteration {iteration})",
         architecture=getattr(args, "hf_architecture", None) if args is not None else None,
         layout=layout,
         dtypes=sorted({r.dtype for r in rows}),

@@ -7,7 +7,9 @@ the way the target ranks will read them, and is recorded in the checkpoint's `ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hf_mcore_bridge.errors import LayoutError
 
@@ -72,6 +74,18 @@ def stage_layer_counts(layout: Layout, num_layers: int) -> list[int]:
     return counts
 
 
+def validate_layout_sizes(layout: Layout) -> None:
+    """Refuse sizes below 1 (and stage layer counts below 0), whatever the model."""
+    for name in ("tp", "pp", "cp", "ep"):
+        value = getattr(layout, name)
+        _require(value >= 1, f"{name}={value} must be at least 1")
+    _require(layout.vpp is None or layout.vpp >= 1, f"vpp={layout.vpp} must be at least 1")
+    _require(layout.etp is None or layout.etp >= 1, f"etp={layout.etp} must be at least 1")
+    for name in ("first_stage_layers", "last_stage_layers"):
+        value = getattr(layout, name)
+        _require(value is None or value >= 0, f"{name}={value} must not be negative")
+
+
 def validate_layout(
     layout: Layout,
     *,
@@ -83,11 +97,7 @@ def validate_layout(
     moe_ffn_hidden_size: int | None = None,
 ) -> None:
     """Refuse a layout that megatron-core cannot build for this model, with the reason."""
-    for name in ("tp", "pp", "cp", "ep"):
-        value = getattr(layout, name)
-        _require(value >= 1, f"{name}={value} must be at least 1")
-    _require(layout.vpp is None or layout.vpp >= 1, f"vpp={layout.vpp} must be at least 1")
-    _require(layout.etp is None or layout.etp >= 1, f"etp={layout.etp} must be at least 1")
+    validate_layout_sizes(layout)
     tp = layout.tp
     _require(
         num_attention_heads % tp == 0,
@@ -135,3 +145,36 @@ def _validate_pipeline(layout: Layout, num_layers: int) -> None:
             num_layers % (pp * vpp) == 0,
             f"num_layers={num_layers} is not divisible by pp*vpp={pp * vpp}",
         )
+
+
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""HF config keys that hold the routed-expert count (Mixtral; Qwen-MoE; DeepSeek-style); a config with none of them
+is a dense model. A mixture-of-experts family with another key must add it here."""
+
+
+def validate_layout_for_hf_config(layout: Layout, config: Mapping[str, Any]) -> None:
+    """`validate_layout` from an HF `config.json` read as plain JSON: a cheap check before anything heavy loads.
+
+    Checks the layers, heads, query groups and FFN width the config states, and EP/ETP against the expert count
+    (`_EXPERT_COUNT_KEYS`); a value the config lacks is left to the full conversion to report.
+    Sizes below 1 are refused whatever the config says.
+    """
+
+    def count(key: str, default: int | None = None) -> int | None:
+        value = config.get(key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+    validate_layout_sizes(layout)
+    heads = count("num_attention_heads")
+    layers, ffn = count("num_hidden_layers"), count("intermediate_size")
+    if heads is None or layers is None or ffn is None:
+        return  # the full conversion names the missing or malformed key
+    experts = next((n for key in _EXPERT_COUNT_KEYS if (n := count(key)) is not None), None)
+    validate_layout(
+        layout,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=count("num_key_value_heads") or heads,
+        ffn_hidden_size=ffn,
+        num_experts=experts,
+    )

@@ -89,7 +89,8 @@ def verify(
         for i, job in enumerate(jobs):
             mcore_logits = torch.load(work / f"logits_{i}.pt", weights_only=True).double()
             hf_logits = _hf_logits(job.hf_dir, token_sets[i], dtype).double()
-            results.append(_compare(job, layout, hf_logits, mcore_logits, tolerance or DEFAULT_TOLERANCE[dtype]))
+            limit = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
+            results.append(_compare(job, layout, hf_logits, mcore_logits, limit))
     return results
 
 

@@ -4,14 +4,17 @@
 is then `world / (TP x PP x CP)`, megatron-core's rule); each initialises `torch.distributed` and megatron-core's
 `parallel_state` for the layout (CPU workarounds applied where CUDA is absent), calls `fn(*args)`, and tears
 down. `fn` must be importable (a module-level function). A failing rank becomes a `BridgeError` carrying the
-rank's last error line. `run_torch_world(fn, size, *args)` starts the same kind of world without megatron-core's
-state, for backends that lay out their own device mesh (DTensor).
+rank's last error line; an interrupt (Ctrl-C) stops every rank and is raised again in the parent.
+`run_torch_world(fn, size, *args)` starts the same kind of world without megatron-core's state, for backends
+that lay out their own device mesh (DTensor).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,18 +67,41 @@ def run_torch_world(fn: Callable[..., None], size: int, *args: Any) -> None:
 def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(
-        _rank_main, args=(size, _free_port(), layout, fn, args), nprocs=size, join=False, start_method="spawn"
-    )
+    # The ranks start with SIGINT ignored (the disposition survives spawn's exec): Ctrl-C reaches the whole process
+    # group, and without this every rank would print its own KeyboardInterrupt traceback. The parent stops them.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        context = mp.start_processes(
+            _rank_main, args=(size, _free_port(), layout, fn, args), nprocs=size, join=False, start_method="spawn"
+        )
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
     try:
         while not context.join():
             pass
+    except KeyboardInterrupt:
+        _stop(context)
+        raise
     except mp.ProcessRaisedException as err:
         text = str(err).strip()
         detail = text if os.environ.get("BRIDGE_DEBUG") == "1" else text.splitlines()[-1]
         raise BridgeError(f"a rank failed: {detail}") from None
     except mp.ProcessExitedException as err:
         raise BridgeError(f"a rank died: {err}") from None
+
+
+def _stop(context: Any) -> None:
+    """Terminate and reap every rank, and remove the error files torch made for them."""
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join()
+    for path in getattr(context, "error_files", []):
+        if path and os.path.exists(path):
+            os.unlink(path)
 
 
 def _rank_main(rank: int, size: int, port: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -41,3 +42,62 @@ def test_inspect_megatron_checkpoint(tiny_models, tmp_path):
 def test_inspect_not_a_checkpoint(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ")
+
+
+def _hf_reference(hf_dir, tp: int) -> tuple[int, str]:
+    """Parameters a Megatron checkpoint of this HF model holds at `tp`, computed from the HF files: the HF tensors
+    plus the vocabulary padding rows (multiple of 128 x TP) of the embedding and, if untied, the output layer."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    multiple = 128 * tp
+    padding = -config["vocab_size"] % multiple
+    copies = 1 if config.get("tie_word_embeddings") else 2
+    return sum(t.numel() for t in tensors.values()) + padding * config["hidden_size"] * copies, config["architectures"][
+        0
+    ]
+
+
+@pytest.mark.parametrize(
+    ("variant", "layout"),
+    [
+        ("llama", Layout(tp=2, pp=2, vpp=2)),
+        ("llama_tied", Layout(pp=4)),
+        ("qwen3", Layout(tp=2)),
+        ("mixtral", Layout(tp=2, ep=2)),
+    ],
+    ids=["llama-tp2-pp2-vpp2", "tied-pp4", "qwen3-tp2", "mixtral-tp2-ep2"],
+)
+def test_inspect_reads_the_legacy_torch_format(variant, layout, tiny_models, tiny_moe_models, tmp_path):
+    hf_dir = {**tiny_models, **tiny_moe_models}[variant]
+    # legacy MoE files are written for the local spec; they are reported under Transformer Engine's names
+    legacy_spec = "local" if layout.ep > 1 else "te"
+    for name, fmt, spec in (("legacy", "torch", legacy_spec), ("dist", "torch_dist", "te")):
+        convert_hf_to_mcore(
+            hf_dir, tmp_path / name, layout=layout, spec=spec, checkpoint_format=fmt, show_progress=False
+        )
+    result = runner.invoke(app, ["inspect", str(tmp_path / "legacy"), "--json"])
+    assert result.exit_code == 0, result.output
+    legacy = json.loads(result.output)
+    dist = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "dist"), "--json"]).output)
+    parameters, architecture = _hf_reference(hf_dir, layout.tp)
+    assert legacy["format"].startswith("megatron-core torch (legacy)")
+    assert legacy["architecture"] == architecture and legacy["parameters"] == parameters
+    assert legacy["layout"]["tp"] == layout.tp and legacy["layout"]["pp"] == layout.pp
+    # the same global tensors as the distributed checkpoint's own metadata lists (a separate reader)
+    assert {(r["name"], tuple(r["shape"]), r["dtype"]) for r in legacy["tensors"]} == {
+        (r["name"], tuple(r["shape"]), r["dtype"]) for r in dist["tensors"]
+    }
+
+
+def test_inspect_reads_an_exported_hf_directory(tiny_models, tmp_path):
+    from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+
+    convert_hf_to_mcore(tiny_models["qwen2"], tmp_path / "m", layout=Layout(tp=2), show_progress=False)
+    convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False, max_shard_size=20_000)
+    result = runner.invoke(app, ["inspect", str(tmp_path / "hf"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    source = load_file(tiny_models["qwen2"] / "model.safetensors")
+    assert report["format"] == "huggingface safetensors" and report["architecture"] == "Qwen2ForCausalLM"
+    assert {r["name"]: r["shape"] for r in report["tensors"]} == {n: list(t.shape) for n, t in source.items()}
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1  # sharded output, read through its index

@@ -454,8 +454,17 @@ def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> GRPOConfig:
-    """A validated `GRPOConfig` from a YAML file plus dotted overrides."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """A validated `GRPOConfig` from a YAML file plus dotted overrides; an unreadable file or a YAML syntax error
+    is a one-line `GRPOConfigError` naming the file (and the line and column)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise GRPOConfigError(f"{path}: cannot read the config: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise GRPOConfigError(f"{path}: not valid YAML: {problem}{where}") from None
     if not isinstance(data, Mapping):
         raise GRPOConfigError(f"{path}: the top level must be a mapping of sections")
     return config_from_dict(data, overrides)
@@ -510,6 +519,57 @@ def _validate_forwarded(megatron: MegatronConfig) -> None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise GRPOConfigError(message)
+
+
+def _number(value: Any, where: str) -> float:
+    """A real number from the config; YAML 1.1 reads `1e-6` (no dot) as text, so the message says how to write it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        hint = " (YAML reads 1e-6 as text: write 1.0e-6)" if isinstance(value, str) else ""
+        raise GRPOConfigError(f"{where} must be a number, got {value!r}{hint}")
+    _require(value == value and abs(value) != float("inf"), f"{where} must be finite, got {value!r}")
+    return float(value)
+
+
+_OPTIMIZER_RANGES = {
+    "lr": (0.0, None),
+    "min_lr": (0.0, None),
+    "weight_decay": (0.0, None),
+    "clip_grad": (0.0, None),
+    "adam_beta1": (0.0, 1.0),
+    "adam_beta2": (0.0, 1.0),
+}
+"""Forwarded `OptimizerConfig` keys and their ranges, [low, high): megatron-core asserts them only inside a rank."""
+
+
+def _validate_optimizer(megatron: MegatronConfig) -> None:
+    for key, (low, high) in _OPTIMIZER_RANGES.items():
+        if key not in megatron.optimizer:
+            continue
+        where = f"policy.megatron_cfg.optimizer.{key}"
+        value = _number(megatron.optimizer[key], where)
+        _require(value >= low, f"{where}={value:g} must be >= {low:g}")
+        if high is not None:
+            _require(value < high, f"{where}={value:g} must be < {high:g}")
+    if "adam_eps" in megatron.optimizer:
+        eps = _number(megatron.optimizer["adam_eps"], "policy.megatron_cfg.optimizer.adam_eps")
+        _require(eps > 0, f"policy.megatron_cfg.optimizer.adam_eps={eps:g} must be > 0")
+
+
+def _validate_schedule(schedule: SchedulerConfig, max_lr: float | None, where: str) -> None:
+    """The checks megatron-core's `OptimizerParamScheduler` asserts, made in the parent with the key's name."""
+    min_lr = _number(schedule.min_lr, f"{where}.min_lr")
+    init = _number(schedule.lr_warmup_init, f"{where}.lr_warmup_init")
+    _require(min_lr >= 0, f"{where}.min_lr={min_lr:g} must be >= 0")
+    _require(init >= 0, f"{where}.lr_warmup_init={init:g} must be >= 0")
+    _require(schedule.lr_warmup_steps >= 0, f"{where}.lr_warmup_steps={schedule.lr_warmup_steps} must be >= 0")
+    decay = schedule.lr_decay_steps
+    _require(
+        decay is None or decay > schedule.lr_warmup_steps,
+        f"{where}.lr_decay_steps={decay} must be larger than lr_warmup_steps={schedule.lr_warmup_steps}",
+    )
+    if max_lr is not None:
+        _require(min_lr <= max_lr, f"{where}.min_lr={min_lr:g} is above the learning rate {max_lr:g}")
+        _require(init <= max_lr, f"{where}.lr_warmup_init={init:g} is above the learning rate {max_lr:g}")
 
 
 def dtensor_sizes(config: GRPOConfig) -> tuple[int, int]:
@@ -597,6 +657,8 @@ def _validate_dtensor(config: GRPOConfig) -> None:
     )
     _require(len(dcfg.betas) == 2, f"{where}.betas must be two numbers (beta1, beta2), got {list(dcfg.betas)}")
     _require(dcfg.lr >= 0 and dcfg.eps > 0 and dcfg.clip_grad >= 0, f"{where}: lr, eps, clip_grad must be >= 0")
+    _require(dcfg.weight_decay >= 0, f"{where}.weight_decay={dcfg.weight_decay:g} must be >= 0")
+    _validate_schedule(dcfg.scheduler, dcfg.lr, f"{where}.scheduler")
     style = dcfg.scheduler.lr_decay_style
     _require(
         style in SUPPORTED_STYLES,
@@ -633,6 +695,12 @@ def _validate(config: GRPOConfig) -> None:
         "policy.megatron_cfg.sequence_parallel needs tensor_model_parallel_size > 1",
     )
     _require(mcfg.micro_batch_size >= 1, "policy.megatron_cfg.micro_batch_size must be >= 1")
+    _require(mcfg.max_tokens_per_microbatch >= 2, "policy.megatron_cfg.max_tokens_per_microbatch must be >= 2")
+    _require(
+        mcfg.make_vocab_size_divisible_by >= 1,
+        f"policy.megatron_cfg.make_vocab_size_divisible_by={mcfg.make_vocab_size_divisible_by} must be >= 1",
+    )
+    _require(policy.refit_bucket_mb >= 1, f"policy.refit_bucket_mb={policy.refit_bucket_mb} must be >= 1")
     _require(
         not mcfg.sequence_packing or config.loss_fn.aggregation is Aggregation.TOKEN,
         "policy.megatron_cfg.sequence_packing needs loss_fn.aggregation=token (a packed row holds many sequences)",
@@ -679,6 +747,10 @@ def _validate(config: GRPOConfig) -> None:
         "checkpointing.save_period must be >= 1",
     )
     _validate_forwarded(mcfg)
+    if mcfg.enabled:
+        _validate_optimizer(mcfg)
+        lr = mcfg.optimizer.get("lr")
+        _validate_schedule(mcfg.scheduler, None if lr is None else float(lr), "policy.megatron_cfg.scheduler")
     from hf_mcore_bridge.grpo.stop_tokens import stop_token_ids
 
     if Path(policy.model_path).exists():  # a missing model is refused when the run starts (`with_stop_token_ids`)

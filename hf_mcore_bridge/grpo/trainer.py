@@ -127,15 +127,19 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
     log_dir = Path(config.logger.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
     if config.policy.dtensor_cfg.enabled:
+        log_dir.mkdir(parents=True, exist_ok=True)
         return _prepare_hf_run(config, log_dir)
     layout = layout_of(config.policy.megatron_cfg)
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
+    tokenizer_file: Path | None = None
     if _is_hf_dir(source):
         hf_dir = source
+        tokenizer_file = _tokenizer_file(config, [hf_dir])  # a missing tokenizer is reported before converting
         source = log_dir / "initial_policy_mcore"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if hf_dir is not None:
         convert_hf_to_mcore(
             hf_dir, source, layout=layout, dtype=config.policy.dtype, overwrite=True, show_progress=False
         )
@@ -162,7 +166,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         checkpoint_dir=checkpoint_dir,
         model_cfg=model_cfg,
         hf_config=hf_config,
-        tokenizer_file=_tokenizer_file(config, [assets] if assets else []),
+        tokenizer_file=tokenizer_file or _tokenizer_file(config, [assets] if assets else []),
         padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
         log_dir=log_dir,
     )

@@ -1,0 +1,490 @@
+"""The command line's bad-input matrix: per command, each refused invocation exits with its status, prints exactly
+one `error:` line matching its message, and leaves the sources and the destination byte-for-byte as they were.
+
+Cases are table rows (id, argv, exit status, message regex); `{W}` in an argv stands for the shared workspace,
+which holds a tiny Llama HF directory, a Megatron checkpoint converted from it, and damaged inputs. The whole
+workspace is snapshotted before and after each case (see `tree_snapshot.py`), so a staging directory or a log
+directory left behind fails the case as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tree_snapshot import assert_unchanged, snapshot
+from typer.testing import CliRunner
+
+from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+
+runner = CliRunner()
+
+Case = tuple[str, list[str], int, str]
+
+
+@pytest.fixture(scope="module")
+def workspace(tiny_models, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("matrix")
+    shutil.copytree(tiny_models["llama"], root / "llama")
+    convert_hf_to_mcore(root / "llama", root / "mcore", layout=Layout(tp=2), show_progress=False)
+    (root / "file.txt").write_text("not a directory\n")
+    (root / "empty").mkdir()
+    (root / "bad_json").mkdir()
+    (root / "bad_json" / "config.json").write_text("{not json")
+    (root / "yaml_syntax.yaml").write_text("policy:\n  model_path: [unclosed\n")
+    (root / "yaml_list.yaml").write_text("- policy\n- data\n")
+    (root / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81 not text")
+    (root / "empty.yaml").write_text("")
+    run = {
+        "policy": {"model_path": str(root / "llama")},
+        "data": {"task": "repeat_digit"},
+        "logger": {"log_dir": str(root / "runs"), "tensorboard": False},
+    }
+    (root / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
+    return root
+
+
+def _argv(template: list[str], workspace: Path) -> list[str]:
+    return [part.replace("{W}", str(workspace)) for part in template]
+
+
+def assert_refused(workspace: Path, argv: list[str], code: int, message: str) -> None:
+    before = snapshot(workspace)
+    result = runner.invoke(app, _argv(argv, workspace))
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "internal error" not in result.output, lines[0]
+    assert re.search(message.replace("{W}", str(workspace)), lines[0]), lines[0]
+    assert_unchanged(before, workspace)
+
+
+TO_MCORE = ["convert", "--to", "mcore", "--no-progress"]
+CONVERT_TO_MCORE: list[Case] = [
+    ("missing-source", [*TO_MCORE, "{W}/nowhere", "{W}/out"], 2, r"source: no such directory: {W}/nowhere$"),
+    ("source-is-a-file", [*TO_MCORE, "{W}/file.txt", "{W}/out"], 2, r"file\.txt is not a directory"),
+    ("source-without-config", [*TO_MCORE, "{W}/empty", "{W}/out"], 2, r"config\.json does not exist"),
+    ("malformed-config", [*TO_MCORE, "{W}/bad_json", "{W}/out"], 2, r"config\.json is not readable JSON"),
+    ("tp-0", [*TO_MCORE, "--tp", "0", "{W}/llama", "{W}/out"], 2, r"tp=0 must be at least 1"),
+    ("tp-negative", [*TO_MCORE, "--tp", "-2", "{W}/llama", "{W}/out"], 2, r"tp=-2 must be at least 1"),
+    ("tp-3", [*TO_MCORE, "--tp", "3", "{W}/llama", "{W}/out"], 2, r"num_attention_heads=8 is not divisible by tp=3"),
+    ("tp-8", [*TO_MCORE, "--tp", "8", "{W}/llama", "{W}/out"], 2, r"num_query_groups=4 is not divisible by tp=8"),
+    ("pp-negative", [*TO_MCORE, "--pp", "-1", "{W}/llama", "{W}/out"], 2, r"pp=-1 must be at least 1"),
+    ("pp-3", [*TO_MCORE, "--pp", "3", "{W}/llama", "{W}/out"], 2, r"num_layers=8 is not divisible by pp=3"),
+    ("pp-16", [*TO_MCORE, "--pp", "16", "{W}/llama", "{W}/out"], 2, r"pp=16 is larger than num_layers=8"),
+    ("vpp-0", [*TO_MCORE, "--pp", "2", "--vpp", "0", "{W}/llama", "{W}/out"], 2, r"vpp=0 must be at least 1"),
+    ("vpp-3", [*TO_MCORE, "--pp", "2", "--vpp", "3", "{W}/llama", "{W}/out"], 2, r"not divisible by pp\*vpp=6"),
+    ("cp-0", [*TO_MCORE, "--cp", "0", "{W}/llama", "{W}/out"], 2, r"cp=0 must be at least 1"),
+    ("ep-on-dense", [*TO_MCORE, "--ep", "2", "{W}/llama", "{W}/out"], 2, r"ep=2 needs a mixture-of-experts model"),
+    ("etp-0", [*TO_MCORE, "--etp", "0", "{W}/llama", "{W}/out"], 2, r"etp=0 must be at least 1"),
+    (
+        "first-stage-negative",
+        [*TO_MCORE, "--pp", "2", "--first-stage-layers", "-1", "{W}/llama", "{W}/out"],
+        2,
+        r"first_stage_layers=-1 must not be negative",
+    ),
+    (
+        "vocab-multiple-0",
+        [*TO_MCORE, "--make-vocab-size-divisible-by", "0", "{W}/llama", "{W}/out"],
+        2,
+        r"--make-vocab-size-divisible-by=0 must be at least 1",
+    ),
+    (
+        "vocab-multiple-negative",
+        [*TO_MCORE, "--make-vocab-size-divisible-by", "-128", "{W}/llama", "{W}/out"],
+        2,
+        r"--make-vocab-size-divisible-by=-128 must be at least 1",
+    ),
+    ("dtype-unknown", [*TO_MCORE, "--dtype", "fp8", "{W}/llama", "{W}/out"], 2, r"Invalid value for '--dtype'"),
+    ("format-unknown", [*TO_MCORE, "--format", "zarr", "{W}/llama", "{W}/out"], 2, r"Invalid value for '--format'"),
+    ("tp-not-a-number", [*TO_MCORE, "--tp", "two", "{W}/llama", "{W}/out"], 2, r"Invalid value for '--tp'"),
+    ("missing-to", ["convert", "{W}/llama", "{W}/out"], 2, r"Missing option '--to'"),
+    ("missing-destination", [*TO_MCORE, "{W}/llama"], 2, r"Missing argument"),
+    ("unknown-option", [*TO_MCORE, "--tpp", "2", "{W}/llama", "{W}/out"], 2, r"No such option: --tpp"),
+    ("destination-is-a-file", [*TO_MCORE, "{W}/llama", "{W}/file.txt"], 2, r"exists and is not a directory"),
+    ("destination-under-a-file", [*TO_MCORE, "{W}/llama", "{W}/file.txt/out"], 2, r"file\.txt is not a directory"),
+    ("destination-not-empty", [*TO_MCORE, "{W}/llama", "{W}/mcore"], 2, r"is not empty; pass --overwrite"),
+    (
+        "hf-only-options",
+        [*TO_MCORE, "--tokenizer", "{W}/llama", "--max-shard-size", "1GB", "{W}/llama", "{W}/out"],
+        2,
+        r"--tokenizer, --max-shard-size apply to --to hf only, not to --to mcore",
+    ),
+]
+
+TO_HF = ["convert", "--to", "hf", "--no-progress"]
+CONVERT_TO_HF: list[Case] = [
+    ("missing-source", [*TO_HF, "{W}/nowhere", "{W}/out"], 2, r"source: no such directory: {W}/nowhere$"),
+    ("not-a-checkpoint", [*TO_HF, "{W}/empty", "{W}/out"], 2, r"not a Megatron checkpoint"),
+    ("tokenizer-nowhere", [*TO_HF, "--tokenizer", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--tokenizer: no such"),
+    ("tokenizer-is-a-file", [*TO_HF, "--tokenizer", "{W}/file.txt", "{W}/mcore", "{W}/out"], 2, r"not a directory"),
+    ("hf-config-nowhere", [*TO_HF, "--hf-config", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--hf-config: no such"),
+    (
+        "hf-config-malformed",
+        [*TO_HF, "--hf-config", "{W}/bad_json", "{W}/mcore", "{W}/out"],
+        2,
+        r"--hf-config: .* is not readable JSON",
+    ),
+    ("shard-size-lots", [*TO_HF, "--max-shard-size", "lots", "{W}/mcore", "{W}/out"], 2, r"'lots' is not a size"),
+    ("shard-size-0", [*TO_HF, "--max-shard-size", "0", "{W}/mcore", "{W}/out"], 2, r"'0' must be larger than 0"),
+    ("shard-size-0GB", [*TO_HF, "--max-shard-size", "0GB", "{W}/mcore", "{W}/out"], 2, r"must be larger than 0"),
+    ("shard-size-negative", [*TO_HF, "--max-shard-size", "-1GB", "{W}/mcore", "{W}/out"], 2, r"must be larger than 0"),
+    ("shard-size-unit", [*TO_HF, "--max-shard-size", "5GiB", "{W}/mcore", "{W}/out"], 2, r"is not a size"),
+    ("iteration-negative", [*TO_HF, "--iteration", "-1", "{W}/mcore", "{W}/out"], 2, r"--iteration=-1 must be at"),
+    ("iteration-unknown", [*TO_HF, "--iteration", "5", "{W}/mcore", "{W}/out"], 2, r"has no iteration 5"),
+    ("destination-is-a-file", [*TO_HF, "{W}/mcore", "{W}/file.txt"], 2, r"exists and is not a directory"),
+    ("destination-not-empty", [*TO_HF, "{W}/mcore", "{W}/llama"], 2, r"is not empty; pass --overwrite"),
+    ("tp-with-to-hf", [*TO_HF, "--tp", "2", "{W}/mcore", "{W}/out"], 2, r"--tp applies to --to mcore only"),
+    ("format-with-to-hf", [*TO_HF, "--format", "torch", "{W}/mcore", "{W}/out"], 2, r"--format applies to --to mcore"),
+]
+
+VERIFY: list[Case] = [
+    ("hf-dir-missing", ["verify", "{W}/nowhere", "{W}/mcore"], 2, r"HF directory: no such directory: {W}/nowhere$"),
+    ("hf-dir-is-a-file", ["verify", "{W}/file.txt", "{W}/mcore"], 2, r"file\.txt is not a directory"),
+    ("hf-dir-without-config", ["verify", "{W}/empty", "{W}/mcore"], 2, r"config\.json does not exist"),
+    ("mcore-missing", ["verify", "{W}/llama", "{W}/nowhere"], 2, r"Megatron checkpoint: no such directory"),
+    ("tolerance-negative", ["verify", "{W}/llama", "{W}/mcore", "--tolerance", "-1"], 2, r"--tolerance=-1.0 must"),
+    ("tolerance-nan", ["verify", "{W}/llama", "{W}/mcore", "--tolerance", "nan"], 2, r"--tolerance=nan must"),
+    ("batch-negative", ["verify", "{W}/llama", "{W}/mcore", "--batch", "-1"], 2, r"--batch=-1 must be at least 1"),
+    ("batch-0", ["verify", "{W}/llama", "{W}/mcore", "--batch", "0"], 2, r"--batch=0 must be at least 1"),
+    ("seq-len-0", ["verify", "{W}/llama", "{W}/mcore", "--seq-len", "0"], 2, r"--seq-len=0 must be at least 1"),
+    ("tp-3", ["verify", "{W}/llama", "{W}/mcore", "--tp", "3"], 2, r"num_attention_heads=8 is not divisible by tp=3"),
+    ("tp-0", ["verify", "{W}/llama", "{W}/mcore", "--tp", "0"], 2, r"tp=0 must be at least 1"),
+    ("pp-3", ["verify", "{W}/llama", "{W}/mcore", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),
+    ("ep-on-dense", ["verify", "{W}/llama", "{W}/mcore", "--ep", "2"], 2, r"needs a mixture-of-experts model"),
+    ("dtype-unknown", ["verify", "{W}/llama", "{W}/mcore", "--dtype", "int8"], 2, r"Invalid value for '--dtype'"),
+]
+
+INSPECT: list[Case] = [
+    ("missing", ["inspect", "{W}/nowhere"], 2, r"checkpoint: no such directory: {W}/nowhere$"),
+    ("a-file", ["inspect", "{W}/file.txt"], 2, r"file\.txt is not a directory"),
+    ("not-a-checkpoint", ["inspect", "{W}/empty"], 2, r"not a Megatron checkpoint"),
+]
+
+EXPORT: list[Case] = [
+    ("run-dir-missing", ["export", "{W}/nowhere", "{W}/out"], 2, r"run directory: no such directory"),
+    ("step-negative", ["export", "{W}/empty", "{W}/out", "--step", "-1"], 2, r"--step=-1 must be at least 0"),
+    ("destination-is-a-file", ["export", "{W}/empty", "{W}/file.txt"], 2, r"exists and is not a directory"),
+    ("no-checkpoints", ["export", "{W}/empty", "{W}/out"], 2, r"holds no checkpoints"),
+]
+
+GRPO = ["train", "grpo", "--config"]
+TRAIN_GRPO: list[Case] = [
+    ("config-missing", [*GRPO, "{W}/nowhere.yaml"], 2, r"--config: no such file: {W}/nowhere\.yaml$"),
+    ("config-is-a-directory", [*GRPO, "{W}/empty"], 2, r"--config: .*empty is not a file"),
+    ("yaml-syntax-error", [*GRPO, "{W}/yaml_syntax.yaml"], 2, r"not valid YAML: .* at line \d+, column \d+"),
+    ("yaml-not-a-mapping", [*GRPO, "{W}/yaml_list.yaml"], 2, r"top level must be a mapping"),
+    ("config-not-text", [*GRPO, "{W}/binary.yaml"], 2, r"binary\.yaml: cannot read the config"),
+    ("config-empty", [*GRPO, "{W}/empty.yaml"], 2, r"policy\.model_path is required"),
+    ("config-missing-option", ["train", "grpo"], 2, r"Missing option '--config'"),
+    ("unknown-key", [*GRPO, "{W}/run.yaml", "grpo.num_generation_per_prompt=4"], 2, r"did you mean"),
+    ("malformed-override", [*GRPO, "{W}/run.yaml", "grpo.seed"], 2, r"not of the form key\.sub=value"),
+    (
+        "negative-learning-rate",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.optimizer.lr=-1.0e-6"],
+        2,
+        r"policy\.megatron_cfg\.optimizer\.lr=-1e-06 must be >= 0",
+    ),
+    (
+        "learning-rate-as-text",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.optimizer.lr=1e-6"],
+        2,
+        r"optimizer\.lr must be a number, got '1e-6' \(YAML reads 1e-6 as text: write 1\.0e-6\)",
+    ),
+    (
+        "adam-beta-1",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.optimizer.adam_beta2=1.0"],
+        2,
+        r"adam_beta2=1 must be < 1",
+    ),
+    (
+        "min-lr-above-lr",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.scheduler.min_lr=0.5"],
+        2,
+        r"scheduler\.min_lr=0\.5 is above the learning rate",
+    ),
+    (
+        "warmup-negative",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.scheduler.lr_warmup_steps=-1"],
+        2,
+        r"lr_warmup_steps=-1 must be >= 0",
+    ),
+    (
+        "decay-within-warmup",
+        [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.scheduler.lr_warmup_steps=5", "+decay=5"],
+        2,
+        r"lr_decay_steps=5 must be larger than lr_warmup_steps=5",
+    ),
+    (
+        "dtensor-negative-learning-rate",
+        [
+            *GRPO,
+            "{W}/run.yaml",
+            "policy.megatron_cfg.enabled=false",
+            "policy.dtensor_cfg.enabled=true",
+            "policy.dtensor_cfg.lr=-0.1",
+        ],
+        2,
+        r"policy\.dtensor_cfg: lr, eps, clip_grad must be >= 0",
+    ),
+    ("tp-0", [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.tensor_model_parallel_size=0"], 2, r"must be >= 1"),
+    ("vocab-multiple-0", [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.make_vocab_size_divisible_by=0"], 2, r">= 1"),
+    (
+        "model-path-missing",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/nowhere"],
+        2,
+        r"policy\.model_path: no such directory: {W}/nowhere$",
+    ),
+    (
+        "tokenizer-given-missing",
+        [*GRPO, "{W}/run.yaml", "policy.tokenizer={W}/nowhere.json"],
+        2,
+        r"policy\.tokenizer: no such file",
+    ),
+    # the tiny HF model has no tokenizer.json: found before the model is converted (no run directory appears)
+    ("tokenizer-not-found", [*GRPO, "{W}/run.yaml"], 2, r"no tokenizer\.json found .*; set policy\.tokenizer"),
+]
+
+
+def _expand(cases: list[Case]) -> list[Case]:
+    # "+decay=N" is shorthand for the scheduler's decay steps (keeps the table rows short)
+    return [
+        (cid, [a.replace("+decay=", "policy.megatron_cfg.scheduler.lr_decay_steps=") for a in argv], code, msg)
+        for cid, argv, code, msg in cases
+    ]
+
+
+MATRIX = {
+    "convert-to-mcore": CONVERT_TO_MCORE,
+    "convert-to-hf": CONVERT_TO_HF,
+    "verify": VERIFY,
+    "inspect": INSPECT,
+    "export": EXPORT,
+    "train-grpo": _expand(TRAIN_GRPO),
+}
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        pytest.param(argv, code, message, id=f"{command}:{cid}")
+        for command, cases in MATRIX.items()
+        for cid, argv, code, message in cases
+    ],
+)
+def test_bad_input_is_one_line_and_changes_nothing(workspace, argv, code, message):
+    assert_refused(workspace, argv, code, message)
+
+
+# --- read-only destination --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def read_only_dir(tmp_path) -> Path:
+    """A directory nobody may write in: a read-only tmpfs where mounting is allowed (root ignores permission
+    bits), else a chmod 0555 directory for an ordinary user; skipped where neither works."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() != 0:
+        target.chmod(0o555)
+        yield target
+        target.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*TO_MCORE, "{W}/llama", "{RO}/out"],
+        [*TO_MCORE, "{W}/llama", "{RO}/deeper/out"],
+        [*TO_HF, "{W}/mcore", "{RO}/out"],
+        ["export", "{W}/empty", "{RO}/out"],
+        ["demo", "{RO}/demo"],
+    ],
+    ids=["convert-to-mcore", "convert-to-mcore-nested", "convert-to-hf", "export", "demo"],
+)
+def test_read_only_destination_is_refused_up_front(workspace, read_only_dir, argv):
+    assert not os.access(read_only_dir, os.W_OK)
+    argv = [part.replace("{RO}", str(read_only_dir)) for part in argv]
+    before = snapshot(read_only_dir)
+    assert_refused(workspace, argv, 2, r"cannot write in .*ro \(read-only or no permission\)")
+    assert_unchanged(before, read_only_dir)
+
+
+# --- bad input is reported before the heavy libraries load ------------------------------------------------------
+
+_PROBE = """
+import sys
+import time
+from hf_mcore_bridge.cli.main import app
+heavy = ("torch", "transformers", "megatron", "safetensors", "numpy")
+try:
+    app(sys.argv[1:])
+except SystemExit as exit:
+    loaded = sorted(name for name in heavy if name in sys.modules)
+    print(f"exit={exit.code} loaded={','.join(loaded)}")
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["convert", "-h"],
+        ["--version"],
+        ["convert", "--to", "mcore", "/nonexistent", "/tmp/x"],
+        ["convert", "--to", "hf", "--max-shard-size", "lots", "{W}/mcore", "{W}/out"],
+        ["verify", "{W}/llama", "{W}/mcore", "--tp", "3"],
+        ["inspect", "/nonexistent"],
+        ["train", "grpo", "--config", "/nonexistent.yaml"],
+    ],
+    ids=["help", "convert-help", "version", "convert-missing", "shard-size", "verify-tp3", "inspect", "grpo"],
+)
+def test_no_heavy_import_before_the_first_output(workspace, argv):
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, *_argv(argv, workspace)], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip().splitlines()[-1].endswith("loaded="), result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith(("exit=0", "exit=2")), result.stdout
+
+
+# --- polish --------------------------------------------------------------------------------------------------------
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"hf-mcore-bridge {version('hf-mcore-bridge')}"
+
+
+@pytest.mark.parametrize(
+    "command", [["convert"], ["verify"], ["inspect"], ["export"], ["demo"], ["train", "grpo"]], ids=" ".join
+)
+def test_short_help_with_an_example(command):
+    short, long = runner.invoke(app, [*command, "-h"]), runner.invoke(app, [*command, "--help"])
+    assert short.exit_code == 0 and short.output == long.output
+    examples = short.output.split("Examples:")[1]
+    assert f"bridge {' '.join(command)} " in examples, short.output
+
+
+# --- the snapshot helper itself ------------------------------------------------------------------------------------
+
+
+def test_snapshot_sees_every_kind_of_change(tmp_path):
+    data = tmp_path / "a" / "f"
+    data.parent.mkdir()
+    data.write_bytes(b"x" * 10)
+    mode = data.stat().st_mode & 0o777
+    before = snapshot(tmp_path)
+    assert_unchanged(before, tmp_path)
+    changes = {
+        "one byte": (lambda: data.write_bytes(b"x" * 9 + b"y"), lambda: data.write_bytes(b"x" * 10)),
+        "a staging sibling": (lambda: (tmp_path / ".a.partial-1").mkdir(), lambda: (tmp_path / ".a.partial-1").rmdir()),
+        "the mode": (lambda: data.chmod(0o600 if mode != 0o600 else 0o644), lambda: data.chmod(mode)),
+        "a removal": (data.unlink, lambda: data.write_bytes(b"x" * 10)),
+    }
+    for change, undo in changes.values():
+        change()
+        with pytest.raises(AssertionError, match=r"added|removed|changed"):
+            assert_unchanged(before, tmp_path)
+        undo()
+        assert_unchanged(before, tmp_path)
+
+
+# --- verify's verdicts and interrupts -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_verify_fail_exits_1_without_an_internal_error(workspace, tmp_path):
+    """A checkpoint that does not hold the HF model: FAIL and exit status 1; the same checkpoint against its own
+    model: OK and 0 (so the FAIL comes from the changed weight, not from the command)."""
+    from safetensors.torch import load_file, save_file
+
+    changed = Path(shutil.copytree(workspace / "llama", tmp_path / "changed"))
+    tensors = load_file(changed / "model.safetensors")
+    tensors["model.layers.3.post_attention_layernorm.weight"] *= 1.5
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    before = snapshot(workspace, changed)
+    failed = runner.invoke(app, ["verify", str(changed), str(workspace / "mcore"), "--seq-len", "8", "--batch", "1"])
+    assert failed.exit_code == 1, failed.output
+    assert failed.output.startswith("FAIL ") and "error" not in failed.output, failed.output
+    passed = runner.invoke(app, ["verify", str(workspace / "llama"), str(workspace / "mcore"), "--seq-len", "8"])
+    assert passed.exit_code == 0 and passed.output.startswith("OK "), passed.output
+    assert_unchanged(before, workspace, changed)
+
+
+@pytest.mark.slow
+def test_verify_interrupted_by_ctrl_c_exits_130_and_cleans_up(workspace, tmp_path):
+    """SIGINT to the whole process group (what Ctrl-C does) once the ranks run: status 130, one line, the scratch
+    directory removed, the sources unchanged."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    before = snapshot(workspace)
+    bridge = Path(sys.executable).parent / "bridge"
+    process = subprocess.Popen(
+        [str(bridge), "verify", str(workspace / "llama"), str(workspace / "mcore")],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(1200):  # the world starts once verify has made its scratch directory
+            if any(scratch.glob("bridge-verify-*")) or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, out + err
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted"), out + err
+    assert list(scratch.iterdir()) == []  # neither the scratch directory nor torch's per-rank error files
+    assert_unchanged(before, workspace)
+
+
+# --- the cheap layout check against config.json ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_expert_parallel_sizes_checked_against_the_config(variant, tiny_moe_models):
+    """EP must divide the expert count the config states under its family's key (8, 8 and 4 experts here)."""
+    from hf_mcore_bridge.errors import LayoutError
+    from hf_mcore_bridge.layout import validate_layout_for_hf_config
+
+    config = json.loads((tiny_moe_models[variant] / "config.json").read_text())
+    experts = config.get("num_local_experts") or config["num_experts"]
+    validate_layout_for_hf_config(Layout(tp=2, ep=2), config)
+    validate_layout_for_hf_config(Layout(ep=experts), config)
+    with pytest.raises(LayoutError, match=f"num_experts={experts} is not divisible by ep=3"):
+        validate_layout_for_hf_config(Layout(ep=3), config)
+
+
+def test_debug_raises_the_up_front_error_with_its_traceback(workspace):
+    from hf_mcore_bridge.errors import BridgeError
+
+    result = runner.invoke(app, ["--debug", "verify", str(workspace / "llama"), str(workspace / "mcore"), "--tp", "3"])
+    assert result.exit_code != 0 and isinstance(result.exception, BridgeError)
+    assert "num_attention_heads=8 is not divisible by tp=3" in str(result.exception)

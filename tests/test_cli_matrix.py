@@ -143,7 +143,12 @@ CONVERT_TO_HF: list[Case] = [
     ("iteration-negative", [*TO_HF, "--iteration", "-1", "{W}/mcore", "{W}/out"], 2, r"--iteration=-1 must be at"),
     ("iteration-unknown", [*TO_HF, "--iteration", "5", "{W}/mcore", "{W}/out"], 2, r"has no iteration 5"),
     ("destination-is-a-file", [*TO_HF, "{W}/mcore", "{W}/file.txt"], 2, r"exists and is not a directory"),
-    ("destination-not-empty", [*TO_HF, "{W}/mcore", "{W}/llama"], 2, r"is not empty; pass --overwrite"),
+    (
+        "destination-not-empty",
+        [*TO_HF, "{W}/mcore", "{W}/llama"],
+        2,
+        r"is not empty and was not written by hf-mcore-bridge.*--overwrite-foreign",
+    ),
     ("tp-with-to-hf", [*TO_HF, "--tp", "2", "{W}/mcore", "{W}/out"], 2, r"--tp applies to --to mcore only"),
     ("format-with-to-hf", [*TO_HF, "--format", "torch", "{W}/mcore", "{W}/out"], 2, r"--format applies to --to mcore"),
 ]

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
@@ -373,10 +374,14 @@ def test_full_disk_to_hf(dcp, small_disk):
 
 
 def test_read_only_destination(llama, read_only_disk, tmp_path):
+    """The CLI refuses a read-only destination up front; the library, called directly, reports the failed write."""
     before = snapshot(llama)
     result = _to_mcore(llama, read_only_disk / "out")
-    assert_refused(result, read_only_disk, llama, before, f"{read_only_disk} (tmpfs) is read-only; cannot write")
-    assert f"cannot write {read_only_disk / 'out'}" in result.output
+    assert_refused(result, read_only_disk, llama, before, f"cannot write in {read_only_disk} (read-only")
+    with pytest.raises(BridgeError) as caught:
+        convert_hf_to_mcore(llama, read_only_disk / "out", show_progress=False)
+    assert f"{read_only_disk} (tmpfs) is read-only; cannot write {read_only_disk / 'out'}" in str(caught.value)
+    assert snapshot(llama) == before and list(read_only_disk.iterdir()) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary sibling anywhere
 
 

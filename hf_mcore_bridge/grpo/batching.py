@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatch", "Rollout", "make_microbatches", "pack_microbatches", "pad_to_multiple", "response_values"]
+__all__ = [
+    "MicroBatch",
+    "Rollout",
+    "make_microbatches",
+    "pack_microbatches",
+    "pad_to_length",
+    "pad_to_multiple",
+    "response_values",
+]
 
 
 @dataclass(frozen=True)
@@ -188,7 +196,15 @@ def pad_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
     sequence parallelism splits the sequence over the TP ranks). The padding is masked out of the loss; in a
     packed row it is one more sequence of its own, so no rollout attends to it; in unpadded rows causal attention
     keeps it invisible to the real tokens."""
-    extra = -batch.seq_len % multiple
+    return pad_to_length(batch, batch.seq_len + -batch.seq_len % multiple)
+
+
+def pad_to_length(batch: MicroBatch, length: int) -> MicroBatch:
+    """`batch` with its rows lengthened by trailing 0-padding to `length` tokens (at least its own), as in
+    `pad_to_multiple`."""
+    extra = length - batch.seq_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {batch.seq_len} tokens a row to {length}")
     if extra == 0:
         return batch
 

@@ -57,7 +57,7 @@ from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_w
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
 from hf_mcore_bridge.grpo.generation import build_engine, readable_tensor
-from hf_mcore_bridge.grpo.losses import token_mult_prob_error
+from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
@@ -354,16 +354,17 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         normalize_std=config.grpo.normalize_rewards, leave_one_out=config.grpo.leave_one_out
     )
     advantages = group_advantages(rewards, group, advantage_config)
+    truncated = (overlong_mask_from_finish_reasons([s.finish_reason for _, s in samples]) == 0).tolist()
     rollouts = [
-        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a))
-        for (prompt, s), r, a in zip(samples, rewards.tolist(), advantages.tolist(), strict=True)
+        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
+        for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
     lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.float32)
     stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "completion_len_mean": float(lengths.mean()),
-        "truncated_fraction": sum(s.finish_reason == "length" for _, s in samples) / len(samples),
+        "truncated_fraction": sum(truncated) / len(samples),
     }
     return rollouts, stats
 
@@ -373,10 +374,10 @@ def _seed(config: GRPOConfig, step: int) -> int:
 
 
 def _microbatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[MicroBatch]:
-    mcfg = config.policy.backend_cfg
+    mcfg, mask_truncated = config.policy.backend_cfg, config.loss_fn.overlong_filtering
     if mcfg.sequence_packing:
-        return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch)
-    return make_microbatches(rollouts, mcfg.micro_batch_size)
+        return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch, mask_truncated)
+    return make_microbatches(rollouts, mcfg.micro_batch_size, mask_truncated)
 
 
 def _minibatches(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> list[list[MicroBatch]]:

@@ -422,11 +422,20 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
     stats["train_s"] = time.perf_counter() - started
     first = per_minibatch[0]  # the on-policy mini-batch: its KL and clip fraction are the step's invariants
     means = {k: sum(m[k] for m in per_minibatch) / len(per_minibatch) for k in first if k != "token_mult_prob_error"}
+    # `loss` and `grad_norm` above are means over the mini-batches; with several, each one's is logged as well
+    each = {
+        f"minibatch{i}_{k}": m[k] for i, m in enumerate(per_minibatch) if len(per_minibatch) > 1 for k in _PER_MINIBATCH
+    }
     return (
         stats
         | means
+        | each
         | {"first_minibatch_clip_fraction": first["clip_fraction"], "first_minibatch_approx_kl": first["approx_kl"]}
     )
+
+
+_PER_MINIBATCH = ("loss", "grad_norm")
+"""Metrics logged for each mini-batch (`minibatch{i}_loss`, ...) when a step has several."""
 
 
 def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:

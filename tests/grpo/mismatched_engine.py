@@ -43,8 +43,8 @@ def train_rank_with_mismatched_engine(config: Any, prepared: Any) -> None:
 
 
 def expert_padding_rank(out: str) -> None:
-    """Two expert-parallel ranks whose micro-batches differ in length (then in count): the first call's padded
-    lengths and the second call's error, saved by rank 0 as JSON."""
+    """Two expert-parallel ranks whose micro-batches differ in length (then in count, then in rows): the first
+    call's padded lengths and the other calls' errors, saved by rank 0 as JSON."""
     import json
 
     import torch.distributed as dist
@@ -57,11 +57,14 @@ def expert_padding_rank(out: str) -> None:
     completions = [(3, 4), (5,)] if rank == 0 else [(3, 4, 5, 6, 7), (5, 6)]
     rollouts = [Rollout((1, 2), c, (0.0,) * len(c)) for c in completions]
     padded = _same_lengths_over_experts(make_microbatches(rollouts, 1), torch.device("cpu"))
-    try:
-        _same_lengths_over_experts(make_microbatches(rollouts[: rank + 1], 1), torch.device("cpu"))
-        error = ""
-    except BridgeError as err:
-        error = str(err)
+    errors = []
+    # then 1 vs 2 micro-batches, and one micro-batch of 1 vs 2 rows
+    for unequal in (make_microbatches(rollouts[: rank + 1], 1), make_microbatches(rollouts[: rank + 1], 2)):
+        try:
+            _same_lengths_over_experts(unequal, torch.device("cpu"))
+            errors.append("")
+        except BridgeError as err:
+            errors.append(str(err))
     if rank == 0:
         result = {"lengths": [b.seq_len for b in padded], "masks": [b.mask.sum().item() for b in padded]}
-        Path(out).write_text(json.dumps(result | {"error": error}))
+        Path(out).write_text(json.dumps(result | {"errors": errors}))

@@ -4,7 +4,7 @@ A `Rollout` is one sampled completion: prompt tokens, completion tokens, the eng
 tokens, its reward and advantage. A micro-batch holds `B` rollouts as rows `prompt + completion`, right-padded
 with token 0 to its longest row `S`. Log-probs are indexed by the PREDICTED position: column `j` of a `[B, S - 1]`
 tensor is the log-prob of `tokens[:, j + 1]` given `tokens[:, :j + 1]`; `mask[b, j]` is 1 exactly where
-`tokens[b, j + 1]` is a completion token.
+`tokens[b, j + 1]` is a completion token (of a rollout the loss takes: overlong filtering leaves truncated ones out).
 
 Two layouts:
 - `make_microbatches`: one rollout per row, right padding (invisible to earlier positions under the causal mask,
@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatch", "Rollout", "make_microbatches", "pack_microbatches", "pad_to_multiple", "response_values"]
+__all__ = [
+    "MicroBatch",
+    "Rollout",
+    "make_microbatches",
+    "pack_microbatches",
+    "pad_to_length",
+    "pad_to_multiple",
+    "response_values",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,8 @@ class Rollout:
     """The completion's reward."""
     advantage: float = 0.0
     """Its group-relative advantage."""
+    truncated: bool = False
+    """Generation stopped at the length limit, not on a stop token (overlong filtering masks it out of the loss)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.completion_ids:
@@ -62,7 +72,7 @@ class MicroBatch:
     position_ids: torch.Tensor
     """[B, S] int64: 0..S-1 on every row."""
     mask: torch.Tensor
-    """[B, S-1] float 0/1: predicted position `j` is a completion token."""
+    """[B, S-1] float 0/1: predicted position `j` is a completion token (of a rollout the loss takes)."""
     engine_logprobs: torch.Tensor
     """[B, S-1] float32: the engine's log-probs at the masked positions, 0 elsewhere."""
     advantages: torch.Tensor
@@ -104,7 +114,12 @@ class MicroBatch:
         return int(self.tokens.shape[1])
 
 
-def _microbatch(rollouts: Sequence[Rollout]) -> MicroBatch:
+def _in_loss(rollout: Rollout, mask_truncated: bool) -> float:
+    """The mask value of `rollout`'s completion tokens: 0 for a truncated one when those are masked out."""
+    return 0.0 if mask_truncated and rollout.truncated else 1.0
+
+
+def _microbatch(rollouts: Sequence[Rollout], mask_truncated: bool = False) -> MicroBatch:
     seq_len = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     rows = len(rollouts)
     tokens = torch.zeros(rows, seq_len, dtype=torch.long)
@@ -115,7 +130,7 @@ def _microbatch(rollouts: Sequence[Rollout]) -> MicroBatch:
         tokens[b, :prompt] = torch.tensor(rollout.prompt_ids)
         tokens[b, prompt : prompt + completion] = torch.tensor(rollout.completion_ids)
         # the first completion token is predicted at position prompt - 1
-        mask[b, prompt - 1 : prompt - 1 + completion] = 1.0
+        mask[b, prompt - 1 : prompt - 1 + completion] = _in_loss(rollout, mask_truncated)
         engine[b, prompt - 1 : prompt - 1 + completion] = torch.tensor(rollout.engine_logprobs)
     return MicroBatch(
         tokens=tokens,
@@ -126,11 +141,17 @@ def _microbatch(rollouts: Sequence[Rollout]) -> MicroBatch:
     )
 
 
-def make_microbatches(rollouts: Sequence[Rollout], micro_batch_size: int) -> list[MicroBatch]:
-    """Consecutive chunks of `micro_batch_size` rollouts (the last may be smaller), each padded to its longest."""
+def make_microbatches(
+    rollouts: Sequence[Rollout], micro_batch_size: int, mask_truncated: bool = False
+) -> list[MicroBatch]:
+    """Consecutive chunks of `micro_batch_size` rollouts (the last may be smaller), each padded to its longest;
+    `mask_truncated`: the completion tokens of truncated rollouts are left out of `mask` (overlong filtering)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return [_microbatch(rollouts[i : i + micro_batch_size]) for i in range(0, len(rollouts), micro_batch_size)]
+    return [
+        _microbatch(rollouts[i : i + micro_batch_size], mask_truncated)
+        for i in range(0, len(rollouts), micro_batch_size)
+    ]
 
 
 def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]]:
@@ -138,7 +159,7 @@ def response_values(values: torch.Tensor, batch: MicroBatch) -> list[list[float]
     return [values[b][batch.mask[b].bool()].tolist() for b in range(batch.num_rows)]
 
 
-def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
+def _packed_row(rollouts: Sequence[Rollout], mask_truncated: bool = False) -> MicroBatch:
     ids = [list(r.prompt_ids) + list(r.completion_ids) for r in rollouts]
     seq_len = sum(len(i) for i in ids)
     tokens = torch.tensor([t for row in ids for t in row])
@@ -148,7 +169,7 @@ def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
     for rollout, row in zip(rollouts, ids, strict=True):
         start = offset + len(rollout.prompt_ids) - 1
         stop = start + len(rollout.completion_ids)
-        mask[start:stop] = 1.0
+        mask[start:stop] = _in_loss(rollout, mask_truncated)
         engine[start:stop] = torch.tensor(rollout.engine_logprobs)
         advantages[start:stop] = rollout.advantage
         offset += len(row)
@@ -164,9 +185,10 @@ def _packed_row(rollouts: Sequence[Rollout]) -> MicroBatch:
     )
 
 
-def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int) -> list[MicroBatch]:
+def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int, mask_truncated: bool = False) -> list[MicroBatch]:
     """Rows of whole rollouts, at most `max_tokens` tokens each (a longer rollout gets a row of its own), packed
-    first-fit-decreasing: longest rollouts first, each into the first row with room."""
+    first-fit-decreasing: longest rollouts first, each into the first row with room; `mask_truncated` as in
+    `make_microbatches`."""
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
     rows: list[list[Rollout]] = []
@@ -180,7 +202,7 @@ def pack_microbatches(rollouts: Sequence[Rollout], max_tokens: int) -> list[Micr
             row = len(rows) - 1
         rows[row].append(rollout)
         used[row] += size
-    return [_packed_row(row) for row in rows]
+    return [_packed_row(row, mask_truncated) for row in rows]
 
 
 def pad_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
@@ -188,7 +210,15 @@ def pad_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
     sequence parallelism splits the sequence over the TP ranks). The padding is masked out of the loss; in a
     packed row it is one more sequence of its own, so no rollout attends to it; in unpadded rows causal attention
     keeps it invisible to the real tokens."""
-    extra = -batch.seq_len % multiple
+    return pad_to_length(batch, batch.seq_len + -batch.seq_len % multiple)
+
+
+def pad_to_length(batch: MicroBatch, length: int) -> MicroBatch:
+    """`batch` with its rows lengthened by trailing 0-padding to `length` tokens (at least its own), as in
+    `pad_to_multiple`."""
+    extra = length - batch.seq_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a micro-batch of {batch.seq_len} tokens a row to {length}")
     if extra == 0:
         return batch
 

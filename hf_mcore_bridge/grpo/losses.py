@@ -111,6 +111,11 @@ class LossConfig:
     icepop_high: float = 5.0
     """Largest trainer/engine probability ratio that `icepop` keeps."""
 
+    overlong_filtering: bool = False
+    """Mask truncated samples (no stop token within `generation.max_new_tokens`, the engine's finish reason
+    `length`) out of the loss and out of its token / sequence count (DAPO's overlong filtering, NeMo-RL's
+    `overlong_filtering`). They keep their place in their group's advantage baseline."""
+
     def __post_init__(self) -> None:
         # Strings from YAML become the enums here, so that a typo fails at load time, not at the first step.
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
-from hf_mcore_bridge.grpo.batching import MicroBatch, pad_to_multiple
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.batching import MicroBatch, pad_to_length, pad_to_multiple
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.layout import Layout
@@ -279,10 +280,39 @@ def _model_device(policy: Policy) -> torch.device:
 
 
 def _on_device(policy: Policy, batches: list[MicroBatch]) -> list[MicroBatch]:
-    """The micro-batches on the model's device, padded to a multiple of TP where sequence parallelism needs it."""
+    """The micro-batches on the model's device, padded to a multiple of TP where sequence parallelism needs it,
+    and under expert parallelism to the longest of each micro-batch over the expert-parallel ranks."""
     config = policy.module.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return [pad_to_multiple(b, multiple).to(_model_device(policy)) for b in batches]
+    batches = [pad_to_multiple(b, multiple) for b in batches]
+    if config.num_moe_experts and config.expert_model_parallel_size > 1:
+        batches = _same_lengths_over_experts(batches, _model_device(policy))
+    return [b.to(_model_device(policy)) for b in batches]
+
+
+def _same_lengths_over_experts(batches: list[MicroBatch], device: torch.device) -> list[MicroBatch]:
+    """Each micro-batch padded to the longest of its peers on the other expert-parallel ranks: megatron-core's
+    all-gather token dispatcher gathers equal-sized token blocks over those ranks, which are data-parallel replicas
+    holding different rollouts (rows of unequal lengths made gloo fail and would make NCCL hang or mix tokens).
+    Collective over the expert (tensor x expert) parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    counts = torch.tensor([len(batches), -len(batches)], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    if int(counts[0]) != -int(counts[1]):
+        raise BridgeError(
+            f"expert-parallel ranks hold {-int(counts[1])} to {int(counts[0])} micro-batches; megatron-core's token"
+            " dispatcher needs the same on each (sequence packing at expert_model_parallel_size > 1 does not give it)"
+        )
+    if not batches:
+        return batches
+    shapes = torch.tensor([[b.num_rows, -b.num_rows, b.seq_len] for b in batches], device=device)
+    dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+    if (shapes[:, 0] != -shapes[:, 1]).any():
+        raise BridgeError("expert-parallel ranks hold micro-batches of different numbers of rows")
+    return [pad_to_length(b, int(length)) for b, length in zip(batches, shapes[:, 2].tolist(), strict=True)]
 
 
 def _padded_like(values: torch.Tensor, batch: MicroBatch, device: torch.device) -> torch.Tensor:

@@ -57,7 +57,7 @@ from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_w
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
 from hf_mcore_bridge.grpo.generation import build_engine, readable_tensor
-from hf_mcore_bridge.grpo.losses import token_mult_prob_error
+from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
@@ -362,16 +362,17 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         leave_one_out_std=config.grpo.leave_one_out_std,
     )
     advantages = group_advantages(rewards, group, advantage_config)
+    truncated = (overlong_mask_from_finish_reasons([s.finish_reason for _, s in samples]) == 0).tolist()
     rollouts = [
-        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a))
-        for (prompt, s), r, a in zip(samples, rewards.tolist(), advantages.tolist(), strict=True)
+        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
+        for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
     lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.float32)
     stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "completion_len_mean": float(lengths.mean()),
-        "truncated_fraction": sum(s.finish_reason == "length" for _, s in samples) / len(samples),
+        "truncated_fraction": sum(truncated) / len(samples),
     }
     return rollouts, stats
 
@@ -381,10 +382,10 @@ def _seed(config: GRPOConfig, step: int) -> int:
 
 
 def _microbatches(config: GRPOConfig, rollouts: list[Rollout]) -> list[MicroBatch]:
-    mcfg = config.policy.backend_cfg
+    mcfg, mask_truncated = config.policy.backend_cfg, config.loss_fn.overlong_filtering
     if mcfg.sequence_packing:
-        return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch)
-    return make_microbatches(rollouts, mcfg.micro_batch_size)
+        return pack_microbatches(rollouts, mcfg.max_tokens_per_microbatch, mask_truncated)
+    return make_microbatches(rollouts, mcfg.micro_batch_size, mask_truncated)
 
 
 def _minibatches(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> list[list[MicroBatch]]:
@@ -429,11 +430,20 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
     stats["train_s"] = time.perf_counter() - started
     first = per_minibatch[0]  # the on-policy mini-batch: its KL and clip fraction are the step's invariants
     means = {k: sum(m[k] for m in per_minibatch) / len(per_minibatch) for k in first if k != "token_mult_prob_error"}
+    # `loss` and `grad_norm` above are means over the mini-batches; with several, each one's is logged as well
+    each = {
+        f"minibatch{i}_{k}": m[k] for i, m in enumerate(per_minibatch) if len(per_minibatch) > 1 for k in _PER_MINIBATCH
+    }
     return (
         stats
         | means
+        | each
         | {"first_minibatch_clip_fraction": first["clip_fraction"], "first_minibatch_approx_kl": first["approx_kl"]}
     )
+
+
+_PER_MINIBATCH = ("loss", "grad_norm")
+"""Metrics logged for each mini-batch (`minibatch{i}_loss`, ...) when a step has several."""
 
 
 def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:

@@ -440,6 +440,12 @@ def main(
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
     rows: list[Row] = []
     engine_rows: list[Row] = []
+
+    def save() -> None:
+        """The rows so far (a run stopped early leaves what it measured)."""
+        if json_path:
+            Path(json_path).write_text(json.dumps([r.record() for r in rows], indent=1))
+
     for kernel, size, mode in itertools.product(decode_attention, block_size, compile_mode):
         engine_config = EngineConfig(
             dtype=dtype,
@@ -465,6 +471,7 @@ def main(
         ]
         rows += timed
         engine_rows.append(timed[-1])
+        save()
         stats = engine.last_stats
         print(f"[{label}] engine stats: {stats}")
         if stats is not None:
@@ -496,9 +503,11 @@ def main(
     baselines = []
     if hf_generate:
         baselines.append(time_hf(model, prompts, n, max_tokens, device, repeats))
+        rows.append(baselines[-1])
+        save()
     if COMPILE_MODES[continuous_batching] or (continuous_batching == "auto" and device.startswith("cuda")):
         baselines.append(time_generate_batch(model, prompts, n, max_tokens, device, repeats))
-    rows += baselines
+        rows.append(baselines[-1])
     print_table(rows)
     for engine_row in engine_rows:
         for baseline in baselines:
@@ -510,8 +519,7 @@ def main(
                     f"{engine_row.system} / {baseline.system} (both batch {baseline.batch}, {max_tokens} new tokens): "
                     f"{ratio:.1f}x (median; {low:.1f}x-{high:.1f}x over the runs)"
                 )
-    if json_path:
-        Path(json_path).write_text(json.dumps([r.record() for r in rows], indent=1))
+    save()
 
 
 if __name__ == "__main__":

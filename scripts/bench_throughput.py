@@ -11,7 +11,10 @@ b) `bench_engine.py`: the embedded engine against transformers `generate`, 1B sh
 c) and d) `bench_grpo.py`: a GRPO step on the 1B shape broken into generation, log-probs, training and refit, and
    the refit against a device-to-device copy of the same bytes (goal <= 3x).
 
-    PYTHONPATH=. python3 scripts/bench_throughput.py --nproc 2 --out bench/ --training-time-limit 400  # 2 x H200
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
+    python scripts/bench_throughput.py --nproc 2 --out bench/ --training-time-limit 400  # 2 x H200
     python scripts/bench_throughput.py --tiny --out /tmp/bench               # tiny shapes on CPU (smoke test)
 
 Time on 2 x H200: 569 s in all, of which the training part took 388 s (both shapes, both row lengths, all three
@@ -168,6 +171,13 @@ def main() -> None:
         default=0.0,
         help="seconds after which the training part is stopped and reported as far as it got (0: no limit)",
     )
+    for part in ("engine", "grpo"):
+        parser.add_argument(
+            f"--{part}-time-limit",
+            type=float,
+            default=0.0,
+            help=f"seconds after which the {part} part is stopped (0: no limit)",
+        )
     parser.add_argument(
         "--training-args",
         default="",
@@ -197,12 +207,18 @@ def main() -> None:
     if "engine" in parts:
         engine_args = ["--tiny", "--device", "cpu", "--repeats", "2"] if args.tiny else []
         engine_args += shlex.split(args.engine_args)
-        _run("bench_engine.py", [*engine_args, "--json", str(out / "engine.json")], out / "engine.log")
+        _run(
+            "bench_engine.py",
+            [*engine_args, "--json", str(out / "engine.json")],
+            out / "engine.log",
+            args.engine_time_limit,
+        )
     if "grpo" in parts:
         _run(
             "bench_grpo.py",
             [*tiny, *shlex.split(args.grpo_args), "--work", str(out / "grpo_work"), "--json", str(out / "grpo.json")],
             out / "grpo.log",
+            args.grpo_time_limit,
         )
     rows = []
     if "training" in parts:

@@ -217,3 +217,47 @@ def test_megatron_path_runs_the_trainers_settings() -> None:
     # the distributed optimizer named on the optimizer alone switches DDP's buffers too
     on = ddp_settings(MegatronConfig(optimizer={"use_distributed_optimizer": True}), 2)
     assert on["use_distributed_optimizer"] is True
+
+
+def _fused_logprobs_rank(out: str) -> None:
+    """Rank body: the trainer's bf16 log-probs on CUDA (megatron-core's fused cross entropy) and their gradient,
+    beside a float64 log-softmax of the same bf16 logits."""
+    from hf_mcore_bridge.grpo.policy import token_logprobs
+
+    torch.manual_seed(0)
+    vocab, padded, temperature = 300, 384, 0.7
+    logits = (torch.randn(2, 33, padded, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, vocab, (2, 33), device="cuda")
+    weights = torch.randn(2, 32, device="cuda", dtype=torch.float64)
+    logprobs = token_logprobs(logits, tokens, vocab, temperature)
+    (logprobs.double() * weights).sum().backward()
+    exact = logits.detach().double().requires_grad_()
+    reference = torch.log_softmax(exact[:, :-1, :vocab] / temperature, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    (reference * weights).sum().backward()
+    fused = logprobs.grad_fn.next_functions[0][0]._forward_cls.__module__  # NegBackward <- the cross entropy
+    result = {
+        "module": fused,
+        "dlogprob": (logprobs.double() - reference).abs().max().item(),
+        "dgrad": (logits.grad.double() - exact.grad).abs().max().item(),
+        "grad_scale": exact.grad.abs().max().item(),
+        "padding_grad": logits.grad[..., vocab:].abs().max().item(),
+    }
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_logprobs_on_cuda_in_bf16_use_the_fused_cross_entropy(tmp_path: Path) -> None:
+    """The Megatron path's log-probs (the trainer's `token_logprobs`) in bf16 on CUDA go through megatron-core's
+    fused cross entropy and equal a float64 log-softmax of the same logits (temperature, padded vocabulary) to fp32
+    rounding; their gradient to bf16 rounding, none reaching the padding."""
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.world import run_world
+
+    out = tmp_path / "fused.json"
+    run_world(_fused_logprobs_rank, Layout(), str(out), world=1)
+    result = json.loads(out.read_text())
+    assert result["module"] == "megatron.core.fusions.fused_cross_entropy"
+    assert result["dlogprob"] <= 1e-5
+    assert result["dgrad"] <= 1e-2 * result["grad_scale"]
+    assert result["padding_grad"] == 0.0

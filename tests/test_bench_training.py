@@ -261,3 +261,19 @@ def test_trainer_logprobs_on_cuda_in_bf16_use_the_fused_cross_entropy(tmp_path: 
     assert result["dlogprob"] <= 1e-5
     assert result["dgrad"] <= 1e-2 * result["grad_scale"]
     assert result["padding_grad"] == 0.0
+
+
+@pytest.mark.slow
+def test_dtensor_search_runs_every_layout_of_two_ranks(tmp_path: Path, run_script) -> None:
+    """Two gloo ranks: the trainer's DTensor policy trains in each searched layout (FSDP2, FSDP2 with deferred
+    gradient sync, TP2; sdpa only on CPU), and a TP group counts its shared rows once."""
+    out = tmp_path / "bench.json"
+    args = ["--shapes", "tiny", "--seq-lens", "64", "--micro-batches", "2", "--dtype", "fp32", "--nproc", "2"]
+    run_script("bench_training.py", [*args, "--paths", "dtensor", "--iters", "1", "--json", str(out)], 300)
+    results = json.loads(out.read_text())["results"]
+    assert [(r["layout"], r["status"]) for r in results] == [
+        ("FSDP2 dp_shard=2 sdpa", "ok"),
+        ("FSDP2 dp_shard=2 deferred-sync sdpa", "ok"),
+        ("FSDP2 dp_shard=1 TP2 sdpa", "ok"),
+    ]
+    assert [r["tokens_per_iter"] for r in results] == [2 * 2 * 64, 2 * 2 * 64, 2 * 64]

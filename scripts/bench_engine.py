@@ -241,11 +241,14 @@ def time_generate_batch(
         return Row(system, len(inputs), new_tokens, 0, math.nan, math.nan, math.nan, 0, message)
 
 
-def profile_decode(engine: Engine, hf_config: LlamaConfig, rows: int, contexts: list[int], device: str) -> None:
+def profile_decode(
+    engine: Engine, hf_config: LlamaConfig, rows: int, contexts: list[int], device: str
+) -> list[dict[str, object]]:
     """Milliseconds of one decode step (input copy + model, graph replay on CUDA) and of sampling, at `rows`
     sequences of each context length; the difference to the engine's mean step time is host-side work. Beside each
     decode step: its H200 bound (`roofline.decode_step_bound`: weights and KV read at 4.3 TB/s, or FLOPs at 790
-    TFLOP/s, whichever is slower) and the bound over the measured time (the fraction of the limit reached)."""
+    TFLOP/s, whichever is slower) and the bound over the measured time (the fraction of the limit reached).
+    Returns one record per context: the decode step's time, its bound and which limit binds."""
     block_size = engine.config.block_size
     element = torch.empty(0, dtype=engine.config.dtype).element_size()
     header = (
@@ -253,6 +256,7 @@ def profile_decode(engine: Engine, hf_config: LlamaConfig, rows: int, contexts: 
         f"{'engine sampler ms':>19}{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
     )
     print(f"{header}   (rows={rows})")
+    records: list[dict[str, object]] = []
     for context in contexts:
         n_blocks = blocks_for(context, block_size)
         tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
@@ -292,6 +296,10 @@ def profile_decode(engine: Engine, hf_config: LlamaConfig, rows: int, contexts: 
             f"{context:>8}{decode_ms:>11.2f}{limit_ms:>15.3f}{limit_ms / decode_ms:>9.0%} "
             f"{sample_ms:>17.2f}{sampler_ms:>19.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}  ({bound.bound} bound)"
         )
+        records.append(
+            {"rows": rows, "context": context, "decode_ms": decode_ms, "bound_ms": limit_ms, "bound": bound.bound}
+        )
+    return records
 
 
 def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
@@ -440,11 +448,12 @@ def main(
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
     rows: list[Row] = []
     engine_rows: list[Row] = []
+    decode_steps: list[dict[str, object]] = []
 
     def save() -> None:
-        """The rows so far (a run stopped early leaves what it measured)."""
+        """The rows so far, then the profiled decode steps (a run stopped early leaves what it measured)."""
         if json_path:
-            Path(json_path).write_text(json.dumps([r.record() for r in rows], indent=1))
+            Path(json_path).write_text(json.dumps([r.record() for r in rows] + decode_steps, indent=1))
 
     for kernel, size, mode in itertools.product(decode_attention, block_size, compile_mode):
         engine_config = EngineConfig(
@@ -489,13 +498,15 @@ def main(
         if device.startswith("cuda"):
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"[{label}] CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
-        profile_decode(
+        steps = profile_decode(
             engine,
             config,
             num_prompts * n,
             [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens],
             device,
         )
+        decode_steps += [{"system": f"decode step ({label})", **step} for step in steps]
+        save()
         del engine  # frees its weights, cache and graphs (no reference cycle holds them)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -136,6 +136,10 @@ def engine_rows(record: Any) -> list[tuple[str, str, str]]:
     for baseline in baselines:
         if baseline.get("status", "ok") == "ok":
             rows.append((f"generation: {baseline['system']} tokens/s", _spread(baseline), ""))
+    for step in (r for r in record if r["system"].startswith("decode step")):
+        figure = f"{step['system']}, {step['rows']} x {step['context']} tokens"
+        value = f"{step['decode_ms']:.2f} ms; H200 bound {step['bound_ms']:.2f} ms ({step['bound']}): "
+        rows.append((figure, value + f"{step['bound_ms'] / step['decode_ms']:.0%} of the limit", ""))
     return rows
 
 

@@ -78,8 +78,15 @@ def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:
     assert rows[0][0].endswith("(flex, block 16)") and rows[1][2] == ">= 20x"
     assert rows[1][0] == "  engine / generate (batch 512, same tokens)"
     engine[-1] = _engine("transformers generate_batch (continuous batching)", 50.0)
+    step = {"system": "decode step (flex, block 16)", "rows": 512, "context": 640, "bound": "memory"}
+    engine.append(step | {"decode_ms": 5.0, "bound_ms": 1.0})
     rows = bench_throughput.engine_rows(engine)
     assert rows[2][1:] == ("8.0x", "")
+    assert rows[-1] == (
+        "decode step (flex, block 16), 512 x 640 tokens",
+        "5.00 ms; H200 bound 1.00 ms (memory): 20% of the limit",
+        "",
+    )
     phases = {"generation_s": 1.0, "logprobs_s": 0.5, "train_s": 2.0, "refit_s": 0.006, "step_s": 3.6}
     rows = bench_throughput.grpo_rows({"phases": phases, "d2d_copy_s": 0.002})
     assert rows[-1][1:] == ("3.0x", "<= 3x")

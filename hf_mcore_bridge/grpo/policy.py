@@ -2,16 +2,17 @@
 
 Runs inside a `world.run_world` rank (process group and `parallel_state` initialised). The policy is a
 `GPTModel` (local layer spec) loaded from a `torch_dist` checkpoint, wrapped in megatron-core's
-`DistributedDataParallel`, trained by `get_megatron_optimizer` (AdamW, grad clipping) stepped by its
+`DistributedDataParallel` (fp32 gradient reduction, overlapped with the backward under data parallelism:
+`ddp_settings`), trained by `get_megatron_optimizer` (AdamW, grad clipping) stepped by its
 `OptimizerParamScheduler`. Every forward pass goes through `get_forward_backward_func()`, so pipeline
 parallelism uses megatron-core's schedules.
 
 Log-probs: the sampled token's `log_softmax(logits / temperature)` computed by `vocab_parallel_cross_entropy`
-over the TP-sharded vocabulary; logits of the padding rows of the vocabulary (ids >= the real vocabulary) are
-pushed to the dtype's minimum first, so they take no probability mass, exactly as in the engine whose vocabulary
-is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch, normalised by the mini-batch's global count;
-the schedule divides each micro-batch loss by the number of micro-batches and DDP averages over data-parallel
-ranks, so the loss is multiplied back by both.
+(megatron-core's torch-compiled version for bf16 on CUDA) over the TP-sharded vocabulary; logits of the padding rows
+of the vocabulary (ids >= the real vocabulary) are pushed to the dtype's minimum first, so they take no probability
+mass, exactly as in the engine whose vocabulary is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch,
+normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of micro-
+batches and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
 
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).

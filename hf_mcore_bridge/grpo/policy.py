@@ -11,8 +11,8 @@ Log-probs: the sampled token's `log_softmax(logits / temperature)` computed by `
 (megatron-core's torch-compiled version for bf16 on CUDA) over the TP-sharded vocabulary; logits of the padding rows
 of the vocabulary (ids >= the real vocabulary) are pushed to the dtype's minimum first, so they take no probability
 mass, exactly as in the engine whose vocabulary is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch,
-normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of micro-
-batches and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
+normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of
+micro-batches and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
 
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).

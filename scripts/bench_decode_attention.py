@@ -7,8 +7,11 @@ the batch. Every kernel is timed with CUDA graphs of 20 calls (so launch overhea
 against the gathered-SDPA output first. The bandwidth column is the KV bytes the step must read (each sequence's
 keys and values once) over the kernel's time; the H200's HBM peak is 4.8 TB/s.
 
-    PYTHONPATH=. python3 scripts/bench_decode_attention.py                      # default cases and settings
-    PYTHONPATH=. python3 scripts/bench_decode_attention.py --case 512x640 --case 4x16384 --json out.json
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
+    python scripts/bench_decode_attention.py                      # default cases and settings
+    python scripts/bench_decode_attention.py --case 512x640 --case 4x16384 --json out.json
     TRITON_INTERPRET=1 python scripts/bench_decode_attention.py --device cpu --case 2x64   # CPU smoke test
 
 The engine's choices (`triton_decode.TILE_TOKENS`, `num_splits`, `NUM_WARPS`, `NUM_STAGES`) were made from this

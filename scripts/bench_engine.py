@@ -1,29 +1,35 @@
-"""Throughput of the embedded engine against transformers `generate`, on the same model, GPU and run.
+"""Throughput of the embedded engine against transformers, on the same model, GPU, run and token count.
 
 Default shape: Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied
 embeddings, llama3 RoPE scaling), random bf16 weights, 64 prompts x 8 samples, 512 new tokens each, EOS ignored.
-transformers is timed on fewer new tokens (`--hf-tokens`, 64 by default, to keep the run short) and reported as
-tokens/s, both on the same 64 x 8 workload (`num_return_sequences=8`) and at batch 64 (one sample per prompt).
+Every system gets exactly that workload (the same prompts, samples and `--max-tokens` new tokens, forced):
+- the engine (one per `--decode-attention` x `--block-size` x `--compile`), after a warm-up and a first run that
+  captures the CUDA graphs of longer contexts;
+- transformers `generate` (the prompts left-padded into one batch, `num_return_sequences`, `min_new_tokens`);
+- transformers' own continuous batching, `generate_batch` (paged KV cache; each prompt given n times), on CUDA
+  (`--continuous-batching on` elsewhere; on CPU its background loop makes a smoke test slow). Where the installed
+  transformers lacks it or it fails, its row says so and the run goes on.
+Each is timed `--repeats` times (3): the table gives the median with the spread (slowest-fastest run), and every
+engine / transformers ratio is of medians, with the range the runs allow. Beside each profiled decode step the
+script prints its H200 bound (`roofline.py`: the bytes of weights and KV cache read per step at 4.3 TB/s, or its
+FLOPs at 790 TFLOP/s, whichever takes longer) and the fraction of that bound the measured step reaches.
 
-    PYTHONPATH=. python3 scripts/bench_engine.py            # the full benchmark (CUDA)
-    PYTHONPATH=. python3 scripts/bench_engine.py --check    # tiny fp32 correctness checks on the device
+In the project's environment (`scripts/setup.sh`; on a GPU machine `TORCH_SPEC= EXTRAS= bash scripts/setup.sh`,
+then `. .venv/bin/activate`):
+
+    python scripts/bench_engine.py                          # the full benchmark (CUDA)
+    python scripts/bench_engine.py --check                  # tiny fp32 correctness checks on the device
     python scripts/bench_engine.py --tiny --device cpu      # the whole benchmark on a tiny shape (CPU smoke test)
 
 `--check` compares the engine's greedy tokens with transformers `generate` and its log-probs with a transformers
 forward pass, and on CUDA compares CUDA-graph decode with eager decode; it exits non-zero on a mismatch.
 
 `--decode-attention triton --decode-attention flex` (and `--block-size 16 --block-size 32`) time one engine per
-kernel and block size in the same run, each against the same `generate` rows.
+kernel and block size in the same run, each against the same transformers rows.
 
 `--compile on --compile off` times the engine with and without its `torch.compile`d pointwise steps and sampler.
 
-Measured on one H200 (torch 2.11, transformers 5.17), default arguments (the Triton decode kernel over 32-token
-blocks, pipelined steps, compiled pointwise steps and sampler): engine 120,885-121,841 tokens/s over three runs
-(FlexAttention 108,456 in the same run as the 121,841); transformers generate on the same 64 x 8 workload
-4,461-6,139 tokens/s, i.e. 19.8x to 27.1x (6,139 was timed on all 512 new tokens), and 821 tokens/s at batch 64
-(147x). A decode step at 512 sequences takes 2.68 ms at 48 tokens of context and 5.00 ms at 640; compiled
-sampling 0.25 ms (1.57 ms eager).
-Figures and what limits them: `docs/PERFORMANCE.md`.
+Figures (and what limits them): `docs/PERFORMANCE.md`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +48,10 @@ from pathlib import Path
 import torch
 import typer
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from roofline import decode_step_bound
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
 from hf_mcore_bridge.engine.kv_cache import blocks_for
@@ -107,34 +119,73 @@ def sync(device: str) -> None:
 
 @dataclass(frozen=True)
 class Row:
+    """One system's timed runs of the same workload: the median run, and the fastest and slowest."""
+
     system: str
     batch: int
     new_tokens: int
     total_tokens: int
     seconds: float
+    """Median of the timed runs."""
+    seconds_min: float
+    seconds_max: float
+    runs: int
+    status: str = "ok"
+    """"ok", or what went wrong (the row's figures are then not comparable)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.total_tokens / self.seconds
 
+    def record(self) -> dict:
+        """The row as written to the JSON, with tokens/s at the median and over the spread."""
+        spread = {"tokens_per_s_min": self.total_tokens / self.seconds_max}
+        spread["tokens_per_s_max"] = self.total_tokens / self.seconds_min
+        return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s} | spread
 
-def time_engine(engine: Engine, prompts: list[list[int]], n: int, max_tokens: int, device: str) -> list[Row]:
-    """Two timed runs after a short warm-up: the first also captures the CUDA graphs of longer contexts, the
-    second is the steady state of an engine reused across generate calls (as in RL)."""
-    engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=1))
-    rows = []
-    for name in ("engine, first run", "engine"):
+
+def timed_row(system: str, batch: int, new_tokens: int, run: Callable[[], int], repeats: int, device: str) -> Row:
+    """`run` (which returns the tokens it generated) timed `repeats` times; the median and spread. Every run must
+    generate the same tokens, else the row is marked."""
+    seconds, totals = [], []
+    for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        outputs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=0))
+        totals.append(run())
         sync(device)
-        seconds = time.perf_counter() - start
-        total = sum(len(s.token_ids) for o in outputs for s in o.samples)
-        rows.append(Row(name, len(prompts) * n, max_tokens, total, seconds))
-    return rows
+        seconds.append(time.perf_counter() - start)
+    status = "ok" if len(set(totals)) == 1 and totals[0] == batch * new_tokens else f"generated {totals} tokens"
+    return Row(
+        system, batch, new_tokens, totals[0], statistics.median(seconds), min(seconds), max(seconds), repeats, status
+    )
 
 
-def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens: int, device: str) -> Row:
+def time_engine(
+    engine: Engine, prompts: list[list[int]], n: int, max_tokens: int, device: str, repeats: int
+) -> list[Row]:
+    """A short warm-up, then one run that also captures the CUDA graphs of longer contexts ("first run"), then
+    `repeats` runs: the steady state of an engine reused across generate calls (as in RL)."""
+    engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=8, seed=1))
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=max_tokens, seed=0
+    )  # no stop tokens: every sample runs to max_tokens
+
+    def run() -> int:
+        outputs = engine.generate(prompts, params)
+        return sum(len(s.token_ids) for o in outputs for s in o.samples)
+
+    batch = len(prompts) * n
+    return [
+        timed_row("engine, first run", batch, max_tokens, run, 1, device),
+        timed_row("engine", batch, max_tokens, run, repeats, device),
+    ]
+
+
+def time_hf(
+    model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens: int, device: str, repeats: int
+) -> Row:
+    """transformers `generate` on the engine's workload: the same prompts (left-padded into one batch), `n`
+    samples each (`num_return_sequences`), exactly `new_tokens` new tokens (EOS never stops it)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -143,9 +194,9 @@ def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens
         mask[row, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
 
-    def run(tokens: int) -> torch.Tensor:
+    def run(tokens: int) -> int:
         with torch.no_grad():
-            return model.generate(
+            out = model.generate(
                 ids,
                 attention_mask=mask,
                 do_sample=True,
@@ -157,26 +208,55 @@ def time_hf(model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens
                 min_new_tokens=tokens,
                 pad_token_id=0,
             )
+        return (out.shape[1] - width) * out.shape[0]
 
     run(2)  # warm-up
-    sync(device)
-    start = time.perf_counter()
-    out = run(new_tokens)
-    sync(device)
-    seconds = time.perf_counter() - start
-    generated = out.shape[1] - width
-    return Row("transformers generate", len(prompts) * n, generated, len(prompts) * n * generated, seconds)
+    return timed_row("transformers generate", len(prompts) * n, new_tokens, lambda: run(new_tokens), repeats, device)
 
 
-def profile_decode(engine: Engine, rows: int, contexts: list[int], device: str) -> None:
+def time_generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], n: int, new_tokens: int, device: str, repeats: int
+) -> Row:
+    """transformers' own continuous batching (`generate_batch`: a paged KV cache, requests scheduled as they
+    finish) on the engine's workload: each prompt given `n` times (no reliance on its `num_return_sequences`),
+    exactly `new_tokens` new tokens each (no EOS token). A failure is reported in the row, not raised."""
+    from transformers import GenerationConfig
+
+    inputs = [prompt for prompt in prompts for _ in range(n)]
+    system = "transformers generate_batch (continuous batching)"
+
+    def run(tokens: int) -> int:
+        config = GenerationConfig(
+            max_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None
+        )
+        with torch.no_grad():
+            outputs = model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
+        return sum(len(output.generated_tokens) for output in outputs.values())
+
+    try:
+        run(2)  # warm-up
+        return timed_row(system, len(inputs), new_tokens, lambda: run(new_tokens), repeats, device)
+    except Exception as err:  # an API this transformers lacks, or a failure inside it: reported, the run goes on
+        message = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        return Row(system, len(inputs), new_tokens, 0, math.nan, math.nan, math.nan, 0, message)
+
+
+def profile_decode(
+    engine: Engine, hf_config: LlamaConfig, rows: int, contexts: list[int], device: str
+) -> list[dict[str, object]]:
     """Milliseconds of one decode step (input copy + model, graph replay on CUDA) and of sampling, at `rows`
-    sequences of each context length; the difference to the engine's mean step time is host-side work."""
+    sequences of each context length; the difference to the engine's mean step time is host-side work. Beside each
+    decode step: its H200 bound (`roofline.decode_step_bound`: weights and KV read at 4.3 TB/s, or FLOPs at 790
+    TFLOP/s, whichever is slower) and the bound over the measured time (the fraction of the limit reached).
+    Returns one record per context: the decode step's time, its bound and which limit binds."""
     block_size = engine.config.block_size
+    element = torch.empty(0, dtype=engine.config.dtype).element_size()
     header = (
-        f"{'context':>8}{'decode ms':>11}{'eager sample ms':>17}{'engine sampler ms':>19}"
-        f"{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
+        f"{'context':>8}{'decode ms':>11}{'H200 bound ms':>15}{'of bound':>10}{'eager sample ms':>17}"
+        f"{'engine sampler ms':>19}{'flat-cdf draw ms':>18}{'2-level draw ms':>17}"
     )
     print(f"{header}   (rows={rows})")
+    records: list[dict[str, object]] = []
     for context in contexts:
         n_blocks = blocks_for(context, block_size)
         tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
@@ -210,7 +290,16 @@ def profile_decode(engine: Engine, rows: int, contexts: list[int], device: str) 
                 _time_ms(lambda c=c, lp=logprobs, u=uniforms: inverse_cdf_sample(lp, None, u, chunk=c), device)
                 for c in (logprobs.shape[1], 1024)
             ]
-        print(f"{context:>8}{decode_ms:>11.2f}{sample_ms:>17.2f}{sampler_ms:>19.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}")
+        bound = decode_step_bound(hf_config, rows, context, element)
+        limit_ms = bound.limit_s * 1e3
+        print(
+            f"{context:>8}{decode_ms:>11.2f}{limit_ms:>15.3f}{limit_ms / decode_ms:>9.0%} "
+            f"{sample_ms:>17.2f}{sampler_ms:>19.2f}{draws[0]:>18.2f}{draws[1]:>17.2f}  ({bound.bound} bound)"
+        )
+        records.append(
+            {"rows": rows, "context": context, "decode_ms": decode_ms, "bound_ms": limit_ms, "bound": bound.bound}
+        )
+    return records
 
 
 def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
@@ -225,10 +314,18 @@ def _time_ms(fn: Callable[[], object], device: str, repeats: int = 10) -> float:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'system':<40}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}")
+    """Median tokens/s of each system and the spread (slowest-fastest run) over its runs."""
+    header = f"{'system':<52}{'batch':>7}{'new tok/seq':>13}{'tokens':>10}{'median s':>10}{'runs':>6}"
+    print(f"{header}{'tokens/s':>12}{'spread tokens/s':>22}  status")
     for r in rows:
+        if r.status.startswith("error"):
+            dashes = f"{'-':>10}{'-':>10}{r.runs:>6}{'-':>12}{'-':>22}"
+            print(f"{r.system:<52}{r.batch:>7}{r.new_tokens:>13}{dashes}  {r.status}")
+            continue
+        spread = f"{r.total_tokens / r.seconds_max:,.0f}-{r.total_tokens / r.seconds_min:,.0f}"
         print(
-            f"{r.system:<40}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.tokens_per_s:>12.0f}"
+            f"{r.system:<52}{r.batch:>7}{r.new_tokens:>13}{r.total_tokens:>10}{r.seconds:>10.2f}{r.runs:>6}"
+            f"{r.tokens_per_s:>12,.0f}{spread:>22}  {r.status}"
         )
 
 
@@ -313,8 +410,8 @@ def main(
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Torch device."),
     num_prompts: int = typer.Option(64, help="Prompts."),
     n: int = typer.Option(8, help="Samples per prompt."),
-    max_tokens: int = typer.Option(512, help="New tokens per sample for the engine (EOS ignored)."),
-    hf_tokens: int = typer.Option(64, help="New tokens per sample for transformers generate."),
+    max_tokens: int = typer.Option(512, help="New tokens per sample, for every system (EOS ignored)."),
+    repeats: int = typer.Option(3, help="Timed runs of each system (the median and the spread are reported)."),
     min_prompt: int = typer.Option(32, help="Shortest prompt."),
     max_prompt: int = typer.Option(128, help="Longest prompt."),
     kv_gib: float = typer.Option(24.0, help="KV-cache budget, GiB."),
@@ -323,7 +420,12 @@ def main(
     block_size: list[int] = BLOCK_SIZES_OPTION,
     compile_mode: list[str] = COMPILE_OPTION,
     flex_min_batch: int = typer.Option(64, help="Decode steps of fewer sequences use the gather kernel."),
-    skip_hf_batch64: bool = typer.Option(False, help="Skip the transformers batch-64 measurement."),
+    hf_generate: bool = typer.Option(True, help="Time transformers generate on the same workload."),
+    continuous_batching: str = typer.Option(
+        "auto",
+        help="Time transformers generate_batch (continuous batching) on the same workload: on, off or auto (on for "
+        "CUDA; on CPU its background loop makes a smoke test slow).",
+    ),
     json_path: str = typer.Option("", "--json", help="Also write the table's rows to this file."),
 ) -> None:
     if run_check:
@@ -331,8 +433,12 @@ def main(
     unknown = sorted(set(compile_mode) - set(COMPILE_MODES))
     if unknown:
         raise typer.BadParameter(f"--compile must be on, off or auto, got {', '.join(unknown)}")
+    if continuous_batching not in COMPILE_MODES:
+        raise typer.BadParameter(f"--continuous-batching must be on, off or auto, got {continuous_batching}")
+    if repeats < 1:
+        raise typer.BadParameter(f"--repeats must be at least 1, got {repeats}")
     if tiny:
-        num_prompts, n, max_tokens, hf_tokens = min(num_prompts, 4), min(n, 2), min(max_tokens, 16), 8
+        num_prompts, n, max_tokens = min(num_prompts, 4), min(n, 2), min(max_tokens, 16)
         min_prompt, max_prompt, kv_gib = 3, 12, 0.01
     config = tiny_config() if tiny else llama_1b_config()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -342,6 +448,13 @@ def main(
     print(f"device: {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}, torch {torch.__version__}")
     rows: list[Row] = []
     engine_rows: list[Row] = []
+    decode_steps: list[dict[str, object]] = []
+
+    def save() -> None:
+        """The rows so far, then the profiled decode steps (a run stopped early leaves what it measured)."""
+        if json_path:
+            Path(json_path).write_text(json.dumps([r.record() for r in rows] + decode_steps, indent=1))
+
     for kernel, size, mode in itertools.product(decode_attention, block_size, compile_mode):
         engine_config = EngineConfig(
             dtype=dtype,
@@ -363,39 +476,61 @@ def main(
         engine.load_weights(model.state_dict().items())
         timed = [
             dataclasses.replace(r, system=f"{r.system} ({label})")
-            for r in time_engine(engine, prompts, n, max_tokens, device)
+            for r in time_engine(engine, prompts, n, max_tokens, device, repeats)
         ]
         rows += timed
         engine_rows.append(timed[-1])
+        save()
         stats = engine.last_stats
         print(f"[{label}] engine stats: {stats}")
         if stats is not None:
-            mean_ms = timed[-1].seconds / (stats.decode_steps + stats.prefill_steps) * 1e3
-            print(f"[{label}] engine mean step: {mean_ms:.2f} ms")
+            steps = stats.decode_steps + stats.prefill_steps
+            mean_ms = timed[-1].seconds / steps * 1e3
+            # the bound of a mean step: every sequence at the workload's mean context
+            context = sum(map(len, prompts)) // len(prompts) + max_tokens // 2
+            element = torch.empty(0, dtype=dtype).element_size()
+            bound_ms = decode_step_bound(config, num_prompts * n, context, element).limit_s * 1e3
+            print(
+                f"[{label}] engine mean step: {mean_ms:.2f} ms over {steps} steps; H200 bound of a decode step at "
+                f"{num_prompts * n} sequences x {context} tokens of context: {bound_ms:.3f} ms "
+                f"({bound_ms / mean_ms:.0%})"
+            )
         if device.startswith("cuda"):
             peak = torch.cuda.max_memory_allocated() / 2**30
             print(f"[{label}] CUDA graphs captured: {engine.num_cuda_graphs}; peak memory {peak:.1f} GiB")
-        profile_decode(
+        steps = profile_decode(
             engine,
+            config,
             num_prompts * n,
             [min_prompt + 16, (max_prompt + max_tokens) // 2, max_prompt + max_tokens],
             device,
         )
+        decode_steps += [{"system": f"decode step ({label})", **step} for step in steps]
+        save()
         del engine  # frees its weights, cache and graphs (no reference cycle holds them)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    hf_rows = [time_hf(model, prompts, n, hf_tokens, device)]
-    if not skip_hf_batch64:
-        hf_rows.append(time_hf(model, prompts, 1, hf_tokens, device))
-    rows += hf_rows
+    baselines = []
+    if hf_generate:
+        baselines.append(time_hf(model, prompts, n, max_tokens, device, repeats))
+        rows.append(baselines[-1])
+        save()
+    if COMPILE_MODES[continuous_batching] or (continuous_batching == "auto" and device.startswith("cuda")):
+        baselines.append(time_generate_batch(model, prompts, n, max_tokens, device, repeats))
+        rows.append(baselines[-1])
     print_table(rows)
     for engine_row in engine_rows:
-        for hf in hf_rows:
-            ratio = engine_row.tokens_per_s / hf.tokens_per_s
-            print(f"{engine_row.system} / transformers (batch {hf.batch}): {ratio:.1f}x")
-    if json_path:
-        Path(json_path).write_text(json.dumps([dataclasses.asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows]))
+        for baseline in baselines:
+            if baseline.status == "ok":
+                ratio = engine_row.tokens_per_s / baseline.tokens_per_s
+                low = engine_row.total_tokens / engine_row.seconds_max / (baseline.total_tokens / baseline.seconds_min)
+                high = engine_row.total_tokens / engine_row.seconds_min / (baseline.total_tokens / baseline.seconds_max)
+                print(
+                    f"{engine_row.system} / {baseline.system} (both batch {baseline.batch}, {max_tokens} new tokens): "
+                    f"{ratio:.1f}x (median; {low:.1f}x-{high:.1f}x over the runs)"
+                )
+    save()
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ On one GPU the refit is recorded as a CUDA graph at the first step and replayed 
 Beside it, in the same command: a device-to-device copy of the policy's bytes in the same dtype, the floor of a
 refit (`../shared/FACTS.md`), and the refit's ratio to it.
 
-    PYTHONPATH=. python3 scripts/bench_grpo.py                              # 1B shape, 64 x 8 samples, 512 tokens
-    PYTHONPATH=. python3 scripts/bench_grpo.py --prompt-tokens 15872 --max-new-tokens 512 --prompts 2 \\
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
+    python scripts/bench_grpo.py                              # 1B shape, 64 x 8 samples, 512 tokens
+    python scripts/bench_grpo.py --prompt-tokens 15872 --max-new-tokens 512 --prompts 2 \\
         --generations 4 --recompute                                             # a 16K-token step
-    PYTHONPATH=. python3 scripts/bench_grpo.py --shape llama3-8b --tp 2 --gpus 2   # the 8B shape on two GPUs
+    python scripts/bench_grpo.py --shape llama3-8b --tp 2 --gpus 2   # the 8B shape on two GPUs
     python scripts/bench_grpo.py --tiny                                     # CPU smoke run (tiny shape, fp32)
 
 Training and log-prob micro-batches are packed rows of `--max-tokens-per-microbatch` tokens (THD, as

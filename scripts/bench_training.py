@@ -7,35 +7,47 @@ over `--tokens-per-step` tokens per rank (32768 by default: 8 micro-batches of 4
 reports the mean seconds per iteration (iterations timed back to back after warm-up), training tokens/s, peak GPU
 memory and MFU.
 
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
     python scripts/bench_training.py --nproc 2 --json bench.json        # on H200s (one process per GPU, NCCL)
     python scripts/bench_training.py --tiny                             # a tiny shape on CPU (smoke test)
 
 What each path is, and assumes:
-- megatron: this project's `GPTModel` (`megatron_model.gpt_model`: megatron-core's local layer spec with
-  `SDPAttention`; no Transformer Engine) in bf16 under megatron-core's `Float16Module` (as Megatron-LM wraps it:
-  the local spec builds its norms in fp32, which keeps torch's RMSNorm off its fused kernel), megatron-core
-  `DistributedDataParallel` (fp32 gradient buffers), `get_megatron_optimizer` (torch AdamW on fp32 main
-  parameters, switched to its fused kernel; the distributed optimizer when there is data parallelism),
-  `get_forward_backward_func`; with data parallelism the gradient reduce-scatter overlaps the backward and the
-  parameter all-gather the next forward (`overlap_grad_reduce`, `overlap_param_gather`). Packed rows go in as
-  `PackedSeqParams` (THD): attention per sequence through torch's varlen flash attention on CUDA
-  (`sdpa_attention`), RoPE restarting per sequence. Parallelism:
-  `--megatron-parallel dp` (data parallel over nproc, distributed optimizer, as NeMo-RL runs the 8B), `tp`
+- megatron: the GRPO trainer's own code (`bridge train grpo` with `policy.megatron_cfg`): the policy built by
+  `grpo.policy.build_policy` (random weights instead of a checkpoint) and stepped by `grpo.policy.train_minibatch`
+  on packed rows given as the trainer's `MicroBatch`es, with the GRPO loss on the trainer's log-probs (old
+  log-probs computed once per set of rows by `compute_logprobs`, in the warm-up; random +-1 advantages). So every
+  setting is the trainer's: this project's `GPTModel` (megatron-core's local layer spec with `SDPAttention`; no
+  Transformer Engine) with its parameters cast to bf16 (`cast_parameters`, the effect of Megatron-LM's
+  `Float16Module` on the fp32 norms), megatron-core `DistributedDataParallel` with `grpo.policy.ddp_settings`
+  (fp32 gradient buffers and reduction; with data parallelism the reduction overlapped with the backward),
+  `get_megatron_optimizer` (torch AdamW on fp32 main parameters, switched to its fused kernel), the torch-compiled
+  SwiGLU (`bias_activation_fusion`) and cross entropy (megatron-core's fused vocab-parallel one, on CUDA in bf16),
+  `get_forward_backward_func`. Packed rows go in as `PackedSeqParams` (THD): attention per sequence through
+  torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. The only keys set are
+  ones a user sets in `policy.megatron_cfg` (`megatron_ddp`): with data parallelism `ddp.use_distributed_optimizer`
+  (`--distributed-optimizer`, default on) and `ddp.overlap_param_gather` (`--overlap-param-gather`, default off,
+  as in the trainer); the recomputation keys in `transformer`. Parallelism:
+  `--megatron-parallel dp` (data parallel over nproc, as NeMo-RL runs the 8B), `tp`
   (TP = nproc, with sequence parallelism) or `auto` (default): dp, and then every row length that needed activation
   recomputation (or ran out of memory) under dp again at TP = nproc with sequence parallelism, which splits the
   activations over the GPUs instead of recomputing them; both are reported, and the Megatron / DTensor ratio
-  takes the faster. On CUDA it also turns on megatron-core's torch-compiled SwiGLU
-  (`bias_activation_fusion`) and cross-entropy (`cross_entropy_loss_fusion`, native), which need no Transformer
-  Engine. Loss: megatron-core's vocab-parallel cross entropy, masked at each sequence's last token.
-- dtensor: the HF `LlamaForCausalLM` (`--hf-attention`, default sdpa) sharded by
-  `hf_mcore_bridge.dtensor_parallel.parallelize_hf_model` with FSDP2 over dp_shard = nproc (tp = 1): fp32
-  parameters, bf16 compute (`param_dtype`), fp32 gradient reduce-scatter after every micro-batch (FSDP2's
-  default, overlapped with the backward), fused torch AdamW on the fp32 shards. Packed rows are given as
-  `position_ids` restarting per sequence and no attention mask; transformers then builds the block-diagonal mask
-  itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel).
-- hf: the same HF model on one GPU (a one-rank world of its own), fp32 parameters under `torch.autocast(bf16)`
-  (what transformers' Trainer does with `bf16=True`), fused torch AdamW. It runs where it fits.
-Every path clips the gradient norm at 1.0 and uses the same (fused) AdamW kernel. Weights are initialised randomly
+  takes the faster.
+- dtensor: the trainer's DTensor backend (`policy.dtensor_cfg`): `grpo.dtensor_policy.build_dtensor_policy` on
+  the HF `LlamaForCausalLM` (randomly initialised; fp32 parameters, bf16 compute, fp32 gradient reduction, fused
+  torch AdamW on CUDA) stepped by its `train_minibatch` with the same GRPO loss. `--dtensor-search auto` (default)
+  measures, in one world, every configuration of `dtensor_layouts`: FSDP2 over every rank with gradients
+  reduce-scattered after each micro-batch (FSDP2's default, overlapped with the backward) and, with more than one
+  rank, once per step (`defer_gradient_sync`, where it fits in memory); TP over every rank where the heads and FFN
+  divide; each with sdpa and (on CUDA) flex attention. The Megatron / DTensor ratio takes the fastest. Packed rows
+  are given as `position_ids` restarting per sequence and no attention mask; transformers then builds the
+  block-diagonal mask itself (for sdpa a dense `[T, T]` one, which keeps SDPA off its flash kernel; for flex a
+  block mask).
+- hf: plain HF on one GPU (a one-rank world of its own), fp32 parameters under `torch.autocast(bf16)` (what
+  transformers' Trainer does with `bf16=True`), cross entropy on the labels, fused torch AdamW. It runs where it
+  fits: a reference point, not a trainer of this project.
+Every path clips the gradient norm at 1.0 and uses torch's fused AdamW kernel on CUDA. Weights are initialised randomly
 on the device. Each (shape, path) runs in a world of its own (fresh processes), so memory one leaves behind cannot
 weigh on the next. `--recompute auto` (default) uses full activation recomputation (megatron-core's
 `recompute_granularity="full"`, which needs CUDA; transformers' checkpointing) for a row length where the shorter
@@ -93,6 +105,23 @@ PATHS = ("megatron", "dtensor", "hf")
 
 
 @dataclass(frozen=True)
+class DTensorLayout:
+    """One configuration of the DTensor path (`policy.dtensor_cfg` settings and the attention kernel)."""
+
+    tp: int = 1
+    """`tensor_parallel_size`; FSDP2 shards over the world / tp ranks."""
+    defer_sync: bool = False
+    """`defer_gradient_sync`: gradients reduce-scattered once per optimizer step instead of per micro-batch."""
+    attention: str = "sdpa"
+    """transformers' `attn_implementation`: sdpa or flex_attention."""
+
+    def label(self, world: int) -> str:
+        parts = [f"FSDP2 dp_shard={world // self.tp}"] + [f"TP{self.tp}"] * (self.tp > 1)
+        parts += ["deferred-sync"] * self.defer_sync + [self.attention.removesuffix("_attention")]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
 class Options:
     """What to measure and how."""
 
@@ -111,15 +140,24 @@ class Options:
     tokens_per_step: int = 32768
     """Tokens each rank trains per optimizer step when `micro_batches` is 0: 8 rows of 4096 or 2 of 16384. A GRPO
     step of 512 samples of ~600 tokens trains ~150K tokens per GPU on 2 GPUs, so this is on the small side."""
-    overlap_param_gather: bool = True
-    """Megatron with the distributed optimizer: the updated parameters' all-gather overlaps the next forward."""
+    distributed_optimizer: bool = True
+    """Megatron with data parallelism: megatron-core's distributed optimizer (`policy.megatron_cfg.ddp.
+    use_distributed_optimizer`), optimizer state sharded over the data-parallel ranks."""
+    overlap_param_gather: bool = False
+    """Megatron with the distributed optimizer: the updated parameters' all-gather overlaps the next forward
+    (`policy.megatron_cfg.ddp.overlap_param_gather`; off by default in the trainer, and here)."""
     megatron_parallel: str = "auto"
     """"dp": Megatron data parallel over nproc with the distributed optimizer; "tp": TP = nproc (sequence parallel);
     "auto": dp, then TP = nproc for the row lengths that needed recomputation (or ran out of memory) under dp."""
     recompute: str = "auto"
     """"off", "on", or "auto" (retry with activation recomputation after running out of memory)."""
     hf_attention: str = "sdpa"
-    """transformers' attention implementation for the dtensor and hf paths."""
+    """transformers' attention implementation for the hf path, and the dtensor path with `dtensor_search` off."""
+    dtensor_search: str = "auto"
+    """"auto": measure every `dtensor_layouts` configuration and compare Megatron with the fastest; "off": FSDP2
+    over every rank with `hf_attention` only."""
+    dtensor_layout: DTensorLayout = DTensorLayout()
+    """The configuration being measured (set per configuration by `bench_rank`)."""
     dtype: str = "bf16"
     """Compute dtype: bf16 or fp32."""
     doc_len: tuple[float, float] = (1 / 16, 1 / 2)
@@ -248,94 +286,86 @@ def _dtype(opts: Options) -> torch.dtype:
 
 
 def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
-    """This rank's megatron-core model, DDP and optimizer (see the module docstring); returns its training step."""
+    """The trainer's own policy (`grpo.policy.build_policy`, random weights) stepped by its own
+    `grpo.policy.train_minibatch` (the GRPO loss on the trainer's log-probs) over packed rows; see the module
+    docstring. Returns its training step."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
 
-    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab, transformer_config_kwargs
-    from hf_mcore_bridge.grpo.policy import use_fused_adamw
+    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.grpo.config import MegatronConfig
+    from hf_mcore_bridge.grpo.losses import LossConfig
+    from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
     from hf_mcore_bridge.mappings import get_architecture
-    from hf_mcore_bridge.megatron_model import gpt_model
-    from hf_mcore_bridge.sdpa_attention import packed_seq_params
 
-    cuda = device.type == "cuda"
-    dtype = _dtype(opts)
     model_cfg = from_hf(shape, get_architecture(shape["architectures"][0]))
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
-    layout = Layout(tp=tp)
-    kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
-    # on CUDA the weights are initialised where they live (megatron-core's GPU initialisation, TP-aware RNG)
-    kwargs.update(use_cpu_initialization=not cuda, perform_initialization=True, sequence_parallel=tp > 1)
-    if cuda:  # torch.compile'd megatron-core fusions that need no Transformer Engine
-        kwargs.update(bias_activation_fusion=True, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
-    config = TransformerConfig(**kwargs)
+    megatron = MegatronConfig(
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        sequence_packing=True,
+        transformer=RECOMPUTE if recompute else {},
+        optimizer={"lr": 1e-5, "weight_decay": 0.0, "clip_grad": 1.0},
+        ddp=megatron_ddp(opts, dp),
+    )
+    policy = build_policy(
+        model_cfg,
+        megatron,
+        _dtype(opts),
+        padded_vocab(model_cfg, Layout(tp=tp)),
+        checkpoint_dir=None,
+        total_optimizer_steps=1000,
+        keep_reference=False,
+    )
 
     def enable_recompute() -> None:  # megatron-core's TransformerBlock reads these at every forward
-        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+        for key, value in RECOMPUTE.items():
+            setattr(policy.module.config, key, value)
 
-    if recompute:
-        enable_recompute()
-    # the linear layers are built on the GPU, the norms (torch modules) on the default device and in fp32, which
-    # keeps torch's RMSNorm off its fused kernel: Float16Module casts them, as Megatron-LM does
-    gpt = gpt_model(config, model_cfg, padded_vocab(model_cfg, layout)).to(device)
-    if dtype != torch.float32:
-        gpt = Float16Module(config, gpt)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=dp > 1,
-        use_distributed_optimizer=dp > 1,
-        overlap_param_gather=dp > 1 and opts.overlap_param_gather,
-    )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-5,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=dp > 1,
-            clip_grad=1.0,
-        ),
-        [model],
-    )
-    if cuda:
-        use_fused_adamw(optimizer)
-    forward_backward = get_forward_backward_func()
-
-    def forward_step(data_iterator: Any, module: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-        row = next(data_iterator)
-        # a fresh cu_seqlens tensor each forward, as in training: the flex BlockMask is rebuilt (once, for all layers)
-        params = packed_seq_params(row.cu_seqlens.clone(), max(row.lengths), config)
-        losses = module(row.tokens, row.positions, None, labels=row.next_tokens, packed_seq_params=params)
-
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            loss = (output.float() * row.loss_mask).sum() / row.loss_mask.sum()
-            return loss, {"loss": loss.detach()}
-
-        return losses, loss_func
+    loss_config = LossConfig()
+    prepared: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
 
     def step(rows: list[Row]) -> None:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(rows),
-            model=[model],
-            num_microbatches=len(rows),
-            seq_length=rows[0].tokens.shape[1],
-            micro_batch_size=1,
-            forward_only=False,
-        )
-        optimizer.step()
+        if id(rows) not in prepared:  # once per set of rows (in the warm-up): micro-batches and old log-probs
+            batches = [row_micro_batch(row) for row in rows]
+            prepared[id(rows)] = batches, compute_logprobs(policy, batches, temperature=1.0)
+        batches, old_logprobs = prepared[id(rows)]
+        train_minibatch(policy, batches, old_logprobs, None, loss_config, temperature=1.0)
 
     return Trainer(step, enable_recompute)
+
+
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+"""megatron-core's full activation recomputation (`policy.megatron_cfg.transformer` keys; needs CUDA)."""
+
+
+def megatron_ddp(opts: Options, data_parallel: int) -> dict[str, Any]:
+    """The `policy.megatron_cfg.ddp` keys the Megatron path runs with: with data parallelism, the distributed
+    optimizer and (where asked) the overlapped parameter all-gather; the trainer's defaults
+    (`grpo.policy.ddp_settings`) for everything else."""
+    if data_parallel == 1:
+        return {}
+    distributed = opts.distributed_optimizer
+    return {"use_distributed_optimizer": distributed, "overlap_param_gather": distributed and opts.overlap_param_gather}
+
+
+def row_micro_batch(row: Row) -> Any:
+    """One packed row as the trainer's `MicroBatch`: every token but each sequence's last predicts the next one,
+    with a random advantage of +-1 per position (their values do not change the work)."""
+    from hf_mcore_bridge.grpo.batching import MicroBatch
+
+    predicted = row.tokens.shape[1] - 1
+    generator = torch.Generator().manual_seed(int(row.cu_seqlens[1]))
+    advantages = torch.randint(0, 2, (1, predicted), generator=generator).float() * 2 - 1
+    return MicroBatch(
+        tokens=row.tokens,
+        position_ids=row.positions,
+        mask=row.loss_mask[:, :predicted],
+        engine_logprobs=torch.zeros(1, predicted, device=row.tokens.device),
+        advantages=advantages.to(row.tokens.device),
+        cu_seqlens=row.cu_seqlens,
+        max_seqlen=max(row.lengths),
+    )
 
 
 def hf_model(shape: dict[str, Any], opts: Options, device: torch.device) -> torch.nn.Module:
@@ -353,26 +383,53 @@ def _hf_loss(model: torch.nn.Module, row: Row) -> torch.Tensor:
     return model(input_ids=row.tokens, position_ids=row.positions, labels=row.hf_labels).loss
 
 
-def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
-    """The HF model under FSDP2 over every rank (`dtensor_parallel`), torch AdamW; returns its training step."""
-    from hf_mcore_bridge.dtensor_parallel import make_mesh, parallelize_hf_model
+def dtensor_layouts(
+    opts: Options, world: int, shape: dict[str, Any], attentions: tuple[str, ...] = ("sdpa", "flex_attention")
+) -> list[DTensorLayout]:
+    """The DTensor configurations to measure: `--dtensor-search auto` tries FSDP2 over every rank with gradients
+    reduced per micro-batch and (with more than one rank) once per step, TP over every rank where the heads and FFN
+    divide, each with every attention of `attentions` (flex attention trains on CUDA only); `off` the single
+    `--hf-attention` FSDP2 configuration."""
+    if opts.dtensor_search == "off":
+        return [DTensorLayout(attention=opts.hf_attention)]
+    _, _, heads, groups, _, ffn, _ = _dims(shape)
+    tps = [1] + [world] * (world > 1 and not (heads % world or groups % world or ffn % world))
+    layouts = []
+    for tp in tps:
+        for defer in (False, True) if world // tp > 1 else (False,):
+            layouts += [DTensorLayout(tp, defer, attention) for attention in attentions]
+    return layouts
 
-    model = hf_model(shape, opts, device)
-    mesh = make_mesh(dist.get_world_size(), 1, device.type)
-    parallelize_hf_model(
-        model, mesh, param_dtype=_dtype(opts), reduce_dtype=torch.float32, activation_checkpointing=recompute
+
+def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
+    """The trainer's own DTensor policy (`grpo.dtensor_policy.build_dtensor_policy` on a randomly initialised HF
+    model) stepped by its own `train_minibatch` (the GRPO loss) over packed rows, in `opts.dtensor_layout`."""
+    from hf_mcore_bridge.grpo.config import DTensorConfig
+    from hf_mcore_bridge.grpo.dtensor_policy import build_dtensor_policy
+    from hf_mcore_bridge.grpo.losses import LossConfig
+
+    layout = opts.dtensor_layout
+    settings = DTensorConfig(
+        enabled=True,
+        tensor_parallel_size=layout.tp,
+        data_parallel_shard_size=dist.get_world_size() // layout.tp,
+        activation_checkpointing=recompute,
+        defer_gradient_sync=layout.defer_sync,
+        lr=1e-5,
+        weight_decay=0.0,
+        clip_grad=1.0,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    model = hf_model(shape, replace(opts, hf_attention=layout.attention), device)
+    policy = build_dtensor_policy(None, settings, _dtype(opts), 1000, False, model=model)
+    loss_config = LossConfig()
+    prepared: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
 
     def step(rows: list[Row]) -> None:
-        # FSDP2's default: each micro-batch's backward reduce-scatters its gradients into the fp32 shards (overlapped
-        # with the backward). Accumulating without that sync holds unsharded fp32 gradients on every rank (32 GB
-        # for the 8B shape), which ran out of memory at 4 micro-batches.
-        for row in rows:
-            (_hf_loss(model, row) / len(rows)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if id(rows) not in prepared:  # once per set of rows (in the warm-up): micro-batches and old log-probs
+            batches = [row_micro_batch(row) for row in rows]
+            prepared[id(rows)] = batches, policy.compute_logprobs(batches, temperature=1.0)
+        batches, old_logprobs = prepared[id(rows)]
+        policy.train_minibatch(batches, old_logprobs, None, loss_config, temperature=1.0)
 
     return Trainer(step)  # FSDP2 wraps the checkpointed layers when sharding: a rebuild
 
@@ -473,11 +530,15 @@ def _placement(path: str, opts: Options) -> _Placement:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
         layout = f"TP{tp} SP" if tp > 1 else "TP1"
-        if parallel_state.get_data_parallel_world_size() > 1:
-            layout += f" DP{parallel_state.get_data_parallel_world_size()} dist-opt"
+        dp = parallel_state.get_data_parallel_world_size()
+        if dp > 1:
+            ddp = megatron_ddp(opts, dp)
+            layout += f" DP{dp}" + " dist-opt" * ddp["use_distributed_optimizer"]
+            layout += " overlap-gather" * ddp["overlap_param_gather"]
         return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp)
     if path == "dtensor":
-        return _Placement(f"FSDP2 dp_shard={world}", world, opts.seed + 1000 * dist.get_rank(), 1)
+        tp = opts.dtensor_layout.tp
+        return _Placement(opts.dtensor_layout.label(world), world, opts.seed + 1000 * (dist.get_rank() // tp), tp)
     return _Placement("1 GPU, autocast", 1, opts.seed, 1)  # a world of its own, one rank
 
 
@@ -621,7 +682,15 @@ def bench_rank(shape_name: str, path: str, opts: Options, out: str) -> None:
     from hf_mcore_bridge.world import device as rank_device
 
     apply_cpu_training_workarounds()  # a no-op on CUDA
-    results = run_path(shape_name, path, opts, _placement(path, opts), rank_device())
+    if path == "dtensor":  # every configuration in this world, one after another
+        results = []
+        attentions = ("sdpa", "flex_attention") if rank_device().type == "cuda" else ("sdpa",)
+        for layout in dtensor_layouts(opts, dist.get_world_size(), shape_config(shape_name), attentions):
+            layout_opts = replace(opts, dtensor_layout=layout)
+            progress(f"{shape_name} dtensor: {layout.label(dist.get_world_size())}")
+            results += run_path(shape_name, path, layout_opts, _placement(path, layout_opts), rank_device())
+    else:
+        results = run_path(shape_name, path, opts, _placement(path, opts), rank_device())
     if dist.get_rank() == 0:
         for line in format_table(results).splitlines()[1:]:
             print(f"measured: {line}", flush=True)
@@ -641,10 +710,11 @@ def run(opts: Options, nproc: int, on_results: Callable[[list[Result]], None] | 
 
         def world(path: str, layout: Layout, size: int, world_opts: Options) -> list[Result]:
             run_world(bench_rank, layout, shape_name, path, world_opts, str(out), world=size)
-            results.extend(Result(**r) for r in json.loads(out.read_text()))
+            measured = [Result(**r) for r in json.loads(out.read_text())]
+            results.extend(measured)
             if on_results is not None:
                 on_results(results)
-            return results[-len(world_opts.seq_lens) :]
+            return measured
 
         for shape_name in opts.shapes:
             for path in opts.paths:
@@ -662,7 +732,7 @@ def run(opts: Options, nproc: int, on_results: Callable[[list[Result]], None] | 
 
 def format_table(results: list[Result]) -> str:
     header = (
-        f"{'shape':<12}{'tokens/row':>11}{'rows/step':>10}  {'path':<9}{'layout':<24}{'GPUs':>5}{'recomp':>7}"
+        f"{'shape':<12}{'tokens/row':>11}{'rows/step':>10}  {'path':<9}{'layout':<38}{'GPUs':>5}{'recomp':>7}"
         f"{'step s':>9}"
         f"{'tokens/s':>11}{'tok/s/GPU':>11}{'MFU':>7}{'peak GiB':>10}  status"
     )
@@ -677,7 +747,7 @@ def format_table(results: list[Result]) -> str:
             numbers = f"{'-':>9}{'-':>11}{'-':>11}{'-':>7}{'-':>10}"
         recompute = "yes" if r.recompute else "no"
         lines.append(
-            f"{r.shape:<12}{r.seq_len:>11}{r.micro_batches:>10}  {r.path:<9}{r.layout:<24}{r.gpus:>5}{recompute:>7}"
+            f"{r.shape:<12}{r.seq_len:>11}{r.micro_batches:>10}  {r.path:<9}{r.layout:<38}{r.gpus:>5}{recompute:>7}"
             f"{numbers}  {r.status}"
         )
     return "\n".join(lines)
@@ -702,7 +772,8 @@ def ratios(results: list[Result]) -> list[str]:
         if megatron and dtensor:
             ratio = megatron.tokens_per_s_per_gpu / dtensor.tokens_per_s_per_gpu
             lines.append(
-                f"{shape} @ {seq_len}: Megatron / DTensor tokens/s per GPU = {ratio:.2f}x (Megatron {megatron.layout})"
+                f"{shape} @ {seq_len}: Megatron / DTensor tokens/s per GPU = {ratio:.2f}x (each at its fastest: "
+                f"Megatron {megatron.layout}, DTensor {dtensor.layout})"
             )
     return lines
 
@@ -736,6 +807,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
         help="auto: dp, then TP=nproc for row lengths that needed recomputation under dp",
     )
     parser.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.distributed_optimizer,
+        help="Megatron with data parallelism: megatron-core's distributed optimizer",
+    )
+    parser.add_argument(
         "--overlap-param-gather",
         action=argparse.BooleanOptionalAction,
         default=defaults.overlap_param_gather,
@@ -743,6 +820,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     )
     parser.add_argument("--recompute", choices=("off", "on", "auto"), default=defaults.recompute)
     parser.add_argument("--hf-attention", default=defaults.hf_attention, help="transformers attn_implementation")
+    parser.add_argument(
+        "--dtensor-search",
+        choices=("auto", "off"),
+        default=defaults.dtensor_search,
+        help="auto: FSDP2 and TP, per-micro-batch and deferred gradient sync, sdpa and flex; the fastest compared",
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--profile", action="store_true", help="profile one more iteration of each; print a summary")
@@ -761,9 +844,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
         micro_batches=args.micro_batches,
         tokens_per_step=args.tokens_per_step,
         megatron_parallel=args.megatron_parallel,
+        distributed_optimizer=args.distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
         recompute=args.recompute,
         hf_attention=args.hf_attention,
+        dtensor_search=args.dtensor_search,
         dtype=args.dtype,
         seed=args.seed,
         profile=args.profile,

@@ -45,17 +45,48 @@ def test_a_path_at_two_layouts_is_listed_twice_and_compared_at_its_fastest() -> 
     assert rows[1][1] == "1.40x"
 
 
+def _engine(system: str, tokens_per_s: float, status: str = "ok") -> dict:
+    return {
+        "system": system,
+        "batch": 512,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_min": tokens_per_s * 0.9,
+        "tokens_per_s_max": tokens_per_s * 1.1,
+        "status": status,
+    }
+
+
 def test_engine_and_grpo_rows_give_the_goal_ratios() -> None:
-    engine = [  # the rows bench_engine.py writes: two kernels, then transformers
-        {"system": "engine, first run (flex, block 16)", "batch": 512, "tokens_per_s": 100.0},
-        {"system": "engine (flex, block 16)", "batch": 512, "tokens_per_s": 400.0},
-        {"system": "engine, first run (gather, block 16)", "batch": 512, "tokens_per_s": 90.0},
-        {"system": "engine (gather, block 16)", "batch": 512, "tokens_per_s": 200.0},
-        {"system": "transformers generate", "batch": 64, "tokens_per_s": 20.0},
+    engine = [  # the rows bench_engine.py writes: two kernels, then transformers' two ways on the same workload
+        _engine("engine, first run (flex, block 16)", 100.0),
+        _engine("engine (flex, block 16)", 400.0),
+        _engine("engine, first run (gather, block 16)", 90.0),
+        _engine("engine (gather, block 16)", 200.0),
+        _engine("transformers generate", 20.0),
+        _engine("transformers generate_batch (continuous batching)", 0.0, "error: AttributeError: no generate_batch"),
     ]
     rows = bench_throughput.engine_rows(engine)
-    assert [r[1] for r in rows] == ["400", "20.0x", "200", "10.0x"]
+    assert [r[1] for r in rows] == [
+        "400 (360-440)",
+        "20.0x",
+        "error: AttributeError: no generate_batch",
+        "200 (180-220)",
+        "10.0x",
+        "error: AttributeError: no generate_batch",
+        "20 (18-22)",
+    ]
     assert rows[0][0].endswith("(flex, block 16)") and rows[1][2] == ">= 20x"
+    assert rows[1][0] == "  engine / generate (batch 512, same tokens)"
+    engine[-1] = _engine("transformers generate_batch (continuous batching)", 50.0)
+    step = {"system": "decode step (flex, block 16)", "rows": 512, "context": 640, "bound": "memory"}
+    engine.append(step | {"decode_ms": 5.0, "bound_ms": 1.0})
+    rows = bench_throughput.engine_rows(engine)
+    assert rows[2][1:] == ("8.0x", "")
+    assert rows[-1] == (
+        "decode step (flex, block 16), 512 x 640 tokens",
+        "5.00 ms; H200 bound 1.00 ms (memory): 20% of the limit",
+        "",
+    )
     phases = {"generation_s": 1.0, "logprobs_s": 0.5, "train_s": 2.0, "refit_s": 0.006, "step_s": 3.6}
     rows = bench_throughput.grpo_rows({"phases": phases, "d2d_copy_s": 0.002})
     assert rows[-1][1:] == ("3.0x", "<= 3x")

@@ -164,9 +164,116 @@ def test_auto_layout_measures_the_recomputed_row_lengths_again_at_tp(monkeypatch
     assert [(r.seq_len, r.layout) for r in results if r.path == "megatron"] == [(64, "TP1"), (128, "TP1"), (128, "TP2")]
     lines = bench_training.ratios(results)
     assert lines == [
-        "s @ 64: Megatron / DTensor tokens/s per GPU = 1.67x (Megatron TP1)",
-        "s @ 128: Megatron / DTensor tokens/s per GPU = 1.50x (Megatron TP2)",
+        "s @ 64: Megatron / DTensor tokens/s per GPU = 1.67x (each at its fastest: Megatron TP1, DTensor TP1)",
+        "s @ 128: Megatron / DTensor tokens/s per GPU = 1.50x (each at its fastest: Megatron TP2, DTensor TP1)",
     ]
     launched.clear()
     bench_training.run(bench_training.replace(opts, megatron_parallel="dp"), nproc=2)
     assert [entry[1] for entry in launched] == [1, 1]
+
+
+def test_dtensor_search_covers_fsdp_tp_deferred_sync_and_attention() -> None:
+    """With 2 ranks on the 1B shape: FSDP2 with per-micro-batch and deferred gradient sync, TP2, each with both
+    attentions; TP only where the heads, KV heads and FFN divide by the world; `off` is FSDP2 with one attention."""
+    opts = bench_training.Options()
+    shape = bench_training.shape_config("llama3.2-1b")
+    labels = [layout.label(2) for layout in bench_training.dtensor_layouts(opts, 2, shape)]
+    assert labels == [
+        "FSDP2 dp_shard=2 sdpa",
+        "FSDP2 dp_shard=2 flex",
+        "FSDP2 dp_shard=2 deferred-sync sdpa",
+        "FSDP2 dp_shard=2 deferred-sync flex",
+        "FSDP2 dp_shard=1 TP2 sdpa",
+        "FSDP2 dp_shard=1 TP2 flex",
+    ]
+    three = bench_training.dtensor_layouts(opts, 3, shape, ("sdpa",))  # 32 heads / 3: no TP
+    assert [layout.tp for layout in three] == [1, 1]
+    one = bench_training.dtensor_layouts(opts, 1, shape, ("sdpa",))  # one rank: nothing to reduce or defer
+    assert [layout.label(1) for layout in one] == ["FSDP2 dp_shard=1 sdpa"]
+    off = bench_training.dtensor_layouts(bench_training.Options(dtensor_search="off", hf_attention="eager"), 2, shape)
+    assert off == [bench_training.DTensorLayout(attention="eager")]
+
+
+def test_megatron_path_runs_the_trainers_settings() -> None:
+    """The Megatron path passes only `policy.megatron_cfg.ddp` keys a user can set; the rest are the trainer's
+    defaults: fp32 gradient reduction, and with data parallelism the reduction overlapped with the backward."""
+    from hf_mcore_bridge.grpo.config import MegatronConfig
+    from hf_mcore_bridge.grpo.policy import ddp_settings
+
+    opts = bench_training.Options()
+    assert bench_training.megatron_ddp(opts, 1) == {}
+    keys = bench_training.megatron_ddp(opts, 2)
+    assert keys == {"use_distributed_optimizer": True, "overlap_param_gather": False}
+    assert bench_training.megatron_ddp(bench_training.Options(overlap_param_gather=True), 2)["overlap_param_gather"]
+    settings = ddp_settings(MegatronConfig(ddp=keys), 2)
+    assert settings == {
+        "grad_reduce_in_fp32": True,
+        "overlap_grad_reduce": True,
+        "use_distributed_optimizer": True,
+        "overlap_param_gather": False,
+    }
+    assert ddp_settings(MegatronConfig(), 1) == {"grad_reduce_in_fp32": True, "overlap_grad_reduce": False}
+    assert ddp_settings(MegatronConfig(ddp={"grad_reduce_in_fp32": False}), 1)["grad_reduce_in_fp32"] is False
+    # the distributed optimizer named on the optimizer alone switches DDP's buffers too
+    on = ddp_settings(MegatronConfig(optimizer={"use_distributed_optimizer": True}), 2)
+    assert on["use_distributed_optimizer"] is True
+
+
+def _fused_logprobs_rank(out: str) -> None:
+    """Rank body: the trainer's bf16 log-probs on CUDA (megatron-core's fused cross entropy) and their gradient,
+    beside a float64 log-softmax of the same bf16 logits."""
+    from hf_mcore_bridge.grpo.policy import token_logprobs
+
+    torch.manual_seed(0)
+    vocab, padded, temperature = 300, 384, 0.7
+    logits = (torch.randn(2, 33, padded, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, vocab, (2, 33), device="cuda")
+    weights = torch.randn(2, 32, device="cuda", dtype=torch.float64)
+    logprobs = token_logprobs(logits, tokens, vocab, temperature)
+    (logprobs.double() * weights).sum().backward()
+    exact = logits.detach().double().requires_grad_()
+    reference = torch.log_softmax(exact[:, :-1, :vocab] / temperature, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    (reference * weights).sum().backward()
+    fused = logprobs.grad_fn.next_functions[0][0]._forward_cls.__module__  # NegBackward <- the cross entropy
+    result = {
+        "module": fused,
+        "dlogprob": (logprobs.double() - reference).abs().max().item(),
+        "dgrad": (logits.grad.double() - exact.grad).abs().max().item(),
+        "grad_scale": exact.grad.abs().max().item(),
+        "padding_grad": logits.grad[..., vocab:].abs().max().item(),
+    }
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_logprobs_on_cuda_in_bf16_use_the_fused_cross_entropy(tmp_path: Path) -> None:
+    """The Megatron path's log-probs (the trainer's `token_logprobs`) in bf16 on CUDA go through megatron-core's
+    fused cross entropy and equal a float64 log-softmax of the same logits (temperature, padded vocabulary) to fp32
+    rounding; their gradient to bf16 rounding, none reaching the padding."""
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.world import run_world
+
+    out = tmp_path / "fused.json"
+    run_world(_fused_logprobs_rank, Layout(), str(out), world=1)
+    result = json.loads(out.read_text())
+    assert result["module"] == "megatron.core.fusions.fused_cross_entropy"
+    assert result["dlogprob"] <= 1e-5
+    assert result["dgrad"] <= 1e-2 * result["grad_scale"]
+    assert result["padding_grad"] == 0.0
+
+
+@pytest.mark.slow
+def test_dtensor_search_runs_every_layout_of_two_ranks(tmp_path: Path, run_script) -> None:
+    """Two gloo ranks: the trainer's DTensor policy trains in each searched layout (FSDP2, FSDP2 with deferred
+    gradient sync, TP2; sdpa only on CPU), and a TP group counts its shared rows once."""
+    out = tmp_path / "bench.json"
+    args = ["--shapes", "tiny", "--seq-lens", "64", "--micro-batches", "2", "--dtype", "fp32", "--nproc", "2"]
+    run_script("bench_training.py", [*args, "--paths", "dtensor", "--iters", "1", "--json", str(out)], 300)
+    results = json.loads(out.read_text())["results"]
+    assert [(r["layout"], r["status"]) for r in results] == [
+        ("FSDP2 dp_shard=2 sdpa", "ok"),
+        ("FSDP2 dp_shard=2 deferred-sync sdpa", "ok"),
+        ("FSDP2 dp_shard=1 TP2 sdpa", "ok"),
+    ]
+    assert [r["tokens_per_iter"] for r in results] == [2 * 2 * 64, 2 * 2 * 64, 2 * 64]

@@ -18,8 +18,9 @@ step per mini-batch, and the weights as `(hf_name, full tensor)` for the engine.
   data-parallel ranks; FSDP2 averages gradients over them, so each loss is multiplied by their number. Gradients
   are reduce-scattered after every micro-batch (FSDP2's default, bounded memory), or once per mini-batch with
   `defer_gradient_sync` (`set_requires_gradient_sync` on the last micro-batch only).
-- Optimizer: torch AdamW on the sharded parameters, weight decay on matrices only (megatron-core's default
-  grouping), global-norm clipping over DTensors, megatron-core's LR schedule (`grpo.lr_schedule`).
+- Optimizer: torch AdamW (its fused kernel on CUDA) on the sharded parameters, weight decay on matrices only
+  (megatron-core's default grouping), global-norm clipping over DTensors, megatron-core's LR schedule
+  (`grpo.lr_schedule`).
 
 Simplifications: every rank reads the whole safetensors checkpoint before sharding it (host memory for one full
 copy per rank while loading; a meta-device build with a broadcast from rank 0 would avoid it); the KL reference is
@@ -263,13 +264,23 @@ class _SwappedIn:
 
 
 def build_dtensor_policy(
-    hf_dir: Path, settings: DTensorConfig, dtype: torch.dtype, total_optimizer_steps: int, keep_reference: bool
+    hf_dir: Path | None,
+    settings: DTensorConfig,
+    dtype: torch.dtype,
+    total_optimizer_steps: int,
+    keep_reference: bool,
+    model: torch.nn.Module | None = None,
 ) -> DTensorPolicy:
-    """This rank's sharded policy loaded from `hf_dir`, with optimizer and scheduler (collective)."""
+    """This rank's sharded policy loaded from `hf_dir`, with optimizer and scheduler (collective). `model`: an HF
+    model already built in fp32 (random weights, any attention implementation) to shard instead of reading
+    `hf_dir`: how `scripts/bench_training.py` measures the trainer's own DTensor step."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     tp = settings.tensor_parallel_size
     mesh = make_mesh(dist.get_world_size() // tp, tp, device_type)  # the world is dp_shard x tp (`world_of`)
-    model = load_hf_model(hf_dir)
+    if model is None:
+        if hf_dir is None:
+            raise ValueError("build_dtensor_policy needs hf_dir or model")
+        model = load_hf_model(hf_dir)
     parallelize_hf_model(
         model,
         mesh,
@@ -280,7 +291,11 @@ def build_dtensor_policy(
     model.train()
     beta1, beta2 = settings.betas
     optimizer = torch.optim.AdamW(
-        _param_groups(model, settings.weight_decay), lr=settings.lr, betas=(beta1, beta2), eps=settings.eps
+        _param_groups(model, settings.weight_decay),
+        lr=settings.lr,
+        betas=(beta1, beta2),
+        eps=settings.eps,
+        fused=device_type == "cuda",  # one kernel over parameters, gradients and states (DTensors included)
     )
     scheduler = lr_scheduler(optimizer, settings.scheduler, settings.lr, total_optimizer_steps)
     reference = [p.detach().clone() for p in model.parameters()] if keep_reference else None

@@ -2,16 +2,17 @@
 
 Runs inside a `world.run_world` rank (process group and `parallel_state` initialised). The policy is a
 `GPTModel` (local layer spec) loaded from a `torch_dist` checkpoint, wrapped in megatron-core's
-`DistributedDataParallel`, trained by `get_megatron_optimizer` (AdamW, grad clipping) stepped by its
+`DistributedDataParallel` (fp32 gradient reduction, overlapped with the backward under data parallelism:
+`ddp_settings`), trained by `get_megatron_optimizer` (AdamW, grad clipping) stepped by its
 `OptimizerParamScheduler`. Every forward pass goes through `get_forward_backward_func()`, so pipeline
 parallelism uses megatron-core's schedules.
 
 Log-probs: the sampled token's `log_softmax(logits / temperature)` computed by `vocab_parallel_cross_entropy`
-over the TP-sharded vocabulary; logits of the padding rows of the vocabulary (ids >= the real vocabulary) are
-pushed to the dtype's minimum first, so they take no probability mass, exactly as in the engine whose vocabulary
-is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch, normalised by the mini-batch's global count;
-the schedule divides each micro-batch loss by the number of micro-batches and DDP averages over data-parallel
-ranks, so the loss is multiplied back by both.
+(megatron-core's torch-compiled version for bf16 on CUDA) over the TP-sharded vocabulary; logits of the padding rows
+of the vocabulary (ids >= the real vocabulary) are pushed to the dtype's minimum first, so they take no probability
+mass, exactly as in the engine whose vocabulary is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch,
+normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of
+micro-batches and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
 
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).
@@ -39,7 +40,15 @@ from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_los
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.megatron_model import load_distributed_checkpoint
 
-__all__ = ["Policy", "build_policy", "cast_parameters", "layout_of", "token_logprobs", "use_fused_adamw"]
+__all__ = [
+    "Policy",
+    "build_policy",
+    "cast_parameters",
+    "ddp_settings",
+    "layout_of",
+    "token_logprobs",
+    "use_fused_adamw",
+]
 
 
 def layout_of(megatron: MegatronConfig) -> Layout:
@@ -76,11 +85,14 @@ class Policy:
         return self.model.module
 
 
-def _transformer_config(model_cfg: ModelConfig, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig) -> Any:
+def _transformer_config(
+    model_cfg: ModelConfig, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig, on_device_init: bool = False
+) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
-    kwargs.update(use_cpu_initialization=True, sequence_parallel=megatron.sequence_parallel)
+    # weights loaded from a checkpoint are built on the CPU first; random ones are initialised where they live
+    kwargs.update(use_cpu_initialization=not on_device_init, sequence_parallel=megatron.sequence_parallel)
     if torch.cuda.is_available():  # megatron-core's torch-compiled SwiGLU: no Transformer Engine needed
         kwargs["bias_activation_fusion"] = True
     if layout.pp > 1:  # micro-batches are padded to their own longest row
@@ -104,22 +116,28 @@ def build_policy(
     megatron: MegatronConfig,
     dtype: torch.dtype,
     padded_vocab: int,
-    checkpoint_dir: Path,
+    checkpoint_dir: Path | None,
     total_optimizer_steps: int,
     keep_reference: bool,
 ) -> Policy:
-    """This rank's policy loaded from `checkpoint_dir`, with optimizer and scheduler."""
+    """This rank's policy loaded from `checkpoint_dir`, with optimizer and scheduler. `checkpoint_dir=None` gives
+    random weights (initialised on this rank's GPU where there is one): how `scripts/bench_training.py` measures
+    the trainer's own training step."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config = _transformer_config(model_cfg, layout_of(megatron), dtype, megatron)
+    on_device_init = checkpoint_dir is None and torch.cuda.is_available()
+    config = _transformer_config(model_cfg, layout_of(megatron), dtype, megatron, on_device_init)
     gpt = _gpt_model(config, model_cfg, padded_vocab)
     if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization): train on this rank's GPU
         gpt = gpt.cuda(torch.cuda.current_device())
     cast_parameters(gpt, dtype)
-    load_distributed_checkpoint(gpt, checkpoint_dir)
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**megatron.ddp), module=gpt)
+    if checkpoint_dir is not None:
+        load_distributed_checkpoint(gpt, checkpoint_dir)
+    ddp_config = DistributedDataParallelConfig(**ddp_settings(megatron, parallel_state.get_data_parallel_world_size()))
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     opt_kwargs: dict[str, Any] = {
@@ -127,6 +145,8 @@ def build_policy(
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
         "params_dtype": dtype,
+        # the distributed optimizer works on DDP's buffers as laid out for it: one switch for both
+        "use_distributed_optimizer": ddp_config.use_distributed_optimizer,
     }
     opt_config = OptimizerConfig(**(opt_kwargs | dict(megatron.optimizer)))
     optimizer = get_megatron_optimizer(opt_config, [model])
@@ -149,6 +169,20 @@ def build_policy(
     )
     reference = [p.detach().clone() for p in gpt.parameters()] if keep_reference else None
     return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference)
+
+
+def ddp_settings(megatron: MegatronConfig, data_parallel: int) -> dict[str, Any]:
+    """`DistributedDataParallelConfig` keys: the trainer's defaults, then `megatron.ddp` over them. Defaults: fp32
+    gradient buffers, reduced in fp32 (bf16 gradients summed over many micro-batches and ranks lose precision; as
+    Megatron-LM's `--accumulate-allreduce-grads-in-fp32`), and with data parallelism the gradient reduction
+    overlapped with the backward (buckets reduced as they fill). The distributed optimizer and the overlapped
+    parameter all-gather (`use_distributed_optimizer`, `overlap_param_gather`) are the user's to turn on; the
+    distributed optimizer also by `megatron.optimizer.use_distributed_optimizer` (DDP and the optimizer must agree:
+    one switch is enough)."""
+    defaults: dict[str, Any] = {"grad_reduce_in_fp32": True, "overlap_grad_reduce": data_parallel > 1}
+    if "use_distributed_optimizer" in megatron.optimizer:
+        defaults["use_distributed_optimizer"] = megatron.optimizer["use_distributed_optimizer"]
+    return defaults | dict(megatron.ddp)
 
 
 def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -188,7 +222,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, 
     first = parallel_state.get_tensor_model_parallel_rank() * local
     padding = torch.arange(first, first + local, device=scaled.device) >= vocab_size
     scaled = scaled.masked_fill(padding, torch.finfo(scaled.dtype).min)
-    # vocab_parallel_cross_entropy subtracts the row max from its input in place: `scaled` is ours alone.
+    # both cross entropies subtract the row max from their input in place: `scaled` is ours alone.
+    if logits.is_cuda and logits.dtype == torch.bfloat16:
+        # megatron-core's torch-compiled cross entropy (`cross_entropy_loss_fusion`, native): the same arithmetic in
+        # fewer kernels; its gradient is returned in bf16, which is what reaches bf16 logits in any case
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        return -fused_vocab_parallel_cross_entropy(scaled, tokens[:, 1:], group)
     return -vocab_parallel_cross_entropy(scaled, tokens[:, 1:])
 
 

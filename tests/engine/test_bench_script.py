@@ -6,19 +6,27 @@ import json
 
 
 def test_bench_engine_tiny_runs_on_cpu(tmp_path, run_script):
-    """Both decode kernels side by side, each against transformers in the same run."""
+    """Both decode kernels side by side, each against transformers `generate` on the same token count in the same
+    run, as the median of the timed runs with their spread."""
     table = tmp_path / "rows.json"
-    args = ["--tiny", "--device", "cpu", "--skip-hf-batch64", "--decode-attention", "gather"]
+    args = ["--tiny", "--device", "cpu", "--decode-attention", "gather", "--repeats", "2"]
     args += ["--decode-attention", "flex", "--flex-min-batch", "1", "--json", str(table)]
     result = run_script("bench_engine.py", args, 120)
     for kernel in ("gather", "flex"):
-        assert f"engine ({kernel}, block 32) / transformers (batch 8):" in result.stdout
-    rows = json.loads(table.read_text())
-    steady = {row["system"]: row for row in rows if row["system"].startswith("engine (")}
-    assert sorted(steady) == ["engine (flex, block 32)", "engine (gather, block 32)"]
-    for row in steady.values():
-        assert row["total_tokens"] == 4 * 2 * 16  # every sample ran to max_tokens (EOS ignored)
-        assert row["tokens_per_s"] > 0
+        assert f"engine ({kernel}, block 32) / transformers generate (both batch 8, 16 new tokens):" in result.stdout
+    records = json.loads(table.read_text())
+    rows = [r for r in records if not r["system"].startswith("decode step")]
+    timed = {row["system"]: row for row in rows if not row["system"].startswith("engine, first run")}
+    assert sorted(timed) == ["engine (flex, block 32)", "engine (gather, block 32)", "transformers generate"]
+    for row in timed.values():
+        assert row["total_tokens"] == 4 * 2 * 16  # every sample of every system ran to max_tokens (EOS ignored)
+        assert row["runs"] == 2 and row["status"] == "ok"
+        assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+    # each profiled decode step beside its H200 bound (`roofline.decode_step_bound`), for each engine
+    steps = [r for r in records if r["system"].startswith("decode step")]
+    assert sorted({r["system"] for r in steps}) == ["decode step (flex, block 32)", "decode step (gather, block 32)"]
+    assert all(r["decode_ms"] > 0 and r["bound_ms"] > 0 and r["bound"] == "memory" for r in steps)
 
 
 def test_bench_decode_attention_runs_on_cpu_in_the_interpreter(tmp_path):

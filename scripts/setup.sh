@@ -25,6 +25,12 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   if [ -z "$TORCH_SPEC" ]; then
     "$PYTHON" -m venv --system-site-packages .venv
+    # A PYTHON that is itself a virtual environment (a GPU image's /opt/.../.venv): --system-site-packages reaches
+    # only its base interpreter's packages, so its own site-packages are added to the new venv's path as well.
+    parent_site="$("$PYTHON" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')"
+    if [ -n "$parent_site" ]; then
+      echo "$parent_site" >"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_parent_site.pth"
+    fi
   else
     "$PYTHON" -m venv .venv
   fi

@@ -54,6 +54,7 @@ from hf_mcore_bridge.engine.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
@@ -245,6 +246,12 @@ class Engine:
         config: resources and limits.
         weights_dir: an HF directory of safetensors to load; None leaves the weights to `load_weights`.
         tokenizer: needed only for text prompts and for the `text` of outputs.
+        tp_group: the tensor-parallel process group this engine is one rank of (NCCL on GPU, gloo on CPU; e.g.
+            megatron-core's `parallel_state.get_tensor_model_parallel_group()`), or None. Every rank of the group
+            builds its engine with the same arguments and makes the same calls (`generate` with the same prompts
+            and parameters, `load_weights` with the same full tensors, `sleep`, `wake_up`); each holds its heads,
+            widths, vocabulary rows and KV heads, and all ranks return the same tokens. None or a group of one
+            rank: the single-device engine, without any collective. `kv_cache_memory_bytes` is per rank.
     """
 
     def __init__(
@@ -253,9 +260,11 @@ class Engine:
         config: EngineConfig | None = None,
         weights_dir: str | Path | None = None,
         tokenizer: Tokenizer | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_hf(hf_config)
+        self.tp = TensorParallel.of(tp_group)
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
         cfg, mc = self.config, self.model_config
@@ -275,8 +284,11 @@ class Engine:
             decode_kernel=kernel,
             flex_min_batch=cfg.flex_min_batch,
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
+            tp=self.tp,
         )
-        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
+        self.num_kv_heads = self.model.sizes.num_kv_heads
+        """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
+        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype)
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
         if self.num_blocks < self.max_blocks_per_seq + 2:
@@ -416,7 +428,11 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.max_blocks_per_seq,
         )
-        groups = [self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))]
+        seeds = self._seeds(per_prompt)
+        groups = [
+            self._make_group(i, ids, p, seed)
+            for i, (ids, p, seed) in enumerate(zip(prompt_ids, per_prompt, seeds, strict=True))
+        ]
         for group in groups:
             scheduler.add(group)
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
@@ -465,8 +481,15 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _make_group(self, index: int, ids: list[int], params: SamplingParams) -> Group:
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    def _seeds(self, per_prompt: list[SamplingParams]) -> list[int]:
+        """Each prompt's seed: its own, or a fresh random one (the first tensor-parallel rank's, on every rank, so
+        that all ranks draw the same numbers: one broadcast per call that has unseeded prompts)."""
+        seeds = [p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1 for p in per_prompt]
+        if self.tp is not None and any(p.seed is None for p in per_prompt):
+            seeds = self.tp.broadcast_seeds(seeds, self.device)
+        return seeds
+
+    def _make_group(self, index: int, ids: list[int], params: SamplingParams, seed: int) -> Group:
         return Group(
             [
                 Sequence(
@@ -676,5 +699,5 @@ class Engine:
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config
         return allocate_kv_cache(
-            mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype, self.device
+            mc.num_layers, self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype, self.device
         )

@@ -25,6 +25,7 @@ from hf_mcore_bridge.engine.tp_shards import (
     row_shard,
     vocab_shard,
 )
+from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.tensor_ops import rank_shard
 from hf_mcore_bridge.world import run_torch_world
@@ -141,3 +142,18 @@ def test_a_group_of_one_rank_is_the_single_device_path(get_hf_model, tmp_path):
         assert engine.num_kv_heads == 2 and engine.model.lm_head.weight.shape[0] == 211
     finally:
         dist.destroy_process_group()
+
+
+def test_generation_tensor_parallel_size_defaults_to_the_policy_tp_and_must_divide_the_world():
+    base = {"policy": {"model_path": "/some/model"}, "data": {"task": "repeat_digit"}}
+    assert generation_tensor_parallel_size(config_from_dict(base)) == 1
+    tp2 = ["policy.megatron_cfg.tensor_model_parallel_size=2"]
+    assert generation_tensor_parallel_size(config_from_dict(base, tp2)) == 2
+    dtensor = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+    dtensor_tp2 = config_from_dict(base, [*dtensor, "policy.dtensor_cfg.tensor_parallel_size=2"])
+    assert generation_tensor_parallel_size(dtensor_tp2) == 2
+    assert generation_tensor_parallel_size(config_from_dict(base, [*tp2, "generation.tensor_parallel_size=1"])) == 1
+    with pytest.raises(GRPOConfigError, match=r"generation.tensor_parallel_size=0 must be >= 1"):
+        config_from_dict(base, ["generation.tensor_parallel_size=0"])
+    with pytest.raises(GRPOConfigError, match=r"generation.tensor_parallel_size=3 must divide the run's 2 ranks"):
+        config_from_dict(base, [*tp2, "generation.tensor_parallel_size=3"])

@@ -12,6 +12,8 @@ given MLP kind and the engine parameter it fills: `Direct` entries copy a whole 
 entries name the HF sources that are stacked, in row order, into the engine's fused `qkv_proj` / `gate_up_proj`
 parameters, and `ExpertSlice` / `ExpertGateUp` entries fill slice `[expert]` of a parameter stacked on a leading
 expert axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows, HF's own fused layout).
+Each entry also names its tensor-parallel style (`parallel_style.Parallel`: fused q/k/v and gate/up are column
+parallel by construction; `Direct` and `ExpertSlice` say ROW, VOCAB or REPLICATED).
 
 Simplifications and how to extend:
 - Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE). Layer

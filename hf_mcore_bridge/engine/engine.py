@@ -14,6 +14,14 @@ A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
 
+Tensor parallelism: given a process group (`tp_group`), every rank runs this same engine on its shard of the
+model (`model.py`) and of the KV cache (its KV heads). Scheduling, block tables and sampling are host-side and
+deterministic, and every rank sees the same full logits and draws the same counter-based numbers (the seed of an
+unseeded request comes from the group's first rank), so all ranks take the same steps and sample the same tokens
+with no further communication: continuous batching, preemption, prefix sharing, sleep/wake and `load_weights` work
+as on one device. The collectives are ordinary `torch.distributed` calls, so on NCCL they can be captured in the
+decode CUDA graphs (not tested: no multi-GPU test here).
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
@@ -85,7 +93,8 @@ class EngineConfig:
     max_model_len: int = 4096
     """Prompt plus generated tokens of one sequence, at most."""
     kv_cache_memory_bytes: int = 4 << 30
-    """Memory budget of the paged KV cache; sets the number of blocks."""
+    """Memory budget of the paged KV cache; sets the number of blocks (per rank under tensor parallelism, where a
+    rank's blocks hold only its KV heads)."""
     block_size: int = 32
     """Tokens per KV-cache block. FlexAttention's decode visits a sequence's blocks one at a time, and on an H200
     32-token blocks decoded faster than 16-token ones (`docs/PERFORMANCE.md`); the price is coarser prefix sharing

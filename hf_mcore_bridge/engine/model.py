@@ -15,10 +15,23 @@ one: each MoE layer syncs with the host once (the per-expert row counts) and lau
 expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a grouped GEMM over the expert-sorted
 rows with on-device offsets (vLLM's fused-MoE Triton kernel, or `torch._grouped_mm`): sync-free, graph-capturable,
 and taking the same stacked `experts.w13` [E, 2F, H] / `experts.w2` [E, H, F] parameters, so only
-`routed_experts` would change. Every expert lives on every device (no expert parallelism).
+`routed_experts` would change.
+
+Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
+single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
+rank's q heads and its KV heads (replicated when there are fewer KV heads than ranks), `gate_up_proj` its columns
+of gate and of up; `o_proj` and `down_proj` take its input columns and their outputs are summed over the group
+before the residual add (`RowLinear`, the bias added once after the sum). Experts are split by expert tensor
+parallelism: every rank holds every expert, a slice of its width, routes every token alike (the router is whole
+on each rank) and sums the combined routed plus shared expert output once. The embedding is vocabulary-parallel
+(other ranks' ids give zero rows, then a sum), and the output layer computes this rank's vocabulary block for the
+sampled rows only, all-gathered into the full logits, identical on every rank. The per-rank widths and the slice of
+each HF tensor a rank keeps come from `tp_shards`. Expert parallelism (experts split over ranks) is not
+implemented.
 
 Weights: parameters are created empty and filled only through `load_weights`, which takes HF names and full
-(unsharded) tensors in any order and in any number of calls; `{q,k,v}_proj` go into row slices of `qkv_proj`,
+(unsharded) tensors in any order and in any number of calls (under tensor parallelism each rank copies its slice,
+`Target.shard`); `{q,k,v}_proj` go into row slices of `qkv_proj`,
 `{gate,up}_proj` into `gate_up_proj`, and each expert's tensors (HF's per-expert names) into slice `[expert]` of
 the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`); a transformers-5 model's fused
 in-memory expert tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, Mixtral's `mlp.gate.weight`) are

@@ -585,7 +585,10 @@ class CausalLM(nn.Module):
             dest = self.hf_view(name)
             shard = self.targets[name].shard
             if shard is not None:
-                tensor = shard.take(tensor, name)
+                full, tensor = tensor, shard.take(tensor, name)
+                if dest.shape != tensor.shape:
+                    expected = shard.full_shape(tuple(dest.shape))
+                    raise ValueError(f"{name}: expected shape {expected}, got {tuple(full.shape)}")
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
             done.add(name)

@@ -48,6 +48,10 @@ class Shard:
             )
         return tensor.narrow(self.dim, self.start, self.size)
 
+    def full_shape(self, part: tuple[int, ...]) -> tuple[int, ...]:
+        """The full tensor's shape, from the shape of a rank's part."""
+        return tuple(self.full if dim == self.dim else size for dim, size in enumerate(part))
+
 
 def even_split(extent: int, tp: TPRank, what: str) -> tuple[int, int]:
     """(start, size) of the rank's equal part of `extent`; `ValueError` naming `what` if it does not divide."""

@@ -6,15 +6,26 @@ and sleep/wake with a reload work, and both ranks sample the same tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from engine_helpers import GREEDY, engine_from_hf, engine_greedy, hf_greedy, random_prompts, tiny_engine_config
+from engine_helpers import (
+    GREEDY,
+    VOCAB,
+    engine_from_hf,
+    engine_greedy,
+    hf_greedy,
+    hub_weights,
+    random_prompts,
+    tiny_engine_config,
+)
 from engine_tp_ranks import MAX_TOKENS, TP_ARCHS, tp_engine_rank
 
-from hf_mcore_bridge.engine import Engine
+from hf_mcore_bridge.engine import Engine, ModelConfig
 from hf_mcore_bridge.engine.kv_cache import blocks_for
+from hf_mcore_bridge.engine.model import CausalLM
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
     TPRank,
@@ -27,7 +38,7 @@ from hf_mcore_bridge.engine.tp_shards import (
 )
 from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.parallel_style import Parallel
-from hf_mcore_bridge.tensor_ops import rank_shard
+from hf_mcore_bridge.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
 from hf_mcore_bridge.world import run_torch_world
 
 
@@ -157,3 +168,76 @@ def test_generation_tensor_parallel_size_defaults_to_the_policy_tp_and_must_divi
         config_from_dict(base, ["generation.tensor_parallel_size=0"])
     with pytest.raises(GRPOConfigError, match=r"generation.tensor_parallel_size=3 must divide the run's 2 ranks"):
         config_from_dict(base, [*tp2, "generation.tensor_parallel_size=3"])
+
+
+def _rank_model(hf_config: object, tp: int, rank: int) -> CausalLM:
+    """One rank's model, built without a world: loading only needs the rank's place, not its collectives."""
+    place = SimpleNamespace(place=TPRank(tp, rank))
+    return CausalLM(ModelConfig.from_hf(hf_config), torch.float32, "cpu", max_positions=16, tp=place)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_model):
+    """Every parameter of a TP2 rank equals megatron-core's shard of the full HF tensor (`tensor_ops.rank_shard`;
+    the vocabulary padded by Megatron-LM's rule): attention with biases and q/k norms, dense and shared-expert
+    MLPs, routed experts, router, embedding and output layer."""
+    model = get_hf_model(arch)
+    weights = dict(hub_weights(model))
+    tp = 2
+    for rank in range(tp):
+        engine_model = _rank_model(model.config, tp, rank)
+        engine_model.load_weights(weights.items())
+        engine_model.check_loaded()
+        params = dict(engine_model.named_parameters())
+
+        def shard(name: str, style: Parallel) -> torch.Tensor:
+            return rank_shard(weights[name], style, tp, rank)  # noqa: B023
+
+        def fused(first: str, second: str) -> torch.Tensor:
+            return rank_shard(torch.cat([weights[first], weights[second]]), Parallel.GATED_COLUMN, tp, rank)  # noqa: B023
+
+        checked = 0
+        for layer in range(model.config.num_hidden_layers):
+            attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+            for leaf in ("weight", "bias"):
+                if f"{attn}.q_proj.{leaf}" in weights:
+                    qkv = torch.cat([shard(f"{attn}.{p}_proj.{leaf}", Parallel.COLUMN) for p in "qkv"])
+                    assert torch.equal(params[f"{attn}.qkv_proj.{leaf}"], qkv)
+                    checked += 1
+            assert torch.equal(params[f"{attn}.o_proj.weight"], shard(f"{attn}.o_proj.weight", Parallel.ROW))
+            for norm in ("q_norm", "k_norm"):
+                if f"{attn}.{norm}.weight" in weights:
+                    assert torch.equal(params[f"{attn}.{norm}.weight"], weights[f"{attn}.{norm}.weight"])
+            for prefix in (mlp, f"{mlp}.shared_expert"):
+                if f"{prefix}.gate_proj.weight" in weights:  # a dense MLP or the shared expert
+                    gate_up = fused(f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
+                    assert torch.equal(params[f"{prefix}.gate_up_proj.weight"], gate_up)
+                    assert torch.equal(
+                        params[f"{prefix}.down_proj.weight"], shard(f"{prefix}.down_proj.weight", Parallel.ROW)
+                    )
+                    checked += 1
+            for expert in range(getattr(model.config, "num_experts", 0) if f"{mlp}.gate.weight" in weights else 0):
+                source = f"{mlp}.experts.{expert}"
+                w13 = fused(f"{source}.gate_proj.weight", f"{source}.up_proj.weight")
+                assert torch.equal(params[f"{mlp}.experts.w13"][expert], w13)
+                assert torch.equal(
+                    params[f"{mlp}.experts.w2"][expert], shard(f"{source}.down_proj.weight", Parallel.ROW)
+                )
+                assert torch.equal(params[f"{mlp}.gate.weight"], weights[f"{mlp}.gate.weight"])
+                checked += 1
+        assert checked > 3 * model.config.num_hidden_layers
+        padded = padded_vocab_size(VOCAB, 1, tp)
+        held = vocab_shard(VOCAB, TPRank(tp, rank)).size
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            expected = rank_shard(pad_vocab(weights[name], padded), Parallel.VOCAB, tp, rank)[:held]
+            assert torch.equal(params[name][:held], expected)
+
+
+def test_a_wrong_full_shape_is_named_in_full(get_hf_model):
+    model = get_hf_model("llama")
+    engine_model = _rank_model(model.config, 2, 1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=r"q_proj\.weight: expected shape \(64, 64\), got \(64, 65\)"):
+        engine_model.load_weights([(name, torch.zeros(64, 65))])
+    with pytest.raises(ValueError, match=r"q_proj\.weight: expected the full tensor, 64 along dim 0"):
+        engine_model.load_weights([(name, torch.zeros(32, 64))])

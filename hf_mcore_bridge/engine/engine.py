@@ -329,13 +329,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
+        cls,
+        directory: str | Path,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> Engine:
-        """An engine from an HF model directory (config.json plus safetensors)."""
+        """An engine from an HF model directory (config.json plus safetensors); `tp_group` as for `Engine`."""
         import json
 
         hf_config = json.loads((Path(directory) / "config.json").read_text())
-        return cls(hf_config, config, weights_dir=directory, tokenizer=tokenizer)
+        return cls(hf_config, config, weights_dir=directory, tokenizer=tokenizer, tp_group=tp_group)
 
     # Weights ---------------------------------------------------------------------------------------------------
 

@@ -52,9 +52,9 @@ def _save(model: PreTrainedModel, directory: Path) -> Path:
     return directory
 
 
-def _tp_engine(model: PreTrainedModel, directory: Path, group: dist.ProcessGroup, **overrides: object) -> Engine:
+def _tp_engine(directory: Path, group: dist.ProcessGroup, **overrides: object) -> Engine:
     """A tensor-parallel engine; every rank reads the full tensors from `directory` and keeps its slices."""
-    return Engine(model.config, tiny_engine_config(**overrides), weights_dir=directory, tp_group=group)
+    return Engine.from_pretrained(directory, tiny_engine_config(**overrides), tp_group=group)
 
 
 def tp_engine_rank(out: str) -> None:
@@ -68,7 +68,7 @@ def tp_engine_rank(out: str) -> None:
     for arch in TP_ARCHS:
         models[arch] = model = _model(arch)
         dirs[arch] = _save(model, Path(out, arch))
-        engine = _tp_engine(model, dirs[arch], group)
+        engine = _tp_engine(dirs[arch], group)
         mine["greedy"][arch] = engine_greedy(engine, prompts)
         if arch == "qwen3_moe":
             # sleep/wake: weights released, then reloaded as a live transformers-5 model names them (fused
@@ -86,7 +86,7 @@ def tp_engine_rank(out: str) -> None:
     model = models["llama"]
     batch_prompts = random_prompts([6, 9, 3, 14, 7, 5], seed=5)
     budget = 18 * bytes_per_block(2, 4, 1, 16, torch.float32)
-    engine = _tp_engine(model, dirs["llama"], group, max_num_seqs=4, kv_cache_memory_bytes=budget)
+    engine = _tp_engine(dirs["llama"], group, max_num_seqs=4, kv_cache_memory_bytes=budget)
     outputs = engine.generate(batch_prompts, SamplingParams(n=2, temperature=0.0, max_tokens=16))
     mine["batching"] = [[s.token_ids for s in o.samples] for o in outputs]
     mine["batching_stats"] = vars(engine.last_stats)
@@ -96,7 +96,7 @@ def tp_engine_rank(out: str) -> None:
     # Prefix sharing and sampling at temperature 1, unseeded: the seed is drawn once and shared by the group.
     model = models["qwen2"]
     prompt = random_prompts([10], seed=7)[0]
-    engine = _tp_engine(model, dirs["qwen2"], group)
+    engine = _tp_engine(dirs["qwen2"], group)
     (output,) = engine.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=8))
     mine["sampled"] = [s.token_ids for s in output.samples]
     mine["sampled_logprobs"] = [s.logprobs for s in output.samples]

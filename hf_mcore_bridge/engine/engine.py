@@ -497,10 +497,11 @@ class Engine:
     def _seeds(self, per_prompt: list[SamplingParams]) -> list[int]:
         """Each prompt's seed: its own, or a fresh random one (the first tensor-parallel rank's, on every rank, so
         that all ranks draw the same numbers: one broadcast per call that has unseeded prompts)."""
-        seeds = [p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1 for p in per_prompt]
-        if self.tp is not None and any(p.seed is None for p in per_prompt):
-            seeds = self.tp.broadcast_seeds(seeds, self.device)
-        return seeds
+        fresh = [int.from_bytes(os.urandom(8), "little") >> 1 for p in per_prompt if p.seed is None]
+        if self.tp is not None and fresh:
+            fresh = self.tp.broadcast_seeds(fresh, self.device)  # 63-bit values: exact in int64
+        drawn = iter(fresh)
+        return [p.seed if p.seed is not None else next(drawn) for p in per_prompt]
 
     def _make_group(self, index: int, ids: list[int], params: SamplingParams, seed: int) -> Group:
         return Group(

@@ -101,6 +101,9 @@ def tp_engine_rank(out: str) -> None:
     mine["sampled"] = [s.token_ids for s in output.samples]
     mine["sampled_logprobs"] = [s.logprobs for s in output.samples]
     mine["sampled_stats"] = vars(engine.last_stats)
+    # a seeded prompt (a seed beyond int64) beside an unseeded one in one call
+    mixed = [SamplingParams(n=2, max_tokens=4, seed=2**64 - 5), SamplingParams(n=2, max_tokens=4)]
+    mine["mixed_seeds"] = [[s.token_ids for s in o.samples] for o in engine.generate([prompt, prompt], mixed)]
     if rank == 0:
         refs["sampled_logprobs"] = [hf_token_logprobs(model, prompt, s.token_ids, 1.0) for s in output.samples]
         refs["sampled_prompt_len"] = len(prompt)

@@ -123,6 +123,7 @@ def test_tensor_parallel_engine_in_a_two_rank_world(tmp_path):
     mine, other, refs = ranks[0]["mine"], ranks[1]["mine"], ranks[0]["refs"]
     # every rank returned the same tokens (greedy and sampled) and log-probs
     assert mine == other
+    assert len(mine["mixed_seeds"]) == 2
     assert sorted(mine["greedy"]) == sorted(TP_ARCHS)
     for arch in TP_ARCHS:  # greedy tokens at TP2 equal transformers' and the single-device engine's
         assert mine["greedy"][arch] == refs["hf"][arch], arch

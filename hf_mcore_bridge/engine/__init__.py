@@ -5,7 +5,8 @@ Qwen2-MoE and Qwen3-MoE); `VllmEngine` offers the same interface over vLLM where
 `arch` (per-architecture data and the HF name table), `model` (the decoder and its weight loader), `attention`
 (paged attention through torch SDPA), `kv_cache` (block allocator), `scheduler` (continuous batching),
 `sampling` (sampling and log-probabilities), `cuda_graphs` (graphs of the decode step), `engine` (`Engine`),
-`vllm_backend` (`VllmEngine`).
+`tp_shards` (which slice of each HF tensor a tensor-parallel rank keeps), `tp_group` (the tensor-parallel
+collectives over a given process group), `vllm_backend` (`VllmEngine`).
 """
 
 from hf_mcore_bridge.engine.arch import ARCHITECTURES, ArchSpec, ModelConfig

@@ -12,6 +12,8 @@ given MLP kind and the engine parameter it fills: `Direct` entries copy a whole 
 entries name the HF sources that are stacked, in row order, into the engine's fused `qkv_proj` / `gate_up_proj`
 parameters, and `ExpertSlice` / `ExpertGateUp` entries fill slice `[expert]` of a parameter stacked on a leading
 expert axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows, HF's own fused layout).
+Each entry also names its tensor-parallel style (`parallel_style.Parallel`: fused q/k/v and gate/up are column
+parallel by construction; `Direct` and `ExpertSlice` say ROW, VOCAB or REPLICATED).
 
 Simplifications and how to extend:
 - Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE). Layer
@@ -33,6 +35,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from hf_mcore_bridge.parallel_style import Parallel
 
 
 class Bias(enum.Enum):
@@ -348,11 +352,16 @@ class Direct:
     name: str
     target: str | None = None
     """The engine parameter when its name differs from HF's (Mixtral's `block_sparse_moe` is the engine's `mlp`)."""
+    parallel: Parallel = Parallel.REPLICATED
+    """How the tensor-parallel engine splits it: `ROW` (input columns: o_proj, down_proj), `VOCAB` (rows of the
+    embedding and output layer) or `REPLICATED` (whole on every rank: norms, routers, biases added after the
+    all-reduce)."""
 
 
 @dataclass(frozen=True)
 class FusedQKV:
-    """The engine's `qkv_proj` parameter: rows of q, then k, then v (HF's own order, unlike megatron-core)."""
+    """The engine's `qkv_proj` parameter: rows of q, then k, then v (HF's own order, unlike megatron-core); under
+    tensor parallelism the rank's q heads, then its KV heads (column-parallel)."""
 
     target: str
     q: str
@@ -362,7 +371,8 @@ class FusedQKV:
 
 @dataclass(frozen=True)
 class FusedGateUp:
-    """The engine's `gate_up_proj` parameter: the gate rows, then the up rows, `width` rows each."""
+    """The engine's `gate_up_proj` parameter: the gate rows, then the up rows, `width` rows each (full width);
+    under tensor parallelism the rank's rows of gate, then of up (`Parallel.GATED_COLUMN`)."""
 
     target: str
     gate: str
@@ -376,11 +386,14 @@ class ExpertSlice:
 
     target: str
     source: str
+    parallel: Parallel = Parallel.REPLICATED
+    """`ROW` for the down projection (expert tensor parallelism: each rank a slice of every expert's width)."""
 
 
 @dataclass(frozen=True)
 class ExpertGateUp:
-    """One expert's gate and up tensors as slice `[expert]` of the stacked `w13`: gate rows, then up rows."""
+    """One expert's gate and up tensors as slice `[expert]` of the stacked `w13`: gate rows, then up rows (under
+    tensor parallelism the rank's rows of each, as `FusedGateUp`)."""
 
     target: str
     gate: str
@@ -398,11 +411,11 @@ def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
     model's own (embedding, final norm, output layer).
     """
     table: list[Entry] = [
-        Direct("model.embed_tokens.weight"),
+        Direct("model.embed_tokens.weight", parallel=Parallel.VOCAB),
         Direct("model.norm.weight"),
         Direct(f"{LAYER}.input_layernorm.weight"),
         Direct(f"{LAYER}.post_attention_layernorm.weight"),
-        Direct(f"{LAYER}.self_attn.o_proj.weight"),
+        Direct(f"{LAYER}.self_attn.o_proj.weight", parallel=Parallel.ROW),
         _qkv("weight"),
     ]
     if cfg.qkv_bias:
@@ -412,7 +425,7 @@ def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
     if cfg.arch.qk_norm:
         table += [Direct(f"{LAYER}.self_attn.q_norm.weight"), Direct(f"{LAYER}.self_attn.k_norm.weight")]
     if not cfg.tie_word_embeddings:
-        table.append(Direct("lm_head.weight"))
+        table.append(Direct("lm_head.weight", parallel=Parallel.VOCAB))
     if mlp is MlpKind.DENSE:
         table += _gated_mlp(f"{LAYER}.mlp", cfg.intermediate_size)
     else:
@@ -446,7 +459,7 @@ def _gated_mlp(prefix: str, width: int) -> list[Entry]:
             up=f"{prefix}.up_proj.weight",
             width=width,
         ),
-        Direct(f"{prefix}.down_proj.weight"),
+        Direct(f"{prefix}.down_proj.weight", parallel=Parallel.ROW),
     ]
 
 
@@ -464,7 +477,7 @@ def _moe(cfg: ModelConfig) -> list[Entry]:
             up=f"{expert}.{spec.up_proj}.weight",
             width=moe.expert_width,
         ),
-        ExpertSlice(f"{block}.experts.w2", source=f"{expert}.{spec.down_proj}.weight"),
+        ExpertSlice(f"{block}.experts.w2", source=f"{expert}.{spec.down_proj}.weight", parallel=Parallel.ROW),
     ]
     if moe.shared_expert_width is not None:
         table += _gated_mlp(f"{block}.shared_expert", moe.shared_expert_width)

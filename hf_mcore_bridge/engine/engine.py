@@ -14,6 +14,14 @@ A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
 
+Tensor parallelism: given a process group (`tp_group`), every rank runs this same engine on its shard of the
+model (`model.py`) and of the KV cache (its KV heads). Scheduling, block tables and sampling are host-side and
+deterministic, and every rank sees the same full logits and draws the same counter-based numbers (the seed of an
+unseeded request comes from the group's first rank), so all ranks take the same steps and sample the same tokens
+with no further communication: continuous batching, preemption, prefix sharing, sleep/wake and `load_weights` work
+as on one device. The collectives are ordinary `torch.distributed` calls, so on NCCL they can be captured in the
+decode CUDA graphs (not tested: no multi-GPU test here).
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
@@ -54,6 +62,7 @@ from hf_mcore_bridge.engine.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
@@ -84,7 +93,8 @@ class EngineConfig:
     max_model_len: int = 4096
     """Prompt plus generated tokens of one sequence, at most."""
     kv_cache_memory_bytes: int = 4 << 30
-    """Memory budget of the paged KV cache; sets the number of blocks."""
+    """Memory budget of the paged KV cache; sets the number of blocks (per rank under tensor parallelism, where a
+    rank's blocks hold only its KV heads)."""
     block_size: int = 32
     """Tokens per KV-cache block. FlexAttention's decode visits a sequence's blocks one at a time, and on an H200
     32-token blocks decoded faster than 16-token ones (`docs/PERFORMANCE.md`); the price is coarser prefix sharing
@@ -245,6 +255,12 @@ class Engine:
         config: resources and limits.
         weights_dir: an HF directory of safetensors to load; None leaves the weights to `load_weights`.
         tokenizer: needed only for text prompts and for the `text` of outputs.
+        tp_group: the tensor-parallel process group this engine is one rank of (NCCL on GPU, gloo on CPU; e.g.
+            megatron-core's `parallel_state.get_tensor_model_parallel_group()`), or None. Every rank of the group
+            builds its engine with the same arguments and makes the same calls (`generate` with the same prompts
+            and parameters, `load_weights` with the same full tensors, `sleep`, `wake_up`); each holds its heads,
+            widths, vocabulary rows and KV heads, and all ranks return the same tokens. None or a group of one
+            rank: the single-device engine, without any collective. `kv_cache_memory_bytes` is per rank.
     """
 
     def __init__(
@@ -253,9 +269,11 @@ class Engine:
         config: EngineConfig | None = None,
         weights_dir: str | Path | None = None,
         tokenizer: Tokenizer | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_hf(hf_config)
+        self.tp = TensorParallel.of(tp_group)
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
         cfg, mc = self.config, self.model_config
@@ -275,8 +293,11 @@ class Engine:
             decode_kernel=kernel,
             flex_min_batch=cfg.flex_min_batch,
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
+            tp=self.tp,
         )
-        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype)
+        self.num_kv_heads = self.model.sizes.num_kv_heads
+        """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
+        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype)
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
         if self.num_blocks < self.max_blocks_per_seq + 2:
@@ -308,13 +329,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, config: EngineConfig | None = None, tokenizer: Tokenizer | None = None
+        cls,
+        directory: str | Path,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> Engine:
-        """An engine from an HF model directory (config.json plus safetensors)."""
+        """An engine from an HF model directory (config.json plus safetensors); `tp_group` as for `Engine`."""
         import json
 
         hf_config = json.loads((Path(directory) / "config.json").read_text())
-        return cls(hf_config, config, weights_dir=directory, tokenizer=tokenizer)
+        return cls(hf_config, config, weights_dir=directory, tokenizer=tokenizer, tp_group=tp_group)
 
     # Weights ---------------------------------------------------------------------------------------------------
 
@@ -416,7 +441,11 @@ class Engine:
             self.config.max_num_batched_tokens,
             self.max_blocks_per_seq,
         )
-        groups = [self._make_group(i, ids, p) for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))]
+        seeds = self._seeds(per_prompt)
+        groups = [
+            self._make_group(i, ids, p, seed)
+            for i, (ids, p, seed) in enumerate(zip(prompt_ids, per_prompt, seeds, strict=True))
+        ]
         for group in groups:
             scheduler.add(group)
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
@@ -465,8 +494,16 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _make_group(self, index: int, ids: list[int], params: SamplingParams) -> Group:
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    def _seeds(self, per_prompt: list[SamplingParams]) -> list[int]:
+        """Each prompt's seed: its own, or a fresh random one (the first tensor-parallel rank's, on every rank, so
+        that all ranks draw the same numbers: one broadcast per call that has unseeded prompts)."""
+        fresh = [int.from_bytes(os.urandom(8), "little") >> 1 for p in per_prompt if p.seed is None]
+        if self.tp is not None and fresh:
+            fresh = self.tp.broadcast_seeds(fresh, self.device)  # 63-bit values: exact in int64
+        drawn = iter(fresh)
+        return [p.seed if p.seed is not None else next(drawn) for p in per_prompt]
+
+    def _make_group(self, index: int, ids: list[int], params: SamplingParams, seed: int) -> Group:
         return Group(
             [
                 Sequence(
@@ -676,5 +713,5 @@ class Engine:
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config
         return allocate_kv_cache(
-            mc.num_layers, self.num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, cfg.dtype, self.device
+            mc.num_layers, self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype, self.device
         )

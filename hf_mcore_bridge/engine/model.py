@@ -15,10 +15,23 @@ one: each MoE layer syncs with the host once (the per-expert row counts) and lau
 expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a grouped GEMM over the expert-sorted
 rows with on-device offsets (vLLM's fused-MoE Triton kernel, or `torch._grouped_mm`): sync-free, graph-capturable,
 and taking the same stacked `experts.w13` [E, 2F, H] / `experts.w2` [E, H, F] parameters, so only
-`routed_experts` would change. Every expert lives on every device (no expert parallelism).
+`routed_experts` would change.
+
+Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
+single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
+rank's q heads and its KV heads (replicated when there are fewer KV heads than ranks), `gate_up_proj` its columns
+of gate and of up; `o_proj` and `down_proj` take its input columns and their outputs are summed over the group
+before the residual add (`RowLinear`, the bias added once after the sum). Experts are split by expert tensor
+parallelism: every rank holds every expert, a slice of its width, routes every token alike (the router is whole
+on each rank) and sums the combined routed plus shared expert output once. The embedding is vocabulary-parallel
+(other ranks' ids give zero rows, then a sum), and the output layer computes this rank's vocabulary block for the
+sampled rows only, all-gathered into the full logits, identical on every rank. The per-rank widths and the slice of
+each HF tensor a rank keeps come from `tp_shards`. Expert parallelism (experts split over ranks) is not
+implemented.
 
 Weights: parameters are created empty and filled only through `load_weights`, which takes HF names and full
-(unsharded) tensors in any order and in any number of calls; `{q,k,v}_proj` go into row slices of `qkv_proj`,
+(unsharded) tensors in any order and in any number of calls (under tensor parallelism each rank copies its slice,
+`Target.shard`); `{q,k,v}_proj` go into row slices of `qkv_proj`,
 `{gate,up}_proj` into `gate_up_proj`, and each expert's tensors (HF's per-expert names) into slice `[expert]` of
 the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`); a transformers-5 model's fused
 in-memory expert tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, Mixtral's `mlp.gate.weight`) are
@@ -65,6 +78,18 @@ from hf_mcore_bridge.engine.attention import (
     write_kv,
 )
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
+from hf_mcore_bridge.engine.tp_group import TensorParallel
+from hf_mcore_bridge.engine.tp_shards import (
+    LocalSizes,
+    Shard,
+    TPRank,
+    column_shard,
+    head_shard,
+    kv_shard,
+    local_sizes,
+    vocab_shard,
+)
+from hf_mcore_bridge.parallel_style import Parallel
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -150,26 +175,76 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowLinear(Linear):
+    """A row-parallel linear layer: this rank's input columns, the partial outputs summed over the group (then the
+    bias, once). With `tp` None, a plain `Linear`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
 class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """The token embedding; under tensor parallelism the rank's block of vocabulary rows, ids outside it give zero
+    rows, and the blocks are summed over the group (megatron-core's `VocabParallelEmbedding`)."""
+
+    def __init__(
+        self,
+        num: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel | None = None,
+        start: int = 0,
+        held: int = 0,
+    ) -> None:
         super().__init__()
         self.weight = _param(num, dim, dtype=dtype, device=device)
+        self.tp, self.start, self.held = tp, start, held
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.held)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(h)
 
 
 class Attention(nn.Module):
+    """Attention over this rank's q heads and KV heads (all of them without tensor parallelism)."""
+
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+        self,
+        cfg: ModelConfig,
+        sizes: LocalSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: PointwiseOps = EAGER_OPS,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
+        q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
+        self.split = (q_rows, kv_rows, kv_rows)
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.split[0], cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.o_proj = RowLinear(q_rows, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.arch.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.arch.qk_norm else None
 
@@ -203,15 +278,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """A SiLU-gated MLP with fused gate and up projections."""
+    """A SiLU-gated MLP with fused gate and up projections (`width`: this rank's columns of each); `reduce`: the
+    group its row-parallel down projection sums over (None: no sum, the caller's or no tensor parallelism)."""
 
     def __init__(
-        self, hidden: int, width: int, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+        self,
+        hidden: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: PointwiseOps = EAGER_OPS,
+        reduce: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = Linear(hidden, 2 * width, False, dtype, device)
-        self.down_proj = Linear(width, hidden, False, dtype, device)
+        self.down_proj = RowLinear(width, hidden, False, dtype, device, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
@@ -258,29 +340,41 @@ def routed_experts(
 
 
 class Experts(nn.Module):
-    """Routed experts stacked on a leading expert axis: `w13` [E, 2F, H] and `w2` [E, H, F]."""
+    """Routed experts stacked on a leading expert axis: `w13` [E, 2F, H] and `w2` [E, H, F] (F: this rank's slice of
+    every expert's width under tensor parallelism)."""
 
-    def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, moe: MoeConfig, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.w13 = _param(moe.num_experts, 2 * moe.expert_width, hidden, dtype=dtype, device=device)
-        self.w2 = _param(moe.num_experts, hidden, moe.expert_width, dtype=dtype, device=device)
+        self.w13 = _param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
+        self.w2 = _param(moe.num_experts, hidden, width, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, self.w13, self.w2, weights, experts)
 
 
 class SparseMoe(nn.Module):
-    """Router (`gate`), routed experts and, where the architecture has one, a sigmoid-gated shared expert."""
+    """Router (`gate`), routed experts and, where the architecture has one, a sigmoid-gated shared expert.
+
+    Under tensor parallelism the router and the shared expert's gate are whole on every rank (so every rank routes
+    alike), the routed and shared experts hold this rank's slice of their widths, and the rank's partial output of
+    both is summed over the group once, after they are combined."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+        self,
+        cfg: ModelConfig,
+        sizes: LocalSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: PointwiseOps = EAGER_OPS,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        assert cfg.moe is not None
+        assert cfg.moe is not None and sizes.expert_width is not None
         self.moe = cfg.moe
+        self.tp = tp
         self.gate = Linear(cfg.hidden_size, cfg.moe.num_experts, False, dtype, device)
-        self.experts = Experts(cfg.moe, cfg.hidden_size, dtype, device)
-        shared = cfg.moe.shared_expert_width
+        self.experts = Experts(cfg.moe, sizes.expert_width, cfg.hidden_size, dtype, device)
+        shared = sizes.shared_expert_width
         self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device, ops) if shared is not None else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if shared is not None else None
 
@@ -291,27 +385,29 @@ class SparseMoe(nn.Module):
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        sizes: LocalSizes,
         mlp: MlpKind,
         dtype: torch.dtype,
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, ops)
+        self.self_attn = Attention(cfg, sizes, dtype, device, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp: nn.Module = (
-            SparseMoe(cfg, dtype, device, ops)
+            SparseMoe(cfg, sizes, dtype, device, ops, tp)
             if mlp is MlpKind.MOE
-            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, ops)
+            else MLP(cfg.hidden_size, sizes.intermediate_size, dtype, device, ops, tp)
         )
 
     def forward(
@@ -338,12 +434,20 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: PointwiseOps = EAGER_OPS
+        self,
+        cfg: ModelConfig,
+        sizes: LocalSizes,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: PointwiseOps = EAGER_OPS,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(
+            sizes.vocab_rows, cfg.hidden_size, dtype, device, tp, sizes.vocab_start, sizes.vocab_held
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.mlp_kind(layer), dtype, device, ops) for layer in range(cfg.num_layers)
+            DecoderLayer(cfg, sizes, cfg.mlp_kind(layer), dtype, device, ops, tp) for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -357,6 +461,8 @@ class Target:
     """None: all rows."""
     expert: int | None = None
     """The index on the leading expert axis; None for a parameter that is not stacked over experts."""
+    shard: Shard | None = None
+    """This tensor-parallel rank's part of the full HF tensor; None: all of it (also without tensor parallelism)."""
 
 
 class CausalLM(nn.Module):
@@ -371,6 +477,7 @@ class CausalLM(nn.Module):
         decode_kernel: str = "gather",
         flex_min_batch: int = 1,
         ops: PointwiseOps = EAGER_OPS,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         if decode_kernel not in DECODE_KERNELS:
@@ -381,16 +488,31 @@ class CausalLM(nn.Module):
         """With the `flex` kernel, decode passes of fewer rows use `gather` (see `EngineConfig.flex_min_batch`)."""
         self.ops = ops
         """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
-        self.model = Backbone(cfg, dtype, device, ops)
+        self.tp = tp
+        """The tensor-parallel group's collectives; None: one device, no collective (`TensorParallel.of`)."""
+        place = tp.place if tp is not None else TPRank(1, 0)
+        moe = cfg.moe
+        self.sizes = local_sizes(
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.intermediate_size,
+            moe.expert_width if moe is not None else None,
+            moe.shared_expert_width if moe is not None else None,
+            cfg.vocab_size,
+            place,
+        )
+        """This rank's head counts and widths (the model's own without tensor parallelism)."""
+        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            else Linear(cfg.hidden_size, self.sizes.vocab_rows, False, dtype, device)
         )
         cos, sin = rope_tables(rope_inv_freq(cfg.rope, cfg.head_dim), max_positions)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
-        self.targets = _expand_targets(cfg)
+        self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        self.targets = _expand_targets(cfg, self.sizes, place, self._shapes)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
         self.fused = {
             name: pieces
@@ -403,7 +525,6 @@ class CausalLM(nn.Module):
         """Incremented whenever the parameters' storage is released or reallocated (they keep it otherwise)."""
         self._views: dict[str, torch.Tensor] = {}
         """HF name -> its storage view, resolved once per allocation of the weights (a refit looks each up)."""
-        self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         filled = {t.param for t in self.targets.values()}
         if filled != set(self._shapes):
             raise AssertionError(
@@ -441,12 +562,13 @@ class CausalLM(nn.Module):
         h = norm(h) if residual is None else self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
-        return F.linear(h, self.lm_head.weight)
+        logits = F.linear(h, self.lm_head.weight)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF-named full tensors into place; returns the HF names loaded by this call (per-expert names for
-        a fused transformers-5 expert tensor).
+        """Copies HF-named full tensors into place (under tensor parallelism, this rank's part of each); returns the
+        HF names loaded by this call (per-expert names for a fused transformers-5 expert tensor).
 
         Raises `UnknownWeightError` for a name the model has no place for and `ValueError` for a shape mismatch.
         """
@@ -461,6 +583,12 @@ class CausalLM(nn.Module):
                 close = difflib.get_close_matches(name, list(self.targets), n=3)
                 raise UnknownWeightError(f"unknown weight {name!r}; closest known names: {close}")
             dest = self.hf_view(name)
+            shard = self.targets[name].shard
+            if shard is not None:
+                full, tensor = tensor, shard.take(tensor, name)
+                if dest.shape != tensor.shape:
+                    expected = shard.full_shape(tuple(dest.shape))
+                    raise ValueError(f"{name}: expected shape {expected}, got {tuple(full.shape)}")
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
             done.add(name)
@@ -551,38 +679,73 @@ def _expand(templates: Iterable[str], num_layers: int) -> set[str]:
     return out
 
 
-def _expand_targets(cfg: ModelConfig) -> dict[str, Target]:
-    """HF name -> target, for every layer and expert (the table's placeholders filled in)."""
+def _expand_targets(
+    cfg: ModelConfig, sizes: LocalSizes, tp: TPRank, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Target]:
+    """HF name -> target, for every layer and expert (the table's placeholders filled in); `shapes`: the engine
+    parameters' (this rank's) shapes."""
     targets: dict[str, Target] = {}
     for layer in range(cfg.num_layers):
         for entry in weight_table(cfg, cfg.mlp_kind(layer)):
-            targets.update(_entry_targets(cfg, entry, layer))
+            targets.update(_entry_targets(cfg, sizes, tp, shapes, entry, layer))
+    if tp.size == 1:  # one device: every tensor whole, nothing narrowed on load
+        targets = {name: replace(target, shard=None) for name, target in targets.items()}
     return targets
 
 
-def _entry_targets(cfg: ModelConfig, entry: Entry, layer: int) -> dict[str, Target]:
+def _entry_targets(
+    cfg: ModelConfig,
+    sizes: LocalSizes,
+    tp: TPRank,
+    shapes: dict[str, tuple[int, ...]],
+    entry: Entry,
+    layer: int,
+) -> dict[str, Target]:
     """The targets of one table entry in one layer (model-level entries come out the same for every layer)."""
     if isinstance(entry, Direct):
         name = entry.name.format(layer=layer)
-        return {name: Target((entry.target or entry.name).format(layer=layer))}
+        param = (entry.target or entry.name).format(layer=layer)
+        if entry.parallel is Parallel.VOCAB:
+            shard = vocab_shard(cfg.vocab_size, tp)
+            return {name: Target(param, (0, shard.size), shard=shard)}
+        return {name: Target(param, shard=_row_shard(entry.parallel, shapes[param], tp))}
     if isinstance(entry, FusedQKV):
         param = entry.target.format(layer=layer)
-        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
+        q, kv = head_shard(cfg.num_heads, cfg.head_dim, tp), kv_shard(cfg.num_kv_heads, cfg.head_dim, tp)
         return {
-            entry.q.format(layer=layer): Target(param, (0, q_rows)),
-            entry.k.format(layer=layer): Target(param, (q_rows, q_rows + kv_rows)),
-            entry.v.format(layer=layer): Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows)),
+            entry.q.format(layer=layer): Target(param, (0, q_rows), shard=q),
+            entry.k.format(layer=layer): Target(param, (q_rows, q_rows + kv_rows), shard=kv),
+            entry.v.format(layer=layer): Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows), shard=kv),
         }
     if isinstance(entry, FusedGateUp):
         param = entry.target.format(layer=layer)
+        shard = column_shard(entry.width, tp, param)
         return {
-            entry.gate.format(layer=layer): Target(param, (0, entry.width)),
-            entry.up.format(layer=layer): Target(param, (entry.width, 2 * entry.width)),
+            entry.gate.format(layer=layer): Target(param, (0, shard.size), shard=shard),
+            entry.up.format(layer=layer): Target(param, (shard.size, 2 * shard.size), shard=shard),
         }
-    return _expert_targets(cfg, entry, layer)
+    return _expert_targets(cfg, tp, shapes, entry, layer)
 
 
-def _expert_targets(cfg: ModelConfig, entry: ExpertSlice | ExpertGateUp, layer: int) -> dict[str, Target]:
+def _row_shard(parallel: Parallel, local_shape: tuple[int, ...], tp: TPRank) -> Shard | None:
+    """The rank's input columns (last dim) of a row-parallel tensor whose local shape is `local_shape`; None for a
+    replicated one."""
+    if parallel is Parallel.REPLICATED:
+        return None
+    if parallel is not Parallel.ROW:
+        raise AssertionError(f"unexpected parallel style {parallel} for a whole-parameter entry")
+    width = local_shape[-1]
+    return Shard(len(local_shape) - 1, tp.rank * width, width, tp.size * width)
+
+
+def _expert_targets(
+    cfg: ModelConfig,
+    tp: TPRank,
+    shapes: dict[str, tuple[int, ...]],
+    entry: ExpertSlice | ExpertGateUp,
+    layer: int,
+) -> dict[str, Target]:
     """One target per expert, in slice `[expert]` of the stacked parameter."""
     assert cfg.moe is not None
     param = entry.target.format(layer=layer)
@@ -590,8 +753,10 @@ def _expert_targets(cfg: ModelConfig, entry: ExpertSlice | ExpertGateUp, layer: 
     for expert in range(cfg.moe.num_experts):
         fill = {"layer": layer, "expert": expert}
         if isinstance(entry, ExpertSlice):
-            targets[entry.source.format(**fill)] = Target(param, expert=expert)
+            shard = _row_shard(entry.parallel, shapes[param][1:], tp)
+            targets[entry.source.format(**fill)] = Target(param, expert=expert, shard=shard)
         else:
-            targets[entry.gate.format(**fill)] = Target(param, (0, entry.width), expert)
-            targets[entry.up.format(**fill)] = Target(param, (entry.width, 2 * entry.width), expert)
+            shard = column_shard(entry.width, tp, param)
+            targets[entry.gate.format(**fill)] = Target(param, (0, shard.size), expert, shard)
+            targets[entry.up.format(**fill)] = Target(param, (shard.size, 2 * shard.size), expert, shard)
     return targets

@@ -238,6 +238,12 @@ class GenerationConfig:
     """`torch.compile` the engine's pointwise steps and sampler (fused kernels, compiled in each process's first
     steps); null: on CUDA. `false` together with `decode_attention: gather` compiles nothing (with `triton`, only
     the Triton kernel)."""
+    tensor_parallel_size: int | None = None
+    """Ranks one embedded engine is sharded over (`Engine(..., tp_group=...)`: heads, MLP and expert widths,
+    vocabulary and KV heads split like megatron-core's tensor-parallel layers); null: the policy's TP
+    (`policy.megatron_cfg.tensor_model_parallel_size`, or `policy.dtensor_cfg.tensor_parallel_size`). Must divide
+    the run's world size. Only checked so far: the trainer does not read it yet and still runs one unsharded engine
+    on global rank 0 (the sharded engine itself is tested at TP 2 against transformers)."""
 
 
 @dataclass(frozen=True)
@@ -621,6 +627,27 @@ def _validate_world(config: GRPOConfig) -> None:
     )
 
 
+def generation_tensor_parallel_size(config: GRPOConfig) -> int:
+    """`generation.tensor_parallel_size`, or the policy's TP when it is null."""
+    given = config.generation.tensor_parallel_size
+    if given is not None:
+        return given
+    policy = config.policy
+    if policy.dtensor_cfg.enabled:
+        return policy.dtensor_cfg.tensor_parallel_size
+    return policy.megatron_cfg.tensor_model_parallel_size
+
+
+def _validate_generation_tp(config: GRPOConfig) -> None:
+    tp, world = generation_tensor_parallel_size(config), world_of(config)
+    _require(tp >= 1, f"generation.tensor_parallel_size={tp} must be >= 1")
+    _require(
+        world % tp == 0,
+        f"generation.tensor_parallel_size={tp} must divide the run's {world} ranks (each engine replica spans "
+        f"{tp} of them)",
+    )
+
+
 def _validate_backend_switch(policy: PolicyConfig) -> None:
     megatron, dtensor = policy.megatron_cfg.enabled, policy.dtensor_cfg.enabled
     _require(
@@ -729,6 +756,7 @@ def _validate(config: GRPOConfig) -> None:
         f"generation.decode_attention={gen.decode_attention!r}: one of {', '.join(('auto', *DECODE_KERNELS))}",
     )
     _require(gen.flex_min_batch >= 1, "generation.flex_min_batch must be >= 1")
+    _validate_generation_tp(config)
     impl = mcfg.transformer.get("transformer_impl")  # default: transformer_impl.default_transformer_impl()
     try:
         if impl is not None:

@@ -90,7 +90,11 @@ MOE_ARCH_NAMES = tuple(MOE_CONFIGS)
 
 def build_hf_model(arch: str, seed: int) -> PreTrainedModel:
     """A float32 HF model with every parameter random (biases and norm weights too, unlike HF's own init)."""
-    config = {**CONFIGS, **MOE_CONFIGS}[arch]()
+    return build_hf_from_config({**CONFIGS, **MOE_CONFIGS}[arch](), seed)
+
+
+def build_hf_from_config(config: object, seed: int) -> PreTrainedModel:
+    """`build_hf_model` for a config built by the caller."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,110 @@
+"""The rank function of the tensor-parallel engine test (`test_engine_tp.py`), run in a 2-rank gloo world.
+
+One world runs every scenario, so process start-up is paid once. Each rank writes what its engine returned to
+`rank{r}.json`; rank 0 also writes the references (transformers' greedy `generate` and log-probs, and the
+single-device engine), computed outside the tensor-parallel engine. The test compares the files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from engine_helpers import (
+    ARCH_NAMES,
+    COMMON,
+    MOE_ARCH_NAMES,
+    build_hf_from_config,
+    build_hf_model,
+    engine_from_hf,
+    engine_greedy,
+    hf_greedy,
+    hf_token_logprobs,
+    random_prompts,
+    tiny_engine_config,
+)
+from transformers import LlamaConfig, PreTrainedModel
+
+from hf_mcore_bridge.engine import Engine, SamplingParams
+from hf_mcore_bridge.engine.attention import bytes_per_block
+
+TP_ARCHS = (*ARCH_NAMES, *(a for a in MOE_ARCH_NAMES if a != "qwen3_moe_unnormalised"), "llama_mqa")
+"""Every supported architecture, plus Llama with one KV head (replicated on both ranks)."""
+MAX_TOKENS = 10
+"""`engine_helpers.GREEDY`'s max_tokens."""
+
+
+def _model(arch: str) -> PreTrainedModel:
+    if arch == "llama_mqa":
+        return build_hf_from_config(LlamaConfig(**{**COMMON, "num_key_value_heads": 1}), seed=0)
+    return build_hf_model(arch, seed=0)
+
+
+def _save(model: PreTrainedModel, directory: Path) -> Path:
+    """The model saved as transformers saves it (by rank 0 only: `save_pretrained` writes nothing on the other
+    ranks of an initialised world)."""
+    if dist.get_rank() == 0 and not directory.exists():
+        model.save_pretrained(directory)
+    dist.barrier()
+    return directory
+
+
+def _tp_engine(directory: Path, group: dist.ProcessGroup, **overrides: object) -> Engine:
+    """A tensor-parallel engine; every rank reads the full tensors from `directory` and keeps its slices."""
+    return Engine.from_pretrained(directory, tiny_engine_config(**overrides), tp_group=group)
+
+
+def tp_engine_rank(out: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # the engine is given its group; it builds none
+    mine: dict[str, Any] = {"greedy": {}}
+    refs: dict[str, Any] = {"hf": {}, "tp1": {}}
+    prompts = random_prompts([5, 11, 3], seed=3)
+    models, dirs = {}, {}
+    for arch in TP_ARCHS:
+        models[arch] = model = _model(arch)
+        dirs[arch] = _save(model, Path(out, arch))
+        engine = _tp_engine(dirs[arch], group)
+        mine["greedy"][arch] = engine_greedy(engine, prompts)
+        if arch == "qwen3_moe":
+            # sleep/wake: weights released, then reloaded as a live transformers-5 model names them (fused
+            # experts), each rank taking its slices again
+            engine.sleep(level=2)
+            engine.wake_up()
+            engine.load_weights(model.named_parameters())
+            mine["after_wake"] = engine_greedy(engine, prompts)
+        if rank == 0:
+            refs["hf"][arch] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+            refs["tp1"][arch] = engine_greedy(engine_from_hf(model), prompts)
+
+    # Continuous batching and preemption: 12 sequences through 4 slots and 17 usable blocks (each rank's cache
+    # holds one of the two KV heads).
+    model = models["llama"]
+    batch_prompts = random_prompts([6, 9, 3, 14, 7, 5], seed=5)
+    budget = 18 * bytes_per_block(2, 4, 1, 16, torch.float32)
+    engine = _tp_engine(dirs["llama"], group, max_num_seqs=4, kv_cache_memory_bytes=budget)
+    outputs = engine.generate(batch_prompts, SamplingParams(n=2, temperature=0.0, max_tokens=16))
+    mine["batching"] = [[s.token_ids for s in o.samples] for o in outputs]
+    mine["batching_stats"] = vars(engine.last_stats)
+    if rank == 0:
+        refs["batching"] = [hf_greedy(model, p, 16) for p in batch_prompts]
+
+    # Prefix sharing and sampling at temperature 1, unseeded: the seed is drawn once and shared by the group.
+    model = models["qwen2"]
+    prompt = random_prompts([10], seed=7)[0]
+    engine = _tp_engine(dirs["qwen2"], group)
+    (output,) = engine.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=8))
+    mine["sampled"] = [s.token_ids for s in output.samples]
+    mine["sampled_logprobs"] = [s.logprobs for s in output.samples]
+    mine["sampled_stats"] = vars(engine.last_stats)
+    # a seeded prompt (a seed beyond int64) beside an unseeded one in one call
+    mixed = [SamplingParams(n=2, max_tokens=4, seed=2**64 - 5), SamplingParams(n=2, max_tokens=4)]
+    mine["mixed_seeds"] = [[s.token_ids for s in o.samples] for o in engine.generate([prompt, prompt], mixed)]
+    if rank == 0:
+        refs["sampled_logprobs"] = [hf_token_logprobs(model, prompt, s.token_ids, 1.0) for s in output.samples]
+        refs["sampled_prompt_len"] = len(prompt)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"mine": mine, "refs": refs}))

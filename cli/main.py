@@ -70,7 +70,7 @@ def _quiet_libraries() -> None:
 
 def _run(action: Callable[[], T]) -> T:
     """Run a command body: one-line errors for bad input, tracebacks only with --debug."""
-    from hf_mcore_bridge.errors import BridgeError
+    from hf_mcore_bridge.errors import BridgeError, RunStopped
 
     _quiet_libraries()
     try:
@@ -80,6 +80,9 @@ def _run(action: Callable[[], T]) -> T:
             raise
         typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None
+    except RunStopped as stopped:  # a signal stopped the ranks; the message says what was saved
+        typer.secho(str(stopped), err=True, fg=typer.colors.RED)
+        raise typer.Exit(stopped.exit_code) from None
     except KeyboardInterrupt:
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
         raise typer.Exit(130) from None
@@ -188,14 +191,15 @@ def verify(
 ) -> None:
     """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
 
-    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU). Exits non-zero beyond the tolerance.
+    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU), or under torchrun uses the world it was given.
+    Exits non-zero beyond the tolerance.
     """
     from hf_mcore_bridge.layout import Layout
     from hf_mcore_bridge.verify import VerifyJob
     from hf_mcore_bridge.verify import verify as run_verify
 
     def action() -> None:
-        (result,) = run_verify(
+        results = run_verify(
             [VerifyJob(hf_dir, mcore_dir)],
             Layout(tp=tp, pp=pp, ep=ep),
             dtype=dtype.value,
@@ -203,6 +207,9 @@ def verify(
             seq_len=seq_len,
             tolerance=tolerance,
         )
+        if not results:  # a launcher's rank other than 0: rank 0 reports
+            return
+        (result,) = results
         typer.echo(result.summary())
         if not result.passed:
             raise typer.Exit(1)
@@ -267,7 +274,11 @@ def train_grpo_command(
     from hf_mcore_bridge.grpo.trainer import train_grpo
 
     def action() -> None:
+        from hf_mcore_bridge.world import reports_here
+
         result = train_grpo(load_config(config, overrides or []))
+        if not reports_here():  # a launcher's rank other than 0: rank 0 reports
+            return
         rewards = result.series("reward_mean")
         last = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
         typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")

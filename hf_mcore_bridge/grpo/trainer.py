@@ -51,7 +51,7 @@ import torch
 import torch.distributed
 
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
-from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
@@ -187,16 +187,48 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
 
 
 def train_grpo(config: GRPOConfig) -> RunResult:
-    """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
+    """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails, `RunStopped`
+    (with a message naming the last checkpoint) if SIGINT / SIGTERM stopped the spawned ranks.
+
+    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`)."""
+    from hf_mcore_bridge.grpo import launch
+    from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here
+
     config.validate()
-    prepared = prepare_run(config)
-    _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
-    _save_config(config, prepared.log_dir)
-    start_world(config, _train_rank, config, prepared)
+    launch.check_start(config)
+    if launched_world() is None:
+        prepared = _prepare_parent(config)
+    else:
+        join_launched_world()
+        prepared = launch.prepare_once(lambda: _prepare_parent(config))
+        shared = {"logger.log_dir": prepared.log_dir}
+        if config.checkpointing.enabled:
+            shared["checkpointing.checkpoint_dir"] = Path(config.checkpointing.checkpoint_dir)
+        launch.check_shared_storage(shared)
+    try:
+        start_world(config, _train_rank, config, prepared)
+    except RunStopped as stopped:
+        raise RunStopped(stopped.signum, launch.stopped_message(config, prepared.log_dir, stopped)) from None
     metrics = read_metrics(prepared.log_dir)
-    if metrics:
+    if metrics and reports_here():
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
     return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
+
+
+def _prepare_parent(config: GRPOConfig) -> PreparedRun:
+    """What happens once before the ranks start: check a resumed checkpoint against the policy, prepare the policy
+    (and say which step the run resumes from), trim the metrics of steps about to be rerun, save the config."""
+    from hf_mcore_bridge.grpo.launch import check_resumable
+
+    resume = _resume_step(config)
+    if resume is not None:
+        check_resumable(config, resume)
+    prepared = prepare_run(config)
+    if resume is not None:
+        print(f"resuming from step {resume} ({config.checkpointing.checkpoint_dir})", flush=True)
+    _trim_metrics(prepared.log_dir, resume or 0)
+    _save_config(config, prepared.log_dir)
+    return prepared
 
 
 def _save_config(config: GRPOConfig, log_dir: Path) -> None:

@@ -82,7 +82,10 @@ def _run(action: Callable[[], T]) -> T:
         raise typer.Exit(2) from None
     except RunStopped as stopped:  # a signal stopped the ranks; the message says what was saved
         typer.secho(str(stopped), err=True, fg=typer.colors.RED)
-        raise typer.Exit(stopped.exit_code) from None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # asked to stop: skip the interpreter's teardown, seconds long with torch and megatron-core loaded
+        os._exit(stopped.exit_code)
     except KeyboardInterrupt:
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
         raise typer.Exit(130) from None

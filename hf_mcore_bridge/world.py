@@ -163,15 +163,17 @@ def _start(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
 def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(
-        _rank_main,
-        args=(size, _free_port(), os.getpid(), layout, fn, args),
-        nprocs=size,
-        join=False,
-        start_method="spawn",
-    )
+    processes: list[Any] = []  # filled once started; the handlers are in place before the first rank starts
     try:
-        with _stop_on_signals(context.processes):
+        with _stop_on_signals(processes):
+            context = mp.start_processes(
+                _rank_main,
+                args=(size, _free_port(), os.getpid(), layout, fn, args),
+                nprocs=size,
+                join=False,
+                start_method="spawn",
+            )
+            processes.extend(context.processes)
             while not context.join():
                 pass
     except mp.ProcessRaisedException as err:

@@ -9,9 +9,10 @@
 
 The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed (an HF
 directory is what the DTensor backend reads, so there a Megatron checkpoint is exported to HF instead), and starts
-one process per rank (`backend.start_world`). The trained policy is a `backend.TrainingBackend`: megatron-core
-(`policy.megatron_cfg`, described below) or the HF model under FSDP2 (`policy.dtensor_cfg`, see
-`grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
+one process per rank (`backend.start_world`); under `torchrun` each process is a rank and global rank 0 does the
+parent's part (`grpo.launch`, which also covers stopping on signals and the checks before a resume). The trained
+policy is a `backend.TrainingBackend`: megatron-core (`policy.megatron_cfg`, described below) or the HF model under
+FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
 
 1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
    completions each with the rollout engine (`generation.backend`: the embedded engine or vLLM, see

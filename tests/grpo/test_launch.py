@@ -184,7 +184,7 @@ def test_storage_that_is_not_shared_is_refused_on_every_rank(tmp_path: Path) -> 
     run_torch_world(_shared_storage_rank, 2, str(tmp_path), str(tmp_path))
     for rank in (0, 1):
         message = (tmp_path / f"{rank}.txt").read_text()
-        assert message.startswith(f"logger.log_dir={tmp_path / 'node0'} is not shared storage: rank 1 on")
+        assert message.startswith(f"logger.log_dir={tmp_path / f'node{rank}'} is not shared storage: rank 1 on ")
     assert not [p for p in tmp_path.rglob(".bridge-shared-*")]  # the probe files are removed
 
 
@@ -264,7 +264,7 @@ def test_signals_and_kill_stop_every_rank_within_seconds(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_two_torchrun_nodes_give_the_metrics_of_the_world_spawned_locally(tmp_path: Path) -> None:
     """Two `torchrun --nnodes 2 --nproc-per-node 1` invocations over loopback (gloo) run the same DP2 world as one
-    `bridge train grpo` spawning two ranks; `bridge verify` runs at TP2 under a one-node torchrun at the same time."""
+    `bridge train grpo` spawning two ranks; `bridge verify` runs at PP2 under a one-node torchrun at the same time."""
     from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
     policy = build_tiny_policy(tmp_path / "policy", seed=1)
@@ -280,7 +280,7 @@ def test_two_torchrun_nodes_give_the_metrics_of_the_world_spawned_locally(tmp_pa
         for r in (0, 1)
     ]
     commands.append([*BRIDGE, "train", "grpo", "--config", str(local)])
-    verify = ["verify", str(policy), str(tmp_path / "mcore"), "--tp", "2"]
+    verify = ["verify", str(policy), str(tmp_path / "mcore"), "--pp", "2"]  # the logits end on rank 1
     commands.append([*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()), *module, *verify])
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     runs = [subprocess.Popen(c, env=_env(), **pipes) for c in commands]
@@ -302,4 +302,31 @@ def test_two_torchrun_nodes_give_the_metrics_of_the_world_spawned_locally(tmp_pa
     assert not list((tmp_path / "nodes" / "ckpt").glob(".iter_*.partial"))
     assert "2 steps; mean reward" in node0 and node1.strip() == ""  # global rank 0 reports, node 1 says nothing
     (line,) = [line for line in verified.splitlines() if line.strip()]  # one report, from global rank 0
-    assert line.startswith(f"OK {tmp_path / 'mcore'} at tp=2 pp=1")
+    assert line.startswith(f"OK {tmp_path / 'mcore'} at tp=1 pp=2")
+
+
+def test_the_slurm_example_starts_one_torchrun_per_node_with_the_rendezvous_on_the_first(tmp_path: Path) -> None:
+    """examples/slurm_grpo.sbatch run by bash with stand-ins for scontrol, srun (as the task of node 1) and
+    torchrun (which records its arguments)."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "torchrun.args"
+    bin_dir.mkdir()
+    fakes = {
+        "scontrol": 'printf "node-a\\nnode-b\\n"',
+        "srun": 'shift; SLURM_NODEID=1 exec "$@"',
+        "torchrun": f'printf "%s\\n" "$@" > {record}',
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2"}
+    script = Path(__file__).parents[2] / "examples" / "slurm_grpo.sbatch"
+    env |= {"RUN_DIR": "/shared/run", "GPUS_PER_NODE": "4"}
+    subprocess.run(["bash", str(script), "run.yaml", "grpo.max_num_steps=3"], env=env, check=True, timeout=30)
+    assert record.read_text().splitlines() == [
+        *("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4"),
+        *("--master-addr", "node-a", "--master-port", "29500"),
+        *("-m", "hf_mcore_bridge.cli.main", "train", "grpo", "--config", "run.yaml"),
+        *("cluster.num_nodes=2", "cluster.gpus_per_node=4"),
+        *("logger.log_dir=/shared/run/logs", "checkpointing.checkpoint_dir=/shared/run/checkpoints"),
+        "grpo.max_num_steps=3",
+    ]

@@ -18,7 +18,8 @@ Two ways in:
   Ctrl-C reaches the launcher, which decides), dies on SIGTERM by the default action (no Python handler, so no
   traceback and no wait for a collective to return) and, through Linux's `PR_SET_PDEATHSIG`, dies with SIGKILL if
   the launcher dies. The handlers are installed explicitly, so a launcher started in the background by a script
-  (where the shell makes it ignore SIGINT) is stopped by SIGINT all the same.
+  (where the shell makes it ignore SIGINT) is stopped by SIGINT all the same. `stop_on_signals` puts the same
+  handlers around a caller's own work before the world starts (e.g. converting the policy).
 """
 
 from __future__ import annotations
@@ -155,9 +156,14 @@ def _start(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
         _spawn(size, layout, fn, args)
         return
     join_launched_world()
-    for signum in STOP_SIGNALS:  # the launcher stops the ranks: end at once, without a traceback
-        signal.signal(signum, signal.SIG_DFL)
-    _rank_body(layout, fn, args)
+    # the launcher stops the ranks: end at once, without a traceback (a Python handler would wait for the
+    # collective in progress to return)
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS}
+    try:
+        _rank_body(layout, fn, args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
@@ -165,7 +171,7 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
 
     processes: list[Any] = []  # filled once started; the handlers are in place before the first rank starts
     try:
-        with _stop_on_signals(processes):
+        with stop_on_signals(processes):
             context = mp.start_processes(
                 _rank_main,
                 args=(size, _free_port(), os.getpid(), layout, fn, args),
@@ -185,9 +191,10 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
 
 
 @contextlib.contextmanager
-def _stop_on_signals(processes: list[Any]) -> Iterator[None]:
-    """While the ranks run, SIGINT / SIGTERM stop them all and raise `RunStopped` (main thread only: Python
-    delivers signals there)."""
+def stop_on_signals(processes: list[Any] | None = None) -> Iterator[None]:
+    """Inside, SIGINT / SIGTERM raise `RunStopped`, after stopping `processes` (spawned ranks) if given. Main
+    thread only (Python delivers signals there; elsewhere this does nothing). Nests: the outer handlers come back
+    on leaving."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -201,7 +208,7 @@ def _stop_on_signals(processes: list[Any]) -> Iterator[None]:
     except RunStopped:
         for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
             signal.signal(signum, signal.SIG_IGN)
-        _stop_ranks(processes)
+        _stop_ranks(processes or [])
         raise
     finally:
         for signum, handler in previous.items():

@@ -193,12 +193,18 @@ def train_grpo(config: GRPOConfig) -> RunResult:
 
     Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`)."""
     from hf_mcore_bridge.grpo import launch
-    from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here
+    from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here, stop_on_signals
 
     config.validate()
     launch.check_start(config)
     if launched_world() is None:
-        prepared = _prepare_parent(config)
+        try:
+            with stop_on_signals():  # also while preparing: a launcher started in the background ignores SIGINT
+                prepared = _prepare_parent(config)
+                start_world(config, _train_rank, config, prepared)
+        except RunStopped as stopped:
+            log_dir = Path(config.logger.log_dir)
+            raise RunStopped(stopped.signum, launch.stopped_message(config, log_dir, stopped)) from None
     else:
         join_launched_world()
         prepared = launch.prepare_once(lambda: _prepare_parent(config))
@@ -206,10 +212,7 @@ def train_grpo(config: GRPOConfig) -> RunResult:
         if config.checkpointing.enabled:
             shared["checkpointing.checkpoint_dir"] = Path(config.checkpointing.checkpoint_dir)
         launch.check_shared_storage(shared)
-    try:
         start_world(config, _train_rank, config, prepared)
-    except RunStopped as stopped:
-        raise RunStopped(stopped.signum, launch.stopped_message(config, prepared.log_dir, stopped)) from None
     metrics = read_metrics(prepared.log_dir)
     if metrics and reports_here():
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)

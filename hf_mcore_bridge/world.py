@@ -157,8 +157,9 @@ def _start(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
         return
     join_launched_world()
     # the launcher stops the ranks: end at once, without a traceback (a Python handler would wait for the
-    # collective in progress to return)
-    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS}
+    # collective in progress to return); handlers can be set from the main thread only
+    main = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS} if main else {}
     try:
         _rank_body(layout, fn, args)
     finally:

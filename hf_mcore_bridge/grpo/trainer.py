@@ -191,7 +191,8 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails, `RunStopped`
     (with a message naming the last checkpoint) if SIGINT / SIGTERM stopped the spawned ranks.
 
-    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`)."""
+    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`);
+    the metrics returned are then complete on global rank 0, which writes them."""
     from hf_mcore_bridge.grpo import launch
     from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here, stop_on_signals
 

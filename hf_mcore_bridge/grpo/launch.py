@@ -37,6 +37,10 @@ __all__ = ["check_resumable", "check_shared_storage", "check_start", "prepare_on
 PREPARE_TIMEOUT = timedelta(hours=6)
 """How long the other ranks wait for rank 0 to prepare the run (an HF -> Megatron conversion of a large model)."""
 
+SHARED_PATIENCE_S = 60.0
+"""How long a rank looks for rank 0's file before calling a directory unshared (NFS caches directory listings for
+up to 30 s by default)."""
+
 T = TypeVar("T")
 
 
@@ -83,10 +87,12 @@ def prepare_once(prepare: Callable[[], T]) -> T:
     return outcome
 
 
-def check_shared_storage(directories: dict[str, Path]) -> None:
+def check_shared_storage(directories: dict[str, Path], patience_s: float = SHARED_PATIENCE_S) -> None:
     """Collective: raise `BridgeError` on every rank unless each rank sees the file rank 0 writes into each of
-    `directories` (named by their config keys) — i.e. unless they are shared storage at the same path."""
+    `directories` (named by their config keys) within `patience_s` — i.e. unless they are shared storage at the
+    same path."""
     import socket
+    import time
 
     import torch.distributed as dist
 
@@ -99,9 +105,16 @@ def check_shared_storage(directories: dict[str, Path]) -> None:
     holder = [token]
     dist.broadcast_object_list(holder, src=0)
     token = holder[0]
-    unseen = [
-        key for key, directory in directories.items() if not _reads(directory / f".bridge-shared-{token}", str(token))
-    ]
+    deadline = time.monotonic() + patience_s
+    while True:  # network file systems may cache a directory's listing for a while
+        unseen = [
+            key
+            for key, directory in directories.items()
+            if not _reads(directory / f".bridge-shared-{token}", str(token))
+        ]
+        if not unseen or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     seen_by: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen_by, (rank, socket.gethostname(), unseen))
     if rank == 0:

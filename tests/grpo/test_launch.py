@@ -172,7 +172,7 @@ def _shared_storage_rank(base: str, out: str) -> None:
     rank = dist.get_rank()
     check_shared_storage({"logger.log_dir": Path(base) / "shared"})  # the same directory on every rank: passes
     try:  # each rank its own directory, as on nodes that do not share the storage
-        check_shared_storage({"logger.log_dir": Path(base) / f"node{rank}"})
+        check_shared_storage({"logger.log_dir": Path(base) / f"node{rank}"}, patience_s=1.0)
     except BridgeError as err:
         (Path(out) / f"{rank}.txt").write_text(str(err))
 

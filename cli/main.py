@@ -23,7 +23,7 @@ import typer
 from typer.core import TyperGroup
 
 from hf_mcore_bridge.cli import validate
-from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.layout import Layout
 
 # Let torch's CPU allocator back large tensors with transparent huge pages: conversion allocates one fresh
@@ -141,6 +141,12 @@ def _run(action: Callable[[], T]) -> T:
         raise  # a deliberate exit status (verify's FAIL is 1), not an error
     except BridgeError as err:
         _fail(err)
+    except RunStopped as stopped:  # a signal stopped the ranks; the message says what was saved
+        typer.secho(str(stopped), err=True, fg=typer.colors.RED)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # asked to stop: skip the interpreter's teardown, seconds long with torch and megatron-core loaded
+        os._exit(stopped.exit_code)
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output is written (atomic.Terminated: 143)
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
         raise typer.Exit(getattr(err, "exit_code", 130)) from None
@@ -331,8 +337,8 @@ def verify(
 ) -> None:
     """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
 
-    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU). Prints OK or FAIL; a FAIL beyond the tolerance
-    exits with status 1.
+    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU), or under torchrun uses the world it was given.
+    Prints OK or FAIL; a FAIL beyond the tolerance exits with status 1.
     """
     layout = Layout(tp=tp, pp=pp, ep=ep)
 
@@ -350,7 +356,7 @@ def verify(
         from hf_mcore_bridge.verify import VerifyJob
         from hf_mcore_bridge.verify import verify as run_verify
 
-        (result,) = run_verify(
+        results = run_verify(
             [VerifyJob(hf_dir, mcore_dir)],
             layout,
             dtype=dtype.value,
@@ -358,6 +364,9 @@ def verify(
             seq_len=seq_len,
             tolerance=tolerance,
         )
+        if not results:  # a launcher's rank other than 0: rank 0 reports
+            return
+        (result,) = results
         typer.echo(result.summary())
         if not result.passed:
             raise typer.Exit(1)
@@ -446,10 +455,13 @@ def train_grpo_command(
     def action() -> None:
         from hf_mcore_bridge.grpo.config import load_config
         from hf_mcore_bridge.grpo.trainer import train_grpo
+        from hf_mcore_bridge.world import reports_here
 
         run_config = load_config(config, overrides or [])
         validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)
         result = train_grpo(run_config)
+        if not reports_here():  # a launcher's rank other than 0: rank 0 reports
+            return
         rewards = result.series("reward_mean")
         last = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
         typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")

@@ -20,3 +20,20 @@ class LayoutError(BridgeError):
 
 class CheckpointError(BridgeError):
     """A checkpoint that is missing, incomplete, corrupt or inconsistent with its config."""
+
+
+class RunStopped(BaseException):
+    """A run stopped by a signal (SIGINT, SIGTERM) after its ranks were stopped. A `BaseException`, like
+    `KeyboardInterrupt`, so that `except Exception` does not swallow it; the CLI prints `str()` and exits with
+    `exit_code` (128 + the signal number, as a shell reports a signalled process)."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        import signal
+
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(message or f"stopped by {self.signal_name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

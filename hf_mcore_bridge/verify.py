@@ -1,10 +1,13 @@
 """`bridge verify`: load a Megatron checkpoint into real megatron-core at a layout and compare logits with HF.
 
-A world of TP x PP processes is started (gloo on CPU, NCCL on GPU). Each rank builds its stage of a megatron-core
-`GPTModel` from the checkpoint's own `args`, loads it with `dist_checkpointing.load`, and runs the same tokens;
-stages hand activations on with point-to-point sends. The last stage gathers the vocabulary-parallel logits and
-writes them; the parent runs HF transformers on the HF directory and compares: max |dlogit|, mean KL(HF || mcore)
-and top-1 agreement. Several checkpoints can be verified in one world (process start-up is the expensive part).
+A world of TP x PP x EP processes is started (gloo on CPU, NCCL on GPU), or, under an env:// launcher
+(`torchrun`), the launcher's world is used (any size that is a multiple of the layout's; see `world`). Each rank
+builds its stage of a megatron-core `GPTModel` from the checkpoint's own `args`, loads it with
+`dist_checkpointing.load`, and runs the same tokens; stages hand activations on with point-to-point sends. The last
+stage gathers the vocabulary-parallel logits and hands them to global rank 0, which writes them; the parent (under
+a launcher: global rank 0 itself) runs HF transformers on the HF directory and compares: max |dlogit|, mean
+KL(HF || mcore) and top-1 agreement. Several checkpoints can be verified in one world (process start-up is the
+expensive part).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
 from hf_mcore_bridge.world import device as rank_device
-from hf_mcore_bridge.world import run_world
+from hf_mcore_bridge.world import reports_here, run_world
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.05}
 """Max |dlogit| allowed per compute dtype."""
@@ -72,7 +75,8 @@ def verify(
     seed: int = 0,
     tolerance: float | None = None,
 ) -> list[VerifyResult]:
-    """Verify each job at `layout`; one process world serves all jobs."""
+    """Verify each job at `layout`; one process world serves all jobs. Under a launcher, the results are returned
+    on global rank 0 and the other ranks get an empty list."""
     if layout.cp != 1 or layout.vpp:
         raise BridgeError("verify runs at tp/pp/ep layouts; context and virtual pipeline parallelism are not used")
     with tempfile.TemporaryDirectory(prefix="bridge-verify-") as scratch:
@@ -85,6 +89,8 @@ def verify(
             token_sets.append(tokens)
             torch.save(tokens, work / f"tokens_{i}.pt")
         run_world(_verify_rank, layout, layout, [str(j.mcore_dir) for j in jobs], dtype, str(work))
+        if not reports_here():
+            return []
         results = []
         for i, job in enumerate(jobs):
             mcore_logits = torch.load(work / f"logits_{i}.pt", weights_only=True).double()
@@ -122,11 +128,18 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) -> None:
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
     for i, checkpoint in enumerate(checkpoints):
         tokens = torch.load(Path(work) / f"tokens_{i}.pt", weights_only=True)
         logits = stage_logits(Path(checkpoint), layout, DTYPES[dtype], tokens)
-        if logits is not None:
-            torch.save(logits, Path(work) / f"logits_{i}.pt")
+        # the last stage may be on another node: global rank 0 (on the node that compares) writes the logits
+        gathered: list[torch.Tensor | None] | None = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object(logits, gathered, dst=0)
+        if gathered is not None:
+            (held,) = [g for g in gathered if g is not None]
+            torch.save(held, Path(work) / f"logits_{i}.pt")
 
 
 def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -1,33 +1,113 @@
-"""Starting a local process world for megatron-core: one process per rank, gloo on CPU, NCCL on GPU.
+"""Starting the process world for megatron-core: spawned locally, or the one a launcher such as `torchrun` started.
 
-`run_world(fn, layout, *args)` spawns TP x PP x CP x EP processes (or `world=` processes: the data-parallel size
-is then `world / (TP x PP x CP)`, megatron-core's rule); each initialises `torch.distributed` and megatron-core's
-`parallel_state` for the layout (CPU workarounds applied where CUDA is absent), calls `fn(*args)`, and tears
-down. `fn` must be importable (a module-level function). A failing rank becomes a `BridgeError` carrying the
-rank's last error line; an interrupt (Ctrl-C) stops every rank and is raised again in the parent.
-`run_torch_world(fn, size, *args)` starts the same kind of world without megatron-core's state, for backends
-that lay out their own device mesh (DTensor).
+`run_world(fn, layout, *args)` runs `fn(*args)` on TP x PP x CP x EP ranks (or `world=` ranks: the data-parallel
+size is then `world / (TP x PP x CP)`, megatron-core's rule); each rank initialises `torch.distributed` and
+megatron-core's `parallel_state` for the layout (CPU workarounds applied where CUDA is absent), calls `fn(*args)`,
+and tears down. `run_torch_world(fn, size, *args)` starts the same kind of world without megatron-core's state, for
+backends that lay out their own device mesh (DTensor). gloo on CPU, NCCL on GPU.
+
+Two ways in:
+- Under an env:// launcher (`torchrun`: `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set), the
+  current process is one rank of the world it was given: it joins it (`join_launched_world`), checks its size and
+  runs `fn` itself. Stopping is then the launcher's business; SIGINT and SIGTERM take their default action inside
+  `fn` (the rank ends at once, without a traceback).
+- Otherwise the ranks are spawned processes on this host (127.0.0.1). `fn` must be importable (a module-level
+  function); a failing rank becomes a `BridgeError` carrying its last error line. The launcher (this process)
+  owns the ranks: SIGINT or SIGTERM sent to it terminates every rank's process group (grandchildren included),
+  escalates to SIGKILL after `STOP_GRACE_S`, and raises `RunStopped`; each rank ignores SIGINT (a terminal's
+  Ctrl-C reaches the launcher, which decides), dies on SIGTERM by the default action (no Python handler, so no
+  traceback and no wait for a collective to return) and, through Linux's `PR_SET_PDEATHSIG`, dies with SIGKILL if
+  the launcher dies. The handlers are installed explicitly, so a launcher started in the background by a script
+  (where the shell makes it ignore SIGINT) is stopped by SIGINT all the same. `stop_on_signals` puts the same
+  handlers around a caller's own work before the world starts (e.g. converting the policy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.layout import Layout
+
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What an env:// launcher (`torchrun`) sets for each rank it starts."""
+
+STOP_GRACE_S = 5.0
+"""Seconds spawned ranks get to end after SIGTERM before SIGKILL."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchedWorld:
+    """The world an env:// launcher started this process in."""
+
+    rank: int
+    """Global rank."""
+    size: int
+    """All ranks, over every node."""
+    local_rank: int
+    """This node's index of the rank (its GPU)."""
+
+
+def launched_world() -> LaunchedWorld | None:
+    """This process's place in a launcher's world (all of `LAUNCHER_ENV` set), or None: ranks are spawned here."""
+    if not all(os.environ.get(name) for name in LAUNCHER_ENV):
+        return None
+    try:
+        return LaunchedWorld(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    except ValueError:
+        raise BridgeError(
+            "RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them), got "
+            + ", ".join(f"{name}={os.environ[name]!r}" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        ) from None
+
+
+def check_launched_size(expected: int, what: str) -> None:
+    """Under a launcher, raise `BridgeError` unless it started `expected` ranks; `what` says where the number
+    comes from (named in the message)."""
+    launched = launched_world()
+    if launched is not None and launched.size != expected:
+        raise BridgeError(f"the launcher started WORLD_SIZE={launched.size} ranks but {what} needs {expected}")
+
+
+def reports_here() -> bool:
+    """Whether this process reports a command's result: always when ranks are spawned here, on global rank 0 only
+    under a launcher (every rank runs the command)."""
+    launched = launched_world()
+    return launched is None or launched.rank == 0
+
+
+def join_launched_world() -> LaunchedWorld:
+    """Initialise `torch.distributed` from the launcher's env:// rendezvous (once; later calls return at once)."""
+    import torch.distributed as dist
+
+    launched = launched_world()
+    if launched is None:
+        raise BridgeError("not started by an env:// launcher: " + ", ".join(LAUNCHER_ENV) + " must be set")
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(launched.local_rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
+    return launched
 
 
 def world_size(layout: Layout) -> int:
@@ -52,38 +132,57 @@ def device() -> torch.device:
 
 
 def run_world(fn: Callable[..., None], layout: Layout, *args: Any, world: int | None = None) -> None:
-    """Run `fn(*args)` on every rank of a fresh world for `layout` (`world` ranks; None: `world_size(layout)`)."""
-    size = world_size(layout) if world is None else world
+    """Run `fn(*args)` on every rank of a world for `layout`: `world` ranks, or None: `world_size(layout)` spawned
+    here, or as many as the launcher started."""
+    launched = launched_world()
+    if world is None:
+        size = world_size(layout) if launched is None else launched.size
+    else:
+        check_launched_size(world, f"the run ({layout})")
+        size = world
     check_world(layout, size)
-    _spawn(size, layout, fn, args)
+    _start(size, layout, fn, args)
 
 
 def run_torch_world(fn: Callable[..., None], size: int, *args: Any) -> None:
     """Run `fn(*args)` on `size` ranks with `torch.distributed` initialised and no megatron-core state (worlds
     laid out by the caller, e.g. DTensor device meshes)."""
-    _spawn(size, None, fn, args)
+    check_launched_size(size, "the run")
+    _start(size, None, fn, args)
+
+
+def _start(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
+    if launched_world() is None:
+        _spawn(size, layout, fn, args)
+        return
+    join_launched_world()
+    # the launcher stops the ranks: end at once, without a traceback (a Python handler would wait for the
+    # collective in progress to return); handlers can be set from the main thread only
+    main = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in STOP_SIGNALS} if main else {}
+    try:
+        _rank_body(layout, fn, args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     import torch.multiprocessing as mp
 
-    # The ranks start with SIGINT ignored (the disposition survives spawn's exec): Ctrl-C reaches the whole process
-    # group, and without this every rank would print its own KeyboardInterrupt traceback. The parent stops them.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    processes: list[Any] = []  # filled once started; the handlers are in place before the first rank starts
     try:
-        context = mp.start_processes(
-            _rank_main, args=(size, _free_port(), layout, fn, args), nprocs=size, join=False, start_method="spawn"
-        )
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
-    try:
-        while not context.join():
-            pass
-    except KeyboardInterrupt:
-        _stop(context)
-        raise
+        with stop_on_signals(processes):
+            context = mp.start_processes(
+                _rank_main,
+                args=(size, _free_port(), os.getpid(), layout, fn, args),
+                nprocs=size,
+                join=False,
+                start_method="spawn",
+            )
+            processes.extend(context.processes)
+            while not context.join():
+                pass
     except mp.ProcessRaisedException as err:
         text = str(err).strip()
         detail = text if os.environ.get("BRIDGE_DEBUG") == "1" else text.splitlines()[-1]
@@ -92,30 +191,88 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
         raise BridgeError(f"a rank died: {err}") from None
 
 
-def _stop(context: Any) -> None:
-    """Terminate and reap every rank, and remove the error files torch made for them."""
-    for process in context.processes:
-        if process.is_alive():
-            process.terminate()
-    for process in context.processes:
+@contextlib.contextmanager
+def stop_on_signals(processes: list[Any] | None = None) -> Iterator[None]:
+    """Inside, SIGINT / SIGTERM raise `RunStopped`, after stopping `processes` (spawned ranks) if given. Main
+    thread only (Python delivers signals there; elsewhere this does nothing). Nests: the outer handlers come back
+    on leaving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise RunStopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    except RunStopped:
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short
+            signal.signal(signum, signal.SIG_IGN)
+        _stop_ranks(processes or [])
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop_ranks(processes: list[Any]) -> None:
+    """SIGTERM to every rank's process group, SIGKILL to what is left after `STOP_GRACE_S`; reap the ranks."""
+    _signal_groups(processes, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    _signal_groups(processes, signal.SIGKILL)  # also what a rank started (its group outlives it)
+    for process in processes:
         process.join()
-    for path in getattr(context, "error_files", []):
-        if path and os.path.exists(path):
-            os.unlink(path)
 
 
-def _rank_main(rank: int, size: int, port: int, layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
+def _signal_groups(processes: list[Any], signum: int) -> None:
+    for process in processes:
+        try:
+            os.killpg(process.pid, signum)  # the group each rank made itself (`_follow_launcher`)
+        except (ProcessLookupError, PermissionError):
+            if process.exitcode is None:  # stopped before it made its group: signal it alone
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+
+def _follow_launcher(launcher: int) -> None:
+    """Make a spawned rank stoppable by its launcher alone and end with it (see the module docstring)."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+def _rank_main(
+    rank: int, size: int, port: int, launcher: int, layout: Layout | None, fn: Callable[..., None], args: tuple
+) -> None:
+    import torch.distributed as dist
+
+    _follow_launcher(launcher)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
+    _rank_body(layout, fn, args)
+
+
+def _rank_body(layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
+    """On a rank whose default process group is up: megatron-core's state for `layout`, `fn(*args)`, teardown."""
     import torch.distributed as dist
 
     from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds, apply_te_absent_workarounds
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
     if layout is None:
         try:
             fn(*args)
@@ -134,7 +291,7 @@ def _rank_main(rank: int, size: int, port: int, layout: Layout | None, fn: Calla
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
-    if cuda:
+    if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(0)

@@ -295,7 +295,8 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
 
 
 def start_world(config: GRPOConfig, fn: Callable[..., None], *args: Any) -> None:
-    """Run `fn(*args)` on every rank of a fresh world of the enabled backend (`world_of(config)` ranks)."""
+    """Run `fn(*args)` on every rank of a world of the enabled backend (`world_of(config)` ranks): spawned here, or
+    the launcher's (torchrun) world this process is a rank of (see `world`)."""
     from hf_mcore_bridge.world import run_torch_world, run_world
 
     if config.policy.dtensor_cfg.enabled:

@@ -309,11 +309,16 @@ class LoggerConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The processes of the run (one host)."""
+    """The processes of the run."""
 
     gpus_per_node: int | None = None
     """Ranks started: one per GPU (CPU processes without CUDA). The data-parallel size is
-    `gpus_per_node / (TP x PP x CP)`. None: TP x PP x CP x EP ranks (data parallel only as wide as EP needs)."""
+    `gpus_per_node x num_nodes / (TP x PP x CP)`. None: TP x PP x CP x EP ranks (data parallel only as wide as EP
+    needs)."""
+    num_nodes: int = 1
+    """Hosts the run spans. Above 1 the run is started by a launcher on every node (`torchrun`, see README) with
+    `gpus_per_node` ranks each, and `logger.log_dir` and `checkpointing.checkpoint_dir` must be on storage that
+    every node mounts at the same path."""
 
 
 @dataclass(frozen=True)
@@ -581,9 +586,15 @@ def _validate_schedule(schedule: SchedulerConfig, max_lr: float | None, where: s
 def dtensor_sizes(config: GRPOConfig) -> tuple[int, int]:
     """(data_parallel_shard_size, tensor_parallel_size) of the DTensor backend; the shard size defaults to
     `cluster.gpus_per_node / tensor_parallel_size`, or 1."""
-    dcfg, given = config.policy.dtensor_cfg, config.cluster.gpus_per_node
+    dcfg, given = config.policy.dtensor_cfg, cluster_ranks(config)
     tp = dcfg.tensor_parallel_size
     return dcfg.data_parallel_shard_size or (given // tp if given and tp >= 1 else 1), tp
+
+
+def cluster_ranks(config: GRPOConfig) -> int | None:
+    """`cluster.gpus_per_node x cluster.num_nodes`, or None where `gpus_per_node` is not given."""
+    given = config.cluster.gpus_per_node
+    return None if given is None else given * config.cluster.num_nodes
 
 
 def world_of(config: GRPOConfig) -> int:
@@ -594,7 +605,7 @@ def world_of(config: GRPOConfig) -> int:
     if config.policy.dtensor_cfg.enabled:
         dp_shard, tp = dtensor_sizes(config)
         return dp_shard * tp
-    given = config.cluster.gpus_per_node
+    given = cluster_ranks(config)
     return world_size(layout_of(config.policy.megatron_cfg)) if given is None else given
 
 
@@ -612,11 +623,14 @@ def _validate_world(config: GRPOConfig) -> None:
     from hf_mcore_bridge.grpo.policy import layout_of
     from hf_mcore_bridge.world import check_world
 
+    nodes = config.cluster.num_nodes
+    _require(nodes >= 1, f"cluster.num_nodes={nodes} must be >= 1")
+    _require(nodes == 1 or config.cluster.gpus_per_node is not None, "cluster.num_nodes > 1 needs gpus_per_node")
     try:
         if config.policy.megatron_cfg.enabled:
             check_world(layout_of(config.policy.megatron_cfg), world_of(config))
     except BridgeError as err:
-        raise GRPOConfigError(f"cluster.gpus_per_node: {err}") from None
+        raise GRPOConfigError(f"cluster.gpus_per_node x num_nodes: {err}") from None
     samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
     per_minibatch = samples // max(1, config.grpo.num_minibatches)
     dp = data_parallel_size(config)
@@ -664,7 +678,7 @@ def _validate_backend_switch(policy: PolicyConfig) -> None:
 def _validate_dtensor(config: GRPOConfig) -> None:
     from hf_mcore_bridge.grpo.lr_schedule import SUPPORTED_STYLES
 
-    dcfg, given = config.policy.dtensor_cfg, config.cluster.gpus_per_node
+    dcfg, given = config.policy.dtensor_cfg, cluster_ranks(config)
     where = "policy.dtensor_cfg"
     tp, dp_shard = dcfg.tensor_parallel_size, dcfg.data_parallel_shard_size
     _require(tp >= 1, f"{where}.tensor_parallel_size={tp} must be >= 1")
@@ -672,7 +686,8 @@ def _validate_dtensor(config: GRPOConfig) -> None:
     if given is not None:
         _require(
             given % tp == 0 and (dp_shard is None or given == dp_shard * tp),
-            f"cluster.gpus_per_node={given} must equal {where}.data_parallel_shard_size x tensor_parallel_size"
+            f"cluster.gpus_per_node x num_nodes={given} must equal {where}.data_parallel_shard_size x"
+            " tensor_parallel_size"
             f" ({dp_shard or 'derived'} x {tp})",
         )
     _require(config.policy.dtype != "fp16", "policy.dtype=fp16 is not supported by the DTensor backend; use bf16")

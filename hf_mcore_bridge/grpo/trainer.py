@@ -9,9 +9,10 @@
 
 The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed (an HF
 directory is what the DTensor backend reads, so there a Megatron checkpoint is exported to HF instead), and starts
-one process per rank (`backend.start_world`). The trained policy is a `backend.TrainingBackend`: megatron-core
-(`policy.megatron_cfg`, described below) or the HF model under FSDP2 (`policy.dtensor_cfg`, see
-`grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
+one process per rank (`backend.start_world`); under `torchrun` each process is a rank and global rank 0 does the
+parent's part (`grpo.launch`, which also covers stopping on signals and the checks before a resume). The trained
+policy is a `backend.TrainingBackend`: megatron-core (`policy.megatron_cfg`, described below) or the HF model under
+FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
 
 1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
    completions each with the rollout engine (`generation.backend`: the embedded engine or vLLM, see
@@ -51,7 +52,7 @@ import torch
 import torch.distributed
 
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
-from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
@@ -192,17 +193,53 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
 
 
 def train_grpo(config: GRPOConfig) -> RunResult:
-    """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails."""
+    """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails, `RunStopped`
+    (with a message naming the last checkpoint) if SIGINT / SIGTERM stopped the spawned ranks.
+
+    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`);
+    the metrics returned are then complete on global rank 0, which writes them."""
+    from hf_mcore_bridge.grpo import launch
+    from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here, stop_on_signals
+
     config.validate()
     config = with_stop_token_ids(config)
-    prepared = prepare_run(config)
-    _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
-    _save_config(config, prepared.log_dir)
-    start_world(config, _train_rank, config, prepared)
+    launch.check_start(config)
+    if launched_world() is None:
+        try:
+            with stop_on_signals():  # also while preparing: a launcher started in the background ignores SIGINT
+                prepared = _prepare_parent(config)
+                start_world(config, _train_rank, config, prepared)
+        except RunStopped as stopped:
+            log_dir = Path(config.logger.log_dir)
+            raise RunStopped(stopped.signum, launch.stopped_message(config, log_dir, stopped)) from None
+    else:
+        join_launched_world()
+        prepared = launch.prepare_once(lambda: _prepare_parent(config))
+        shared = {"logger.log_dir": prepared.log_dir}
+        if config.checkpointing.enabled:
+            shared["checkpointing.checkpoint_dir"] = Path(config.checkpointing.checkpoint_dir)
+        launch.check_shared_storage(shared)
+        start_world(config, _train_rank, config, prepared)
     metrics = read_metrics(prepared.log_dir)
-    if metrics:
+    if metrics and reports_here():
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
     return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
+
+
+def _prepare_parent(config: GRPOConfig) -> PreparedRun:
+    """What happens once before the ranks start: check a resumed checkpoint against the policy, prepare the policy
+    (and say which step the run resumes from), trim the metrics of steps about to be rerun, save the config."""
+    from hf_mcore_bridge.grpo.launch import check_resumable
+
+    resume = _resume_step(config)
+    if resume is not None:
+        check_resumable(config, resume)
+    prepared = prepare_run(config)
+    if resume is not None:
+        print(f"resuming from step {resume} ({config.checkpointing.checkpoint_dir})", flush=True)
+    _trim_metrics(prepared.log_dir, resume or 0)
+    _save_config(config, prepared.log_dir)
+    return prepared
 
 
 def _save_config(config: GRPOConfig, log_dir: Path) -> None:

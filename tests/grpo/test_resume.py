@@ -49,12 +49,14 @@ def _comparable(result: RunResult) -> list[dict[str, float]]:
     return [{k: v for k, v in m.items() if not k.endswith(TIMINGS) and k != "initial_refit_s"} for m in result.metrics]
 
 
-def test_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
+def test_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = build_tiny_policy(tmp_path / "policy", seed=1)
     straight = train_grpo(_config(tmp_path, "straight", 4, policy))
     train_grpo(_config(tmp_path, "stopped", 2, policy))
     assert latest_step(tmp_path / "stopped" / "ckpt") == 2
+    capsys.readouterr()
     resumed = train_grpo(_config(tmp_path, "stopped", 4, policy))
+    assert f"resuming from step 2 ({tmp_path / 'stopped' / 'ckpt'})" in capsys.readouterr().out.splitlines()
 
     assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4]
     assert _comparable(resumed) == _comparable(straight)

@@ -1,0 +1,138 @@
+"""Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
+deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
+
+Corruptions touch the refit's stream only (`refit._local_hf_weights`, after the mapping table's `to_hf`) or its
+recording; the trainer's model, its checkpoint and the engine's code are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QK = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
+GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
+EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
+
+
+def _swap_qk_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q's first rows and k exchanged (a QKV split that takes k's rows for q's and q's for k's)."""
+    rows = k.shape[0]
+    return torch.cat([k, q[rows:]]), q[:rows].clone()
+
+
+def _corrupt(stream: Iterator[tuple[str, torch.Tensor]], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in stream:
+        if kind == "qk" and name in QK:
+            held[name] = tensor
+            if len(held) == 2:
+                q, k = _swap_qk_rows(held[QK[0]], held[QK[1]])
+                yield from ((QK[0], q), (QK[1], k))
+            continue
+        if kind == "gate_up" and name in GATE_UP:
+            yield GATE_UP[1 - GATE_UP.index(name)], tensor  # gate's tensor under up's name and back
+            continue
+        if kind == "experts" and name.startswith(EXPERTS):
+            first = name.startswith(EXPERTS[0])
+            yield name.replace(*(EXPERTS if first else EXPERTS[::-1])), tensor
+            continue
+        yield name, tensor
+
+
+def _recordable(monkeypatch_target: Any) -> None:
+    """Let the refit be recorded on CPU (it needs no collective at world size 1; only CUDA is assumed away)."""
+    monkeypatch_target.refit_sources = lambda self: list(self.policy.module.parameters())
+
+
+class _StaleEngineCopy:
+    """A recording whose replay copies the engine's weights from a stale buffer (those of the refit before)."""
+
+    def __init__(self, engine_model: Any, fn: Any) -> None:
+        self.stale = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
+        self.model = engine_model
+        self.sent = fn()  # the capture's stand-in: the stream and its checksums as recorded
+
+    def replay(self) -> None:
+        for name, param in self.model.named_parameters():
+            param.data.copy_(self.stale[name])
+
+
+class _StaleSources:
+    """A recording that read a stale copy of the trainer's weights (the initial ones); its replay runs nothing."""
+
+    def __init__(self, params: list[torch.nn.Parameter], stale: list[torch.Tensor], fn: Any) -> None:
+        fresh = [p.data for p in params]
+        for param, old in zip(params, stale, strict=True):
+            param.data = old
+        try:
+            self.sent = fn()
+        finally:
+            for param, new in zip(params, fresh, strict=True):
+                param.data = new
+
+    def replay(self) -> None:
+        pass
+
+
+def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
+    """`trainer._train_rank` with the refit broken as `kind` says: `qk`, `gate_up`, `experts` (the stream),
+    `stale_engine`, `stale_sources` (the recording), `vllm_qk` (`qk` behind a vLLM engine replaced by the
+    embedded one, whose tensors `readable_tensor` cannot read)."""
+    import hf_mcore_bridge.engine
+    from hf_mcore_bridge.grpo import backend, refit, trainer
+    from hf_mcore_bridge.grpo.refit_replay import RefitReplay
+
+    original = refit._local_hf_weights
+    stream_kind = kind.removeprefix("vllm_")
+    refit._local_hf_weights = lambda *args: _corrupt(original(*args), stream_kind)
+    if kind == "vllm_qk":
+        hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
+    if kind.startswith("stale_"):
+        _recordable(backend.MegatronBackend)
+        built: dict[str, Any] = {}
+        build_backend = trainer.build_backend
+
+        def keep(*args: Any) -> Any:
+            built["policy"] = build_backend(*args)
+            params = list(built["policy"].policy.module.parameters())
+            built["initial"] = [p.detach().clone() for p in params]
+            return built["policy"]
+
+        trainer.build_backend = keep
+        init = trainer._RankContext.__init__
+
+        def with_stale_recorder(ctx: Any, *args: Any) -> None:
+            init(ctx, *args)
+
+            def record(fn: Any) -> tuple[Any, Any]:
+                if kind == "stale_engine":
+                    recording: Any = _StaleEngineCopy(ctx.engine.model, fn)
+                else:
+                    params = list(built["policy"].policy.module.parameters())
+                    recording = _StaleSources(params, built["initial"], fn)
+                return recording, recording.sent
+
+            ctx.refit_replay = RefitReplay(recorder=record)
+
+        trainer._RankContext.__init__ = with_stale_recorder
+    trainer._train_rank(config, prepared)
+
+
+class _EmbeddedAsVllm:
+    """Stands in for `VllmEngine` (vLLM is not installed here): the embedded engine, taking and giving token ids."""
+
+    def __init__(self, model_dir: Path, config: Any, **_: Any) -> None:
+        from hf_mcore_bridge.engine import Engine
+
+        self._engine = Engine(json.loads((Path(model_dir) / "config.json").read_text()), config, tokenizer=None)
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        return self._engine.generate(prompts, params)
+
+    def load_weights(self, weights: Any) -> Any:
+        return self._engine.load_weights(weights)

@@ -1,0 +1,191 @@
+"""The refit's two checks, each shown to fire on a deliberately broken input.
+
+Transfer integrity (`refit.tensor_checksums`, compared by the trainer after every refit): checked here against a
+direct per-tensor sum written in the test, and shown to change on one changed element and on permutations.
+Functional agreement (`logprob_gate`): the engine-vs-trainer `token_mult_prob_error` of each step's rollouts and
+of the probe prompt stops the run. The slow tests corrupt the refit stream only (the trainer and its checkpoint
+are untouched; `refit_ranks.py`) and assert that the run stops at the first step with the one-line message:
+a q/k row swap in one layer (TP1, PP2), gate/up swapped (TP2), two experts exchanged (EP2, Qwen3-MoE), a stale
+replay (TP1: recorded refits exist only where the stream takes no collective; a stand-in recorder, since a CPU
+cannot capture CUDA graphs) and the vLLM path (vLLM's engine replaced by the embedded one, which is not readable
+through `readable_tensor`, so only the gate can see it). That uncorrupted runs pass the gate at its fp32 default
+is shown by `test_layouts.py` (TP1, TP2, PP2, DP2, EP2 runs with the gate on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo import refit
+from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+from hf_mcore_bridge.grpo.logprob_gate import LogprobMismatchError, check_logprob_agreement, limit_of
+from hf_mcore_bridge.grpo.refit import mismatched, tensor_checksums
+
+from .tiny_policy import build_tiny_policy
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _direct(tensor: torch.Tensor) -> tuple[int, int]:
+    """The checksum's definition, element by element in Python integers (wrapped to signed 64 bits)."""
+    values = tensor.detach().contiguous().reshape(-1).view(BITS[tensor.element_size()]).tolist()
+    plain = sum(values)
+    weighted = sum(i * v for i, v in enumerate(values))
+
+    def wrap(x: int) -> int:
+        return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+    return wrap(plain), wrap(weighted)
+
+
+def test_tensor_checksums_are_the_direct_sums_for_any_dtype_layout_and_batching(monkeypatch) -> None:
+    torch.manual_seed(0)
+    tensors = [
+        torch.randn(7, 5),
+        torch.randn(5000).to(torch.bfloat16),  # more than one row of lanes
+        torch.randn(33, 65).t(),  # not contiguous
+        torch.zeros(0),
+        torch.randn(3, 4).double(),
+        torch.randint(0, 255, (9,), dtype=torch.uint8),
+        torch.randn(4096),  # exactly one row
+    ]
+    expected = [_direct(t) for t in tensors]
+    assert tensor_checksums(tensors).tolist() == [list(e) for e in expected]
+    monkeypatch.setattr(refit, "CHECKSUM_BATCH_ELEMENTS", 40)  # many batches, one tensor each at times
+    assert tensor_checksums(tensors).tolist() == [list(e) for e in expected]
+    assert tensor_checksums([]).shape == (0, 2)
+
+
+def test_tensor_checksums_see_one_changed_element_and_permutations() -> None:
+    torch.manual_seed(1)
+    q, k = torch.randn(16, 8), torch.randn(8, 8)
+    base = tensor_checksums([q, k])
+    changed = q.clone()
+    changed[5, 3] = torch.nextafter(changed[5, 3], torch.tensor(float("inf")))  # one ulp
+    swapped = torch.cat([k, q[8:]]), q[:8].clone()  # q and k rows exchanged (a mis-split QKV)
+    variants = {
+        "one ulp": [changed, k],
+        "sign of zero": [torch.where(q == q[0, 0], 0.0, q), k],
+        "rows swapped": list(swapped),
+        "two rows of q exchanged": [q[[1, 0, *range(2, 16)]], k],
+        "k transposed": [q, k.t()],
+        "k rolled": [q, k.flatten().roll(1).view(8, 8)],
+    }
+    signed_zero = [torch.where(q == q[0, 0], -0.0, q), k]
+    assert not torch.equal(tensor_checksums(variants["sign of zero"]), tensor_checksums(signed_zero))
+    for what, tensors in variants.items():
+        assert mismatched(["q", "k"], base, tensor_checksums(tensors)), what
+    assert mismatched(["q", "k"], base, tensor_checksums([q.clone(), k.clone()])) == []
+    assert mismatched(["q", "k"], base, tensor_checksums([q, k.t().t()])) == []
+    assert mismatched(["q", "k"], base, tensor_checksums([changed, k])) == ["q"]
+
+
+def _config(dtype: str = "fp32", **grpo: object) -> object:
+    base = {"policy": {"model_path": "/m", "dtype": dtype}, "data": {"task": "repeat_digit"}, "grpo": grpo}
+    return config_from_dict(base)
+
+
+def test_gate_defaults_by_dtype_and_stops_or_warns_with_one_line() -> None:
+    assert limit_of(_config()) == 1.0001
+    assert limit_of(_config("bf16")) == 1.05
+    assert limit_of(_config(max_token_mult_prob_error=1.02)) == 1.02
+    config = _config()
+    assert check_logprob_agreement(config, 3, 1.00009, "step's rollouts") is None
+    with pytest.raises(LogprobMismatchError) as caught:
+        check_logprob_agreement(config, 3, 1.25, "step's rollouts")
+    message = str(caught.value)
+    assert "\n" not in message and isinstance(caught.value, BridgeError)
+    assert message.startswith("step 3: engine vs trainer log-probs disagree on the step's rollouts")
+    assert "1.25 > grpo.max_token_mult_prob_error 1.0001" in message and "wrong weight mapping or refit" in message
+    with pytest.raises(LogprobMismatchError, match="token_mult_prob_error nan"):
+        check_logprob_agreement(config, 1, float("nan"), "probe prompt")
+    warn = _config(on_logprob_mismatch="warn")
+    with pytest.warns(UserWarning, match="step 2: .* on the probe prompt: token_mult_prob_error 1.5"):
+        assert check_logprob_agreement(warn, 2, 1.5, "probe prompt") is not None
+    assert check_logprob_agreement(warn, 2, 1.5, "probe prompt", report=False) is not None  # other ranks: quiet
+
+
+@pytest.mark.parametrize(
+    ("grpo", "message"),
+    [
+        ({"max_token_mult_prob_error": 0.99}, "must be >= 1"),
+        ({"on_logprob_mismatch": "ignore"}, "stop or warn"),
+    ],
+)
+def test_gate_settings_are_validated(grpo: dict[str, object], message: str) -> None:
+    with pytest.raises(GRPOConfigError, match=message):
+        _config(**grpo).validate()
+
+
+def _corrupted_run(root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`)."""
+    from hf_mcore_bridge.grpo.backend import start_world
+    from hf_mcore_bridge.grpo.trainer import prepare_run
+
+    from .refit_ranks import corrupted_rank
+
+    vllm = kind.startswith("vllm_")
+    config = config_from_dict(
+        {
+            "policy": {
+                "model_path": str(policy),
+                "megatron_cfg": {
+                    "tensor_model_parallel_size": tp,
+                    "pipeline_model_parallel_size": pp,
+                    "expert_model_parallel_size": ep,
+                    "sequence_parallel": tp > 1 and ep > 1,
+                    "micro_batch_size": 8,
+                },
+            },
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 1},
+            "generation": {
+                "max_new_tokens": 3,
+                "stop_token_ids": [0],
+                "max_model_len": 64,
+                "backend": "vllm" if vllm else "embedded",
+            },
+            "data": {"task": "repeat_digit"},
+            "logger": {"log_dir": str(root / kind), "print_progress": False},
+        }
+    )
+    if not vllm:  # validation refuses the vllm backend where vLLM is not installed
+        config.validate()
+    start_world(config, corrupted_rank, kind, config, prepare_run(config))
+
+
+ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rollouts: token_mult_prob_error \d"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "layout", "message"),
+    [
+        ("qk", {}, ROLLOUTS_GATE),
+        ("gate_up", {"tp": 2}, ROLLOUTS_GATE),
+        ("qk", {"pp": 2}, ROLLOUTS_GATE),
+        ("vllm_qk", {}, ROLLOUTS_GATE),
+        ("stale_engine", {}, "the refit after step 1 failed its check: the engine's tensor differs from the one"),
+        ("stale_sources", {}, "the refit after step 1 failed its check: the refit read trainer tensors that differ"),
+    ],
+    ids=["tp1-qk", "tp2-gate_up", "pp2-qk", "vllm-qk", "tp1-stale_engine", "tp1-stale_sources"],
+)
+def test_a_corrupted_refit_stops_the_run_at_the_first_step(
+    tmp_path: Path, kind: str, layout: dict[str, int], message: str
+) -> None:
+    policy = build_tiny_policy(tmp_path / "policy")
+    with pytest.raises(BridgeError, match=message) as caught:
+        _corrupted_run(tmp_path, policy, kind, **layout)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+def test_exchanged_experts_stop_the_run_at_the_first_step_at_ep2(tmp_path: Path) -> None:
+    policy = build_tiny_policy(
+        tmp_path / "policy", seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0
+    )
+    with pytest.raises(BridgeError, match=ROLLOUTS_GATE):
+        _corrupted_run(tmp_path, policy, "experts", ep=2)

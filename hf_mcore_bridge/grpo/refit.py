@@ -10,8 +10,13 @@ Cost: the per-parameter plan (local parameter, table entry) is built once per mo
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
 events rather than synchronisations (`PhaseTimes`), so the host runs ahead of the device's copies.
 
-Checks, cheap by design: `checksums` of a few sampled HF tensors on the trainer side and as the engine holds
-them after loading (float64 sums), compared by the caller.
+Checks, cheap by design: `tensor_checksums` gives every tensor two exact integer sums of its bit pattern (plain
+and position-weighted), batched into a few kernels per batch with no synchronisation. The caller checksums
+every HF tensor as streamed and every tensor as the engine holds it after loading (or after a replay) and
+compares them with one synchronisation (`mismatched`): that catches a lost, truncated, permuted, misplaced or
+stale copy, not a conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert
+order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
+completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
 
 Simplifications: every rank of a TP group gathers (the engine sits on global rank 0); with PP > 1 the other
 stages' HF tensors reach rank 0 as pickled objects (`gather_object`), fine for small models, not for large ones;

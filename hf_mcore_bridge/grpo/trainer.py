@@ -18,12 +18,17 @@ one process per rank (`backend.start_world`). The trained policy is a `backend.T
    `grpo.generation`), scores them, computes group advantages and broadcasts them;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
-3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
-4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine, with
-   checksums of sampled tensors compared on both sides and a fixed probe prompt scored by engine and trainer
-   (`probe_token_mult_prob_error`);
+3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each; then the
+   gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
+   `grpo.max_token_mult_prob_error` stops the run (or warns) — the check that sees a wrong conversion;
+4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine; every
+   tensor the engine holds is checksummed against the one streamed (`_check_transfer`), and a fixed probe
+   prompt is scored by engine and trainer and gated the same way (`probe_token_mult_prob_error`);
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
    (`rollouts.jsonl`).
+
+The engine's first weights come through the same refit and checks before step 1, so a wrong conversion stops
+the run at step 1 (a stopped step is neither logged nor saved).
 
 The resolved config is saved as `grpo_config.yaml` in the log directory, and a PNG of reward and KL over the steps
 (`training_curves.png`) is drawn there at the end.

@@ -136,3 +136,58 @@ class _EmbeddedAsVllm:
 
     def load_weights(self, weights: Any) -> Any:
         return self._engine.load_weights(weights)
+
+
+def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
+    """DP2: megatron-core's DDP with the distributed optimizer's buffers and `overlap_param_gather`, after a step
+    that (as the distributed optimizer's does) updated only this rank's shard of the parameter buffer. Rank 0
+    saves whether the refit stream equals the post-step weights (set directly, no gather) before and after
+    `finish_param_gather`."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    from hf_mcore_bridge.config_bridge import from_megatron_args
+    from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.megatron_dirs import read_common
+    from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
+    from hf_mcore_bridge.world import device
+
+    args = read_common(Path(checkpoint_dir))["args"]
+    model_cfg = from_megatron_args(args)
+    gpt = build_gpt_model(model_cfg, Layout(), torch.float32, args.padded_vocab_size, device=device())
+    load_distributed_checkpoint(gpt, Path(checkpoint_dir))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
+    model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+    size, rank = dist.get_world_size(), dist.get_rank()
+    buffers = [bucket.param_data for group in model.bucket_groups for bucket in group.buckets]
+    expected = []
+    for buffer in buffers:  # the post-step weights: every rank's shard moved by its own step
+        full = buffer.clone()
+        for r, shard in enumerate(shard_buffer(full, size)):
+            shard.add_(0.5 * (r + 1))
+        expected.append(full)
+        shard_buffer(buffer, size)[rank].add_(0.5 * (rank + 1))  # this rank's step
+
+    def stream() -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor.clone()) for name, tensor in hf_weights(gpt, model_cfg, args.padded_vocab_size)]
+
+    stale = stream()
+    finish_param_gather(model)
+    gathered = all(torch.equal(b, e) for b, e in zip(buffers, expected, strict=True))
+    fresh = stream()
+    for buffer, full in zip(buffers, expected, strict=True):
+        buffer.copy_(full)
+    direct = stream()
+
+    def same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+        if [n for n, _ in a] != [n for n, _ in b]:
+            return False
+        return all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True))
+
+    if rank == 0:
+        torch.save(
+            {"tensors": len(direct), "gathered": gathered, "stale": same(stale, direct), "fresh": same(fresh, direct)},
+            out_file,
+        )

@@ -189,3 +189,26 @@ def test_exchanged_experts_stop_the_run_at_the_first_step_at_ep2(tmp_path: Path)
     )
     with pytest.raises(BridgeError, match=ROLLOUTS_GATE):
         _corrupted_run(tmp_path, policy, "experts", ep=2)
+
+
+@pytest.mark.slow
+def test_refit_streams_the_post_step_weights_with_overlapped_param_gather_at_dp2(tmp_path: Path) -> None:
+    """With the distributed optimizer's buffers and `ddp.overlap_param_gather`, a step leaves the other ranks'
+    shards stale until the next forward; the stream then differs from the post-step weights, and after
+    `finish_param_gather` (what the megatron backend's `hf_weights` runs first) equals them."""
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.megatron_dirs import resolve_checkpoint
+    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.world import run_world
+
+    from .refit_ranks import param_gather_rank
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    convert_hf_to_mcore(policy, tmp_path / "mcore", layout=Layout(), dtype="fp32", show_progress=False)
+    _, checkpoint_dir = resolve_checkpoint(tmp_path / "mcore")
+    out = tmp_path / "result.pt"
+    run_world(param_gather_rank, Layout(), str(checkpoint_dir), str(out), world=2)
+    result = torch.load(out)
+    assert result["tensors"] == 21
+    assert not result["stale"]  # the stale path: rank 0 streams the other rank's shard as it was before the step
+    assert result["gathered"] and result["fresh"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,9 @@ def readable_tensor(engine: Any, hf_name: str) -> torch.Tensor | None:
     return engine.model.hf_view(hf_name) if names is not None and hf_name in names else None
 
 
-def engine_tensor_names(engine: Any) -> set[str] | None:
-    """Every HF name whose tensor the engine holds (the embedded engine), or None where it does not say."""
+def engine_tensor_names(engine: Any) -> AbstractSet[str] | None:
+    """Every HF name whose tensor the engine holds (the embedded engine; a view, not a copy), or None where it
+    does not say."""
     model = getattr(engine, "model", None)
     targets = getattr(model, "targets", None)
-    return set(targets) if hasattr(model, "hf_view") and targets is not None else None
+    return targets.keys() if hasattr(model, "hf_view") and targets is not None else None

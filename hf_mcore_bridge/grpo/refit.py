@@ -316,9 +316,9 @@ def hf_weights(
 CHECKSUM_LANES = 4096
 """Elements per row of the checksum layout: a tensor occupies whole rows of a zero-padded buffer."""
 
-CHECKSUM_BATCH_ELEMENTS = 1 << 24
-"""Elements checksummed per batch at most (its int64 temporaries take 16 bytes per element); a larger tensor is a
-batch of its own."""
+CHECKSUM_BATCH_ELEMENTS = 1 << 26
+"""Elements checksummed per batch at most (its padded copy of the bits is the one large temporary); a larger
+tensor is a batch of its own."""
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type of each element size: a tensor is checksummed through its bit pattern."""
@@ -350,9 +350,13 @@ def _layout(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, 
     return within.to(device), ends.to(device)
 
 
+_SIDE = 64
+"""`CHECKSUM_LANES` is `_SIDE` squared."""
+
+
 @functools.lru_cache(maxsize=8)
-def _lanes(device: torch.device) -> torch.Tensor:
-    return torch.arange(CHECKSUM_LANES, dtype=torch.int64, device=device)
+def _side(device: torch.device) -> torch.Tensor:
+    return torch.arange(_SIDE, dtype=torch.int64, device=device)
 
 
 def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -368,10 +372,15 @@ def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         views.append(buffer[offset : offset + flat.numel()])
         offset += count * lanes
     torch._foreach_copy_(views, flats)  # one multi-tensor copy into the padded rows
-    grid = buffer.view(-1, lanes).to(torch.int64)
-    plain = grid.sum(1)
+    # a row as [_SIDE, _SIDE] (lane = _SIDE * h + l): its sums over l and over h, accumulated in int64 straight
+    # from the bits, give the plain and the lane-weighted sums with no int64 copy of the buffer
+    grid = buffer.view(-1, _SIDE, _SIDE)
+    over_l, over_h = grid.sum(2, dtype=torch.int64), grid.sum(1, dtype=torch.int64)
+    index = _side(device)
+    plain = over_l.sum(1)
+    by_lane = (over_l * index).sum(1) * _SIDE + (over_h * index).sum(1)
     # sum of position * value per row: position = row-within-tensor * lanes + lane
-    weighted = plain * (within * lanes) + (grid * _lanes(device)).sum(1)
+    weighted = plain * (within * lanes) + by_lane
     running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), torch.stack([plain, weighted], 1)])
     running = running.cumsum(0)[ends]
     return running[1:] - running[:-1]
@@ -389,8 +398,8 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     layout in memory. Dtype is not part of it: compare tensors of one dtype.
 
     Cost: per batch of up to `CHECKSUM_BATCH_ELEMENTS` elements of one element size, a multi-tensor copy into a
-    zero-padded [rows, `CHECKSUM_LANES`] buffer and a few whole-buffer kernels (no kernel per tensor beyond the
-    copies of non-contiguous ones); nothing synchronises."""
+    zero-padded [rows, `CHECKSUM_LANES`] buffer, two reductions reading it and a few kernels on per-row sums (no
+    kernel per tensor beyond the copies of non-contiguous ones); nothing synchronises."""
     if not tensors:
         return torch.zeros((0, 2), dtype=torch.int64)
     rows: list[torch.Tensor | None] = [None] * len(tensors)

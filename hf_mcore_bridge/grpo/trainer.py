@@ -18,9 +18,9 @@ one process per rank (`backend.start_world`). The trained policy is a `backend.T
    `grpo.generation`), scores them, computes group advantages and broadcasts them;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
-3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each; then the
-   gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
-   `grpo.max_token_mult_prob_error` stops the run (or warns) — the check that sees a wrong conversion;
+3. training: first the gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
+   `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
+   step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
 4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine; every
    tensor the engine holds is checksummed against the one streamed (`_check_transfer`), and a fixed probe
    prompt is scored by engine and trainer and gated the same way (`probe_token_mult_prob_error`);
@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -405,7 +406,11 @@ def _flat_mult_error(
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> dict[str, float]:
+def _train_step(
+    policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout], gate: Callable[[float], None] | None = None
+) -> dict[str, float]:
+    """Log-probs, then one optimizer step per mini-batch; `gate` sees the rollouts' `token_mult_prob_error` first
+    (it may stop the run before any update)."""
     temperature = config.generation.temperature
     minibatches = _minibatches(policy, config, rollouts)
     flat = [b for mini in minibatches for b in mini]
@@ -414,6 +419,8 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
     ref = policy.compute_logprobs(flat, temperature, reference=True) if policy.has_reference else None
     logprobs_s = time.perf_counter() - started
     stats = {"token_mult_prob_error": _flat_mult_error(policy, flat, old), "logprobs_s": logprobs_s}
+    if gate is not None:
+        gate(stats["token_mult_prob_error"])
     started = time.perf_counter()
     per_minibatch, offset = [], 0
     for mini in minibatches:
@@ -506,7 +513,7 @@ def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums,
     names = list(sent.names)
     streamed = set(names)
     problems = []
-    expected = set(ctx.refit_names or ()) | (engine_tensor_names(ctx.engine) or set())
+    expected = set(ctx.refit_names or ()) | set(engine_tensor_names(ctx.engine) or ())
     if missing := sorted(expected - streamed):
         problems.append(f"not streamed: {_few(missing)}")
     if len(streamed) != len(names):
@@ -578,9 +585,7 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         rollouts, rollout_stats = _generate_rollouts(ctx, step) if ctx.is_rank0 else (None, {})
         generation_s = time.perf_counter() - started
         rollouts = _broadcast(rollouts)
-        metrics = _train_step(policy, config, rollouts)
-        error = metrics["token_mult_prob_error"]  # the rollouts' engine vs trainer log-probs: the gate
-        check_logprob_agreement(config, step, error, "step's rollouts", report=ctx.is_rank0)
+        metrics = _train_step(policy, config, rollouts, gate=_rollouts_gate(ctx, step))
         metrics |= _refit(ctx, policy, step)
         metrics |= _probe(ctx, policy, step) | _validate(ctx, step)
         step_s = time.perf_counter() - started
@@ -598,6 +603,15 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         _maybe_save(ctx, policy, step)
     if ctx.logger is not None:
         ctx.logger.close()
+
+
+def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:
+    """The step's rollouts' engine-vs-trainer `token_mult_prob_error`, gated before training (`logprob_gate`)."""
+
+    def gate(error: float) -> None:
+        check_logprob_agreement(ctx.config, step, error, "step's rollouts", report=ctx.is_rank0)
+
+    return gate
 
 
 def _maybe_resume(ctx: _RankContext, policy: TrainingBackend) -> int:

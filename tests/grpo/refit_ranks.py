@@ -19,25 +19,30 @@ GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.we
 EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
 
 
+def varied_reward(completion: str, answer: str) -> float:
+    """Rewards that differ within a group, so the first step moves the weights (a stale copy then differs)."""
+    return float(sum(map(ord, completion)) % 5)
+
+
 def _swap_qk_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q's first rows and k exchanged (a QKV split that takes k's rows for q's and q's for k's)."""
     rows = k.shape[0]
     return torch.cat([k, q[rows:]]), q[:rows].clone()
 
 
-def _corrupt(stream: Iterator[tuple[str, torch.Tensor]], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _corrupt(stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     held: dict[str, torch.Tensor] = {}
     for name, tensor in stream:
-        if kind == "qk" and name in QK:
+        if "qk" in kinds and name in QK:
             held[name] = tensor
             if len(held) == 2:
                 q, k = _swap_qk_rows(held[QK[0]], held[QK[1]])
                 yield from ((QK[0], q), (QK[1], k))
             continue
-        if kind == "gate_up" and name in GATE_UP:
+        if "gate_up" in kinds and name in GATE_UP:
             yield GATE_UP[1 - GATE_UP.index(name)], tensor  # gate's tensor under up's name and back
             continue
-        if kind == "experts" and name.startswith(EXPERTS):
+        if "experts" in kinds and name.startswith(EXPERTS):
             first = name.startswith(EXPERTS[0])
             yield name.replace(*(EXPERTS if first else EXPERTS[::-1])), tensor
             continue
@@ -80,7 +85,8 @@ class _StaleSources:
 
 
 def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
-    """`trainer._train_rank` with the refit broken as `kind` says: `qk`, `gate_up`, `experts` (the stream),
+    """`trainer._train_rank` with the refit broken as `kind` says: `qk`, `gate_up`, `experts` (the stream; joined
+    by `+` for several), `later_...` (the same from the second refit on: the first step's rollouts are sound),
     `stale_engine`, `stale_sources` (the recording), `vllm_qk` (`qk` behind a vLLM engine replaced by the
     embedded one, whose tensors `readable_tensor` cannot read)."""
     import hf_mcore_bridge.engine
@@ -88,8 +94,15 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     from hf_mcore_bridge.grpo.refit_replay import RefitReplay
 
     original = refit._local_hf_weights
-    stream_kind = kind.removeprefix("vllm_")
-    refit._local_hf_weights = lambda *args: _corrupt(original(*args), stream_kind)
+    kinds = set(kind.removeprefix("vllm_").removeprefix("later_").split("+"))
+    refits = [0]
+
+    def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        refits[0] += 1
+        later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
+        return original(*args) if later else _corrupt(original(*args), kinds)
+
+    refit._local_hf_weights = corrupted
     if kind == "vllm_qk":
         hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
     if kind.startswith("stale_"):

@@ -14,6 +14,7 @@ is shown by `test_layouts.py` (TP1, TP2, PP2, DP2, EP2 runs with the gate on).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -139,21 +140,18 @@ def _corrupted_run(root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1
                     "expert_model_parallel_size": ep,
                     "sequence_parallel": tp > 1 and ep > 1,
                     "micro_batch_size": 8,
+                    "optimizer": {"lr": 1e-2},
                 },
             },
+            "reward": {"name": "grpo.refit_ranks:varied_reward"},
             "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 1},
-            "generation": {
-                "max_new_tokens": 3,
-                "stop_token_ids": [0],
-                "max_model_len": 64,
-                "backend": "vllm" if vllm else "embedded",
-            },
+            "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
             "data": {"task": "repeat_digit"},
             "logger": {"log_dir": str(root / kind), "print_progress": False},
         }
     )
-    if not vllm:  # validation refuses the vllm backend where vLLM is not installed
-        config.validate()
+    if vllm:  # set after validation, which refuses the vllm backend where vLLM is not installed
+        config = dataclasses.replace(config, generation=dataclasses.replace(config.generation, backend="vllm"))
     start_world(config, corrupted_rank, kind, config, prepare_run(config))
 
 
@@ -168,10 +166,11 @@ ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rol
         ("gate_up", {"tp": 2}, ROLLOUTS_GATE),
         ("qk", {"pp": 2}, ROLLOUTS_GATE),
         ("vllm_qk", {}, ROLLOUTS_GATE),
+        ("later_qk+gate_up", {}, "step 1: engine vs trainer log-probs disagree on the probe prompt: token_mult_pr"),
         ("stale_engine", {}, "the refit after step 1 failed its check: the engine's tensor differs from the one"),
         ("stale_sources", {}, "the refit after step 1 failed its check: the refit read trainer tensors that differ"),
     ],
-    ids=["tp1-qk", "tp2-gate_up", "pp2-qk", "vllm-qk", "tp1-stale_engine", "tp1-stale_sources"],
+    ids=["tp1-qk", "tp2-gate_up", "pp2-qk", "vllm-qk", "tp1-probe", "tp1-stale_engine", "tp1-stale_sources"],
 )
 def test_a_corrupted_refit_stops_the_run_at_the_first_step(
     tmp_path: Path, kind: str, layout: dict[str, int], message: str

@@ -8,8 +8,10 @@ are untouched; `refit_ranks.py`) and assert that the run stops at the first step
 a q/k row swap in one layer (TP1, PP2), gate/up swapped (TP2), two experts exchanged (EP2, Qwen3-MoE), a stale
 replay (TP1: recorded refits exist only where the stream takes no collective; a stand-in recorder, since a CPU
 cannot capture CUDA graphs) and the vLLM path (vLLM's engine replaced by the embedded one, which is not readable
-through `readable_tensor`, so only the gate can see it). That uncorrupted runs pass the gate at its fp32 default
-is shown by `test_layouts.py` (TP1, TP2, PP2, DP2, EP2 runs with the gate on).
+through `readable_tensor`, so only the gate can see it); a corruption from the second refit on is caught by the
+probe prompt's gate. That uncorrupted runs pass the gate at its fp32 default is shown by `test_layouts.py` (TP1,
+TP2, PP2, DP2, EP2 runs with the gate on). The DP2 test shows the stream stale under megatron-core's deferred
+parameter all-gather and fresh after `finish_param_gather`, against post-step weights set by the test itself.
 """
 
 from __future__ import annotations

@@ -154,14 +154,16 @@ class _EmbeddedAsVllm:
 def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
     """DP2: megatron-core's DDP with the distributed optimizer's buffers and `overlap_param_gather`, after a step
     that (as the distributed optimizer's does) updated only this rank's shard of the parameter buffer. Rank 0
-    saves whether the refit stream equals the post-step weights (set directly, no gather) before and after
-    `finish_param_gather`."""
+    saves whether the refit stream equals the post-step weights (set directly, no gather) without and with
+    `finish_param_gather` (as the megatron backend's `hf_weights` runs it)."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     from hf_mcore_bridge.config_bridge import from_megatron_args
-    from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights
+    from hf_mcore_bridge.grpo.backend import MegatronBackend
+    from hf_mcore_bridge.grpo.policy import Policy
+    from hf_mcore_bridge.grpo.refit import hf_weights
     from hf_mcore_bridge.layout import Layout
     from hf_mcore_bridge.megatron_dirs import read_common
     from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
@@ -187,9 +189,11 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
         return [(name, tensor.clone()) for name, tensor in hf_weights(gpt, model_cfg, args.padded_vocab_size)]
 
     stale = stream()
-    finish_param_gather(model)
+    # the trainer's refit stream: the megatron backend's `hf_weights`, which runs `finish_param_gather` first
+    policy = Policy(model, None, None, model_cfg, args.padded_vocab_size, torch.float32)
+    backend = MegatronBackend(policy, None, None)  # type: ignore[arg-type]  # config and run: not read here
+    fresh = [(name, tensor.clone()) for name, tensor in backend.hf_weights()]
     gathered = all(torch.equal(b, e) for b, e in zip(buffers, expected, strict=True))
-    fresh = stream()
     for buffer, full in zip(buffers, expected, strict=True):
         buffer.copy_(full)
     direct = stream()

@@ -124,7 +124,9 @@ def test_gate_settings_are_validated(grpo: dict[str, object], message: str) -> N
         _config(**grpo).validate()
 
 
-def _corrupted_run(root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+def _corrupted_run(
+    root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1, ep: int = 1, on_mismatch: str = "stop"
+) -> None:
     """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`)."""
     from hf_mcore_bridge.grpo.backend import start_world
     from hf_mcore_bridge.grpo.trainer import prepare_run
@@ -146,7 +148,12 @@ def _corrupted_run(root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1
                 },
             },
             "reward": {"name": "grpo.refit_ranks:varied_reward"},
-            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 1},
+            "grpo": {
+                "num_prompts_per_step": 2,
+                "num_generations_per_prompt": 4,
+                "max_num_steps": 1,
+                "on_logprob_mismatch": on_mismatch,
+            },
             "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
             "data": {"task": "repeat_digit"},
             "logger": {"log_dir": str(root / kind), "print_progress": False},
@@ -213,3 +220,13 @@ def test_refit_streams_the_post_step_weights_with_overlapped_param_gather_at_dp2
     assert result["tensors"] == 21
     assert not result["stale"]  # the stale path: rank 0 streams the other rank's shard as it was before the step
     assert result["gathered"] and result["fresh"]
+
+
+@pytest.mark.slow
+def test_on_logprob_mismatch_warn_goes_on_and_logs_the_value(tmp_path: Path) -> None:
+    from hf_mcore_bridge.grpo.metrics import read_metrics
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    _corrupted_run(tmp_path, policy, "qk", on_mismatch="warn")
+    (step,) = read_metrics(tmp_path / "qk")
+    assert step["token_mult_prob_error"] > 1.0001 and step["probe_token_mult_prob_error"] > 1.0001

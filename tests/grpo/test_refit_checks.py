@@ -17,6 +17,7 @@ parameter all-gather and fresh after `finish_param_gather`, against post-step we
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,43 @@ def test_on_logprob_mismatch_warn_goes_on_and_logs_the_value(tmp_path: Path) -> 
     _corrupted_run(tmp_path, policy, "qk", on_mismatch="warn")
     (step,) = read_metrics(tmp_path / "qk")
     assert step["token_mult_prob_error"] > 1.0001 and step["probe_token_mult_prob_error"] > 1.0001
+
+
+def test_transfer_check_names_lost_duplicated_changed_and_stale_tensors(tmp_path: Path) -> None:
+    """`trainer._check_transfer` on a real embedded engine loaded from an HF file, each fault made by hand."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from hf_mcore_bridge.engine import Engine, EngineConfig
+    from hf_mcore_bridge.grpo.refit import Checksums
+    from hf_mcore_bridge.grpo.trainer import _check_transfer
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    weights = load_file(policy / "model.safetensors")
+    config = EngineConfig(dtype=torch.float32, device="cpu", max_num_seqs=2, max_model_len=32)
+    engine = Engine(json.loads((policy / "config.json").read_text()), config)
+    engine.load_weights(weights.items())
+    names = list(weights)
+    trainer_params = [torch.randn(4, 3), torch.randn(5)]
+    ctx = SimpleNamespace(refit_names=names, engine=engine)
+    backend = SimpleNamespace(refit_sources=lambda: trainer_params)
+
+    def sent(streamed: list[str], sources: list[torch.Tensor] | None = None) -> Checksums:
+        values = tensor_checksums([weights[n] for n in streamed])
+        return Checksums(tuple(streamed), values, None if sources is None else tensor_checksums(sources))
+
+    assert _check_transfer(ctx, backend, sent(names, trainer_params), step=3) == len(names) == 21
+    with pytest.raises(
+        BridgeError, match=r"^the refit after step 3 failed its check: not streamed: model.norm.weight$"
+    ):
+        _check_transfer(ctx, backend, sent([n for n in names if n != "model.norm.weight"]), step=3)
+    with pytest.raises(BridgeError, match=r"^the initial refit failed its check: streamed more than once: lm_head"):
+        _check_transfer(ctx, backend, sent([*names, "lm_head.weight"]), step=0)
+    engine.model.hf_view("model.layers.1.self_attn.k_proj.weight")[2, 5] += 1e-3  # the engine's copy went wrong
+    with pytest.raises(BridgeError, match=r"differs from the one streamed for 1: model.layers.1.self_attn.k_proj"):
+        _check_transfer(ctx, backend, sent(names), step=3)
+    engine.load_weights(weights.items())
+    stale = [trainer_params[0], trainer_params[1] + 1]  # what a replay read: not the trainer's weights now
+    with pytest.raises(BridgeError, match=r"read trainer tensors that differ from the trainer's now \(a stale replay"):
+        _check_transfer(ctx, backend, sent(names, stale), step=3)

@@ -169,8 +169,9 @@ class MegatronBackend:
         return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        from hf_mcore_bridge.grpo.refit import hf_weights
+        from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights
 
+        finish_param_gather(self.policy.model)  # now, on every rank: a deferred all-gather would leave stale shards
         return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
 
     def refit_sources(self) -> list[torch.Tensor] | None:

@@ -204,6 +204,13 @@ class GRPOSection:
     `group`, the sample std of the whole group (see `grpo.advantages`)."""
     probe_prompt: str | None = None
     """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
+    max_token_mult_prob_error: float | None = None
+    """Largest engine-vs-trainer `token_mult_prob_error` allowed, on each step's rollouts and on the probe prompt
+    after each refit (1: the two sides' token probabilities agree exactly). None: 1.0001 for `policy.dtype` fp32,
+    1.05 for bf16 and fp16 (NeMo-RL flags values past 1.01-1.02)."""
+    on_logprob_mismatch: str = "stop"
+    """What a value past `max_token_mult_prob_error` does: `stop` the run (one line naming the step, the value
+    and likely causes) or `warn` and go on."""
 
 
 @dataclass(frozen=True)
@@ -750,6 +757,14 @@ def _validate(config: GRPOConfig) -> None:
     _require(grpo.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt must be >= 2 (group baseline)")
     _require(grpo.num_prompts_per_step >= 1, "grpo.num_prompts_per_step must be >= 1")
     _require(grpo.max_num_steps >= 1, "grpo.max_num_steps must be >= 1")
+    _require(
+        grpo.max_token_mult_prob_error is None or grpo.max_token_mult_prob_error >= 1.0,
+        f"grpo.max_token_mult_prob_error={grpo.max_token_mult_prob_error} must be >= 1 (1: exact agreement)",
+    )
+    _require(
+        grpo.on_logprob_mismatch in ("stop", "warn"),
+        f"grpo.on_logprob_mismatch={grpo.on_logprob_mismatch!r}: stop or warn",
+    )
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
     _require(
         grpo.num_minibatches >= 1 and samples % grpo.num_minibatches == 0,

@@ -8,10 +8,12 @@ each sample's text, take refits through `load_weights` (HF names, full tensors) 
   vLLM's `load_format="dummy"`, so its weights, too, come only from refits (through vLLM's own `load_weights`).
   vLLM does not tokenize here (`skip_tokenizer_init`): prompts go in as the run tokenizer's ids and completions are
   decoded by it, so both backends see the same tokens. vLLM's parameters are not readable the way the embedded
-  engine's are, so after a refit only the probe compares the two sides (`readable_tensor` returns None).
+  engine's are (its own fused, sharded layout), so its refits get no per-tensor check (`readable_tensor` and
+  `engine_tensor_names` return None); the log-prob gate (`logprob_gate`: each step's rollouts and the probe
+  prompt, engine vs trainer) covers both backends alike.
 
-vLLM is not installed on this project's machines: the `vllm` path is exercised by its wiring test with vLLM
-replaced, never against vLLM itself.
+vLLM is not installed on this project's machines: the `vllm` path is exercised by its wiring test and the gate's
+test with vLLM's engine replaced by the embedded one, never against vLLM itself.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["VLLM_MODEL_DIR", "VllmGeneration", "build_engine", "readable_tensor"]
+__all__ = ["VLLM_MODEL_DIR", "VllmGeneration", "build_engine", "engine_tensor_names", "readable_tensor"]
 
 VLLM_MODEL_DIR = "vllm_model"
 """The directory (in the run's log directory) vLLM is started on: config and tokenizer, no weights."""
@@ -70,6 +73,15 @@ def build_engine(backend: str, hf_config: dict[str, Any], engine_config: Any, to
 
 
 def readable_tensor(engine: Any, hf_name: str) -> torch.Tensor | None:
-    """The tensor an engine holds for one HF name, where it can be read (the embedded engine); else None."""
+    """The tensor an engine holds for one HF name, where it can be read (the embedded engine, a name it holds);
+    else None."""
+    names = engine_tensor_names(engine)
+    return engine.model.hf_view(hf_name) if names is not None and hf_name in names else None
+
+
+def engine_tensor_names(engine: Any) -> AbstractSet[str] | None:
+    """Every HF name whose tensor the engine holds (the embedded engine; a view, not a copy), or None where it
+    does not say."""
     model = getattr(engine, "model", None)
-    return model.hf_view(hf_name) if hasattr(model, "hf_view") else None
+    targets = getattr(model, "targets", None)
+    return targets.keys() if hasattr(model, "hf_view") and targets is not None else None

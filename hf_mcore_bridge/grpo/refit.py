@@ -10,8 +10,13 @@ Cost: the per-parameter plan (local parameter, table entry) is built once per mo
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
 events rather than synchronisations (`PhaseTimes`), so the host runs ahead of the device's copies.
 
-Checks, cheap by design: `checksums` of a few sampled HF tensors on the trainer side and as the engine holds
-them after loading (float64 sums), compared by the caller.
+Checks, cheap by design: `tensor_checksums` gives every tensor two exact integer sums of its bit pattern (plain
+and position-weighted), batched into a few kernels per batch with no synchronisation. The caller checksums
+every HF tensor as streamed and every tensor as the engine holds it after loading (or after a replay) and
+compares them with one synchronisation (`mismatched`): that catches a lost, truncated, permuted, misplaced or
+stale copy, not a conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert
+order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
+completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
 
 Simplifications: every rank of a TP group gathers (the engine sits on global rank 0); with PP > 1 the other
 stages' HF tensors reach rank 0 as pickled objects (`gather_object`), fine for small models, not for large ones;
@@ -21,8 +26,9 @@ EP rank receives every expert: simple, and one expert tensor per EP rank in flig
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -36,15 +42,16 @@ from hf_mcore_bridge.model_plan import placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 
 __all__ = [
+    "Checksums",
     "PhaseTimes",
     "assemble_shards",
-    "checksum",
-    "checksum_tensor",
-    "checksums",
+    "finish_param_gather",
     "gather_experts",
     "gather_tp",
     "hf_weights",
+    "mismatched",
     "table_names",
+    "tensor_checksums",
     "tp_gathers",
 ]
 
@@ -254,6 +261,24 @@ def _local_hf_weights(
             yield from entry.to_hf(tensor, dims).items()
 
 
+def finish_param_gather(model: torch.nn.Module) -> None:
+    """Completes the parameter all-gather that megatron-core's `DistributedDataParallel` defers past
+    `optimizer.step()` (collective over the data-parallel group; call it on every rank before a refit).
+
+    With the distributed optimizer and `ddp.overlap_param_gather`, a step updates only this rank's shard of the
+    parameter buffer; the other ranks' shards arrive in the next forward's pre-hooks. A refit right after the
+    step would stream stale shards. This runs the gather now, synchronously (megatron-core's own
+    `start_param_sync(force_sync=True)`, which also waits on one already in flight); the next forward's hooks
+    then find it done. Nothing to do without that combination, or with one data-parallel rank."""
+    from megatron.core import parallel_state
+
+    ddp_config = getattr(model, "ddp_config", None)
+    if ddp_config is None or not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
+        return
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        model.start_param_sync(force_sync=True)
+
+
 def hf_weights(
     module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -288,31 +313,120 @@ def hf_weights(
             yield from part
 
 
-CHECKSUM_SAMPLES = 1 << 20
-"""Elements a checksum reads at most: a larger tensor is sampled at a fixed stride (cheap next to the refit)."""
+CHECKSUM_LANES = 4096
+"""Elements per row of the checksum layout: a tensor occupies whole rows of a zero-padded buffer."""
+
+CHECKSUM_BATCH_ELEMENTS = 1 << 26
+"""Elements checksummed per batch at most (its padded copy of the bits is the one large temporary); a larger
+tensor is a batch of its own."""
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer type of each element size: a tensor is checksummed through its bit pattern."""
 
 
-def checksum_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A position-weighted float64 sum (weights in [1, 2), never periodic) over the flattened tensor, or over
-    every k-th element of a tensor of more than `CHECKSUM_SAMPLES` elements, as a 0-dim tensor on the tensor's
-    device (reading it is the caller's synchronisation). Cheap, and unlike a plain sum it changes when values are
-    permuted (a transposed or mis-split tensor), not only when they change."""
-    flat = tensor.detach().flatten()
-    stride = -(-flat.numel() // CHECKSUM_SAMPLES)
-    flat = flat[::stride].double()
-    # weights 1 + frac(i * golden ratio): never periodic, so no shift or block swap leaves the sum unchanged
-    weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.6180339887498949) % 1 + 1
-    return (flat * weights).sum()
+@dataclass(frozen=True)
+class Checksums:
+    """Checksums of named tensors as a refit streamed them (`values` rows in `names` order; device tensors, so
+    reading them is the caller's one synchronisation). A recorded refit's replay rewrites `values` and `sources`
+    in place."""
+
+    names: tuple[str, ...]
+    values: torch.Tensor
+    """[len(names), 2] int64: `tensor_checksums` of each tensor as streamed, in the engine's dtype."""
+    sources: torch.Tensor | None = None
+    """`tensor_checksums` of the trainer tensors the stream read (`refit_sources`), as it read them; None where
+    the refit communicates (it is then never recorded)."""
 
 
-def checksum(tensor: torch.Tensor) -> float:
-    """`checksum_tensor`, read as a float."""
-    return float(checksum_tensor(tensor))
+@functools.lru_cache(maxsize=64)
+def _layout(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tensors of `rows` rows each: every row's index within its tensor ([R] int64) and the cumulative row
+    counts ([k + 1] int64, from 0). Cached, so a refit recorded as a CUDA graph builds no tensor from host data
+    (the eager refit before the recording made them)."""
+    counts = torch.tensor(rows, dtype=torch.int64)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    within = torch.arange(int(counts.sum()), dtype=torch.int64) - first
+    ends = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    return within.to(device), ends.to(device)
 
 
-def checksums(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-    """`checksum` per named tensor."""
-    return {name: checksum(tensor) for name, tensor in tensors}
+_SIDE = 64
+"""`CHECKSUM_LANES` is `_SIDE` squared."""
+
+
+@functools.lru_cache(maxsize=8)
+def _side(device: torch.device) -> torch.Tensor:
+    return torch.arange(_SIDE, dtype=torch.int64, device=device)
+
+
+def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensor_checksums` of tensors of one element size (a handful of kernels whatever their number)."""
+    device, lanes = tensors[0].device, CHECKSUM_LANES
+    bits = _BITS[tensors[0].element_size()]
+    flats = [t.detach().reshape(-1).view(bits) for t in tensors]  # reshape copies only a non-contiguous tensor
+    rows = tuple(-(-f.numel() // lanes) for f in flats)
+    within, ends = _layout(rows, device)
+    buffer = torch.zeros(sum(rows) * lanes, dtype=bits, device=device)
+    views, offset = [], 0
+    for flat, count in zip(flats, rows, strict=True):
+        views.append(buffer[offset : offset + flat.numel()])
+        offset += count * lanes
+    torch._foreach_copy_(views, flats)  # one multi-tensor copy into the padded rows
+    # a row as [_SIDE, _SIDE] (lane = _SIDE * h + l): its sums over l and over h, accumulated in int64 straight
+    # from the bits, give the plain and the lane-weighted sums with no int64 copy of the buffer
+    grid = buffer.view(-1, _SIDE, _SIDE)
+    over_l, over_h = grid.sum(2, dtype=torch.int64), grid.sum(1, dtype=torch.int64)
+    index = _side(device)
+    plain = over_l.sum(1)
+    by_lane = (over_l * index).sum(1) * _SIDE + (over_h * index).sum(1)
+    # sum of position * value per row: position = row-within-tensor * lanes + lane
+    weighted = plain * (within * lanes) + by_lane
+    running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), torch.stack([plain, weighted], 1)])
+    running = running.cumsum(0)[ends]
+    return running[1:] - running[:-1]
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, two exact integer sums over its bit pattern: [len(tensors), 2] int64 on the tensors' device.
+
+    Column 0 is the sum of the elements' bit patterns (as signed integers of the element's size), column 1 the
+    sum of position x bit pattern over the flattened tensor, both in wrapping int64 arithmetic, so they are
+    exact and independent of reduction order (equal on any device, for any batching). Every element is read:
+    one changed element changes column 0, and exchanging two different elements (a permuted, transposed or
+    mis-split tensor, rows of q and k swapped) changes column 1 by (i - j)(x_j - x_i), never 0 mod 2^64 for
+    tensors of fewer than 2^30 elements. Tensors of equal bits and shape have equal checksums, whatever their
+    layout in memory. Dtype is not part of it: compare tensors of one dtype.
+
+    Cost: per batch of up to `CHECKSUM_BATCH_ELEMENTS` elements of one element size, a multi-tensor copy into a
+    zero-padded [rows, `CHECKSUM_LANES`] buffer, two reductions reading it and a few kernels on per-row sums (no
+    kernel per tensor beyond the copies of non-contiguous ones); nothing synchronises."""
+    if not tensors:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    by_size: dict[int, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_size.setdefault(tensor.element_size(), []).append(index)
+    for indices in by_size.values():
+        batch: list[int] = []
+        size = 0
+        for index in [*indices, None]:
+            numel = 0 if index is None else tensors[index].numel()
+            if batch and (index is None or size + numel > CHECKSUM_BATCH_ELEMENTS):
+                for i, row in zip(batch, _batch_checksums([tensors[i] for i in batch]), strict=True):
+                    rows[i] = row
+                batch, size = [], 0
+            if index is not None:
+                batch.append(index)
+                size += numel
+    return torch.stack([row for row in rows if row is not None])
+
+
+def mismatched(names: Sequence[str], sent: torch.Tensor, held: torch.Tensor) -> list[str]:
+    """The names whose checksum rows differ (one synchronisation when they all agree)."""
+    if torch.equal(sent, held.to(sent.device)):
+        return []
+    differs = (sent != held.to(sent.device)).any(1).tolist()
+    return [name for name, bad in zip(names, differs, strict=True) if bad]
 
 
 def buckets(stream: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -3,15 +3,17 @@
 When the trainer and the engine share one GPU and producing the stream takes no collective (world size 1: no TP,
 PP, EP or DP peer), a refit is the same sequence of kernels between the same addresses every step: reads of the
 trainer's parameters (updated in place by the optimizer), the conversion's temporaries, the engine's parameters
-(filled in place by `load_weights`) and the checksums of the sampled tensors. Most of an eager refit's time is
-host work per tensor (walking the table, naming, shape checks: tens of microseconds per tensor against a copy
-that takes a few); a replay issues the recorded kernels at once.
+(filled in place by `load_weights`) and the checksums of every streamed tensor (`refit.Checksums`). Most of an
+eager refit's time is host work per tensor (walking the table, naming, shape checks: tens of microseconds per
+tensor against a copy that takes a few); a replay issues the recorded kernels at once.
 
 How: the refit runs eagerly while anything it depends on is new (the first refit; after the engine reallocated
 its weights, as `sleep(level=2)` does; after the trainer's parameters moved). The next refit with the same
 sources and engine storage is run through the usual stream and `load_weights` under CUDA stream capture, then
 replayed; later ones only replay. The recording's checksum tensors are rewritten by each replay and compared by
-the caller as after an eager refit, so a replay that copied stale or wrong data fails the same check.
+the caller as after an eager refit: against the engine's tensors (a replay that copied stale or wrong data into
+the engine fails) and, for the trainer tensors the stream read, against those tensors checksummed again outside
+the recording (a replay that read stale sources fails, although engine and stream then agree).
 
 Assumes: the trainer's parameters keep their storage between refits unless their addresses change (checked: the
 key holds every source's address) and the engine's weights keep theirs unless its `weights_version` changes. If
@@ -23,21 +25,21 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from hf_mcore_bridge.grpo.refit import PhaseTimes
 
-Sent = dict[str, torch.Tensor]
-"""Checksums of the sampled tensors, by HF name (0-dim device tensors)."""
+Sent = TypeVar("Sent")
+"""What a refit returns (the trainer's: `refit.Checksums`, device tensors a replay rewrites)."""
 
 
 class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-Recorder = Callable[[Callable[[], Sent]], tuple[Replayable, Sent]]
+Recorder = Callable[[Callable[[], Any]], tuple[Replayable, Any]]
 """Records `fn` (without running it) and returns something that replays it, with `fn`'s outputs."""
 
 
@@ -58,7 +60,7 @@ def engine_weights_version(engine: Any) -> int | None:
 class _Recording:
     key: tuple[Any, ...]
     replayable: Replayable
-    sent: Sent
+    sent: Any
 
 
 class RefitReplay:
@@ -78,7 +80,7 @@ class RefitReplay:
         engine_version: int | None,
         times: PhaseTimes,
     ) -> tuple[Sent, str]:
-        """One refit; returns the sampled checksums and how it ran: `eager`, `recorded` (recorded, then replayed)
+        """One refit; returns its checksums and how it ran: `eager`, `recorded` (recorded, then replayed)
         or `replayed`. `stream(times)` performs one eager refit; `sources` are the tensors it reads (None: it
         communicates, so it is never recorded); `engine_version` is the engine's `weights_version`."""
         key = None

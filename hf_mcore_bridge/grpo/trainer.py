@@ -19,12 +19,17 @@ FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same fo
    `grpo.generation`), scores them, computes group advantages and broadcasts them;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
-3. training: the step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
-4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine, with
-   checksums of sampled tensors compared on both sides and a fixed probe prompt scored by engine and trainer
-   (`probe_token_mult_prob_error`);
+3. training: first the gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
+   `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
+   step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
+4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine; every
+   tensor the engine holds is checksummed against the one streamed (`_check_transfer`), and a fixed probe
+   prompt is scored by engine and trainer and gated the same way (`probe_token_mult_prob_error`);
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
    (`rollouts.jsonl`).
+
+The engine's first weights come through the same refit and checks before step 1, so a wrong conversion stops
+the run at step 1 (a stopped step is neither logged nor saved).
 
 The resolved config is saved as `grpo_config.yaml` in the log directory, and a PNG of reward and KL over the steps
 (`training_curves.png`) is drawn there at the end.
@@ -43,7 +48,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,12 +62,13 @@ from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
-from hf_mcore_bridge.grpo.generation import build_engine, readable_tensor
+from hf_mcore_bridge.grpo.generation import build_engine, engine_tensor_names, readable_tensor
+from hf_mcore_bridge.grpo.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
-from hf_mcore_bridge.grpo.refit import PhaseTimes, buckets, checksum, checksum_tensor
+from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.stop_tokens import with_stop_token_ids
 
@@ -70,9 +76,6 @@ __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 """Every step's completions with their rewards, advantages and engine log-probs (rank 0 writes it)."""
-
-REFIT_CHECKED_TENSORS = 4
-"""HF tensors whose checksums are compared on both sides of every refit (spread over the model)."""
 
 
 @dataclass(frozen=True)
@@ -292,8 +295,10 @@ class _RankContext:
         self.val_records: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.refit_replay = RefitReplay()
-        self.refit_checked: set[str] | None = None
-        """The HF names whose checksums each refit compares (`checked_names`), chosen at the first refit."""
+        self.refit_names: list[str] | None = None
+        """Every HF name the policy streams (`hf_names`), listed at the first refit."""
+        self.engine_dtype = DTYPES[config.policy.dtype]
+        """The engine's weights' dtype: streamed tensors are checksummed in it."""
         if self.is_rank0:
             self._set_up_rank0()
 
@@ -447,7 +452,11 @@ def _flat_mult_error(
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout]) -> dict[str, float]:
+def _train_step(
+    policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout], gate: Callable[[float], None] | None = None
+) -> dict[str, float]:
+    """Log-probs, then one optimizer step per mini-batch; `gate` sees the rollouts' `token_mult_prob_error` first
+    (it may stop the run before any update)."""
     temperature = config.generation.temperature
     minibatches = _minibatches(policy, config, rollouts)
     flat = [b for mini in minibatches for b in mini]
@@ -456,6 +465,8 @@ def _train_step(policy: TrainingBackend, config: GRPOConfig, rollouts: list[Roll
     ref = policy.compute_logprobs(flat, temperature, reference=True) if policy.has_reference else None
     logprobs_s = time.perf_counter() - started
     stats = {"token_mult_prob_error": _flat_mult_error(policy, flat, old), "logprobs_s": logprobs_s}
+    if gate is not None:
+        gate(stats["token_mult_prob_error"])
     started = time.perf_counter()
     per_minibatch, offset = [], 0
     for mini in minibatches:
@@ -483,17 +494,20 @@ _PER_MINIBATCH = ("loss", "grad_norm")
 """Metrics logged for each mini-batch (`minibatch{i}_loss`, ...) when a step has several."""
 
 
-def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
-    """Stream the policy into rank 0's engine (or replay the recorded refit, `refit_replay`); compare checksums of
-    a few tensors on both sides."""
+def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, float]:
+    """Stream the policy into rank 0's engine (or replay the recorded refit, `refit_replay`), then check that the
+    engine holds every streamed tensor exactly as streamed (`_check_transfer`). `step`: the step the weights are
+    from (0: the initial refit)."""
     started = time.perf_counter()
-    if ctx.refit_checked is None:  # the names do not change during a run: listed once
-        ctx.refit_checked = checked_names(policy.hf_names())
-    checked, times = ctx.refit_checked, PhaseTimes()
+    if ctx.refit_names is None:  # the names do not change during a run: listed once
+        ctx.refit_names = policy.hf_names()
+    times = PhaseTimes()
+    sent, mode = None, "eager"
     if ctx.is_rank0:
+        sources = policy.refit_sources()
         sent, mode = ctx.refit_replay.run(
-            lambda phase_times: _stream_into_engine(ctx, policy, checked, phase_times),
-            policy.refit_sources(),
+            lambda phase_times: _stream_into_engine(ctx, policy, sources, phase_times),
+            sources,
             engine_weights_version(ctx.engine),
             times,
         )
@@ -503,61 +517,87 @@ def _refit(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     if torch.cuda.is_available():  # the copies are asynchronous: time them to their end
         torch.cuda.synchronize()
     refit_s = time.perf_counter() - started
-    if not ctx.is_rank0:
+    if not ctx.is_rank0 or sent is None:
         return {}
     phases = times.totals()
-    missing = sorted(checked - set(sent))
-    held = {name: readable_tensor(ctx.engine, name) for name in sent}  # None where the engine's are not readable
-    compared = {name: tensor for name, tensor in held.items() if tensor is not None}
-    mismatched = [name for name, tensor in compared.items() if float(sent[name]) != checksum(tensor)]
-    if missing or mismatched:
-        raise BridgeError(f"refit check failed: not streamed {missing}, checksum differs for {mismatched}")
+    started = time.perf_counter()
+    compared = _check_transfer(ctx, policy, sent, step)
     return {
         "refit_s": refit_s,
         "refit_gather_s": phases["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
         "refit_transfer_s": phases["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
-        # the rest of producing the stream: the table's to_hf (and the sampled checksums)
+        # the rest of producing the stream: the table's to_hf and the streamed tensors' checksums
         "refit_convert_s": max(0.0, phases["produce"] - phases["gather"] - phases["transfer"]),
         "refit_load_s": phases["load"],  # the engine's load_weights
-        "refit_checked_tensors": float(len(compared)),
+        "refit_check_s": time.perf_counter() - started,  # the engine's tensors checksummed and compared
+        "refit_checked_tensors": float(compared),
         "refit_replayed": float(mode != "eager"),  # 1: a replay of the recorded refit (phases not timed)
     }
 
 
 def _stream_into_engine(
-    ctx: _RankContext, policy: TrainingBackend, checked: set[str], times: PhaseTimes
-) -> dict[str, torch.Tensor]:
+    ctx: _RankContext, policy: TrainingBackend, sources: list[torch.Tensor] | None, times: PhaseTimes
+) -> Checksums:
     """One eager refit on rank 0: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
-    returns the checksums of the `checked` tensors as streamed."""
-    sent: dict[str, torch.Tensor] = {}
-    groups = buckets(_recording(policy.hf_weights(times), checked, sent), ctx.config.policy.refit_bucket_mb << 20)
+    returns the checksums of every tensor as streamed (in the engine's dtype) and of the `sources` it read."""
+    names: list[str] = []
+    sums: list[torch.Tensor] = []
+    groups = buckets(policy.hf_weights(times), ctx.config.policy.refit_bucket_mb << 20)
     while True:
-        with times.phase("produce"):  # gathering, transferring and converting up to a bucket's worth
+        with times.phase("produce"):  # gathering, transferring, converting and checksumming up to a bucket
             bucket = next(groups, None)
+            if bucket is not None:
+                names.extend(name for name, _ in bucket)
+                sums.append(tensor_checksums([tensor.to(ctx.engine_dtype) for _, tensor in bucket]))
         if bucket is None:
-            return sent
+            break
         with times.phase("load"):
             ctx.engine.load_weights(bucket)
+    values = torch.cat(sums) if sums else torch.zeros((0, 2), dtype=torch.int64)
+    return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
 
 
-def checked_names(names: list[str]) -> set[str]:
-    """`REFIT_CHECKED_TENSORS` of the streamed HF `names`, spread evenly over their order (first and last included)."""
-    count = min(REFIT_CHECKED_TENSORS, len(names))
-    return {names[round(i * (len(names) - 1) / max(1, count - 1))] for i in range(count)}
+def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:
+    """Transfer integrity (rank 0), after every refit, eager or replayed: every HF tensor of the table was
+    streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine) has the
+    checksum of the tensor streamed to it; and the trainer tensors a recordable refit read have the checksums
+    they have now (a replay that read stale storage). Raises `BridgeError` (one line); returns the number of
+    engine tensors compared. Catches lost, duplicated, truncated, permuted, stale or misplaced copies; NOT a
+    conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert order): that is
+    the log-prob gate's job (`logprob_gate`)."""
+    names = list(sent.names)
+    streamed = set(names)
+    problems = []
+    expected = set(ctx.refit_names or ()) | set(engine_tensor_names(ctx.engine) or ())
+    if missing := sorted(expected - streamed):
+        problems.append(f"not streamed: {_few(missing)}")
+    if len(streamed) != len(names):
+        problems.append(f"streamed more than once: {_few(sorted(n for n in streamed if names.count(n) > 1))}")
+    held = [readable_tensor(ctx.engine, name) for name in names]
+    readable = [i for i, tensor in enumerate(held) if tensor is not None]
+    if readable:
+        rows = sent.values if len(readable) == len(names) else sent.values[readable]
+        engine_sums = tensor_checksums([held[i] for i in readable if held[i] is not None])
+        if differ := mismatched([names[i] for i in readable], rows, engine_sums):
+            problems.append(f"the engine's tensor differs from the one streamed for {len(differ)}: {_few(differ)}")
+    now = policy.refit_sources()
+    if sent.sources is not None and now is not None:
+        labels = [f"source {i}" for i in range(len(now))]
+        if len(now) != sent.sources.shape[0] or mismatched(labels, sent.sources, tensor_checksums(now)):
+            problems.append("the refit read trainer tensors that differ from the trainer's now (a stale replay)")
+    if problems:
+        when = "the initial refit" if step == 0 else f"the refit after step {step}"
+        raise BridgeError(f"{when} failed its check: " + "; ".join(problems))
+    return len(readable)
 
 
-def _recording(
-    stream: Iterator[tuple[str, torch.Tensor]], checked: set[str], sent: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass the stream on, checksumming the `checked` tensors on the way (on their device: read after the refit)."""
-    for name, tensor in stream:
-        if name in checked:
-            sent[name] = checksum_tensor(tensor)
-        yield name, tensor
+def _few(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
-def _probe(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
-    """Engine vs trainer on the fixed probe prompt: `token_mult_prob_error` of one sampled completion."""
+def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, float]:
+    """Engine vs trainer on the fixed probe prompt: `token_mult_prob_error` of one sampled completion, gated by
+    `grpo.max_token_mult_prob_error` (`logprob_gate`)."""
     rollout = None
     if ctx.is_rank0:
         out = ctx.engine.generate([ctx.probe_prompt], _sampling_params(ctx.config, 1, seed=ctx.config.grpo.seed))[0]
@@ -566,7 +606,9 @@ def _probe(ctx: _RankContext, policy: TrainingBackend) -> dict[str, float]:
     rollout = _broadcast(rollout)
     batches = make_microbatches([rollout], 1)
     logprobs = policy.compute_logprobs(batches, ctx.config.generation.temperature)
-    return {"probe_token_mult_prob_error": _flat_mult_error(policy, batches, logprobs, over_dp=False)}
+    error = _flat_mult_error(policy, batches, logprobs, over_dp=False)
+    check_logprob_agreement(ctx.config, step, error, "probe prompt", report=ctx.is_rank0)
+    return {"probe_token_mult_prob_error": error}
 
 
 def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
@@ -590,14 +632,17 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
     policy = build_backend(config, prepared)
     ctx = _RankContext(config, prepared)
     first_step = _maybe_resume(ctx, policy) + 1
-    initial = _refit(ctx, policy)  # the engine's first weights come from the trainer, through the table
+    # the engine's first weights come from the trainer, through the table and the refit's checks: a wrong
+    # conversion shows in the first step's rollouts (the gate below)
+    initial = _refit(ctx, policy, first_step - 1)
     for step in range(first_step, config.grpo.max_num_steps + 1):
         started = time.perf_counter()
         rollouts, rollout_stats = _generate_rollouts(ctx, step) if ctx.is_rank0 else (None, {})
         generation_s = time.perf_counter() - started
         rollouts = _broadcast(rollouts)
-        metrics = _train_step(policy, config, rollouts)
-        metrics |= _refit(ctx, policy) | _probe(ctx, policy) | _validate(ctx, step)
+        metrics = _train_step(policy, config, rollouts, gate=_rollouts_gate(ctx, step))
+        metrics |= _refit(ctx, policy, step)
+        metrics |= _probe(ctx, policy, step) | _validate(ctx, step)
         step_s = time.perf_counter() - started
         if ctx.logger is not None:
             _log_rollouts(prepared.log_dir, step, rollouts)
@@ -613,6 +658,15 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         _maybe_save(ctx, policy, step)
     if ctx.logger is not None:
         ctx.logger.close()
+
+
+def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:
+    """The step's rollouts' engine-vs-trainer `token_mult_prob_error`, gated before training (`logprob_gate`)."""
+
+    def gate(error: float) -> None:
+        check_logprob_agreement(ctx.config, step, error, "step's rollouts", report=ctx.is_rank0)
+
+    return gate
 
 
 def _maybe_resume(ctx: _RankContext, policy: TrainingBackend) -> int:

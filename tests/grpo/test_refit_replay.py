@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mcore_bridge.grpo.refit import PhaseTimes, checksum_tensor
+from hf_mcore_bridge.grpo.refit import PhaseTimes, tensor_checksums
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay
 
 
@@ -43,7 +43,7 @@ class Refit:
         self.runs += 1
         with times.phase("load"):
             self.engine.copy_(self.source * 2)
-        return {"w": checksum_tensor(self.source * 2)}
+        return {"w": tensor_checksums([self.source * 2])}
 
 
 def test_eager_then_recorded_then_replayed_and_again_after_storage_changes():
@@ -54,7 +54,7 @@ def test_eager_then_recorded_then_replayed_and_again_after_storage_changes():
         sent, mode = replay.run(refit, [refit.source], engine_version=0, times=PhaseTimes())
         modes.append(mode)
         assert torch.equal(refit.engine, refit.source * 2), step
-        assert float(sent["w"]) == float(checksum_tensor(refit.engine))
+        assert torch.equal(sent["w"], tensor_checksums([refit.engine]))
     assert modes == ["eager", "recorded", "replayed", "replayed"]
     assert eager_recorder.last.replays == 3  # the recording, then two steps
     _, mode = replay.run(refit, [refit.source], engine_version=1, times=PhaseTimes())  # the engine reallocated
@@ -79,5 +79,5 @@ def test_a_failed_recording_warns_and_leaves_refits_eager():
     with pytest.warns(UserWarning, match="refit recording failed, refits stay eager: RuntimeError: capture not"):
         sent, mode = replay.run(refit, [refit.source], 0, PhaseTimes())
     assert mode == "eager" and replay.disabled and torch.equal(refit.engine, refit.source * 2)
-    assert float(sent["w"]) == float(checksum_tensor(refit.engine))
+    assert torch.equal(sent["w"], tensor_checksums([refit.engine]))
     assert replay.run(refit, [refit.source], 0, PhaseTimes())[1] == "eager"

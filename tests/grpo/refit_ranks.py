@@ -1,0 +1,210 @@
+"""Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
+deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
+
+Corruptions touch the refit's stream only (`refit._local_hf_weights`, after the mapping table's `to_hf`) or its
+recording; the trainer's model, its checkpoint and the engine's code are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QK = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
+GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
+EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
+
+
+def varied_reward(completion: str, answer: str) -> float:
+    """Rewards that differ within a group, so the first step moves the weights (a stale copy then differs)."""
+    return float(sum(map(ord, completion)) % 5)
+
+
+def _swap_qk_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q's first rows and k exchanged (a QKV split that takes k's rows for q's and q's for k's)."""
+    rows = k.shape[0]
+    return torch.cat([k, q[rows:]]), q[:rows].clone()
+
+
+def _corrupt(stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in stream:
+        if "qk" in kinds and name in QK:
+            held[name] = tensor
+            if len(held) == 2:
+                q, k = _swap_qk_rows(held[QK[0]], held[QK[1]])
+                yield from ((QK[0], q), (QK[1], k))
+            continue
+        if "gate_up" in kinds and name in GATE_UP:
+            yield GATE_UP[1 - GATE_UP.index(name)], tensor  # gate's tensor under up's name and back
+            continue
+        if "experts" in kinds and name.startswith(EXPERTS):
+            first = name.startswith(EXPERTS[0])
+            yield name.replace(*(EXPERTS if first else EXPERTS[::-1])), tensor
+            continue
+        yield name, tensor
+
+
+def _recordable(monkeypatch_target: Any) -> None:
+    """Let the refit be recorded on CPU (it needs no collective at world size 1; only CUDA is assumed away)."""
+    monkeypatch_target.refit_sources = lambda self: list(self.policy.module.parameters())
+
+
+class _StaleEngineCopy:
+    """A recording whose replay copies the engine's weights from a stale buffer (those of the refit before)."""
+
+    def __init__(self, engine_model: Any, fn: Any) -> None:
+        self.stale = {n: p.detach().clone() for n, p in engine_model.named_parameters()}
+        self.model = engine_model
+        self.sent = fn()  # the capture's stand-in: the stream and its checksums as recorded
+
+    def replay(self) -> None:
+        for name, param in self.model.named_parameters():
+            param.data.copy_(self.stale[name])
+
+
+class _StaleSources:
+    """A recording that read a stale copy of the trainer's weights (the initial ones); its replay runs nothing."""
+
+    def __init__(self, params: list[torch.nn.Parameter], stale: list[torch.Tensor], fn: Any) -> None:
+        fresh = [p.data for p in params]
+        for param, old in zip(params, stale, strict=True):
+            param.data = old
+        try:
+            self.sent = fn()
+        finally:
+            for param, new in zip(params, fresh, strict=True):
+                param.data = new
+
+    def replay(self) -> None:
+        pass
+
+
+def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
+    """`trainer._train_rank` with the refit broken as `kind` says: `qk`, `gate_up`, `experts` (the stream; joined
+    by `+` for several), `later_...` (the same from the second refit on: the first step's rollouts are sound),
+    `stale_engine`, `stale_sources` (the recording), `vllm_qk` (`qk` behind a vLLM engine replaced by the
+    embedded one, whose tensors `readable_tensor` cannot read)."""
+    import hf_mcore_bridge.engine
+    from hf_mcore_bridge.grpo import backend, refit, trainer
+    from hf_mcore_bridge.grpo.refit_replay import RefitReplay
+
+    original = refit._local_hf_weights
+    kinds = set(kind.removeprefix("vllm_").removeprefix("later_").split("+"))
+    refits = [0]
+
+    def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        refits[0] += 1
+        later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
+        return original(*args) if later else _corrupt(original(*args), kinds)
+
+    refit._local_hf_weights = corrupted
+    if kind == "vllm_qk":
+        hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
+    if kind.startswith("stale_"):
+        _recordable(backend.MegatronBackend)
+        built: dict[str, Any] = {}
+        build_backend = trainer.build_backend
+
+        def keep(*args: Any) -> Any:
+            built["policy"] = build_backend(*args)
+            params = list(built["policy"].policy.module.parameters())
+            built["initial"] = [p.detach().clone() for p in params]
+            return built["policy"]
+
+        trainer.build_backend = keep
+        init = trainer._RankContext.__init__
+
+        def with_stale_recorder(ctx: Any, *args: Any) -> None:
+            init(ctx, *args)
+
+            def record(fn: Any) -> tuple[Any, Any]:
+                if kind == "stale_engine":
+                    recording: Any = _StaleEngineCopy(ctx.engine.model, fn)
+                else:
+                    params = list(built["policy"].policy.module.parameters())
+                    recording = _StaleSources(params, built["initial"], fn)
+                return recording, recording.sent
+
+            ctx.refit_replay = RefitReplay(recorder=record)
+
+        trainer._RankContext.__init__ = with_stale_recorder
+    trainer._train_rank(config, prepared)
+
+
+class _EmbeddedAsVllm:
+    """Stands in for `VllmEngine` (vLLM is not installed here): the embedded engine, taking and giving token ids."""
+
+    def __init__(self, model_dir: Path, config: Any, **_: Any) -> None:
+        from hf_mcore_bridge.engine import Engine
+
+        self._engine = Engine(json.loads((Path(model_dir) / "config.json").read_text()), config, tokenizer=None)
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        return self._engine.generate(prompts, params)
+
+    def load_weights(self, weights: Any) -> Any:
+        return self._engine.load_weights(weights)
+
+
+def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
+    """DP2: megatron-core's DDP with the distributed optimizer's buffers and `overlap_param_gather`, after a step
+    that (as the distributed optimizer's does) updated only this rank's shard of the parameter buffer. Rank 0
+    saves whether the refit stream equals the post-step weights (set directly, no gather) without and with
+    `finish_param_gather` (as the megatron backend's `hf_weights` runs it)."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    from hf_mcore_bridge.config_bridge import from_megatron_args
+    from hf_mcore_bridge.grpo.backend import MegatronBackend
+    from hf_mcore_bridge.grpo.policy import Policy
+    from hf_mcore_bridge.grpo.refit import hf_weights
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.megatron_dirs import read_common
+    from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
+    from hf_mcore_bridge.world import device
+
+    args = read_common(Path(checkpoint_dir))["args"]
+    model_cfg = from_megatron_args(args)
+    gpt = build_gpt_model(model_cfg, Layout(), torch.float32, args.padded_vocab_size, device=device())
+    load_distributed_checkpoint(gpt, Path(checkpoint_dir))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
+    model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+    size, rank = dist.get_world_size(), dist.get_rank()
+    buffers = [bucket.param_data for group in model.bucket_groups for bucket in group.buckets]
+    expected = []
+    for buffer in buffers:  # the post-step weights: every rank's shard moved by its own step
+        full = buffer.clone()
+        for r, shard in enumerate(shard_buffer(full, size)):
+            shard.add_(0.5 * (r + 1))
+        expected.append(full)
+        shard_buffer(buffer, size)[rank].add_(0.5 * (rank + 1))  # this rank's step
+
+    def stream() -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor.clone()) for name, tensor in hf_weights(gpt, model_cfg, args.padded_vocab_size)]
+
+    stale = stream()
+    # the trainer's refit stream: the megatron backend's `hf_weights`, which runs `finish_param_gather` first
+    policy = Policy(model, None, None, model_cfg, args.padded_vocab_size, torch.float32)
+    backend = MegatronBackend(policy, None, None)  # type: ignore[arg-type]  # config and run: not read here
+    fresh = [(name, tensor.clone()) for name, tensor in backend.hf_weights()]
+    gathered = all(torch.equal(b, e) for b, e in zip(buffers, expected, strict=True))
+    for buffer, full in zip(buffers, expected, strict=True):
+        buffer.copy_(full)
+    direct = stream()
+
+    def same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+        if [n for n, _ in a] != [n for n, _ in b]:
+            return False
+        return all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True))
+
+    if rank == 0:
+        torch.save(
+            {"tensors": len(direct), "gathered": gathered, "stale": same(stale, direct), "fresh": same(fresh, direct)},
+            out_file,
+        )

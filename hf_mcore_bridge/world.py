@@ -242,13 +242,19 @@ def _follow_launcher(launcher: int) -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent()
+    if os.getppid() != launcher:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux's `PR_SET_PDEATHSIG`; elsewhere nothing).
+    Also for helper processes a rank starts (see `grpo.checkpoint`), which would otherwise outlive a killed rank."""
     if sys.platform == "linux":
         import ctypes
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != launcher:  # the launcher died before the line above took effect
-        os._exit(1)
 
 
 def _rank_main(

@@ -12,6 +12,10 @@ and the optimizer step count; sampling seeds are derived from the step, so a res
 one. The KL reference is the run's initial policy, reloaded from its original checkpoint on resume, not saved.
 
 Simplifications: saving is synchronous; old checkpoints are not pruned.
+
+megatron-core's `torch_dist` writer passes its results through a `multiprocessing` manager, a server process each
+rank starts at its first save and keeps. Left to megatron-core, that process outlives a rank killed with its
+launcher; `_write_results_queue` starts it (once per rank) so that the kernel ends it with its rank.
 """
 
 from __future__ import annotations
@@ -73,12 +77,29 @@ def save_checkpoint(
     state = _sharded_state(policy, is_loading=False)
     state["trainer"] = {**trainer_state, "step": step, "scheduler": policy.scheduler.state_dict()}
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=step)
+    _write_results_queue()
     dist_checkpointing.save(state, str(staging))
     dist.barrier()
     if dist.get_rank() == 0:
         publish_iteration(staging, final, root, step)
     dist.barrier()
     return final
+
+
+def _write_results_queue() -> None:
+    """Put a queue served by a manager process that dies with this rank where megatron-core's writer looks for
+    its results queue (megatron-core creates one on first use, without that, and reuses whichever is there)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from hf_mcore_bridge.world import die_with_parent
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
 
 
 def _write_assets(directory: Path, assets: dict[str, str]) -> None:

@@ -173,14 +173,20 @@ ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rol
     ("kind", "layout", "message"),
     [
         ("qk", {}, ROLLOUTS_GATE),
+        ("gate_up", {}, ROLLOUTS_GATE),
+        ("qk", {"tp": 2}, ROLLOUTS_GATE),
         ("gate_up", {"tp": 2}, ROLLOUTS_GATE),
         ("qk", {"pp": 2}, ROLLOUTS_GATE),
+        ("gate_up", {"pp": 2}, ROLLOUTS_GATE),
         ("vllm_qk", {}, ROLLOUTS_GATE),
         ("later_qk+gate_up", {}, "step 1: engine vs trainer log-probs disagree on the probe prompt: token_mult_pr"),
         ("stale_engine", {}, "the refit after step 1 failed its check: the engine's tensor differs from the one"),
         ("stale_sources", {}, "the refit after step 1 failed its check: the refit read trainer tensors that differ"),
     ],
-    ids=["tp1-qk", "tp2-gate_up", "pp2-qk", "vllm-qk", "tp1-probe", "tp1-stale_engine", "tp1-stale_sources"],
+    ids=[
+        *("tp1-qk", "tp1-gate_up", "tp2-qk", "tp2-gate_up", "pp2-qk", "pp2-gate_up"),
+        *("vllm-qk", "tp1-probe", "tp1-stale_engine", "tp1-stale_sources"),
+    ],
 )
 def test_a_corrupted_refit_stops_the_run_at_the_first_step(
     tmp_path: Path, kind: str, layout: dict[str, int], message: str
@@ -192,12 +198,15 @@ def test_a_corrupted_refit_stops_the_run_at_the_first_step(
 
 
 @pytest.mark.slow
-def test_exchanged_experts_stop_the_run_at_the_first_step_at_ep2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["experts", "qk", "gate_up"])
+def test_a_corrupted_moe_refit_stops_the_run_at_the_first_step_at_ep2(tmp_path: Path, kind: str) -> None:
+    """Qwen3-MoE at EP2: two experts' tensors exchanged in layer 0, or q/k rows or gate/up swapped in its dense
+    layer 1."""
     policy = build_tiny_policy(
         tmp_path / "policy", seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0
     )
     with pytest.raises(BridgeError, match=ROLLOUTS_GATE):
-        _corrupted_run(tmp_path, policy, "experts", ep=2)
+        _corrupted_run(tmp_path, policy, kind, ep=2)
 
 
 @pytest.mark.slow

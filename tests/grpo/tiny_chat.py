@@ -35,8 +35,12 @@ def build_chat_tokenizer(directory: Path) -> Path:
 
 
 def build_chat_policy(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama over `CHAT_WORDS` with the chat tokenizer (EOS in neither config: the tokenizer's)."""
+    """A 2-layer Llama over `CHAT_WORDS` with the chat tokenizer; its configs name `[EOS]` (id 0) as EOS."""
     build_tiny_model(directory, "LlamaForCausalLM", seed=seed, num_hidden_layers=2, vocab_size=len(CHAT_WORDS))
+    for name in ("config.json", "generation_config.json"):  # transformers writes Llama's defaults (eos 2, bos 1)
+        path = directory / name
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": 0, "bos_token_id": None}))
     build_chat_tokenizer(directory)
     return directory
 

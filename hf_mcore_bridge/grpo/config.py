@@ -260,6 +260,8 @@ class DataConfig:
     hf_dataset: str | None = None
     """An HF dataset name or path for `datasets.load_dataset` (needs the `datasets` package and the Hub or a
     local copy); exclusive with `task` and `train_jsonl`."""
+    hf_subset: str | None = None
+    """The dataset's configuration name (`datasets.load_dataset(name=...)`; `main` for openai/gsm8k)."""
     hf_split: str = "train"
     """The dataset split to train on."""
     hf_val_split: str | None = None

@@ -148,7 +148,8 @@ def load_train_val(data: Any, val_count: int, seed: int) -> tuple[list[PromptRec
 
     def read(source: str, split: str | None) -> list[PromptRecord]:
         if data.hf_dataset is not None:
-            records = load_hf_dataset(source, split or "train", *fields)
+            subset = {"name": data.hf_subset} if data.hf_subset else {}
+            records = load_hf_dataset(source, split or "train", *fields, **subset)
         else:
             records = load_records_file(source, *fields)
         return apply_processor(data.processor, records, source) if data.processor is not None else records

@@ -136,12 +136,15 @@ def template_stop_ids(stop_ids: tuple[int, ...], renderer: PromptRenderer) -> tu
     return stop_ids if eot is None or eot in stop_ids else (*stop_ids, eot)
 
 
-def with_template_stop_ids(config: Any, tokenizer_file: Path) -> Any:
-    """`config` with the chat template's end-of-turn token added to `generation.stop_token_ids` (when the
-    template is on and has one); raises BridgeError as `PromptRenderer.from_config`."""
+def with_template_stop_ids(config: Any, tokenizer_file: Path, add_end_of_turn: bool = True) -> Any:
+    """`config` with the chat template's end-of-turn token added to `generation.stop_token_ids` (when
+    `add_end_of_turn`, the template is on and has one). Builds the run's renderer on the way, so a template asked
+    for but missing is refused here, before any rank starts: raises BridgeError as `PromptRenderer.from_config`."""
     import dataclasses
 
     renderer = PromptRenderer.from_config(config.data, load_hf_tokenizer(tokenizer_file))
+    if not add_end_of_turn:
+        return config
     stops = template_stop_ids(tuple(config.generation.stop_token_ids or ()), renderer)
     if stops == tuple(config.generation.stop_token_ids or ()):
         return config

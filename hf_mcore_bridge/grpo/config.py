@@ -770,6 +770,11 @@ def _validate_data_and_logging(config: GRPOConfig) -> None:
     _require(grpo.val_num_generations >= 1, "grpo.val_num_generations must be >= 1")
     _require(reward.num_workers >= 0, "reward.num_workers must be >= 0")
     _require(reward.timeout_s >= 0, "reward.timeout_s must be >= 0 (0: no limit)")
+    _require(
+        reward.name != "math" or importlib.util.find_spec("math_verify") is not None,
+        "reward.name=math needs the 'math-verify' package (pip install 'math-verify[antlr4_13_2]'); or use"
+        " reward.name=number (exact fractions, no symbolic check)",
+    )
     _require(logger.num_val_samples_to_print >= 0, "logger.num_val_samples_to_print must be >= 0")
     for enabled, package, key in (
         (logger.wandb_enabled, "wandb", "wandb"),

@@ -197,8 +197,8 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     explicit_stops = config.generation.stop_token_ids is not None
     config = with_stop_token_ids(config)
     prepared = prepare_run(config)
-    if not explicit_stops:  # stop tokens the user listed are taken as given
-        config = with_template_stop_ids(config, prepared.tokenizer_file)
+    # stop tokens the user listed are taken as given
+    config = with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
     _trim_metrics(prepared.log_dir, _resume_step(config) or 0)
     _save_config(config, prepared.log_dir)
     start_world(config, _train_rank, config, prepared)

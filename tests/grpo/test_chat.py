@@ -72,3 +72,28 @@ def test_refusals(chat_tokenizer, tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="prompt_template"):
             check_prompt_template(bad)
     check_prompt_template("Q: {question} {{literal}}")
+
+
+def test_run_without_the_asked_template_is_refused_before_any_rank(tmp_path: Path) -> None:
+    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.trainer import train_grpo
+
+    from .tiny_policy import build_tiny_policy
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "Say 7", "answer": "7"}\n')
+    config = config_from_dict(
+        {
+            "policy": {
+                "model_path": str(build_tiny_policy(tmp_path / "policy")),
+                "megatron_cfg": {"enabled": False},
+                "dtensor_cfg": {"enabled": True},
+            },
+            "generation": {"stop_token_ids": [0]},
+            "data": {"train_jsonl": str(tmp_path / "d.jsonl"), "apply_chat_template": True},
+            "reward": {"name": "number"},
+            "logger": {"log_dir": str(tmp_path / "logs"), "print_progress": False},
+        }
+    )
+    with pytest.raises(BridgeError, match=r"data\.apply_chat_template=true but the tokenizer has no chat template"):
+        train_grpo(config)
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()

@@ -83,6 +83,7 @@ def test_errors(tmp_path: Path) -> None:
         (["grpo.val_num_generations=0"], "val_num_generations must be >= 1"),
         (["reward.num_workers=-1"], "num_workers must be >= 0"),
         (["logger.wandb_enabled=true"], "needs the 'wandb' package"),
+        (["reward.name=math"], "needs the 'math-verify' package"),
     ],
 )
 def test_config_refusals(overrides: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +92,8 @@ def test_config_refusals(overrides: list[str], message: str, monkeypatch: pytest
     from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    base = {"policy": {"model_path": "/m"}, "data": {"train_jsonl": "/d.jsonl"}}
+    missing = ("wandb", "math_verify")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    base = {"policy": {"model_path": "/m"}, "data": {"train_jsonl": "/d.jsonl"}, "reward": {"name": "number"}}
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(base, overrides)

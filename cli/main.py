@@ -443,6 +443,9 @@ GRPO_EXAMPLES = """Examples:
 def train_grpo_command(
     config: Annotated[Path, typer.Option("--config", help="The run's YAML (see examples/).")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides: grpo.max_num_steps=50 ...")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate, print the first prompts as the engine will see them, exit.")
+    ] = False,
 ) -> None:
     """GRPO on megatron-core with the embedded engine: `bridge train grpo --config run.yaml key=value ...`.
 
@@ -459,6 +462,9 @@ def train_grpo_command(
 
         run_config = load_config(config, overrides or [])
         validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)
+        if dry_run:
+            _print_preview(run_config)
+            return
         result = train_grpo(run_config)
         if not reports_here():  # a launcher's rank other than 0: rank 0 reports
             return
@@ -467,6 +473,21 @@ def train_grpo_command(
         typer.echo(f"{result.steps} steps; mean reward of the last 5: {last:.3f}; metrics in {result.log_dir}")
 
     _run(action)
+
+
+def _print_preview(grpo_config: Any) -> None:
+    from hf_mcore_bridge.grpo.preview import preview_run
+
+    preview = preview_run(grpo_config)
+    template = "on" if preview.chat_template else "off"
+    typer.echo(
+        f"config OK: {preview.num_train} training prompts, {preview.num_val} validation; chat template {template}"
+    )
+    stops = ", ".join(f"{i} {t!r}" for i, t in zip(preview.stop_token_ids, preview.stop_tokens, strict=True))
+    typer.echo(f"stop tokens: {stops or 'none'}")
+    for number, prompt in enumerate(preview.prompts, start=1):
+        typer.echo(f"--- prompt {number}: {len(prompt.token_ids)} tokens, answer {prompt.answer!r}")
+        typer.echo(prompt.text)
 
 
 EXPORT_EXAMPLES = """Examples:

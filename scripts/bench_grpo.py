@@ -109,6 +109,8 @@ def run_config(args: argparse.Namespace, model_dir: Path, prompts: Path) -> dict
             "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
         },
         "data": {"train_jsonl": str(prompts)},
+        # rewards are 0 anyway; `number` needs no sympy (math-verify is not on the GPU machine) and costs nothing
+        "reward": {"name": "number", "num_workers": 0},
         "logger": {"log_dir": str(args.work / "logs"), "print_progress": True},
         "cluster": {"gpus_per_node": args.gpus or None},
         "_samples": samples,

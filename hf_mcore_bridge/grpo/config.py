@@ -47,10 +47,12 @@ __all__ = [
     "GRPOSection",
     "GenerationConfig",
     "LoggerConfig",
+    "MLflowConfig",
     "MegatronConfig",
     "PolicyConfig",
     "RewardConfig",
     "SchedulerConfig",
+    "WandbConfig",
     "apply_overrides",
     "config_from_dict",
     "load_config",
@@ -192,7 +194,10 @@ class GRPOSection:
     val_period: int = 0
     """Run validation every this many steps (0: never)."""
     val_num_prompts: int = 8
-    """Prompts of the validation set scored (greedy, one sample each) at each validation."""
+    """Prompts of the validation set scored at each validation."""
+    val_num_generations: int = 1
+    """Completions per validation prompt: 1 is greedy; more are sampled at `generation.temperature` and give
+    `val_pass_at_1` (their mean reward) and `val_pass_at_k` (see `grpo.validation`)."""
     normalize_rewards: bool = True
     """Divide advantages by a reward standard deviation (GRPO; the group's, or with `leave_one_out` the one
     `leave_one_out_std` names); False: Dr. GRPO."""
@@ -268,6 +273,8 @@ class DataConfig:
     hf_dataset: str | None = None
     """An HF dataset name or path for `datasets.load_dataset` (needs the `datasets` package and the Hub or a
     local copy); exclusive with `task` and `train_jsonl`."""
+    hf_subset: str | None = None
+    """The dataset's configuration name (`datasets.load_dataset(name=...)`; `main` for openai/gsm8k)."""
     hf_split: str = "train"
     """The dataset split to train on."""
     hf_val_split: str | None = None
@@ -276,8 +283,19 @@ class DataConfig:
     """The prompt's field name in the JSONL rows."""
     answer_field: str = "answer"
     """The answer's field name in the JSONL rows."""
+    processor: str | None = None
+    """A named row format (`gsm8k`, `math`, `deepscaler`, `openmathinstruct2`; see `grpo.processors`) that sets
+    the fields and reduces the answer; None: `prompt_field` / `answer_field` as given."""
     shuffle: bool = True
     """Shuffle each epoch (seeded by `grpo.seed`)."""
+    apply_chat_template: bool | None = None
+    """Render prompts with the tokenizer's chat template (`tokenizer.apply_chat_template`); None: where the
+    tokenizer has one (see `grpo.chat`)."""
+    system_prompt: str | None = None
+    """A system turn put before each question (needs the chat template)."""
+    prompt_template: str | None = None
+    """A format string around each question, e.g. `"{question} Put the final answer in \\boxed{{}}."`; None:
+    the question as it is."""
 
 
 @dataclass(frozen=True)
@@ -285,7 +303,12 @@ class RewardConfig:
     """How a completion is scored."""
 
     name: str = "math"
-    """A built-in reward (`math`, `exact_match`) or a `module:function` taking `(completion_text, answer)`."""
+    """A built-in reward (`math`: math-verify's symbolic check; `number`; `exact`) or a `module:function` taking
+    `(completion_text, answer)` (see `grpo.rewards`)."""
+    num_workers: int = 4
+    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`."""
+    timeout_s: float = 5.0
+    """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +326,30 @@ class CheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """A Weights & Biases run (NeMo-RL's `logger.wandb`)."""
+
+    project: str = "hf-mcore-bridge"
+    """The W&B project."""
+    name: str | None = None
+    """The run's name; None: W&B picks one."""
+    entity: str | None = None
+    """The W&B team or user; None: the logged-in default."""
+
+
+@dataclass(frozen=True)
+class MLflowConfig:
+    """An MLflow run (NeMo-RL's `logger.mlflow`)."""
+
+    experiment_name: str = "hf-mcore-bridge"
+    """The MLflow experiment (created when missing)."""
+    run_name: str | None = None
+    """The run's name; None: MLflow picks one."""
+    tracking_uri: str | None = None
+    """Where runs are stored (`http://...`, `file:...`); None: `<log_dir>/mlruns`, a local file store."""
+
+
+@dataclass(frozen=True)
 class LoggerConfig:
     """Metrics and progress."""
 
@@ -312,6 +359,16 @@ class LoggerConfig:
     """Also write TensorBoard scalars (needs the `tensorboard` package)."""
     print_progress: bool = True
     """Print one progress line per step."""
+    wandb_enabled: bool = False
+    """Also log to Weights & Biases (needs `wandb`; `WANDB_MODE=offline` writes locally)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """The W&B run."""
+    mlflow_enabled: bool = False
+    """Also log to MLflow (needs `mlflow-skinny` or `mlflow`)."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    """The MLflow run."""
+    num_val_samples_to_print: int = 4
+    """Validation completions printed and logged as a table at each validation (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -824,3 +881,36 @@ def _validate(config: GRPOConfig) -> None:
         raise GRPOConfigError(str(err)) from None
     if config.logger.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise GRPOConfigError("logger.tensorboard=true needs the 'tensorboard' package (pip install tensorboard)")
+    _validate_data_and_logging(config)
+
+
+def _validate_data_and_logging(config: GRPOConfig) -> None:
+    from hf_mcore_bridge.grpo.chat import check_prompt_template
+    from hf_mcore_bridge.grpo.processors import check_processor
+
+    data, grpo, reward, logger = config.data, config.grpo, config.reward, config.logger
+    try:
+        if data.prompt_template is not None:
+            check_prompt_template(data.prompt_template)
+        if data.processor is not None:
+            check_processor(data.processor)
+    except ValueError as err:
+        raise GRPOConfigError(str(err)) from None
+    _require(data.task is None or data.processor is None, "data.processor applies to data files, not to data.task")
+    _require(grpo.val_num_generations >= 1, "grpo.val_num_generations must be >= 1")
+    _require(reward.num_workers >= 0, "reward.num_workers must be >= 0")
+    _require(reward.timeout_s >= 0, "reward.timeout_s must be >= 0 (0: no limit)")
+    _require(
+        reward.name != "math" or importlib.util.find_spec("math_verify") is not None,
+        "reward.name=math needs the 'math-verify' package (pip install 'math-verify[antlr4_13_2]'); or use"
+        " reward.name=number (exact fractions, no symbolic check)",
+    )
+    _require(logger.num_val_samples_to_print >= 0, "logger.num_val_samples_to_print must be >= 0")
+    for enabled, package, key in (
+        (logger.wandb_enabled, "wandb", "wandb"),
+        (logger.mlflow_enabled, "mlflow", "mlflow"),
+    ):
+        _require(
+            not enabled or importlib.util.find_spec(package) is not None,
+            f"logger.{key}_enabled=true needs the '{package}' package (pip install 'hf-mcore-bridge[loggers]')",
+        )

@@ -1,7 +1,8 @@
-"""Prompt datasets for GRPO: JSONL files, optional HF `datasets`, and a seeded, resumable prompt iterator.
+"""Prompt datasets for GRPO: JSONL and Parquet files, optional HF `datasets`, and a seeded, resumable prompt iterator.
 
 Every source is reduced to a list of `PromptRecord` (`{"prompt": str, "answer": str}`), read into memory whole;
-prompt sets for RL are small next to pre-training corpora. Field names in the source are configurable.
+prompt sets for RL are small next to pre-training corpora. Field names in the source are configurable, or set by a
+named row format (`grpo.processors`); `load_train_val` reads what a config's `data` section names.
 
 The iterator walks an endless stream of epochs, each a permutation of the records drawn from `(seed, epoch)`
 alone, so that its state is two integers (`epoch`, `position`) and a resumed run sees exactly the prompts an
@@ -9,7 +10,8 @@ uninterrupted one would. Shuffling uses only `random.Random.random()` seeded wit
 standard library's generator that Python promises to keep stable across versions (`shuffle` and `randrange`
 carry no such promise).
 
-HF `datasets` is imported only inside `load_hf_dataset`, so the package works, and its tests run, without it.
+HF `datasets` is imported only inside `load_hf_dataset`, so the package works, and its tests run, without it;
+Parquet files are read with `pyarrow` (imported only for them).
 """
 
 import json
@@ -24,6 +26,9 @@ __all__ = [
     "PromptRecord",
     "load_hf_dataset",
     "load_jsonl",
+    "load_parquet",
+    "load_records_file",
+    "load_train_val",
     "records_from_rows",
 ]
 
@@ -80,6 +85,31 @@ def load_jsonl(path: str | Path, prompt_field: str = "prompt", answer_field: str
     return records
 
 
+def load_parquet(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[PromptRecord]:
+    """Read a Parquet file's rows (needs `pyarrow`). Errors name the file and the 0-based row."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(f"reading {path} needs the 'pyarrow' package (pip install pyarrow)") from exc
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises its own ArrowInvalid / OSError family
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    if not rows:
+        raise DataError(f"{path}: no records")
+    return records_from_rows(rows, prompt_field, answer_field, source=f"{path} row")
+
+
+def load_records_file(
+    path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[PromptRecord]:
+    """A `.parquet` file through `load_parquet`, anything else as JSONL."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no such file")
+    load = load_parquet if str(path).endswith(".parquet") else load_jsonl
+    return load(path, prompt_field, answer_field)
+
+
 def load_hf_dataset(
     path: str,
     split: str = "train",
@@ -99,6 +129,38 @@ def load_hf_dataset(
         ) from exc
     rows = datasets.load_dataset(path, split=split, **load_kwargs)
     return records_from_rows(rows, prompt_field, answer_field, source=f"{path}[{split}] row")
+
+
+def load_train_val(data: Any, val_count: int, seed: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """The training records and the first `val_count` validation records a `DataConfig` names: a built-in task
+    (validation: a disjoint seed of it), a file or an HF dataset (validation: `val_jsonl` / `hf_val_split`, else the
+    first training records), through `data.processor` where one is set."""
+    from hf_mcore_bridge.grpo.processors import apply_processor, check_processor
+    from hf_mcore_bridge.grpo.tasks import generate_records
+
+    if data.task is not None:
+        train = generate_records(data.task, data.num_records, seed=seed)
+        return train, generate_records(data.task, val_count, seed=seed + 1_000_003)
+    fields = (data.prompt_field, data.answer_field)
+    if data.processor is not None:
+        processor = check_processor(data.processor)
+        fields = (processor.prompt_field, processor.answer_field)
+
+    def read(source: str, split: str | None) -> list[PromptRecord]:
+        if data.hf_dataset is not None:
+            subset = {"name": data.hf_subset} if data.hf_subset else {}
+            records = load_hf_dataset(source, split or "train", *fields, **subset)
+        else:
+            records = load_records_file(source, *fields)
+        return apply_processor(data.processor, records, source) if data.processor is not None else records
+
+    if data.hf_dataset is not None:
+        train = read(data.hf_dataset, data.hf_split)
+        val = read(data.hf_dataset, data.hf_val_split) if data.hf_val_split else train
+    else:
+        train = read(data.train_jsonl, None)
+        val = read(data.val_jsonl, None) if data.val_jsonl else train
+    return train, val[:val_count]
 
 
 def _permutation(size: int, seed: int, epoch: int) -> list[int]:

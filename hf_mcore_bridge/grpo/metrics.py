@@ -1,9 +1,12 @@
-"""Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard, and progress:
-a progress bar whose text is the step's line (reward, KL, clip fraction, tokens/s, refit time) on a terminal, the
-line itself printed otherwise (logs, CI).
+"""Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard and the
+experiment trackers of `grpo.loggers` (W&B, MLflow), and progress: a progress bar whose text is the step's line
+(reward, KL, clip fraction, tokens/s, refit time) on a terminal, the line itself printed otherwise (logs, CI).
+Validation samples (prompt, completion, answer, reward) go to `val_samples.jsonl`, the trackers' tables and,
+with progress on, the output.
 
 Only global rank 0 logs. A metric is a float; the step number is stored under `step`. TensorBoard is imported
-only when asked for (`torch.utils.tensorboard` needs the `tensorboard` package).
+only when asked for (`torch.utils.tensorboard` needs the `tensorboard` package). The metric names are listed in
+docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -11,22 +14,33 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsLogger", "progress_line", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "val_samples.jsonl"
+"""Validation samples, one JSON object each with its `step`."""
 
 
 class MetricsLogger:
     """Appends one JSON line per step to `<log_dir>/metrics.jsonl` (and TensorBoard scalars when enabled)."""
 
     def __init__(
-        self, log_dir: Path, tensorboard: bool = False, print_progress: bool = True, total_steps: int | None = None
+        self,
+        log_dir: Path,
+        tensorboard: bool = False,
+        print_progress: bool = True,
+        total_steps: int | None = None,
+        trackers: Sequence[Any] = (),
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / METRICS_FILE
+        self.samples_path = log_dir / SAMPLES_FILE
+        self.trackers = list(trackers)
+        """`grpo.loggers` trackers: each gets every step's metrics and the validation samples."""
         self.print_progress = print_progress
         self._writer: Any = None
         self._bar: Any = None
@@ -51,12 +65,31 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        values = {key: value for key, value in record.items() if key != "step"}
+        for tracker in self.trackers:
+            tracker.log_metrics(step, values)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, description=progress_line(step, metrics))
         elif self.print_progress:
             print(progress_line(step, metrics), flush=True)
 
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Validation samples: `val_samples.jsonl`, the trackers' tables, and the output with progress on."""
+        if not rows:
+            return
+        with self.samples_path.open("a", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps({"step": step, **row}) + "\n")
+        for tracker in self.trackers:
+            tracker.log_samples(step, rows)
+        if self.print_progress:
+            for row in rows:
+                print(f"[val step {step}] reward {row['reward']:.2f} | answer {row['answer']!r}", flush=True)
+                print(f"  prompt: {row['prompt']!r}\n  completion: {row['completion']!r}", flush=True)
+
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
         if self._writer is not None:
             self._writer.close()
         if self._bar is not None:

@@ -1,9 +1,15 @@
 r"""Offline rule-based rewards for completions with a known answer, and loading of user reward functions.
 
 A reward function is `(completion_text: str, answer: str) -> float`. Built-ins are looked up by name in the
-explicit `BUILTIN_REWARDS` table; anything of the form `"module:function"` is imported instead.
+explicit `BUILTIN_REWARDS` table; anything of the form `"module:function"` is imported instead:
+- `math`: Hugging Face's `math-verify` (`math_verify_reward`): LaTeX and plain-expression answers parsed into
+  sympy and compared symbolically (`0.5` = `\frac{1}{2}`, `x+1` = `1+x`, `50\%` = `0.5`, intervals, sets); the
+  completion's last marked answer is the one compared. It runs with math-verify's own time limits switched off: the
+  per-sample limit is the scorer's (`grpo.scoring`), which works in any process.
+- `number`: the hand-written reader below, numbers compared as exact fractions (no sympy, no time limit needed).
+- `exact` (alias `exact_match`): the extracted answer character for character.
 
-How the math reward reads a completion:
+How the `number` reward reads a completion:
 - The final answer is the content of `\boxed{...}` (nested braces allowed), the rest of a line after `####`
   (GSM8K style) or after `Answer:`; of all such markers in the text, the one that starts last wins.
 - A completion with no marker is read as a bare answer: its first whitespace-separated word, trailing
@@ -12,12 +18,14 @@ How the math reward reads a completion:
 - Numbers are compared exactly as fractions: integers, decimals, `a/b`, `\frac{a}{b}`, thousands separators,
   a leading `$` and a trailing `%` (dropped, so "50%" equals "50", not "0.5"). Anything that is not a number on
   both sides falls back to a normalised string comparison (case, spacing, enclosing `$...$`, a final period).
-- This is not a symbolic equivalence checker: `0.333` does not equal `1/3`, and `x+1` does not equal `1+x`.
+- This is not a symbolic equivalence checker: `0.333` does not equal `1/3`, and `x+1` does not equal `1+x`
+  (`math` is).
 """
 
 import difflib
 import importlib
 import inspect
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +43,7 @@ __all__ = [
     "extract_answer",
     "load_reward_fn",
     "math_reward",
+    "math_verify_reward",
     "normalize_text",
     "parse_number",
     "resolve_reward_fn",
@@ -150,8 +159,35 @@ def exact_match_reward(completion_text: str, answer: str) -> float:
     return 1.0 if predicted is not None and predicted == _reference(answer) else 0.0
 
 
+def math_verify_reward(completion_text: str, answer: str) -> float:
+    r"""1.0 when math-verify finds the completion's answer symbolically equal to the reference, else 0.0.
+
+    The reference is reduced as for `number` (a GSM8K `#### 72` solution gives `72`) and read as the content of a
+    `oxed{}`, so plain `72`, `rac{1}{2}` and `[1, 2)` all parse. A reference math-verify cannot parse falls
+    back to the `number` comparison. No time limit here: call it through `grpo.scoring.RewardScorer`.
+    """
+    from math_verify import parse, verify  # sympy and the LaTeX grammar: imported only where this reward runs
+
+    # math-verify warns once per process that its signal-based time limits are off; the scorer's limit replaces them
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    reference = _reference(answer)
+    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
+    if not gold:
+        return math_reward(completion_text, answer)
+    # the last marked answer (as `extract_answer`) is the final one; math-verify alone would take the first \boxed{}
+    marked = extract_answer(completion_text)
+    predicted = parse(f"\\boxed{{{marked}}}", parsing_timeout=None) if marked is not None else []
+    if not predicted:
+        predicted = parse(completion_text, parsing_timeout=None)
+    if not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "math": math_reward,
+    "math": math_verify_reward,
+    "number": math_reward,
+    "exact": exact_match_reward,
     "exact_match": exact_match_reward,
 }
 

@@ -3,8 +3,8 @@
 They exist to exercise GRPO end to end on a tiny, randomly initialised policy: every prompt ends in "Answer:" and
 every answer is one or two digits, so an untrained model emits the right answer now and then, rewards are not
 all zero, and group advantages carry a signal from the first step. They test the training machinery, not
-reasoning. The reward for them is `rewards.math_reward`, which reads a completion without a marker as a bare
-answer (its first word).
+reasoning. The reward for them is `number` (`rewards.math_reward`), which reads a completion without a marker as a
+bare answer (its first word).
 
 Each generator maps a `random.Random` to one record; `generate_records` draws records one after another from a
 generator seeded with `seed`, so the first `k` of `n` records do not depend on `n`. Integers come from

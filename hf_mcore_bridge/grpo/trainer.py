@@ -37,8 +37,10 @@ The resolved config is saved as `grpo_config.yaml` in the log directory, and a P
 Data parallelism: `cluster.gpus_per_node` ranks make `ranks / (TP x PP x CP)` replicas; rank 0 generates every
 rollout and each replica trains on every `dp`-th rollout of each mini-batch (megatron-core's DDP averages the
 gradients; the loss is normalised by the global token count). The engine runs on rank 0's device with the
-policy's dtype. Simplifications: generation and training alternate (no overlap); validation is greedy, one
-sample a prompt, scored by the same reward; policy+optimizer checkpoints every `save_period`
+policy's dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one) and
+completions scored in reward worker processes (`grpo.scoring`). Simplifications: generation and training
+alternate (no overlap); validation samples `val_num_generations` a prompt (greedy when one), scored by the same
+reward (`grpo.validation`); policy+optimizer checkpoints every `save_period`
 steps (`grpo.checkpoint`) and resume from the newest one.
 """
 
@@ -202,36 +204,48 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`);
     the metrics returned are then complete on global rank 0, which writes them."""
     from hf_mcore_bridge.grpo import launch
+    from hf_mcore_bridge.grpo.chat import with_template_stop_ids
     from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here, stop_on_signals
 
     config.validate()
+    explicit_stops = config.generation.stop_token_ids is not None
     config = with_stop_token_ids(config)
     launch.check_start(config)
+
+    def prepare() -> PreparedRun:
+        return _prepare_parent(config, explicit_stops)
+
+    def with_template_stops(prepared: PreparedRun) -> GRPOConfig:
+        # stop tokens the user listed are taken as given; else the chat template's end of turn joins the EOS ids
+        return with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
+
     if launched_world() is None:
         try:
             with stop_on_signals():  # also while preparing: a launcher started in the background ignores SIGINT
-                prepared = _prepare_parent(config)
-                start_world(config, _train_rank, config, prepared)
+                prepared = prepare()
+                start_world(config, _train_rank, with_template_stops(prepared), prepared)
         except RunStopped as stopped:
             log_dir = Path(config.logger.log_dir)
             raise RunStopped(stopped.signum, launch.stopped_message(config, log_dir, stopped)) from None
     else:
         join_launched_world()
-        prepared = launch.prepare_once(lambda: _prepare_parent(config))
+        prepared = launch.prepare_once(prepare)
         shared = {"logger.log_dir": prepared.log_dir}
         if config.checkpointing.enabled:
             shared["checkpointing.checkpoint_dir"] = Path(config.checkpointing.checkpoint_dir)
         launch.check_shared_storage(shared)
-        start_world(config, _train_rank, config, prepared)
+        start_world(config, _train_rank, with_template_stops(prepared), prepared)
     metrics = read_metrics(prepared.log_dir)
     if metrics and reports_here():
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
     return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
 
 
-def _prepare_parent(config: GRPOConfig) -> PreparedRun:
+def _prepare_parent(config: GRPOConfig, explicit_stops: bool) -> PreparedRun:
     """What happens once before the ranks start: check a resumed checkpoint against the policy, prepare the policy
-    (and say which step the run resumes from), trim the metrics of steps about to be rerun, save the config."""
+    (and say which step the run resumes from), trim the metrics of steps about to be rerun, save the config (with
+    the chat template's end-of-turn stop token unless `explicit_stops`)."""
+    from hf_mcore_bridge.grpo.chat import with_template_stop_ids
     from hf_mcore_bridge.grpo.launch import check_resumable
 
     resume = _resume_step(config)
@@ -241,6 +255,7 @@ def _prepare_parent(config: GRPOConfig) -> PreparedRun:
     if resume is not None:
         print(f"resuming from step {resume} ({config.checkpointing.checkpoint_dir})", flush=True)
     _trim_metrics(prepared.log_dir, resume or 0)
+    config = with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
     _save_config(config, prepared.log_dir)
     return prepared
 
@@ -251,8 +266,12 @@ def _save_config(config: GRPOConfig, log_dir: Path) -> None:
 
     from hf_mcore_bridge.grpo.export import CONFIG_FILE
 
-    plain = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    (log_dir / CONFIG_FILE).write_text(yaml.safe_dump(plain, sort_keys=False))
+    (log_dir / CONFIG_FILE).write_text(yaml.safe_dump(_plain_config(config), sort_keys=False))
+
+
+def _plain_config(config: GRPOConfig) -> dict[str, Any]:
+    """The config as plain JSON types (the saved YAML, the trackers' run parameters)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
 def _resume_step(config: GRPOConfig) -> int | None:
@@ -306,8 +325,11 @@ class _RankContext:
         from tokenizers import Tokenizer
 
         from hf_mcore_bridge.engine import EngineConfig
+        from hf_mcore_bridge.grpo.chat import PromptRenderer, load_hf_tokenizer
         from hf_mcore_bridge.grpo.data import PromptIterator
+        from hf_mcore_bridge.grpo.loggers import build_trackers
         from hf_mcore_bridge.grpo.rewards import resolve_reward_fn
+        from hf_mcore_bridge.grpo.scoring import RewardScorer
 
         config, gen = self.config, self.config.generation
         self.tokenizer = Tokenizer.from_file(str(self.prepared.tokenizer_file))
@@ -315,7 +337,7 @@ class _RankContext:
         engine_config = EngineConfig(
             dtype=DTYPES[config.policy.dtype],
             device=str(_device()),
-            max_num_seqs=max(samples, config.grpo.val_num_prompts),
+            max_num_seqs=max(samples, config.grpo.val_num_prompts * config.grpo.val_num_generations),
             max_model_len=gen.max_model_len,
             max_num_batched_tokens=max(gen.max_model_len, 8192),
             kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
@@ -330,12 +352,15 @@ class _RankContext:
         train, self.val_records = _records(config)
         self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_fn(config.reward.name)
-        self.probe_prompt = config.grpo.probe_prompt or train[0]["prompt"]
+        self.scorer = RewardScorer(self.reward_fn, config.reward.num_workers, config.reward.timeout_s)
+        self.renderer = PromptRenderer.from_config(config.data, load_hf_tokenizer(self.prepared.tokenizer_file))
+        self.probe_prompt = config.grpo.probe_prompt or self.renderer.token_ids(train[0]["prompt"])
         self.logger = MetricsLogger(
             self.prepared.log_dir,
             config.logger.tensorboard,
             config.logger.print_progress,
             total_steps=config.grpo.max_num_steps,
+            trackers=build_trackers(config.logger, self.prepared.log_dir, _plain_config(config)),
         )
 
 
@@ -346,22 +371,9 @@ def _device() -> torch.device:
 
 
 def _records(config: GRPOConfig) -> tuple[list[Any], list[Any]]:
-    from hf_mcore_bridge.grpo.data import load_hf_dataset, load_jsonl
-    from hf_mcore_bridge.grpo.tasks import generate_records
+    from hf_mcore_bridge.grpo.data import load_train_val
 
-    data = config.data
-    if data.task is not None:
-        train = generate_records(data.task, data.num_records, seed=config.grpo.seed)
-        val = generate_records(data.task, config.grpo.val_num_prompts, seed=config.grpo.seed + 1_000_003)
-    elif data.hf_dataset is not None:
-        fields = (data.prompt_field, data.answer_field)
-        train = load_hf_dataset(data.hf_dataset, data.hf_split, *fields)
-        val = load_hf_dataset(data.hf_dataset, data.hf_val_split, *fields) if data.hf_val_split else train
-    else:
-        assert data.train_jsonl is not None
-        train = load_jsonl(data.train_jsonl, data.prompt_field, data.answer_field)
-        val = load_jsonl(data.val_jsonl, data.prompt_field, data.answer_field) if data.val_jsonl else train
-    return train, val[: config.grpo.val_num_prompts]
+    return load_train_val(config.data, config.grpo.val_num_prompts, config.grpo.seed)
 
 
 def _broadcast(value: Any) -> Any:
@@ -389,15 +401,15 @@ def _sampling_params(config: GRPOConfig, n: int, seed: int, greedy: bool = False
 
 def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dict[str, float]]:
     """Rank 0: sample, score and compute advantages for one step."""
-    from hf_mcore_bridge.grpo.rewards import compute_rewards
-
     config, group = ctx.config, ctx.config.grpo.num_generations_per_prompt
     records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)
-    outputs = ctx.engine.generate([r["prompt"] for r in records], _sampling_params(config, group, _seed(config, step)))
+    prompts = [ctx.renderer.token_ids(r["prompt"]) for r in records]
+    outputs = ctx.engine.generate(prompts, _sampling_params(config, group, _seed(config, step)))
     samples = [(out.prompt_token_ids, s) for out in outputs for s in out.samples]
     texts = [s.text or "" for _, s in samples]
     answers = [r["answer"] for r in records for _ in range(group)]
-    rewards = torch.tensor(compute_rewards(ctx.reward_fn, texts, answers))
+    scored = ctx.scorer.score(texts, answers)
+    rewards = torch.tensor(scored.rewards)
     advantage_config = AdvantageConfig(
         normalize_std=config.grpo.normalize_rewards,
         leave_one_out=config.grpo.leave_one_out,
@@ -415,6 +427,7 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         "reward_std": float(rewards.std()),
         "completion_len_mean": float(lengths.mean()),
         "truncated_fraction": sum(truncated) / len(samples),
+        "reward_timeouts": float(scored.timeouts),
     }
     return rollouts, stats
 
@@ -612,17 +625,32 @@ def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
 
 
 def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
-    from hf_mcore_bridge.grpo.rewards import compute_rewards
+    """Rank 0, every `val_period` steps: `val_num_generations` completions of each validation prompt (greedy when
+    one), scored; `val_reward` and `val_pass_at_{k}` (`grpo.validation`), and a few samples logged."""
+    from hf_mcore_bridge.grpo.validation import validation_metrics
 
-    period = ctx.config.grpo.val_period
+    config = ctx.config
+    period, n = config.grpo.val_period, config.grpo.val_num_generations
     if not ctx.is_rank0 or period <= 0 or step % period != 0:
         return {}
-    outputs = ctx.engine.generate(
-        [r["prompt"] for r in ctx.val_records], _sampling_params(ctx.config, 1, 0, greedy=True)
-    )
-    texts = [o.samples[0].text or "" for o in outputs]
-    rewards = compute_rewards(ctx.reward_fn, texts, [r["answer"] for r in ctx.val_records])
-    return {"val_reward": sum(rewards) / len(rewards)}
+    questions = [r["prompt"] for r in ctx.val_records]
+    prompts = [ctx.renderer.token_ids(q) for q in questions]
+    outputs = ctx.engine.generate(prompts, _sampling_params(config, n, config.grpo.seed, greedy=n == 1))
+    texts = [[s.text or "" for s in out.samples] for out in outputs]
+    answers = [r["answer"] for r in ctx.val_records]
+    scored = ctx.scorer.score([t for group in texts for t in group], [a for a in answers for _ in range(n)])
+    rewards = [scored.rewards[i * n : (i + 1) * n] for i in range(len(questions))]
+    if ctx.logger is not None:
+        shown = range(min(config.logger.num_val_samples_to_print, len(questions)))
+        ctx.logger.log_samples(
+            step,
+            [
+                {"prompt": ctx.renderer.text(questions[i]), "completion": texts[i][0], "answer": answers[i]}
+                | {"reward": rewards[i][0]}
+                for i in shown
+            ],
+        )
+    return validation_metrics(rewards) | {"val_reward_timeouts": float(scored.timeouts)}
 
 
 def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
@@ -658,6 +686,7 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         _maybe_save(ctx, policy, step)
     if ctx.logger is not None:
         ctx.logger.close()
+        ctx.scorer.close()
 
 
 def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:

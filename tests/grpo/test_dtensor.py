@@ -201,7 +201,7 @@ def _grpo_config(root: Path, policy: Path, **overrides: object):
         "loss_fn": {"kl_coef": 0.01},
         "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
         "data": {"train_jsonl": str(prompts)},
-        "reward": {"name": "math"},
+        "reward": {"name": "number"},
         "checkpointing": {"enabled": True, "checkpoint_dir": str(root / "ckpt"), "save_period": STEPS // 2},
         "logger": {"log_dir": str(root / "logs"), "print_progress": False},
     }

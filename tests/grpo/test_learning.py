@@ -61,7 +61,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
                 "torch_compile": False,
             },
             "data": {"train_jsonl": str(_prompts(root / "say7.jsonl"))},
-            "reward": {"name": "math"},
+            "reward": {"name": "number"},
             "checkpointing": {"enabled": True, "checkpoint_dir": str(root / "ckpt"), "save_period": STEPS},
             "logger": {"log_dir": str(root / "logs"), "print_progress": False},
         }

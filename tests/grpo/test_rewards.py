@@ -12,6 +12,7 @@ from hf_mcore_bridge.grpo.rewards import (
     extract_answer,
     load_reward_fn,
     math_reward,
+    math_verify_reward,
     parse_number,
     resolve_reward_fn,
 )
@@ -168,7 +169,9 @@ def test_load_reward_fn_errors(user_module: str, spec: str, fragments: list[str]
 
 
 def test_resolve_builtin_and_unknown() -> None:
-    assert resolve_reward_fn("math") is math_reward
+    assert resolve_reward_fn("math") is math_verify_reward
+    assert resolve_reward_fn("number") is math_reward
+    assert resolve_reward_fn("exact") is exact_match_reward
     assert resolve_reward_fn("exact_match") is exact_match_reward
     with pytest.raises(RewardLoadError, match="did you mean 'math'"):
         resolve_reward_fn("maths")

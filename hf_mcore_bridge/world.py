@@ -173,13 +173,14 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
     processes: list[Any] = []  # filled once started; the handlers are in place before the first rank starts
     try:
         with stop_on_signals(processes):
-            context = mp.start_processes(
-                _rank_main,
-                args=(size, _free_port(), os.getpid(), layout, fn, args),
-                nprocs=size,
-                join=False,
-                start_method="spawn",
-            )
+            with _sigint_ignored_by_new_ranks():
+                context = mp.start_processes(
+                    _rank_main,
+                    args=(size, _free_port(), os.getpid(), layout, fn, args),
+                    nprocs=size,
+                    join=False,
+                    start_method="spawn",
+                )
             processes.extend(context.processes)
             while not context.join():
                 pass
@@ -189,6 +190,21 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
         raise BridgeError(f"a rank failed: {detail}") from None
     except mp.ProcessExitedException as err:
         raise BridgeError(f"a rank died: {err}") from None
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_new_ranks() -> Iterator[None]:
+    """SIGINT ignored while ranks are started: the disposition survives spawn's exec, so a Ctrl-C to the process
+    group that lands while a rank is still starting Python (before `_follow_launcher`) cannot print a
+    KeyboardInterrupt traceback from it. The launcher's own handler is back once the ranks are started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -465,7 +465,7 @@ def test_verify_interrupted_by_ctrl_c_exits_130_and_cleans_up(workspace, tmp_pat
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, out + err
     lines = [line for line in (out + err).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("interrupted"), out + err
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT"), out + err
     assert list(scratch.iterdir()) == []  # neither the scratch directory nor torch's per-rank error files
     assert_unchanged(before, workspace)
 

@@ -298,15 +298,27 @@ class DataConfig:
     the question as it is."""
 
 
+_IN_PROCESS_REWARDS = ("number", "exact", "exact_match")
+"""Built-in rewards cheap enough to score in the rank's own process by default."""
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """How a completion is scored."""
 
+    @property
+    def workers(self) -> int:
+        """`num_workers`, resolved."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return 0 if self.name in _IN_PROCESS_REWARDS else 4
+
     name: str = "math"
     """A built-in reward (`math`: math-verify's symbolic check; `number`; `exact`) or a `module:function` taking
     `(completion_text, answer)` (see `grpo.rewards`)."""
-    num_workers: int = 4
-    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`."""
+    num_workers: int | None = None
+    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`. None: 0 for the
+    microsecond-cheap `number` and `exact` rewards, 4 for the others (`math` and functions of your own)."""
     timeout_s: float = 5.0
     """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
 
@@ -898,7 +910,7 @@ def _validate_data_and_logging(config: GRPOConfig) -> None:
         raise GRPOConfigError(str(err)) from None
     _require(data.task is None or data.processor is None, "data.processor applies to data files, not to data.task")
     _require(grpo.val_num_generations >= 1, "grpo.val_num_generations must be >= 1")
-    _require(reward.num_workers >= 0, "reward.num_workers must be >= 0")
+    _require(reward.num_workers is None or reward.num_workers >= 0, "reward.num_workers must be >= 0")
     _require(reward.timeout_s >= 0, "reward.timeout_s must be >= 0 (0: no limit)")
     _require(
         reward.name != "math" or importlib.util.find_spec("math_verify") is not None,

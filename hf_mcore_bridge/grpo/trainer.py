@@ -352,7 +352,7 @@ class _RankContext:
         train, self.val_records = _records(config)
         self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
         self.reward_fn = resolve_reward_fn(config.reward.name)
-        self.scorer = RewardScorer(self.reward_fn, config.reward.num_workers, config.reward.timeout_s)
+        self.scorer = RewardScorer(self.reward_fn, config.reward.workers, config.reward.timeout_s)
         self.renderer = PromptRenderer.from_config(config.data, load_hf_tokenizer(self.prepared.tokenizer_file))
         self.probe_prompt = config.grpo.probe_prompt or self.renderer.token_ids(train[0]["prompt"])
         self.logger = MetricsLogger(

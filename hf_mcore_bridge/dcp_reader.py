@@ -138,7 +138,7 @@ class DCPCheckpoint:
                 return self.directory / info.relative_path
         return self.directory / ".metadata"
 
-    def _load_item(self, index: MetadataIndex) -> Any:
+    def _item_bytes(self, index: MetadataIndex) -> bytes:
         info = self.metadata.storage_data[index]
         path = self.directory / info.relative_path
         try:
@@ -149,6 +149,18 @@ class DCPCheckpoint:
             raise CheckpointError(f"reading {index.fqn} from {path} failed: {err.strerror or err}") from None
         if len(payload) != info.length:
             raise CheckpointError(f"{path} is truncated: {index.fqn} needs bytes up to {info.offset + info.length}")
+        return payload
+
+    def read_bytes(self, key: str) -> bytes:
+        """The stored bytes of a non-tensor item (a `torch.save` payload), for a caller that unpickles it with
+        its own allow-list."""
+        if key not in self.object_keys():
+            raise CheckpointError(f"{self.directory} has no item {key}")
+        return self._item_bytes(MetadataIndex(key))
+
+    def _load_item(self, index: MetadataIndex) -> Any:
+        payload = self._item_bytes(index)
+        info = self.metadata.storage_data[index]
         try:
             return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         except Exception as err:

@@ -27,7 +27,15 @@ from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.legacy_format import write_legacy
 from hf_mcore_bridge.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.megatron_dirs import HF_ASSETS_DIR, iteration_dirname, write_common, write_tracker
+from hf_mcore_bridge.megatron_dirs import (
+    HF_ASSETS_DIR,
+    common_objects,
+    common_state,
+    installed_mcore_version,
+    iteration_dirname,
+    write_common,
+    write_tracker,
+)
 from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.progress import progress_bar
@@ -168,12 +176,15 @@ def convert_hf_to_mcore(
     allow_pickle: bool = False,
     show_progress: bool = True,
     checkpoint_format: str = "torch_dist",
+    mcore_version: int | None = None,
 ) -> ConversionResult:
     """Convert an HF model directory into a Megatron-LM-loadable checkpoint (`release/`).
 
     `checkpoint_format` is `torch_dist` (megatron-core's distributed checkpoint, loadable at any layout) or
-    `torch` (the legacy per-rank files, exactly at `layout`). The destination is checked before any work
-    (`destination.check_destination`): `overwrite` replaces only an output of this tool, `overwrite_foreign` anything.
+    `torch` (the legacy per-rank files, exactly at `layout`). `mcore_version` (16 .. 19, default: the installed
+    megatron-core's) picks the `torch_dist` layout of that megatron-core release (`megatron_dirs`). The
+    destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
+    output of this tool, `overwrite_foreign` anything.
     """
     check_destination(destination, [source], overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     started = time.perf_counter()
@@ -226,9 +237,12 @@ def convert_hf_to_mcore(
                     on_write=step,
                 )
         else:
-            with progress_bar("convert to mcore", total=len(chunks) + len(objects), enabled=show_progress) as step:
-                write_dcp(checkpoint_dir, chunks, objects, on_write=step)
-            write_common(checkpoint_dir, args, iteration=0)
+            version = mcore_version or installed_mcore_version()
+            common = common_state(args, iteration=0)
+            items = [*objects, *common_objects(common, version)]
+            with progress_bar("convert to mcore", total=len(chunks) + len(items), enabled=show_progress) as step:
+                write_dcp(checkpoint_dir, chunks, items, on_write=step)
+            write_common(checkpoint_dir, common, version)
         write_tracker(staging, None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)

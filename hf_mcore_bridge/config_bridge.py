@@ -427,8 +427,6 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     architecture = getattr(args, "hf_architecture", None)
     qk_norm = bool(getattr(args, "qk_layernorm", False))
     qkv_bias = bool(getattr(args, "add_qkv_bias", False))
-    if architecture is None:
-        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
     scaling = getattr(args, "use_rope_scaling", False)
     moe = _moe_from_args(args, get("num_layers"))
     if architecture is None and moe is not None:
@@ -439,6 +437,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
             if qk_norm
             else "MixtralForCausalLM"
         )
+    if architecture is None:
+        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
     return ModelConfig(
         architecture=architecture,
         num_layers=get("num_layers"),

@@ -245,6 +245,11 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> tuple[Path, 
         return path, candidate
     tracker = path / TRACKER_NAME
     if not tracker.exists():
+        from hf_mcore_bridge.bridge_layout import latest_step
+
+        step = latest_step(path)  # Megatron-Bridge's own tracker
+        if step is not None and (path / iteration_dirname(step)).is_dir():
+            return path, path / iteration_dirname(step)
         raise CheckpointError(f"{path} is not a Megatron checkpoint (no {TRACKER_NAME}, no metadata.json)")
     text = tracker.read_text().strip()
     if text == "release":

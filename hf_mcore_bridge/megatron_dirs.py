@@ -58,16 +58,6 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 """The DCP item of megatron-core >= 0.19's common state (ShardedObject `common_state`, shape (1,), offset (0,))."""
 
 
-def parse_mcore_version(text: str) -> int:
-    """`0.19`, `0.19.2` or `19` -> 19; a release outside `MCORE_VERSIONS` is an error."""
-    parts = text.strip().split(".")
-    minor = parts[1] if len(parts) >= 2 and parts[0] == "0" else parts[0] if len(parts) == 1 else ""
-    if not minor.isdigit() or int(minor) not in MCORE_VERSIONS:
-        known = ", ".join(f"0.{v}" for v in MCORE_VERSIONS)
-        raise ValueError(f"megatron-core version {text!r} is not one whose layout can be written ({known})")
-    return int(minor)
-
-
 def installed_mcore_version() -> int:
     """The installed megatron-core's minor release, clamped to `MCORE_VERSIONS` (read from the package metadata,
     without importing megatron-core)."""

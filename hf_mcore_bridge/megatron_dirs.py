@@ -177,6 +177,18 @@ def read_common(checkpoint_dir: Path) -> dict[str, Any]:
     return common
 
 
+def check_installed_reads(checkpoint_dir: Path) -> None:
+    """Refuse, with the reason, a `torch_dist` checkpoint whose common state the installed megatron-core cannot
+    read: the 0.19 layout (no `common.pt`) under megatron-core <= 0.18, which looks for `common.pt` only."""
+    if (checkpoint_dir / COMMON_NAME).exists() or installed_mcore_version() >= COMMON_IN_DCP_SINCE:
+        return
+    installed = importlib_metadata.version("megatron-core")
+    raise CheckpointError(
+        f"{checkpoint_dir} keeps its common state in the DCP files (megatron-core >= 0.19 layout), which the"
+        f" installed megatron-core {installed} cannot load; write it with --mcore-version 0.{installed_mcore_version()}"
+    )
+
+
 def _common_in_dcp(checkpoint_dir: Path) -> tuple[Any, str]:
     config = _read_metadata_json(checkpoint_dir)
     if config is not None and "common_backend" in config:

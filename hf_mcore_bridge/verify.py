@@ -18,7 +18,7 @@ import torch
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.megatron_dirs import check_installed_reads, read_common, resolve_checkpoint
 from hf_mcore_bridge.world import device as rank_device
 from hf_mcore_bridge.world import run_world
 
@@ -80,6 +80,7 @@ def verify(
         token_sets = []
         for i, job in enumerate(jobs):
             _, checkpoint_dir = resolve_checkpoint(job.mcore_dir)
+            check_installed_reads(checkpoint_dir)
             model = from_megatron_args(read_common(checkpoint_dir)["args"])
             tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
             token_sets.append(tokens)

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from hf_mcore_bridge.cli.main import app
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import read_common
+from hf_mcore_bridge.megatron_dirs import installed_mcore_version, read_common
 from hf_mcore_bridge.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
@@ -134,3 +134,16 @@ def test_cli_mcore_version(tiny_models, tmp_path):
     result = runner.invoke(app, [*args[:4], str(tmp_path / "n"), "--format", "torch", "--mcore-version", "0.19"])
     assert result.exit_code == 2 and "--mcore-version applies to --format torch_dist only" in result.output
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.skipif(installed_mcore_version() >= 19, reason="the installed megatron-core reads the 0.19 layout")
+def test_verify_refuses_a_layout_the_installed_megatron_core_cannot_load(tiny_models, tmp_path):
+    """Under megatron-core 0.16.1 the 0.19 layout is refused with its reason before a world starts; the 0.16
+    layout passes the check."""
+    from hf_mcore_bridge.megatron_dirs import check_installed_reads
+
+    check_installed_reads(_convert(tiny_models["llama"], tmp_path / "a", 16))
+    _convert(tiny_models["llama"], tmp_path / "b", 19)
+    result = CliRunner().invoke(app, ["verify", str(tiny_models["llama"]), str(tmp_path / "b")])
+    assert result.exit_code == 2, result.output
+    assert "megatron-core >= 0.19 layout" in result.output and "--mcore-version 0.16" in result.output

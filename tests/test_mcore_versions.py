@@ -77,6 +77,7 @@ def test_layout_of_each_version(version, tiny_models, tmp_path):
     assert_same_weights(hf_dir, tmp_path / "back")
 
 
+@pytest.mark.skipif(installed_mcore_version() >= 19, reason="the installed megatron-core reads the 0.19 layout")
 def test_installed_megatron_core_reads_its_own_layout_only(tiny_models, tmp_path):
     """megatron-core 0.16.1 (installed here) reads the 0.16 layout and, as its source says, not the 0.19 one: hence
     the default `--mcore-version` is the installed release."""

@@ -194,3 +194,12 @@ def test_cli_layout_option(tiny_models, tmp_path):
     )
     assert result.exit_code == 2 and "--layout" in result.output
     assert not (tmp_path / "n").exists()
+
+
+def test_verify_a_written_megatron_bridge_checkpoint(tiny_models, tmp_path):
+    """megatron-core loads the Megatron-Bridge layout (model built from run_config.yaml) and gives HF's logits."""
+    convert_hf_to_mcore(tiny_models["qwen3"], tmp_path / "m", directory_layout="megatron-bridge", show_progress=False)
+    shutil.rmtree(tmp_path / "m" / "hf_assets")
+    result = CliRunner().invoke(app, ["verify", str(tiny_models["qwen3"]), str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert "OK" in result.output

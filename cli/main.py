@@ -108,6 +108,20 @@ class Format(enum.StrEnum):
     torch = "torch"
 
 
+class DirectoryLayout(enum.StrEnum):
+    megatron_lm = "megatron-lm"
+    megatron_bridge = "megatron-bridge"
+
+
+class McoreVersion(enum.StrEnum):
+    """megatron-core releases whose `torch_dist` layout can be written (`megatron_dirs.MCORE_VERSIONS`)."""
+
+    v16 = "0.16"
+    v17 = "0.17"
+    v18 = "0.18"
+    v19 = "0.19"
+
+
 def _quiet_libraries() -> None:
     """megatron-core warns at import about optional CUDA extensions that a CPU conversion never uses."""
     if not _state["debug"]:
@@ -207,6 +221,18 @@ def convert(
     fmt: Annotated[Format, typer.Option("--format", help="Megatron checkpoint format (--to mcore).")] = (
         Format.torch_dist
     ),
+    directory_layout: Annotated[
+        DirectoryLayout,
+        typer.Option(
+            "--layout",
+            help="Checkpoint directory layout (--to mcore): megatron-lm (release/, args) or megatron-bridge"
+            " (iter_0000000/ with run_config.yaml).",
+        ),
+    ] = DirectoryLayout.megatron_lm,
+    mcore_version: Annotated[
+        McoreVersion | None,
+        typer.Option(help="megatron-core release whose torch_dist layout to write (default: the installed one)."),
+    ] = None,
     make_vocab_size_divisible_by: Annotated[int, typer.Option(help="Vocabulary padding multiple (times TP).")] = 128,
     iteration: Annotated[int | None, typer.Option(help="Which saved iteration to export (--to hf).")] = None,
     hf_config: Annotated[Path | None, typer.Option(help="HF config.json (or its directory) for --to hf.")] = None,
@@ -246,6 +272,8 @@ def convert(
                 "--last-stage-layers": last_stage_layers is not None,
                 "--spec": spec is not Spec.te,
                 "--format": fmt is not Format.torch_dist,
+                "--mcore-version": mcore_version is not None,
+                "--layout": directory_layout is not DirectoryLayout.megatron_lm,
                 "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
                 "--allow-pickle": allow_pickle,
             }
@@ -258,6 +286,10 @@ def convert(
             },
         )
         if to is Target.mcore:
+            if mcore_version is not None and fmt is Format.torch:
+                raise BridgeError("--mcore-version applies to --format torch_dist only")
+            if directory_layout is DirectoryLayout.megatron_bridge and fmt is Format.torch:
+                raise BridgeError("--layout megatron-bridge holds --format torch_dist checkpoints only")
             validate.layout_fits(layout, validate.hf_model_dir(source, "source"))
             validate.at_least("--make-vocab-size-divisible-by", make_vocab_size_divisible_by, 1)
         else:
@@ -289,6 +321,8 @@ def convert(
                 allow_pickle=allow_pickle,
                 show_progress=progress,
                 checkpoint_format=fmt.value,
+                mcore_version=int(mcore_version.value.split(".")[1]) if mcore_version else None,
+                directory_layout=directory_layout.value,
             )
         else:
             from hf_mcore_bridge.to_hf import convert_mcore_to_hf

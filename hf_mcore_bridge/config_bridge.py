@@ -22,6 +22,7 @@ from hf_mcore_bridge.architecture import Architecture
 from hf_mcore_bridge.config_errors import ConfigError, require
 from hf_mcore_bridge.layout import Layout, validate_layout
 from hf_mcore_bridge.mapping_types import Dims
+from hf_mcore_bridge.megatron_lm_args import loader_defaults
 from hf_mcore_bridge.tensor_ops import padded_vocab_size
 from hf_mcore_bridge.transformer_impl import default_transformer_impl
 
@@ -318,8 +319,12 @@ def megatron_args(
     spec: str = "te",
     ckpt_format: str = "torch_dist",
 ) -> argparse.Namespace:
-    """A Megatron-LM `args` namespace describing the model and the target layout."""
-    return argparse.Namespace(
+    """A Megatron-LM `args` namespace describing the model and the target layout.
+
+    It carries every attribute Megatron-LM's and Megatron-Bridge's checkpoint loaders read
+    (`megatron_lm_args.LOADER_DEFAULTS`): Megatron-LM's default wherever the model sets nothing.
+    """
+    values = dict(
         num_layers=model.num_layers,
         encoder_num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -340,7 +345,9 @@ def megatron_args(
         rope_scaling_factor=model.rope_scaling_factor or 8.0,
         normalization="RMSNorm",
         norm_epsilon=model.norm_epsilon,
+        layernorm_epsilon=model.norm_epsilon,
         apply_layernorm_1p=False,
+        layernorm_zero_centered_gamma=False,
         swiglu=True,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
@@ -369,6 +376,7 @@ def megatron_args(
         hf_architecture=model.architecture,
         **_moe_args(model.moe),
     )
+    return argparse.Namespace(**(loader_defaults() | values))
 
 
 def _moe_args(moe: MoeConfig | None) -> dict[str, Any]:
@@ -419,8 +427,6 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     architecture = getattr(args, "hf_architecture", None)
     qk_norm = bool(getattr(args, "qk_layernorm", False))
     qkv_bias = bool(getattr(args, "add_qkv_bias", False))
-    if architecture is None:
-        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
     scaling = getattr(args, "use_rope_scaling", False)
     moe = _moe_from_args(args, get("num_layers"))
     if architecture is None and moe is not None:
@@ -431,6 +437,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
             if qk_norm
             else "MixtralForCausalLM"
         )
+    if architecture is None:
+        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
     return ModelConfig(
         architecture=architecture,
         num_layers=get("num_layers"),
@@ -441,7 +449,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         head_dim=getattr(args, "kv_channels", None) or hidden // heads,
         vocab_size=getattr(args, "vocab_size", None) or get("padded_vocab_size"),
         max_position_embeddings=get("max_position_embeddings"),
-        norm_epsilon=float(get("norm_epsilon", 1e-5)),
+        # `norm_epsilon` in the args written here, `layernorm_epsilon` (the TransformerConfig name) in Megatron-LM's
+        norm_epsilon=float(getattr(args, "norm_epsilon", None) or get("layernorm_epsilon", 1e-5)),
         rope_theta=float(get("rotary_base")),
         rope_scaling_factor=float(args.rope_scaling_factor) if scaling else None,
         tie_word_embeddings=not get("untie_embeddings_and_output_weights", False),

@@ -4,12 +4,19 @@ The `.metadata` file is a pickle: it is read with an unpickler that resolves onl
 `torch.Size`, dtypes and `PosixPath`; anything else is refused. Data items are `torch.save` payloads, read with
 `torch.load(weights_only=True)`. A region of a global tensor is assembled from the chunks that overlap it, so a
 checkpoint written at any layout can be read at any granularity, one chunk at a time.
+
+A tensor item is a `torch.save` zip archive (stored, not compressed) at an offset of a `.distcp` file. When its
+`data.pkl` describes one contiguous little-endian storage holding exactly the chunk (read with an unpickler that
+resolves nothing but the names a tensor's pickle uses), the chunk's bytes are read straight into the destination
+tensor (`readinto`), without the intermediate copies of `torch.load`; any other item goes through `torch.load`.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +145,7 @@ class DCPCheckpoint:
                 return self.directory / info.relative_path
         return self.directory / ".metadata"
 
-    def _load_item(self, index: MetadataIndex) -> Any:
+    def _item_bytes(self, index: MetadataIndex) -> bytes:
         info = self.metadata.storage_data[index]
         path = self.directory / info.relative_path
         try:
@@ -149,10 +156,44 @@ class DCPCheckpoint:
             raise CheckpointError(f"reading {index.fqn} from {path} failed: {err.strerror or err}") from None
         if len(payload) != info.length:
             raise CheckpointError(f"{path} is truncated: {index.fqn} needs bytes up to {info.offset + info.length}")
+        return payload
+
+    def read_bytes(self, key: str) -> bytes:
+        """The stored bytes of a non-tensor item (a `torch.save` payload), for a caller that unpickles it with
+        its own allow-list."""
+        if key not in self.object_keys():
+            raise CheckpointError(f"{self.directory} has no item {key}")
+        return self._item_bytes(MetadataIndex(key))
+
+    def _load_item(self, index: MetadataIndex) -> Any:
+        payload = self._item_bytes(index)
+        info = self.metadata.storage_data[index]
         try:
             return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         except Exception as err:
             raise CheckpointError(f"{index.fqn} in {info.relative_path} is unreadable: {err}") from None
+
+    def _read_chunk(
+        self, index: MetadataIndex, sizes: tuple[int, ...], dtype: torch.dtype, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A tensor item, read in place where its layout allows (into `into`, a contiguous tensor of `sizes`, when
+        given), else through `torch.load`."""
+        info = self.metadata.storage_data[index]
+        path = self.directory / info.relative_path
+        try:
+            with path.open("rb") as handle:
+                start = _plain_tensor_data(handle, info.offset, info.length, sizes, dtype)
+                if start is not None:
+                    out = into if into is not None else torch.empty(sizes, dtype=dtype)
+                    handle.seek(info.offset + start)
+                    if handle.readinto(_byte_view(out)) == out.numel() * out.element_size():
+                        return out
+        except OSError as err:
+            raise CheckpointError(f"reading {index.fqn} from {path} failed: {err.strerror or err}") from None
+        data = self._load_item(index)
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != sizes:
+            raise CheckpointError(f"{index.fqn} in {info.relative_path} is not a tensor of shape {sizes}")
+        return data
 
     def read_object(self, key: str) -> Any:
         """A non-tensor item (megatron ShardedObject payload)."""
@@ -169,10 +210,18 @@ class DCPCheckpoint:
             overlap = _overlap(offsets, sizes, chunk_offsets, chunk_sizes)
             if overlap is None:
                 continue
-            data = self._load_item(MetadataIndex(key, torch.Size(chunk_offsets)))
             src = tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(overlap, chunk_offsets, strict=True))
             dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(overlap, offsets, strict=True))
-            out[dst] = data[src]
+            index = MetadataIndex(key, torch.Size(chunk_offsets))
+            target = out[dst]
+            if _volume(overlap) == _numel(chunk_sizes) and target.is_contiguous():
+                # the whole chunk lands in one contiguous block of `out` (chunks split on leading axes)
+                data = self._read_chunk(index, chunk_sizes, meta.dtype, into=target.view(chunk_sizes))
+                if data.data_ptr() != target.data_ptr():
+                    target.copy_(data.view(target.shape))
+            else:
+                data = self._read_chunk(index, chunk_sizes, meta.dtype)
+                target.copy_(data[src])
             covered += _volume(overlap)
             del data
         if covered != _volume(tuple((o, o + s) for o, s in zip(offsets, sizes, strict=True))):
@@ -195,3 +244,123 @@ def _volume(bounds: tuple[tuple[int, int], ...]) -> int:
     for lo, hi in bounds:
         volume *= hi - lo
     return volume
+
+
+class _Region(io.RawIOBase):
+    """A read-only window [start, start + length) of an open file, for `zipfile` to parse one DCP item."""
+
+    def __init__(self, handle: Any, start: int, length: int):
+        self._handle, self._start, self._length, self._pos = handle, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._length - self._pos if size is None or size < 0 else min(size, self._length - self._pos)
+        self._handle.seek(self._start + self._pos)
+        data = self._handle.read(max(size, 0))
+        self._pos += len(data)
+        return data
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads a tensor's `data.pkl` into plain tuples: it resolves only the rebuild function and storage types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda *args: ("tensor", *args)
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return tuple(pid)
+
+
+def _member(region: _Region, zinfo: zipfile.ZipInfo) -> int:
+    """Where a stored member's bytes begin, inside the region (after its local header)."""
+    region.seek(zinfo.header_offset)
+    header = region.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("bad local header")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return zinfo.header_offset + 30 + name_length + extra_length
+
+
+def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
+    """The offset (within the item) of the chunk's raw bytes when the item stores exactly `sizes` x `dtype`
+    contiguously from offset 0 of one little-endian storage; None when it does not (or is not a plain tensor)."""
+    region = _Region(handle, start, length)
+    try:
+        members = {z.filename: z for z in zipfile.ZipFile(region).infolist()}
+        pkl = next(z for name, z in members.items() if name.endswith("/data.pkl"))
+        prefix = pkl.filename[: -len("data.pkl")]
+        order = members.get(f"{prefix}byteorder")
+        if any(z.compress_type != zipfile.ZIP_STORED for z in (pkl, order) if z is not None):
+            return None
+        if order is not None:
+            region.seek(_member(region, order))
+            if region.read(order.file_size) != b"little":
+                return None
+        region.seek(_member(region, pkl))
+        kind, storage, storage_offset, size, stride = _TensorPickle(io.BytesIO(region.read(pkl.file_size))).load()[:5]
+        _, storage_type, key, _, numel = storage
+        if kind != "tensor" or _STORAGE_DTYPES.get(storage_type) != dtype or storage_offset != 0:
+            return None
+        if tuple(size) != sizes or tuple(stride) != _contiguous_strides(sizes) or numel != _numel(sizes):
+            return None
+        data = members.get(f"{prefix}data/{key}")
+        if data is None or data.compress_type != zipfile.ZIP_STORED:
+            return None
+        if data.file_size != _numel(sizes) * torch.empty(0, dtype=dtype).element_size():
+            return None
+        return _member(region, data)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, StopIteration, ValueError, TypeError, EOFError, AttributeError):
+        return None
+
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+"""The storage class names `torch.save` pickles, by dtype."""
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    count = 1
+    for dim in sizes:
+        count *= dim
+    return count
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(sizes):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

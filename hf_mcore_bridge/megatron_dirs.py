@@ -5,22 +5,35 @@ in `<root>/iter_0000100/` or `<root>/release/` with `metadata.json`, `common.pt`
 content metadata) and the DCP files. The project also keeps the HF assets (config, generation config, tokenizer)
 in `<root>/hf_assets/`, so export needs no source directory.
 
-`common.pt` is read with `torch.load(weights_only=True)` and an explicit allow-list of the globals Megatron-LM
-stores: the argparse Namespace, a few standard-library types and megatron-core's enums.
+Where the common state lives depends on the megatron-core release that saved it (read from Megatron-LM's source,
+tags core_v0.16.1 to core_v0.19.0, `megatron/core/dist_checkpointing/serialization.py`, `strategies/common.py`,
+`core.py`):
+
+- 0.16, 0.17, 0.18: `common.pt` beside the DCP files; `metadata.json` names `common_backend: torch` (version 1).
+- 0.19: no `common.pt`: the dict is a ShardedObject `common_state` (global shape (1,), offset (0,)), so a DCP
+  bytes item `common_state/shard_0_1` holding `torch.save([common_dict])`; `metadata.json` has only the sharded
+  backend and its version. 0.19 still reads a `common.pt` where one exists.
+
+`common.pt` and the `common_state` item are read with `torch.load(weights_only=True)` and an explicit allow-list of
+the globals Megatron-LM stores: the argparse Namespace, a few standard-library types and megatron-core's enums.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import pathlib
 import shutil
 import types
+from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.dcp_writer import ObjectItem
 from hf_mcore_bridge.errors import CheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -36,6 +49,32 @@ TORCH_DIST_METADATA = {
 }
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 """What Megatron-LM records for a model-only checkpoint (no distributed optimizer state)."""
+
+MCORE_VERSIONS = (16, 17, 18, 19)
+"""megatron-core minor releases (0.16 .. 0.19) whose checkpoint layout can be written."""
+COMMON_IN_DCP_SINCE = 19
+"""The first megatron-core minor release that keeps the common state inside the DCP files."""
+COMMON_STATE_KEY = "common_state/shard_0_1"
+"""The DCP item of megatron-core >= 0.19's common state (ShardedObject `common_state`, shape (1,), offset (0,))."""
+
+
+def installed_mcore_version() -> int:
+    """The installed megatron-core's minor release, clamped to `MCORE_VERSIONS` (read from the package metadata,
+    without importing megatron-core)."""
+    try:
+        version = importlib_metadata.version("megatron-core")
+    except importlib_metadata.PackageNotFoundError:
+        return MCORE_VERSIONS[0]
+    parts = version.split(".")
+    minor = int(parts[1]) if len(parts) > 1 and parts[0] == "0" and parts[1].isdigit() else MCORE_VERSIONS[-1]
+    return min(max(minor, MCORE_VERSIONS[0]), MCORE_VERSIONS[-1])
+
+
+def metadata_json(mcore_version: int) -> dict[str, Any]:
+    """What `metadata.json` holds for a checkpoint saved by megatron-core 0.`mcore_version`."""
+    if mcore_version >= COMMON_IN_DCP_SINCE:
+        return {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    return dict(TORCH_DIST_METADATA)
 
 
 def iteration_dirname(iteration: int | None) -> str:
@@ -57,9 +96,9 @@ def publish_iteration(staging: Path, final: Path, root: Path, iteration: int) ->
     write_tracker(root, iteration)
 
 
-def write_common(checkpoint_dir: Path, args: argparse.Namespace, iteration: int, extra: dict[str, Any] | None = None):
-    """Write `common.pt` and `metadata.json` as megatron-core 0.16 / Megatron-LM do."""
-    common = {
+def common_state(args: argparse.Namespace, iteration: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The common (non-sharded) state dict Megatron-LM saves beside a model."""
+    return {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -67,9 +106,22 @@ def write_common(checkpoint_dir: Path, args: argparse.Namespace, iteration: int,
         "num_floating_point_operations_so_far": 0,
         **(extra or {}),
     }
-    with (checkpoint_dir / COMMON_NAME).open("wb") as handle:  # closed on failure (see legacy_format.write_legacy)
-        torch.save(common, handle)
-    (checkpoint_dir / METADATA_NAME).write_text(json.dumps(TORCH_DIST_METADATA))
+
+
+def common_objects(common: dict[str, Any], mcore_version: int) -> list[ObjectItem]:
+    """The DCP items that carry the common state (none before megatron-core 0.19, where `common.pt` does)."""
+    if mcore_version < COMMON_IN_DCP_SINCE:
+        return []
+    return [ObjectItem(COMMON_STATE_KEY, [common])]
+
+
+def write_common(checkpoint_dir: Path, common: dict[str, Any], mcore_version: int = MCORE_VERSIONS[0]) -> None:
+    """Write `metadata.json` and, before megatron-core 0.19, `common.pt` (0.19 takes the common state from the DCP
+    item `common_objects` gave)."""
+    if mcore_version < COMMON_IN_DCP_SINCE:
+        with (checkpoint_dir / COMMON_NAME).open("wb") as handle:  # closed on failure (see legacy_format)
+            torch.save(common, handle)
+    (checkpoint_dir / METADATA_NAME).write_text(json.dumps(metadata_json(mcore_version)))
 
 
 _BASIC_GLOBALS: list[Any] = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
@@ -87,29 +139,89 @@ def _safe_globals() -> list[Any]:
     return allowed
 
 
-def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails.
+def _load_allowed(source: Path | IO[bytes], *, mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` with the allow-list above; megatron-core's enums are only imported (a few
+    seconds) when the payload actually refers to one."""
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+    if not isinstance(source, Path):
+        source.seek(0)
+    allowed = _safe_globals() if any(name.startswith("megatron.") for name in needed) else _BASIC_GLOBALS
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
 
-    megatron-core's enums are only imported (a few seconds) when the file actually refers to one.
-    """
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails."""
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        allowed = _safe_globals() if any(name.startswith("megatron.") for name in needed) else _BASIC_GLOBALS
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return _load_allowed(Path(path), mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except Exception as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path} is unreadable: {first_line}") from None
+        raise CheckpointError(f"{path} is unreadable: {_first_line(err)}") from None
 
 
 def read_common(checkpoint_dir: Path) -> dict[str, Any]:
-    """The common state dict of a distributed checkpoint (`common.pt`)."""
-    common = safe_torch_load(checkpoint_dir / COMMON_NAME)
+    """The common state dict of a distributed checkpoint: `common.pt` where there is one (megatron-core <= 0.18,
+    and what 0.19 also prefers), else the DCP item `common_state/shard_0_1` (megatron-core >= 0.19)."""
+    if (checkpoint_dir / COMMON_NAME).exists():
+        common = safe_torch_load(checkpoint_dir / COMMON_NAME)
+        where = str(checkpoint_dir / COMMON_NAME)
+    else:
+        common, where = _common_in_dcp(checkpoint_dir)
     if not isinstance(common, dict):
-        raise CheckpointError(f"{checkpoint_dir / COMMON_NAME} does not hold a dict")
+        raise CheckpointError(f"{where} does not hold a dict")
     return common
+
+
+def check_installed_reads(checkpoint_dir: Path) -> None:
+    """Refuse, with the reason, a `torch_dist` checkpoint whose common state the installed megatron-core cannot
+    read: the 0.19 layout (no `common.pt`) under megatron-core <= 0.18, which looks for `common.pt` only."""
+    if (checkpoint_dir / COMMON_NAME).exists() or installed_mcore_version() >= COMMON_IN_DCP_SINCE:
+        return
+    installed = importlib_metadata.version("megatron-core")
+    raise CheckpointError(
+        f"{checkpoint_dir} keeps its common state in the DCP files (megatron-core >= 0.19 layout), which the"
+        f" installed megatron-core {installed} cannot load; write it with --mcore-version 0.{installed_mcore_version()}"
+    )
+
+
+def _common_in_dcp(checkpoint_dir: Path) -> tuple[Any, str]:
+    config = _read_metadata_json(checkpoint_dir)
+    if config is not None and "common_backend" in config:
+        raise CheckpointError(
+            f"{checkpoint_dir} lacks {COMMON_NAME}, which its {METADATA_NAME} (megatron-core <= 0.18 layout) calls for"
+        )
+    where = f"{checkpoint_dir / '.metadata'} item {COMMON_STATE_KEY}"
+    if not (checkpoint_dir / ".metadata").exists():
+        raise CheckpointError(f"{checkpoint_dir} has neither {COMMON_NAME} nor DCP files holding the common state")
+    dcp = DCPCheckpoint(checkpoint_dir)
+    if COMMON_STATE_KEY not in dcp.object_keys():
+        raise CheckpointError(f"{checkpoint_dir} has neither {COMMON_NAME} nor a DCP item {COMMON_STATE_KEY}")
+    payload = dcp.read_bytes(COMMON_STATE_KEY)
+    try:
+        loaded = _load_allowed(io.BytesIO(payload))
+    except Exception as err:
+        raise CheckpointError(f"{where} is unreadable: {_first_line(err)}") from None
+    if not (isinstance(loaded, list) and len(loaded) == 1):
+        raise CheckpointError(f"{where} does not hold megatron-core's one-element list")
+    return loaded[0], where
+
+
+def _read_metadata_json(checkpoint_dir: Path) -> dict[str, Any] | None:
+    path = checkpoint_dir / METADATA_NAME
+    if not path.exists():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable: {_first_line(err)}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return config
 
 
 def resolve_checkpoint(path: Path, iteration: int | None = None) -> tuple[Path, Path]:
@@ -135,6 +247,11 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> tuple[Path, 
         return path, candidate
     tracker = path / TRACKER_NAME
     if not tracker.exists():
+        from hf_mcore_bridge.bridge_layout import latest_step
+
+        step = latest_step(path)  # Megatron-Bridge's own tracker
+        if step is not None and (path / iteration_dirname(step)).is_dir():
+            return path, path / iteration_dirname(step)
         raise CheckpointError(f"{path} is not a Megatron checkpoint (no {TRACKER_NAME}, no metadata.json)")
     text = tracker.read_text().strip()
     if text == "release":

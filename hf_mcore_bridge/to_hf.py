@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
 from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.destination import check_destination, real_path
 from hf_mcore_bridge.errors import CheckpointError
@@ -48,11 +49,15 @@ def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool) -
 
 
 def checkpoint_args(checkpoint_dir: Path) -> Any:
-    """The Megatron-LM `args` a checkpoint carries (None for a bare megatron-core save)."""
+    """The Megatron-LM `args` a checkpoint carries, or those of its Megatron-Bridge `run_config.yaml` (None for a
+    bare megatron-core save)."""
     if _is_legacy(checkpoint_dir):
         first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))
         return safe_torch_load(first[0], mmap=True).get("args") if first else None
-    return read_common(checkpoint_dir).get("args")
+    args = read_common(checkpoint_dir).get("args")
+    if args is None and is_bridge_checkpoint(checkpoint_dir):
+        return args_from_run_config(read_run_config(checkpoint_dir))
+    return args
 
 
 def _hf_config(root: Path, checkpoint_dir: Path, args: Any, hf_config: Path | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.destination import check_destination, real_path
@@ -27,7 +28,15 @@ from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.legacy_format import write_legacy
 from hf_mcore_bridge.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.megatron_dirs import HF_ASSETS_DIR, iteration_dirname, write_common, write_tracker
+from hf_mcore_bridge.megatron_dirs import (
+    HF_ASSETS_DIR,
+    common_objects,
+    common_state,
+    installed_mcore_version,
+    iteration_dirname,
+    write_common,
+    write_tracker,
+)
 from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
 from hf_mcore_bridge.progress import progress_bar
@@ -168,13 +177,23 @@ def convert_hf_to_mcore(
     allow_pickle: bool = False,
     show_progress: bool = True,
     checkpoint_format: str = "torch_dist",
+    mcore_version: int | None = None,
+    directory_layout: str = "megatron-lm",
 ) -> ConversionResult:
     """Convert an HF model directory into a Megatron-LM-loadable checkpoint (`release/`).
 
     `checkpoint_format` is `torch_dist` (megatron-core's distributed checkpoint, loadable at any layout) or
-    `torch` (the legacy per-rank files, exactly at `layout`). The destination is checked before any work
-    (`destination.check_destination`): `overwrite` replaces only an output of this tool, `overwrite_foreign` anything.
+    `torch` (the legacy per-rank files, exactly at `layout`). `mcore_version` (16 .. 19, default: the installed
+    megatron-core's) picks the `torch_dist` layout of that megatron-core release (`megatron_dirs`).
+    `directory_layout` is `megatron-lm` (`release/`, `args` in the common state) or `megatron-bridge`
+    (`iter_0000000/` with `run_config.yaml` and train state instead of `args`: `bridge_layout`). The
+    destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
+    output of this tool, `overwrite_foreign` anything.
     """
+    if directory_layout not in ("megatron-lm", "megatron-bridge"):
+        raise ValueError(f"unknown directory layout {directory_layout!r}")
+    if directory_layout == "megatron-bridge" and checkpoint_format != "torch_dist":
+        raise ValueError("the Megatron-Bridge layout holds torch_dist checkpoints only")
     check_destination(destination, [source], overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     started = time.perf_counter()
     layout = layout or Layout()
@@ -209,7 +228,8 @@ def convert_hf_to_mcore(
         overwrite_foreign=overwrite_foreign,
         record={"command": "convert --to mcore", "sources": [str(real_path(source))]},
     ) as staging:
-        checkpoint_dir = staging / iteration_dirname(None)
+        bridge = directory_layout == "megatron-bridge"
+        checkpoint_dir = staging / iteration_dirname(0 if bridge else None)
         if checkpoint_format == "torch":
             files = layout.tp * layout.pp * layout.ep
             with progress_bar("convert to mcore (legacy)", total=files, enabled=show_progress) as step:
@@ -226,10 +246,18 @@ def convert_hf_to_mcore(
                     on_write=step,
                 )
         else:
-            with progress_bar("convert to mcore", total=len(chunks) + len(objects), enabled=show_progress) as step:
-                write_dcp(checkpoint_dir, chunks, objects, on_write=step)
-            write_common(checkpoint_dir, args, iteration=0)
-        write_tracker(staging, None)
+            version = mcore_version or installed_mcore_version()
+            common = common_state(args, iteration=0)
+            if bridge:  # Megatron-Bridge's common state has no `args`: run_config.yaml describes the model
+                del common["args"]
+            items = [*objects, *common_objects(common, version)]
+            with progress_bar("convert to mcore", total=len(chunks) + len(items), enabled=show_progress) as step:
+                write_dcp(checkpoint_dir, chunks, items, on_write=step)
+            write_common(checkpoint_dir, common, version)
+        if bridge:
+            config = run_config(model, layout, target_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+            write_bridge_files(staging, checkpoint_dir, config, step=0)
+        write_tracker(staging, 0 if bridge else None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started

@@ -15,13 +15,14 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
-from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.errors import BridgeError, CheckpointError
 from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.megatron_dirs import check_installed_reads, resolve_checkpoint
 from hf_mcore_bridge.world import device as rank_device
 from hf_mcore_bridge.world import reports_here, run_world
 
@@ -84,7 +85,8 @@ def verify(
         token_sets = []
         for i, job in enumerate(jobs):
             _, checkpoint_dir = resolve_checkpoint(job.mcore_dir)
-            model = from_megatron_args(read_common(checkpoint_dir)["args"])
+            check_installed_reads(checkpoint_dir)
+            model = from_megatron_args(_args(checkpoint_dir))
             tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
             token_sets.append(tokens)
             torch.save(tokens, work / f"tokens_{i}.pt")
@@ -142,12 +144,22 @@ def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) 
             torch.save(held, Path(work) / f"logits_{i}.pt")
 
 
+def _args(checkpoint_dir: Path) -> Any:
+    """Megatron-LM `args`, or those of a Megatron-Bridge checkpoint's `run_config.yaml`."""
+    from hf_mcore_bridge.to_hf import checkpoint_args
+
+    args = checkpoint_args(checkpoint_dir)
+    if args is None:
+        raise CheckpointError(f"{checkpoint_dir} records neither args nor a run_config.yaml: nothing to build from")
+    return args
+
+
 def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run this rank's pipeline stage; the last stage's TP-rank-0 returns the gathered, unpadded logits."""
     from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
 
     _, checkpoint_dir = resolve_checkpoint(checkpoint)
-    args = read_common(checkpoint_dir)["args"]
+    args = _args(checkpoint_dir)
     model_cfg = from_megatron_args(args)
     divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
     device = rank_device()

@@ -1,8 +1,9 @@
 """Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
 deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
 
-Corruptions touch the refit's stream only (`refit._local_hf_weights`, after the mapping table's `to_hf`) or its
-recording; the trainer's model, its checkpoint and the engine's code are untouched.
+Corruptions touch the refit's stream only (`refit._local_hf_weights` and `refit.shard_local_hf_weights`, after the
+mapping table's `to_hf`), its recording, or one rank's engine copy right after loading (`rank1_copy`); the
+trainer's model, its checkpoint and the engine's code are untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 QK = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
 GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
+DOWN = "model.layers.1.mlp.down_proj.weight"
 EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
 
 
@@ -93,16 +95,20 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     from hf_mcore_bridge.grpo import backend, refit, trainer
     from hf_mcore_bridge.grpo.refit_replay import RefitReplay
 
-    original = refit._local_hf_weights
     kinds = set(kind.removeprefix("vllm_").removeprefix("later_").split("+"))
     refits = [0]
 
-    def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        refits[0] += 1
-        later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
-        return original(*args) if later else _corrupt(original(*args), kinds)
+    def corrupting(original: Any) -> Any:
+        def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+            refits[0] += 1
+            later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
+            return original(*args) if later else _corrupt(original(*args), kinds)
 
-    refit._local_hf_weights = corrupted
+        return corrupted
+
+    # both streams: full tensors, and each rank's own parts (an engine sharded over the trainer's TP group)
+    refit._local_hf_weights = corrupting(refit._local_hf_weights)
+    refit.shard_local_hf_weights = corrupting(refit.shard_local_hf_weights)
     if kind == "vllm_qk":
         hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
     if kind.startswith("stale_"):
@@ -133,7 +139,34 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
             ctx.refit_replay = RefitReplay(recorder=record)
 
         trainer._RankContext.__init__ = with_stale_recorder
+    if kind == "rank1_copy":
+        _break_rank1_copy(trainer)
     trainer._train_rank(config, prepared)
+
+
+def _break_rank1_copy(trainer: Any) -> None:
+    """On rank 1 only: one element of the engine's part of `DOWN` changed right after it is loaded (a copy gone
+    wrong on a rank other than 0, where the transfer check must run too)."""
+    import torch.distributed as dist
+
+    init = trainer._RankContext.__init__
+
+    def with_bad_copy(ctx: Any, *args: Any) -> None:
+        init(ctx, *args)
+        if dist.get_rank() != 1:
+            return
+        load = ctx.engine.load_weights
+
+        def load_badly(weights: Any, *more: Any, **kw: Any) -> Any:
+            weights = list(weights)
+            done = load(weights, *more, **kw)
+            if any(name == DOWN for name, _ in weights):
+                ctx.engine.model.hf_view(DOWN)[0, 0] += 1e-3
+            return done
+
+        ctx.engine.load_weights = load_badly
+
+    trainer._RankContext.__init__ = with_bad_copy
 
 
 class _EmbeddedAsVllm:

@@ -79,3 +79,26 @@ def test_vllm_generation_is_refused_where_it_cannot_run(overrides: list[str], me
     base = {"policy": {"model_path": "/m"}, "data": {"task": "repeat_digit"}}
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(base, overrides).validate()
+
+
+def test_build_engine_starts_one_vllm_per_replica_over_its_tensor_parallel_ranks(tmp_path: Path, monkeypatch) -> None:
+    """A replica of two ranks starts vLLM at TP 2 with its `external_launcher` executor (one worker in each rank's
+    process, over the ranks' own world); one rank starts it without (vLLM's engine replaced by a recorder)."""
+    from hf_mcore_bridge.grpo import generation
+
+    calls: list[dict[str, Any]] = []
+
+    class Recorder:
+        def __init__(self, model_dir: Path, config: EngineConfig, **kwargs: Any) -> None:
+            calls.append(kwargs)
+
+    group = object()  # a two-rank group as `torch.distributed` would size it
+    monkeypatch.setattr(hf_mcore_bridge.engine, "VllmEngine", Recorder)
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda g=None: 2 if g is group else 1)
+    policy = build_tiny_policy(tmp_path / "policy")
+    tokenizer = Tokenizer.from_file(str(policy / "tokenizer.json"))
+    hf_config = json.loads((policy / "config.json").read_text())
+    build_engine("vllm", hf_config, CONFIG, tokenizer, tmp_path / "logs", tp_group=group)
+    build_engine("vllm", hf_config, CONFIG, tokenizer, tmp_path / "logs")
+    assert calls[0]["tensor_parallel_size"] == 2 and calls[0]["distributed_executor_backend"] == "external_launcher"
+    assert "tensor_parallel_size" not in calls[1] and "distributed_executor_backend" not in calls[1]

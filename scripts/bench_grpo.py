@@ -200,12 +200,12 @@ def main() -> None:
         print(f"  {'device-to-device copy, same bytes':<34} {copy_s:9.4f} s  (refit = {ratio:.1f}x the copy)")
     replicas = int(steady[0].get("generation_replicas", 1))
     per_replica = {
-        f"generation_s_replica{r}": statistics.median(float(m[f"generation_s_replica{r}"]) for m in steady)
+        f"generation_replica{r}_s": statistics.median(float(m[f"generation_replica{r}_s"]) for m in steady)
         for r in range(replicas)
         if replicas > 1
     }
-    for key, seconds in per_replica.items():
-        print(f"  {'  generation: replica ' + key.removeprefix('generation_s_replica'):<34} {seconds:9.3f} s")
+    for r, seconds in enumerate(per_replica.values()):
+        print(f"  {f'  generation: replica {r}':<34} {seconds:9.3f} s")
     local = all(m.get("refit_shard_local") == 1 for m in steady)
     path = "shard-local (each rank its own shards)" if local else "full tensors (gathered, each engine its part)"
     print(f"  engine replicas: {replicas}; refit path: {path}")

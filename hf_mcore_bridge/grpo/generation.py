@@ -9,8 +9,9 @@ not depend on the number of replicas. Both take text prompts, return `RequestOut
 refits through `load_weights` (HF names, full tensors) and are checked after each refit.
 
 - `embedded`: `hf_mcore_bridge.engine.Engine`, with the run's tokenizer; its weights come only from refits.
-- `vllm`: one `VllmEngine` per replica (needs vLLM and a GPU; TP > 1 through vLLM's `external_launcher` executor,
-  which runs one vLLM worker in each of the replica's processes), started on a directory holding the HF config and
+- `vllm`: one `VllmEngine` per replica (needs vLLM and a GPU; in a world of several ranks through vLLM's
+  `external_launcher` executor, one vLLM worker in each rank's process, at the replica's TP with one vLLM
+  data-parallel rank per replica; untested against vLLM itself), started on a directory holding the HF config and
   tokenizer and vLLM's `load_format="dummy"`, so its weights, too, come only from refits (through vLLM's own
   `load_weights`).
   vLLM does not tokenize here (`skip_tokenizer_init`): prompts go in as the run tokenizer's ids and completions are
@@ -156,10 +157,15 @@ def build_engine(
         tokenizer.save(str(model_dir / "tokenizer.json"))
     if dist.is_initialized():
         dist.barrier()
+    world = dist.get_world_size() if dist.is_initialized() else 1
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    # TP > 1: every rank of the replica runs one vLLM worker in its own process (vLLM's `external_launcher`,
-    # which takes the ranks' torch.distributed world as it is)
-    extra = {"tensor_parallel_size": tp, "distributed_executor_backend": "external_launcher"} if tp > 1 else {}
+    extra: dict[str, Any] = {}
+    if world > 1:
+        # every rank runs one vLLM worker in its own process over the ranks' torch.distributed world as it is
+        # (vLLM's `external_launcher`: its TP x DP must be that world; each DP rank is a replica fed its own prompts)
+        extra = {"tensor_parallel_size": tp, "distributed_executor_backend": "external_launcher"}
+        if world > tp:
+            extra["data_parallel_size"] = world // tp
     engine = VllmEngine(model_dir, engine_config, load_format="dummy", skip_tokenizer_init=True, **extra)
     return VllmGeneration(engine, tokenizer)
 

@@ -413,7 +413,7 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
     """Every engine replica samples, scores and computes the advantages of its share of the step's prompts (whole
     groups, `prompt_share`); the replicas' rollouts are then all-gathered in prompt order (token ids: small), so
     every rank holds the step's rollouts as one engine would have made them, and the statistics are over all of
-    them. Also returns each replica's generation seconds (`generation_s_replica{r}` where there are several)."""
+    them. Also returns each replica's generation seconds (`generation_replica{r}_s` where there are several)."""
     import torch.distributed as dist
 
     config, replicas = ctx.config, ctx.replicas
@@ -438,7 +438,7 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         "generation_replicas": float(replicas.size),
     }
     if replicas.size > 1:
-        stats |= {f"generation_s_replica{i}": s for i, (_, s) in enumerate(gathered)}
+        stats |= {f"generation_replica{i}_s": s for i, (_, s) in enumerate(gathered)}
     return rollouts, stats
 
 

@@ -241,3 +241,48 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
             {"tensors": len(direct), "gathered": gathered, "stale": same(stale, direct), "fresh": same(fresh, direct)},
             out_file,
         )
+
+
+def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
+    """TP2, random megatron-core weights per architecture: the shard-local stream (each rank's own shards through
+    the table) against the engine's own slices (`tp_shards`) of the gathered full tensors, and an engine loaded
+    from it with `parts=True`. Rank 0 saves, per directory, the comparison's counts."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.engine import Engine, EngineConfig
+    from hf_mcore_bridge.grpo.generation import engine_part
+    from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.megatron_model import build_gpt_model
+
+    results = {}
+    for directory in hf_dirs:
+        hf_config = json.loads((Path(directory) / "config.json").read_text())
+        model_cfg = from_hf(hf_config, get_architecture(hf_config["architectures"][0]))
+        layout = Layout(tp=2)
+        vocab = padded_vocab(model_cfg, layout)
+        torch.manual_seed(0)
+        gpt = build_gpt_model(model_cfg, layout, torch.float32, vocab, device=torch.device("cpu"))
+        full = {name: tensor.clone() for name, tensor in hf_weights(gpt, model_cfg, vocab)}
+        parts = [(name, tensor.clone()) for name, tensor in shard_local_hf_weights(gpt, model_cfg, vocab)]
+        config = EngineConfig(dtype=torch.float32, device="cpu", max_num_seqs=2, max_model_len=32)
+        engine = Engine(hf_config, config, tp_group=parallel_state.get_tensor_model_parallel_group())
+        wanted = {name: engine_part(engine, name, tensor) for name, tensor in full.items()}
+        equal = [torch.equal(engine_part(engine, name, part), wanted[name]) for name, part in parts]
+        whole = sorted(name for name, part in parts if part.shape == full[name].shape)
+        engine.load_weights(parts, parts=True)
+        held = [torch.equal(engine.model.hf_view(name), wanted[name]) for name in engine.model.targets]
+        results[Path(directory).name] = {
+            "same_names": [n for n, _ in parts] == list(full),
+            "equal": sum(equal),
+            "count": len(parts),
+            "whole": whole,
+            "names": sorted(full),
+            "engine_equal": sum(held),
+            "engine_count": len(held),
+        }
+    if dist.get_rank() == 0:
+        torch.save(results, out_file)

@@ -4,7 +4,11 @@
   engine from its own shards (`refit_shard_local` = 1) with no all-gather but the two vocabulary tensors';
 - TP2 trainer + TP1 engine: each rank an engine of its own, refit from full tensors (reshard: gathered over TP);
 - PP2 trainer + TP2 engine: one engine over both pipeline ranks (a group made for it), refit from the stages'
-  exchanged full tensors.
+  exchanged full tensors;
+- Qwen3-MoE at EP2: an engine on each rank, refit with every expert gathered over EP.
+
+And, at TP2 for every dense architecture, the shard-local stream against the engine's own slices of the gathered
+tensors.
 
 Each run's refits pass the transfer check on every rank and the engine-vs-trainer log-prob gate at its fp32
 default on every step (a run stops otherwise; that the checks fire is shown in `test_refit_checks.py`, including
@@ -46,6 +50,7 @@ def _config(root: Path, policy: Path, name: str, layout: dict[str, int], engine_
                 "megatron_cfg": {
                     "tensor_model_parallel_size": layout.get("tp", 1),
                     "pipeline_model_parallel_size": layout.get("pp", 1),
+                    "expert_model_parallel_size": layout.get("ep", 1),
                     "micro_batch_size": 8,
                     "optimizer": {"lr": 1e-2},
                 },
@@ -101,3 +106,47 @@ def test_engine_tp_equal_to_and_different_from_the_trainer(tmp_path: Path) -> No
     assert [(p, s.token_ids) for p, out in zip(prompts, outputs, strict=True) for s in out.samples] == first[
         "tp2_engine_tp2"
     ]
+
+
+def test_qwen3_moe_at_ep2_generates_on_both_replicas_with_every_refit_checked(tmp_path: Path) -> None:
+    """Qwen3-MoE at EP2: two engine replicas (one a rank), each refit with every expert (gathered over EP), the
+    transfer check on both ranks and the log-prob gate passing at every step."""
+    from hf_mcore_bridge.grpo.trainer import train_grpo
+
+    policy = build_tiny_policy(
+        tmp_path / "policy", seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0
+    )
+    run = train_grpo(_config(tmp_path, policy, "ep2", {"ep": 2}, None))
+    assert run.steps == STEPS
+    assert max(run.series("token_mult_prob_error")) <= EXACT
+    assert max(run.series("probe_token_mult_prob_error")) <= EXACT
+    assert all(m["generation_replicas"] == 2 and m["generation_replica1_s"] > 0 for m in run.metrics)
+    assert all(m["refit_shard_local"] == 0 and m["refit_gathers"] > 0 for m in run.metrics)
+    first = _step1(run.log_dir)
+    assert len(first) == 8 and len({tuple(p) for p, _ in first}) == 2  # both prompts' groups, gathered in order
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def test_shard_local_stream_is_the_engines_part_of_the_gathered_tensors(tmp_path: Path) -> None:
+    """Every dense architecture at TP2: each rank's shard-local stream equals the engine's own slice of the
+    tensor the gathered stream gives (q/k/v by heads and query groups, Qwen2's biases, Qwen3's q/k norms,
+    gate/up, rows), only the vocabulary tensors come whole, and an engine loaded from it holds those slices."""
+    import torch
+
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.world import run_world
+
+    from .refit_ranks import shard_local_rank
+
+    dirs = [str(build_tiny_policy(tmp_path / arch, architecture=arch)) for arch in ARCHITECTURES]
+    out = tmp_path / "result.pt"
+    run_world(shard_local_rank, Layout(tp=2), dirs, str(out))
+    results = torch.load(out)
+    for arch in ARCHITECTURES:
+        got = results[arch]
+        assert got["same_names"] and got["equal"] == got["count"], (arch, got)
+        vocab = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert got["whole"] == sorted(n for n in got["names"] if "norm" in n or n in vocab), arch
+        assert got["engine_equal"] == got["engine_count"] == got["count"], (arch, got)

@@ -125,8 +125,8 @@ def test_two_replicas_generate_and_train_as_one(tmp_path: Path, backend: str) ->
 
     # both replicas generated (each its half of the prompts), and the rollouts are the single engine's
     first = two.metrics[0]
-    assert first["generation_replicas"] == 2 and first["generation_s_replica0"] > 0
-    assert first["generation_s_replica1"] > 0
+    assert first["generation_replicas"] == 2 and first["generation_replica0_s"] > 0
+    assert first["generation_replica1_s"] > 0
     single, split = _rollouts(one.log_dir), _rollouts(two.log_dir)
     step1 = [(r["prompt_ids"], r["completion_ids"], r["reward"], r["advantage"]) for r in single if r["step"] == 1]
     assert step1 == [

@@ -192,11 +192,9 @@ class MegatronBackend:
         return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
 
     def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
-        from megatron.core import parallel_state
-
         from hf_mcore_bridge.grpo.refit import finish_param_gather, shard_local_hf_weights
 
-        if self.policy.model_cfg.moe is not None or parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if self.policy.model_cfg.moe is not None:
             return None
         finish_param_gather(self.policy.model)
         return shard_local_hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)

@@ -250,8 +250,8 @@ class GenerationConfig:
     vocabulary and KV heads split like megatron-core's tensor-parallel layers); null: the policy's TP
     (`policy.megatron_cfg.tensor_model_parallel_size`, or `policy.dtensor_cfg.tensor_parallel_size`). Must divide
     the run's world size: every `tensor_parallel_size` consecutive ranks form one engine replica, and the replicas
-    share each step's prompts. Equal to the megatron-core policy's TP at PP 1 (dense models), each rank refits its
-    engine part from its own shards, with no all-gather (`grpo.refit.shard_local_hf_weights`)."""
+    share each step's prompts. Equal to the megatron-core policy's TP (dense models), each rank refits its engine
+    part from its own shards, with no all-gather but the vocabulary's (`grpo.refit.shard_local_hf_weights`)."""
 
 
 @dataclass(frozen=True)

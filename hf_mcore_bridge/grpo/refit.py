@@ -18,15 +18,15 @@ stale copy, not a conversion that is wrong the same way on both sides (a swapped
 order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
 completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
 
-Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (PP 1,
-dense), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
-vocabulary's. Otherwise (`hf_weights`) full tensors are made and each engine rank keeps its part of them.
+Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
+models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
+vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (`hf_weights`)
+full tensors are made and each engine rank keeps its part of them.
 
 Simplifications: every rank of a TP group gathers (each rank's engine keeps its part of the full tensors); with
-PP > 1 the stages exchange their HF tensors as pickled objects (`all_gather_object`), fine for small models, not
-for large ones;
-a routed expert's weight is gathered over expert TP, then all-gathered over EP local index by local index (every
-EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
+PP > 1 the stages exchange their HF tensors (or parts) as pickled objects (`all_gather_object`), fine for small
+models, not for large ones; a routed expert's weight is gathered over expert TP, then all-gathered over EP local
+index by local index (every EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig
-from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Entry, at_layer
+from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Dims, Entry, at_layer
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.model_plan import placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
@@ -298,7 +298,6 @@ def hf_weights(
     tensors in full; with PP > 1 the stages exchange theirs over the pipeline group (`all_gather_object`, in stage
     order). `times` collects the time of the TP/EP gathers (`gather`) and of that exchange (`transfer`).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     times = times or PhaseTimes()
@@ -306,15 +305,7 @@ def hf_weights(
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         yield from local
         return
-    device = next(module.parameters()).device
-    mine = [(name, tensor.cpu().clone()) for name, tensor in local]
-    group = parallel_state.get_pipeline_model_parallel_group()
-    stages: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(dist.get_world_size(group))]
-    with times.phase("transfer"):
-        dist.all_gather_object(stages, mine, group=group)
-    for part in stages:
-        for name, tensor in part:
-            yield name, tensor.to(device)
+    yield from _exchange_stages(module, local, times)
 
 
 def shard_local_hf_weights(
@@ -322,10 +313,12 @@ def shard_local_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's tensor-parallel part of every HF tensor, straight from its own megatron-core shards through the
     mapping table (`entry.to_hf` with the rank's head counts): for an engine sharded over the trainer's own TP
-    group (`engine.tp_shards` splits heads, query groups, MLP widths and rows as megatron-core does). Needs PP 1
-    and a dense model (the caller checks). No all-gather, except the vocabulary-parallel tensors: megatron-core
-    splits the padded vocabulary, the engine the vocabulary itself, so those come whole (the engine slices them).
-    `times` collects those gathers (`gather`)."""
+    group (`engine.tp_shards` splits heads, query groups, MLP widths and rows as megatron-core does). Needs a
+    dense model (the caller checks). No all-gather, except the vocabulary-parallel tensors: megatron-core splits
+    the padded vocabulary, the engine the vocabulary itself, so those come whole (the engine slices them). With
+    PP > 1 each stage's engine (its TP group) needs every stage's layers: the ranks of one TP rank exchange their
+    parts over the pipeline group (`transfer`), so each receives only its own part of the other stages' tensors.
+    `times` collects the vocabulary gathers (`gather`) and that exchange."""
     from megatron.core import parallel_state
 
     times = times or PhaseTimes()
@@ -334,6 +327,17 @@ def shard_local_hf_weights(
     local = dataclasses.replace(
         dims, num_attention_heads=dims.num_attention_heads // tp, num_query_groups=dims.num_query_groups // tp
     )
+    parts = _shard_local_parts(module, model_cfg, dims, local, tp, times)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        yield from parts
+        return
+    yield from _exchange_stages(module, parts, times)
+
+
+def _shard_local_parts(
+    module: torch.nn.Module, model_cfg: ModelConfig, dims: Dims, local: Dims, tp: int, times: PhaseTimes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's part of `shard_local_hf_weights`."""
     for step in _plan(module, model_cfg):
         if step.expert_entries is not None:
             raise ValueError("a shard-local refit covers dense models only")
@@ -344,6 +348,25 @@ def shard_local_hf_weights(
             yield from step.entry.to_hf(full, dims).items()
             continue
         yield from step.entry.to_hf(step.param.detach(), local).items()
+
+
+def _exchange_stages(
+    module: torch.nn.Module, local: Iterable[tuple[str, torch.Tensor]], times: PhaseTimes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's tensors on every rank of this rank's pipeline group, in stage order (pickled over
+    `all_gather_object`: fine for small models, not for large ones)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    device = next(module.parameters()).device
+    mine = [(name, tensor.cpu().clone()) for name, tensor in local]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(dist.get_world_size(group))]
+    with times.phase("transfer"):
+        dist.all_gather_object(stages, mine, group=group)
+    for part in stages:
+        for name, tensor in part:
+            yield name, tensor.to(device)
 
 
 CHECKSUM_LANES = 4096

@@ -5,6 +5,8 @@
 - TP2 trainer + TP1 engine: each rank an engine of its own, refit from full tensors (reshard: gathered over TP);
 - PP2 trainer + TP2 engine: one engine over both pipeline ranks (a group made for it), refit from the stages'
   exchanged full tensors;
+- TP2 x PP2 trainer + TP2 engine: an engine on each stage's TP group, each rank refit from its own shards and
+  the other stage's parts for its TP rank (exchanged over the pipeline group);
 - Qwen3-MoE at EP2: an engine on each rank, refit with every expert gathered over EP.
 
 And, at TP2 for every dense architecture, the shard-local stream against the engine's own slices of the gathered
@@ -38,8 +40,9 @@ LAYOUTS = {
     "tp2_engine_tp2": ({"tp": 2}, None),
     "tp2_engine_tp1": ({"tp": 2}, 1),
     "pp2_engine_tp2": ({"pp": 2}, 2),
+    "tp2pp2_engine_tp2": ({"tp": 2, "pp": 2}, None),
 }
-"""name -> (trainer layout, generation.tensor_parallel_size; None: the trainer's TP)."""
+"""name -> (trainer layout, generation.tensor_parallel_size; None: the trainer's TP). Ranks: TP x PP."""
 
 
 def _config(root: Path, policy: Path, name: str, layout: dict[str, int], engine_tp: int | None):
@@ -65,7 +68,7 @@ def _config(root: Path, policy: Path, name: str, layout: dict[str, int], engine_
             },
             "data": {"task": "repeat_digit"},
             "logger": {"log_dir": str(root / name), "print_progress": False},
-            "cluster": {"gpus_per_node": 2},
+            "cluster": {"gpus_per_node": layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)},
         }
     )
 
@@ -90,15 +93,17 @@ def test_engine_tp_equal_to_and_different_from_the_trainer(tmp_path: Path) -> No
         assert max(run.series("probe_token_mult_prob_error")) <= EXACT, name
         assert all(n == 21 for n in run.series("refit_checked_tensors")), name  # rank 0's engine: every tensor
 
-    local, tp1, pp2 = (runs[n].metrics for n in LAYOUTS)
+    local, tp1, pp2, stages = (runs[n].metrics for n in LAYOUTS)
     assert all(m["refit_shard_local"] == 1 and m["refit_gathers"] == 2 for m in local)  # embed_tokens, lm_head
     assert all(m["refit_shard_local"] == 0 and m["refit_gathers"] > 2 for m in tp1)
     assert all(m["refit_shard_local"] == 0 and m["refit_transfer_s"] > 0 for m in pp2)
-    assert [m["generation_replicas"] for m in (local[0], tp1[0], pp2[0])] == [1, 2, 1]
+    # each stage's TP group an engine: rank 0 gathers only embed_tokens, and receives the other stage's parts
+    assert all(m["refit_shard_local"] == 1 and m["refit_gathers"] == 1 and m["refit_transfer_s"] > 0 for m in stages)
+    assert [m["generation_replicas"] for m in (local[0], tp1[0], pp2[0], stages[0])] == [1, 2, 1, 2]
 
     # the same first-step samples from every engine, and from an engine loaded from the HF file itself
     first = {name: _step1(run.log_dir) for name, run in runs.items()}
-    assert first["tp2_engine_tp2"] == first["tp2_engine_tp1"] == first["pp2_engine_tp2"]
+    assert first["tp2_engine_tp2"] == first["tp2_engine_tp1"] == first["pp2_engine_tp2"] == first["tp2pp2_engine_tp2"]
     engine = Engine.from_pretrained(policy, EngineConfig(dtype=torch.float32, device="cpu", max_model_len=64))
     config = configs["tp2_engine_tp2"]
     prompts = [list(p) for p, _ in first["tp2_engine_tp2"][::4]]  # 4 samples a prompt, in prompt order

@@ -23,7 +23,9 @@ Training and log-prob micro-batches are packed rows of `--max-tokens-per-microba
 `policy.megatron_cfg.sequence_packing` makes them); `--no-packing` gives padded micro-batches of
 `--micro-batch-size` sequences instead.
 
-Assumes one host; `--gpus` ranks (default TP x PP), the engine on rank 0. Random weights generate random tokens,
+Assumes one host; `--gpus` ranks (default TP x PP), one engine replica per TP ranks (`generation.tensor_parallel_size`
+left at the policy's TP), each generating its share of the prompts: the generation time of each replica and the
+refit path taken (shard-local or full tensors) are reported beside the phases. Random weights generate random tokens,
 so rewards are 0 and advantages 0: the work per step (tokens generated, log-probs, forward and backward, refit) is
 that of a real step of the same lengths, the learning signal is not.
 """
@@ -47,7 +49,7 @@ PHASES = (
     ("train_s", "training"),
     ("refit_s", "refit"),
     ("refit_gather_s", "  refit: TP/EP gathers"),
-    ("refit_transfer_s", "  refit: stages to rank 0"),
+    ("refit_transfer_s", "  refit: stages exchanged"),
     ("refit_convert_s", "  refit: mapping table to HF"),
     ("refit_load_s", "  refit: engine load_weights"),
     ("step_s", "whole step"),
@@ -198,11 +200,28 @@ def main() -> None:
     if copy_s:
         ratio = phases["refit_s"] / copy_s
         print(f"  {'device-to-device copy, same bytes':<34} {copy_s:9.4f} s  (refit = {ratio:.1f}x the copy)")
+    replicas = int(steady[0].get("generation_replicas", 1))
+    per_replica = {
+        f"generation_replica{r}_s": statistics.median(float(m[f"generation_replica{r}_s"]) for m in steady)
+        for r in range(replicas)
+        if replicas > 1
+    }
+    for r, seconds in enumerate(per_replica.values()):
+        print(f"  {f'  generation: replica {r}':<34} {seconds:9.3f} s")
+    local = all(m.get("refit_shard_local") == 1 for m in steady)
+    path = "shard-local (each rank its own shards)" if local else "full tensors (gathered, each engine its part)"
+    print(f"  engine replicas: {replicas}; refit path: {path}")
     replayed = sum(int(m.get("refit_replayed", 0)) for m in steady)
     print(f"  refits replayed from their recording (`refit_replay`): {replayed} of {len(steady)}")
     print(f"  every metric of every step: {result.log_dir / 'metrics.jsonl'}")
     if args.json:
-        record = {"args": {k: str(v) for k, v in vars(args).items()}, "phases": phases, "d2d_copy_s": copy_s}
+        record = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "phases": phases | per_replica,
+            "d2d_copy_s": copy_s,
+            "engine_replicas": replicas,
+            "refit_shard_local": local,
+        }
         args.json.write_text(json.dumps(record | {"metrics": result.metrics}, indent=2))
 
 

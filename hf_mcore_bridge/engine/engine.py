@@ -343,8 +343,10 @@ class Engine:
 
     # Weights ---------------------------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], parts: bool = False) -> set[str]:
         """Copies HF-named, full (unsharded) tensors into the engine, in any order and any number of calls.
+        `parts`: under tensor parallelism, a tensor of the shape of this rank's part is taken to be that part
+        (a trainer's own shard, in HF terms: a refit with no all-gather) and copied as it is.
 
         q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`, and each expert's
         tensors (HF's per-expert names, as saved on the Hub, or a transformers-5 model's fused in-memory
@@ -355,7 +357,7 @@ class Engine:
         """
         if self._sleep_level == 2:
             raise EngineAsleepError("weights were released by sleep(level=2); call wake_up() before load_weights")
-        return self.model.load_weights(weights)
+        return self.model.load_weights(weights, parts)
 
     def check_loaded(self) -> None:
         """Raises `MissingWeightsError` naming every weight not loaded yet (also checked by `generate`)."""
@@ -422,10 +424,14 @@ class Engine:
         self,
         prompts: Seq[str] | Seq[Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        first_index: int = 0,
     ) -> list[RequestOutput]:
         """Completes each prompt (text, with a tokenizer, or token ids); one `RequestOutput` per prompt, in order.
 
-        `params` is one `SamplingParams` for all prompts or one per prompt. Each sample's `logprobs` are those of
+        `params` is one `SamplingParams` for all prompts or one per prompt. `first_index`: the prompts' place in a
+        larger batch split over several engines: prompt i draws the random numbers of prompt `first_index + i` of
+        that batch (a seeded request's samples depend on its seed and that index, not on how the batch is split).
+        Each sample's `logprobs` are those of
         its sampled tokens under log_softmax(logits / temperature), taken BEFORE top-k / top-p truncation.
         """
         if self._sleep_level:
@@ -443,7 +449,7 @@ class Engine:
         )
         seeds = self._seeds(per_prompt)
         groups = [
-            self._make_group(i, ids, p, seed)
+            self._make_group(first_index + i, ids, p, seed)
             for i, (ids, p, seed) in enumerate(zip(prompt_ids, per_prompt, seeds, strict=True))
         ]
         for group in groups:

@@ -566,9 +566,11 @@ class CausalLM(nn.Module):
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], parts: bool = False) -> set[str]:
         """Copies HF-named full tensors into place (under tensor parallelism, this rank's part of each); returns the
-        HF names loaded by this call (per-expert names for a fused transformers-5 expert tensor).
+        HF names loaded by this call (per-expert names for a fused transformers-5 expert tensor). `parts`: a
+        tensor of the shape of this rank's part is that part (e.g. a trainer's own tensor-parallel shard, already
+        in HF terms) and is copied as it is; full tensors are still sliced.
 
         Raises `UnknownWeightError` for a name the model has no place for and `ValueError` for a shape mismatch.
         """
@@ -584,7 +586,7 @@ class CausalLM(nn.Module):
                 raise UnknownWeightError(f"unknown weight {name!r}; closest known names: {close}")
             dest = self.hf_view(name)
             shard = self.targets[name].shard
-            if shard is not None:
+            if shard is not None and not (parts and tensor.shape == dest.shape):
                 full, tensor = tensor, shard.take(tensor, name)
                 if dest.shape != tensor.shape:
                     expected = shard.full_shape(tuple(dest.shape))

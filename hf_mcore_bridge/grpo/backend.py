@@ -51,6 +51,11 @@ class TrainingBackend(Protocol):
         ...
 
     @property
+    def tp_group(self) -> Any:
+        """The trainer's tensor-parallel group of this rank (an engine of the same ranks shares it)."""
+        ...
+
+    @property
     def has_reference(self) -> bool:
         """Whether a frozen reference is kept for the KL term."""
         ...
@@ -82,8 +87,14 @@ class TrainingBackend(Protocol):
         ...
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole policy as (HF name, full tensor), at least on global rank 0. Collective: exhaust it everywhere.
+        """The whole policy as (HF name, full tensor), on every rank. Collective: exhaust it everywhere.
         `times` collects the seconds of its `gather` and `transfer` phases."""
+        ...
+
+    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """This rank's part of every HF tensor from its own tensor-parallel shards, for an engine sharded over the
+        trainer's TP group (`Engine.load_weights(..., parts=True)`); None where the backend cannot (then
+        `hf_weights`). Collective where it returns a stream: exhaust it everywhere."""
         ...
 
     def refit_sources(self) -> list[torch.Tensor] | None:
@@ -135,6 +146,12 @@ class MegatronBackend:
         return parallel_state.get_data_parallel_group()
 
     @property
+    def tp_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    @property
     def has_reference(self) -> bool:
         return self.policy.reference is not None
 
@@ -173,6 +190,14 @@ class MegatronBackend:
 
         finish_param_gather(self.policy.model)  # now, on every rank: a deferred all-gather would leave stale shards
         return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
+
+    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
+        from hf_mcore_bridge.grpo.refit import finish_param_gather, shard_local_hf_weights
+
+        if self.policy.model_cfg.moe is not None:
+            return None
+        finish_param_gather(self.policy.model)
+        return shard_local_hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         import torch.distributed as dist
@@ -225,6 +250,10 @@ class DTensorBackend:
         return self.policy.dp_group
 
     @property
+    def tp_group(self) -> Any:
+        return self.policy.mesh["tp"].get_group()
+
+    @property
     def has_reference(self) -> bool:
         return self.policy.reference is not None
 
@@ -252,6 +281,9 @@ class DTensorBackend:
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.policy.hf_weights(times)
+
+    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
+        return None  # FSDP2 shards are not the engine's tensor-parallel parts: `hf_weights` makes full tensors
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         return None  # FSDP2's full_tensor() is a collective, and its unsharded copies are fresh each time

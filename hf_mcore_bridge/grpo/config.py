@@ -254,8 +254,9 @@ class GenerationConfig:
     """Ranks one embedded engine is sharded over (`Engine(..., tp_group=...)`: heads, MLP and expert widths,
     vocabulary and KV heads split like megatron-core's tensor-parallel layers); null: the policy's TP
     (`policy.megatron_cfg.tensor_model_parallel_size`, or `policy.dtensor_cfg.tensor_parallel_size`). Must divide
-    the run's world size. Only checked so far: the trainer does not read it yet and still runs one unsharded engine
-    on global rank 0 (the sharded engine itself is tested at TP 2 against transformers)."""
+    the run's world size: every `tensor_parallel_size` consecutive ranks form one engine replica, and the replicas
+    share each step's prompts. Equal to the megatron-core policy's TP (dense models), each rank refits its engine
+    part from its own shards, with no all-gather but the vocabulary's (`grpo.refit.shard_local_hf_weights`)."""
 
 
 @dataclass(frozen=True)

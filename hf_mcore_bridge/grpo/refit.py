@@ -18,14 +18,20 @@ stale copy, not a conversion that is wrong the same way on both sides (a swapped
 order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
 completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
 
-Simplifications: every rank of a TP group gathers (the engine sits on global rank 0); with PP > 1 the other
-stages' HF tensors reach rank 0 as pickled objects (`gather_object`), fine for small models, not for large ones;
-a routed expert's weight is gathered over expert TP, then all-gathered over EP local index by local index (every
-EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
+Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
+models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
+vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (`hf_weights`)
+full tensors are made and each engine rank keeps its part of them.
+
+Simplifications: every rank of a TP group gathers (each rank's engine keeps its part of the full tensors); with
+PP > 1 the stages exchange their HF tensors (or parts) as pickled objects (`all_gather_object`), fine for small
+models, not for large ones; a routed expert's weight is gathered over expert TP, then all-gathered over EP local
+index by local index (every EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,7 +42,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig
-from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Entry, at_layer
+from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Dims, Entry, at_layer
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.model_plan import placed_entries
 from hf_mcore_bridge.parallel_style import Parallel
@@ -50,6 +56,7 @@ __all__ = [
     "gather_tp",
     "hf_weights",
     "mismatched",
+    "shard_local_hf_weights",
     "table_names",
     "tensor_checksums",
     "tp_gathers",
@@ -159,6 +166,8 @@ class PhaseTimes:
 
     def __init__(self, events: bool = True) -> None:
         self._host: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self.counts: dict[str, int] = dict.fromkeys(self.PHASES, 0)
+        """How many times each phase was entered (`gather`: tensors all-gathered)."""
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._cuda = events and torch.cuda.is_available()
         """CUDA events bracket the phases (`events=False`: host seconds, e.g. while a refit is being recorded)."""
@@ -167,6 +176,7 @@ class PhaseTimes:
     def phase(self, name: str) -> Iterator[None]:
         if name not in self._host:
             raise ValueError(f"unknown refit phase {name!r}; known: {self.PHASES}")
+        self.counts[name] += 1
         if self._cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -282,35 +292,81 @@ def finish_param_gather(model: torch.nn.Module) -> None:
 def hf_weights(
     module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model as (HF name, full tensor), on global rank 0; other ranks yield nothing.
+    """The whole model as (HF name, full tensor), on every rank (each rank's engine loads its part of them).
 
-    Collective: every rank must exhaust it. Each pipeline stage's tensors come from its first TP rank of the first
-    data-parallel replica (after the gathers every rank of a replica holds them all). `times` collects the time of
-    the TP/EP gathers (`gather`) and of moving other stages' tensors to rank 0 (`transfer`).
+    Collective: every rank must exhaust it. After the TP / EP gathers every rank holds its pipeline stage's
+    tensors in full; with PP > 1 the stages exchange theirs over the pipeline group (`all_gather_object`, in stage
+    order). `times` collects the time of the TP/EP gathers (`gather`) and of that exchange (`transfer`).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     times = times or PhaseTimes()
     local = _local_hf_weights(module, model_cfg, padded_vocab, times)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        if dist.get_rank() == 0:
-            yield from local
-        else:
-            for _ in local:  # take part in the TP and EP gathers
-                pass
+        yield from local
         return
-    first = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
-    mine = []
-    for name, tensor in local:  # every rank takes part in the gathers
-        if first:
-            mine.append((name, tensor.cpu().clone()))
-    gathered: list[list[tuple[str, torch.Tensor]]] | None = [[] for _ in range(dist.get_world_size())]
+    yield from _exchange_stages(module, local, times)
+
+
+def shard_local_hf_weights(
+    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's tensor-parallel part of every HF tensor, straight from its own megatron-core shards through the
+    mapping table (`entry.to_hf` with the rank's head counts): for an engine sharded over the trainer's own TP
+    group (`engine.tp_shards` splits heads, query groups, MLP widths and rows as megatron-core does). Needs a
+    dense model (the caller checks). No all-gather, except the vocabulary-parallel tensors: megatron-core splits
+    the padded vocabulary, the engine the vocabulary itself, so those come whole (the engine slices them). With
+    PP > 1 each stage's engine (its TP group) needs every stage's layers: the ranks of one TP rank exchange their
+    parts over the pipeline group (`transfer`), so each receives only its own part of the other stages' tensors.
+    `times` collects the vocabulary gathers (`gather`) and that exchange."""
+    from megatron.core import parallel_state
+
+    times = times or PhaseTimes()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dims = model_cfg.dims(padded_vocab)
+    local = dataclasses.replace(
+        dims, num_attention_heads=dims.num_attention_heads // tp, num_query_groups=dims.num_query_groups // tp
+    )
+    parts = _shard_local_parts(module, model_cfg, dims, local, tp, times)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        yield from parts
+        return
+    yield from _exchange_stages(module, parts, times)
+
+
+def _shard_local_parts(
+    module: torch.nn.Module, model_cfg: ModelConfig, dims: Dims, local: Dims, tp: int, times: PhaseTimes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's part of `shard_local_hf_weights`."""
+    for step in _plan(module, model_cfg):
+        if step.expert_entries is not None:
+            raise ValueError("a shard-local refit covers dense models only")
+        parallel = step.entry.parallel
+        if parallel is Parallel.VOCAB and tp > 1:
+            with times.phase("gather"):
+                full = gather_tp(step.param, parallel)
+            yield from step.entry.to_hf(full, dims).items()
+            continue
+        yield from step.entry.to_hf(step.param.detach(), local).items()
+
+
+def _exchange_stages(
+    module: torch.nn.Module, local: Iterable[tuple[str, torch.Tensor]], times: PhaseTimes
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's tensors on every rank of this rank's pipeline group, in stage order (pickled over
+    `all_gather_object`: fine for small models, not for large ones)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    device = next(module.parameters()).device
+    mine = [(name, tensor.cpu().clone()) for name, tensor in local]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(dist.get_world_size(group))]
     with times.phase("transfer"):
-        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() == 0 and gathered is not None:
-        for part in gathered:
-            yield from part
+        dist.all_gather_object(stages, mine, group=group)
+    for part in stages:
+        for name, tensor in part:
+            yield name, tensor.to(device)
 
 
 CHECKSUM_LANES = 4096

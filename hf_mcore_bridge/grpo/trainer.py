@@ -14,17 +14,19 @@ parent's part (`grpo.launch`, which also covers stopping on signals and the chec
 policy is a `backend.TrainingBackend`: megatron-core (`policy.megatron_cfg`, described below) or the HF model under
 FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
 
-1. rollouts: global rank 0 draws `num_prompts_per_step` prompts and samples `num_generations_per_prompt`
-   completions each with the rollout engine (`generation.backend`: the embedded engine or vLLM, see
-   `grpo.generation`), scores them, computes group advantages and broadcasts them;
+1. rollouts: every rank draws the same `num_prompts_per_step` prompts; each engine replica (`grpo.generation`:
+   `generation.tensor_parallel_size` ranks, the embedded engine or vLLM) samples `num_generations_per_prompt`
+   completions for its share of them (whole prompts), scores them and computes their group advantages; the
+   replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
 3. training: first the gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
    `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
    step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
-4. refit: the weights are gathered over TP/PP and streamed through the mapping table into the engine; every
-   tensor the engine holds is checksummed against the one streamed (`_check_transfer`), and a fixed probe
-   prompt is scored by engine and trainer and gated the same way (`probe_token_mult_prob_error`);
+4. refit: the weights are gathered over TP/PP and streamed through the mapping table into every rank's engine
+   (each keeps its part); on every rank, every tensor its engine holds is checksummed against the one streamed
+   (`_check_transfer`), and a fixed probe prompt is scored by the first replica's engine and the trainer and
+   gated the same way (`probe_token_mult_prob_error`);
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
    (`rollouts.jsonl`).
 
@@ -34,13 +36,15 @@ the run at step 1 (a stopped step is neither logged nor saved).
 The resolved config is saved as `grpo_config.yaml` in the log directory, and a PNG of reward and KL over the steps
 (`training_curves.png`) is drawn there at the end.
 
-Data parallelism: `cluster.gpus_per_node` ranks make `ranks / (TP x PP x CP)` replicas; rank 0 generates every
-rollout and each replica trains on every `dp`-th rollout of each mini-batch (megatron-core's DDP averages the
-gradients; the loss is normalised by the global token count). The engine runs on rank 0's device with the
-policy's dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one) and
-completions scored in reward worker processes (`grpo.scoring`). Simplifications: generation and training
-alternate (no overlap); validation samples `val_num_generations` a prompt (greedy when one), scored by the same
-reward (`grpo.validation`); policy+optimizer checkpoints every `save_period`
+Data parallelism: `cluster.gpus_per_node` ranks make `ranks / (TP x PP x CP)` replicas; every engine replica
+generates its share of the prompts (above) and each data-parallel replica trains on every `dp`-th rollout of each
+mini-batch (megatron-core's DDP averages the gradients; the loss is normalised by the global token count).
+Gathering the rollouts keeps that split independent of which engine drew a rollout, so the rollouts and loss of a
+run's first step are the same at any number of replicas. Each engine runs on its rank's device with the policy's
+dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one) and completions
+scored in reward worker processes (`grpo.scoring`). Simplifications: generation and training alternate (no
+overlap); validation samples `val_num_generations` a prompt (greedy when one) on the first replica, scored by the
+same reward (`grpo.validation`); policy+optimizer checkpoints every `save_period`
 steps (`grpo.checkpoint`) and resume from the newest one.
 """
 
@@ -63,8 +67,15 @@ from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
-from hf_mcore_bridge.grpo.generation import build_engine, engine_tensor_names, readable_tensor
+from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, generation_tensor_parallel_size
+from hf_mcore_bridge.grpo.generation import (
+    build_engine,
+    engine_part,
+    engine_replicas,
+    engine_tensor_names,
+    prompt_share,
+    readable_tensor,
+)
 from hf_mcore_bridge.grpo.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
@@ -302,26 +313,30 @@ def _log_rollouts(log_dir: Path, step: int, rollouts: list[Rollout]) -> None:
 
 
 class _RankContext:
-    """Rank 0's engine, tokenizer, prompts and logger (None elsewhere), and the step's seeds."""
+    """This rank's engine (its part of its replica's engine), tokenizer and prompts; rank 0's logger (None
+    elsewhere)."""
 
-    def __init__(self, config: GRPOConfig, prepared: PreparedRun) -> None:
+    def __init__(self, config: GRPOConfig, prepared: PreparedRun, policy: TrainingBackend) -> None:
         import torch.distributed as dist
 
         self.config, self.prepared = config, prepared
         self.is_rank0 = dist.get_rank() == 0
+        self.replicas = engine_replicas(generation_tensor_parallel_size(config), policy.tp_group)
         self.engine: Any = None
         self.prompts: Any = None
         self.val_records: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.refit_replay = RefitReplay()
+        self.vllm = config.generation.backend == "vllm"
+        self.refit_shard_local = False
+        """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
         self.engine_dtype = DTYPES[config.policy.dtype]
         """The engine's weights' dtype: streamed tensors are checksummed in it."""
-        if self.is_rank0:
-            self._set_up_rank0()
+        self._set_up()
 
-    def _set_up_rank0(self) -> None:
+    def _set_up(self) -> None:
         from tokenizers import Tokenizer
 
         from hf_mcore_bridge.engine import EngineConfig
@@ -347,7 +362,12 @@ class _RankContext:
             torch_compile=gen.torch_compile,
         )
         self.engine = build_engine(
-            gen.backend, self.prepared.hf_config, engine_config, self.tokenizer, self.prepared.log_dir
+            gen.backend,
+            self.prepared.hf_config,
+            engine_config,
+            self.tokenizer,
+            self.prepared.log_dir,
+            self.replicas.group,
         )
         train, self.val_records = _records(config)
         self.prompts = PromptIterator(train, seed=config.grpo.seed, shuffle=config.data.shuffle)
@@ -355,6 +375,8 @@ class _RankContext:
         self.scorer = RewardScorer(self.reward_fn, config.reward.workers, config.reward.timeout_s)
         self.renderer = PromptRenderer.from_config(config.data, load_hf_tokenizer(self.prepared.tokenizer_file))
         self.probe_prompt = config.grpo.probe_prompt or self.renderer.token_ids(train[0]["prompt"])
+        if not self.is_rank0:
+            return
         self.logger = MetricsLogger(
             self.prepared.log_dir,
             config.logger.tensorboard,
@@ -400,11 +422,45 @@ def _sampling_params(config: GRPOConfig, n: int, seed: int, greedy: bool = False
 
 
 def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dict[str, float]]:
-    """Rank 0: sample, score and compute advantages for one step."""
+    """Every engine replica samples, scores and computes the advantages of its share of the step's prompts (whole
+    groups, `prompt_share`); the replicas' rollouts are then all-gathered in prompt order (token ids: small), so
+    every rank holds the step's rollouts as one engine would have made them, and the statistics are over all of
+    them. Also returns each replica's generation seconds (`generation_replica{r}_s` where there are several)."""
+    import torch.distributed as dist
+
+    config, replicas = ctx.config, ctx.replicas
+    records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)  # the same draw on every rank
+    first, end = prompt_share(len(records), replicas.size, replicas.replica)
+    started = time.perf_counter()
+    mine, timeouts = _replica_rollouts(ctx, step, records[first:end], first) if end > first else ([], 0)
+    seconds = time.perf_counter() - started
+    parts: list[tuple[list[Rollout], float, int] | None] = [(mine, seconds, timeouts)]
+    if dist.get_world_size() > 1:  # one rank (one GPU): nothing to gather
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (mine, seconds, timeouts) if replicas.tp_rank == 0 else None)
+    gathered = [part for part in parts if part is not None]  # one per replica, in replica (= prompt) order
+    rollouts = [rollout for part, _, _ in gathered for rollout in part]
+    rewards = torch.tensor([r.reward for r in rollouts])
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "completion_len_mean": float(lengths.mean()),
+        "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
+        "reward_timeouts": float(sum(t for _, _, t in gathered)),
+        "generation_replicas": float(replicas.size),
+    }
+    if replicas.size > 1:
+        stats |= {f"generation_replica{i}_s": s for i, (_, s, _) in enumerate(gathered)}
+    return rollouts, stats
+
+
+def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: int) -> tuple[list[Rollout], int]:
+    """This replica's rollouts of `records`, prompts `first...` of the step: each prompt's samples are seeded by
+    (seed, step, its index in the step), whichever replica draws them; and how many rewards ran out of time."""
     config, group = ctx.config, ctx.config.grpo.num_generations_per_prompt
-    records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)
     prompts = [ctx.renderer.token_ids(r["prompt"]) for r in records]
-    outputs = ctx.engine.generate(prompts, _sampling_params(config, group, _seed(config, step)))
+    outputs = ctx.engine.generate(prompts, _sampling_params(config, group, _seed(config, step)), first_index=first)
     samples = [(out.prompt_token_ids, s) for out in outputs for s in out.samples]
     texts = [s.text or "" for _, s in samples]
     answers = [r["answer"] for r in records for _ in range(group)]
@@ -421,15 +477,7 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
         for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
-    lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.float32)
-    stats = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "completion_len_mean": float(lengths.mean()),
-        "truncated_fraction": sum(truncated) / len(samples),
-        "reward_timeouts": float(scored.timeouts),
-    }
-    return rollouts, stats
+    return rollouts, scored.timeouts
 
 
 def _seed(config: GRPOConfig, step: int) -> int:
@@ -508,76 +556,83 @@ _PER_MINIBATCH = ("loss", "grad_norm")
 
 
 def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, float]:
-    """Stream the policy into rank 0's engine (or replay the recorded refit, `refit_replay`), then check that the
-    engine holds every streamed tensor exactly as streamed (`_check_transfer`). `step`: the step the weights are
-    from (0: the initial refit)."""
+    """Stream the policy into every rank's engine (or replay the recorded refit, `refit_replay`), then check on
+    every rank that its engine holds every streamed tensor (its part of it) exactly as streamed
+    (`_check_transfer`). `step`: the step the weights are from (0: the initial refit). Rank 0 returns the
+    metrics (its own phases)."""
     started = time.perf_counter()
     if ctx.refit_names is None:  # the names do not change during a run: listed once
         ctx.refit_names = policy.hf_names()
     times = PhaseTimes()
-    sent, mode = None, "eager"
-    if ctx.is_rank0:
-        sources = policy.refit_sources()
-        sent, mode = ctx.refit_replay.run(
-            lambda phase_times: _stream_into_engine(ctx, policy, sources, phase_times),
-            sources,
-            engine_weights_version(ctx.engine),
-            times,
-        )
-    else:
-        for _ in policy.hf_weights(times):  # every rank takes part in the gathers
-            pass
+    sources = policy.refit_sources()
+    sent, mode = ctx.refit_replay.run(
+        lambda phase_times: _stream_into_engine(ctx, policy, sources, phase_times),
+        sources,
+        engine_weights_version(ctx.engine),
+        times,
+    )
     if torch.cuda.is_available():  # the copies are asynchronous: time them to their end
         torch.cuda.synchronize()
     refit_s = time.perf_counter() - started
-    if not ctx.is_rank0 or sent is None:
-        return {}
     phases = times.totals()
     started = time.perf_counter()
-    compared = _check_transfer(ctx, policy, sent, step)
+    compared = _check_transfer(ctx, policy, sent, step)  # every rank checks its own engine
+    if not ctx.is_rank0:
+        return {}
     return {
         "refit_s": refit_s,
         "refit_gather_s": phases["gather"],  # TP / EP all-gathers (DTensor: full_tensor)
-        "refit_transfer_s": phases["transfer"],  # other pipeline stages' tensors to rank 0 (PP > 1)
+        "refit_transfer_s": phases["transfer"],  # the pipeline stages' tensors exchanged (PP > 1)
         # the rest of producing the stream: the table's to_hf and the streamed tensors' checksums
         "refit_convert_s": max(0.0, phases["produce"] - phases["gather"] - phases["transfer"]),
         "refit_load_s": phases["load"],  # the engine's load_weights
         "refit_check_s": time.perf_counter() - started,  # the engine's tensors checksummed and compared
         "refit_checked_tensors": float(compared),
         "refit_replayed": float(mode != "eager"),  # 1: a replay of the recorded refit (phases not timed)
+        # the path: 1 each rank its own shards into its engine's (engine TP = trainer TP, PP 1), 0 full tensors
+        "refit_shard_local": float(ctx.refit_shard_local),
+        "refit_gathers": float(times.counts["gather"]),  # all-gathered tensors (TP / EP / DTensor) on rank 0
     }
 
 
 def _stream_into_engine(
     ctx: _RankContext, policy: TrainingBackend, sources: list[torch.Tensor] | None, times: PhaseTimes
 ) -> Checksums:
-    """One eager refit on rank 0: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
-    returns the checksums of every tensor as streamed (in the engine's dtype) and of the `sources` it read."""
+    """One eager refit on this rank: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
+    returns the checksums of every tensor as streamed (the part this rank's engine keeps, in the engine's dtype)
+    and of the `sources` it read."""
     names: list[str] = []
     sums: list[torch.Tensor] = []
-    groups = buckets(policy.hf_weights(times), ctx.config.policy.refit_bucket_mb << 20)
+    # the engine sharded over the trainer's own TP group: each rank its own shards (no all-gather); else full tensors
+    stream = policy.shard_local_weights(times) if ctx.replicas.shared and not ctx.vllm else None
+    ctx.refit_shard_local = stream is not None
+    groups = buckets(stream or policy.hf_weights(times), ctx.config.policy.refit_bucket_mb << 20)
     while True:
         with times.phase("produce"):  # gathering, transferring, converting and checksumming up to a bucket
             bucket = next(groups, None)
             if bucket is not None:
                 names.extend(name for name, _ in bucket)
-                sums.append(tensor_checksums([tensor.to(ctx.engine_dtype) for _, tensor in bucket]))
+                parts = [engine_part(ctx.engine, name, tensor) for name, tensor in bucket]
+                sums.append(tensor_checksums([part.to(ctx.engine_dtype) for part in parts]))
         if bucket is None:
             break
         with times.phase("load"):
-            ctx.engine.load_weights(bucket)
+            if ctx.refit_shard_local:
+                ctx.engine.load_weights(bucket, parts=True)
+            else:
+                ctx.engine.load_weights(bucket)
     values = torch.cat(sums) if sums else torch.zeros((0, 2), dtype=torch.int64)
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
 
 
 def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:
-    """Transfer integrity (rank 0), after every refit, eager or replayed: every HF tensor of the table was
-    streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine) has the
-    checksum of the tensor streamed to it; and the trainer tensors a recordable refit read have the checksums
-    they have now (a replay that read stale storage). Raises `BridgeError` (one line); returns the number of
-    engine tensors compared. Catches lost, duplicated, truncated, permuted, stale or misplaced copies; NOT a
-    conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert order): that is
-    the log-prob gate's job (`logprob_gate`)."""
+    """Transfer integrity (on every rank, of its own engine), after every refit, eager or replayed: every HF tensor of
+    the table was streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine)
+    has the checksum of the tensor streamed to it; and the trainer tensors a recordable refit read have the checksums
+    they have now (a replay that read stale storage). Raises `BridgeError` (one line); returns the number of engine
+    tensors compared. Catches lost, duplicated, truncated, permuted, stale or misplaced copies; NOT a conversion that is
+    wrong the same way on both sides (a swapped q/k split, gate/up or expert order): that is the log-prob gate's job
+    (`logprob_gate`)."""
     names = list(sent.names)
     streamed = set(names)
     problems = []
@@ -600,6 +655,8 @@ def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums,
             problems.append("the refit read trainer tensors that differ from the trainer's now (a stale replay)")
     if problems:
         when = "the initial refit" if step == 0 else f"the refit after step {step}"
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            when += f" (rank {torch.distributed.get_rank()})"
         raise BridgeError(f"{when} failed its check: " + "; ".join(problems))
     return len(readable)
 
@@ -612,7 +669,7 @@ def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
     """Engine vs trainer on the fixed probe prompt: `token_mult_prob_error` of one sampled completion, gated by
     `grpo.max_token_mult_prob_error` (`logprob_gate`)."""
     rollout = None
-    if ctx.is_rank0:
+    if ctx.replicas.replica == 0:  # every rank of the first engine replica takes part
         out = ctx.engine.generate([ctx.probe_prompt], _sampling_params(ctx.config, 1, seed=ctx.config.grpo.seed))[0]
         sample = out.samples[0]
         rollout = Rollout(tuple(out.prompt_token_ids), tuple(sample.token_ids), tuple(sample.logprobs or ()))
@@ -631,7 +688,7 @@ def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
 
     config = ctx.config
     period, n = config.grpo.val_period, config.grpo.val_num_generations
-    if not ctx.is_rank0 or period <= 0 or step % period != 0:
+    if ctx.replicas.replica != 0 or period <= 0 or step % period != 0:  # the first replica's ranks validate
         return {}
     questions = [r["prompt"] for r in ctx.val_records]
     prompts = [ctx.renderer.token_ids(q) for q in questions]
@@ -658,16 +715,15 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // torch.distributed.get_world_size()))
     torch.manual_seed(config.grpo.seed)
     policy = build_backend(config, prepared)
-    ctx = _RankContext(config, prepared)
+    ctx = _RankContext(config, prepared, policy)
     first_step = _maybe_resume(ctx, policy) + 1
     # the engine's first weights come from the trainer, through the table and the refit's checks: a wrong
     # conversion shows in the first step's rollouts (the gate below)
     initial = _refit(ctx, policy, first_step - 1)
     for step in range(first_step, config.grpo.max_num_steps + 1):
         started = time.perf_counter()
-        rollouts, rollout_stats = _generate_rollouts(ctx, step) if ctx.is_rank0 else (None, {})
+        rollouts, rollout_stats = _generate_rollouts(ctx, step)  # every replica its share, gathered everywhere
         generation_s = time.perf_counter() - started
-        rollouts = _broadcast(rollouts)
         metrics = _train_step(policy, config, rollouts, gate=_rollouts_gate(ctx, step))
         metrics |= _refit(ctx, policy, step)
         metrics |= _probe(ctx, policy, step) | _validate(ctx, step)
@@ -684,9 +740,9 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
                 | {"generation_s": generation_s, "step_s": step_s, "tokens_per_s": tokens / step_s},
             )
         _maybe_save(ctx, policy, step)
+    ctx.scorer.close()
     if ctx.logger is not None:
         ctx.logger.close()
-        ctx.scorer.close()
 
 
 def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:
@@ -704,8 +760,7 @@ def _maybe_resume(ctx: _RankContext, policy: TrainingBackend) -> int:
     if step is None:
         return 0
     state = policy.load_checkpoint(Path(ctx.config.checkpointing.checkpoint_dir), step)
-    if ctx.is_rank0:
-        ctx.prompts.load_state_dict(state["prompts"])
+    ctx.prompts.load_state_dict(state["prompts"])  # every rank draws the step's prompts
     return step
 
 

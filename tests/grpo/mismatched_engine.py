@@ -3,9 +3,10 @@ engine-mismatch corrections), and a check of the micro-batch padding over expert
 
 On CPU in fp32 the embedded engine and the trainer agree on every log-prob to about 1e-6, so `tis` and `icepop`
 weights are all ~1 and a test could not tell a correction from none. A real engine differs (bf16 kernels, stale
-weights); here rank 0 shifts each sampled token's engine log-prob by a fixed, position-dependent amount in
-[-0.3, 0.3] before the rollouts are broadcast, trained on and logged, so `rollouts.jsonl` holds exactly what the
-trainer saw. The shift is applied inside the spawned rank (a monkeypatch in the test process would not reach it).
+weights); here every rank shifts each sampled token's engine log-prob of the step's gathered rollouts by the
+same fixed, position-dependent amount in [-0.3, 0.3] before they are trained on and logged, so `rollouts.jsonl`
+holds exactly what the trainer saw. The shift is applied inside the spawned rank (a monkeypatch in the test
+process would not reach it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def shifted(logprobs: tuple[float, ...], index: int) -> tuple[float, ...]:
 
 
 def train_rank_with_mismatched_engine(config: Any, prepared: Any) -> None:
-    """`trainer._train_rank` with the engine log-probs of every rollout shifted (rank 0 generates them all)."""
+    """`trainer._train_rank` with the engine log-probs of every rollout shifted (alike on every rank)."""
     from hf_mcore_bridge.grpo import trainer
 
     generate = trainer._generate_rollouts

@@ -1,8 +1,9 @@
 """Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
 deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
 
-Corruptions touch the refit's stream only (`refit._local_hf_weights`, after the mapping table's `to_hf`) or its
-recording; the trainer's model, its checkpoint and the engine's code are untouched.
+Corruptions touch the refit's stream only (`refit._local_hf_weights` and `refit.shard_local_hf_weights`, after the
+mapping table's `to_hf`), its recording, or one rank's engine copy right after loading (`rank1_copy`); the
+trainer's model, its checkpoint and the engine's code are untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 QK = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
 GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
+DOWN = "model.layers.1.mlp.down_proj.weight"
 EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
 
 
@@ -93,16 +95,20 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     from hf_mcore_bridge.grpo import backend, refit, trainer
     from hf_mcore_bridge.grpo.refit_replay import RefitReplay
 
-    original = refit._local_hf_weights
     kinds = set(kind.removeprefix("vllm_").removeprefix("later_").split("+"))
     refits = [0]
 
-    def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        refits[0] += 1
-        later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
-        return original(*args) if later else _corrupt(original(*args), kinds)
+    def corrupting(original: Any) -> Any:
+        def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+            refits[0] += 1
+            later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
+            return original(*args) if later else _corrupt(original(*args), kinds)
 
-    refit._local_hf_weights = corrupted
+        return corrupted
+
+    # both streams: full tensors, and each rank's own parts (an engine sharded over the trainer's TP group)
+    refit._local_hf_weights = corrupting(refit._local_hf_weights)
+    refit.shard_local_hf_weights = corrupting(refit.shard_local_hf_weights)
     if kind == "vllm_qk":
         hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
     if kind.startswith("stale_"):
@@ -133,7 +139,34 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
             ctx.refit_replay = RefitReplay(recorder=record)
 
         trainer._RankContext.__init__ = with_stale_recorder
+    if kind == "rank1_copy":
+        _break_rank1_copy(trainer)
     trainer._train_rank(config, prepared)
+
+
+def _break_rank1_copy(trainer: Any) -> None:
+    """On rank 1 only: one element of the engine's part of `DOWN` changed right after it is loaded (a copy gone
+    wrong on a rank other than 0, where the transfer check must run too)."""
+    import torch.distributed as dist
+
+    init = trainer._RankContext.__init__
+
+    def with_bad_copy(ctx: Any, *args: Any) -> None:
+        init(ctx, *args)
+        if dist.get_rank() != 1:
+            return
+        load = ctx.engine.load_weights
+
+        def load_badly(weights: Any, *more: Any, **kw: Any) -> Any:
+            weights = list(weights)
+            done = load(weights, *more, **kw)
+            if any(name == DOWN for name, _ in weights):
+                ctx.engine.model.hf_view(DOWN)[0, 0] += 1e-3
+            return done
+
+        ctx.engine.load_weights = load_badly
+
+    trainer._RankContext.__init__ = with_bad_copy
 
 
 class _EmbeddedAsVllm:
@@ -208,3 +241,48 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
             {"tensors": len(direct), "gathered": gathered, "stale": same(stale, direct), "fresh": same(fresh, direct)},
             out_file,
         )
+
+
+def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
+    """TP2, random megatron-core weights per architecture: the shard-local stream (each rank's own shards through
+    the table) against the engine's own slices (`tp_shards`) of the gathered full tensors, and an engine loaded
+    from it with `parts=True`. Rank 0 saves, per directory, the comparison's counts."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.engine import Engine, EngineConfig
+    from hf_mcore_bridge.grpo.generation import engine_part
+    from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
+    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.megatron_model import build_gpt_model
+
+    results = {}
+    for directory in hf_dirs:
+        hf_config = json.loads((Path(directory) / "config.json").read_text())
+        model_cfg = from_hf(hf_config, get_architecture(hf_config["architectures"][0]))
+        layout = Layout(tp=2)
+        vocab = padded_vocab(model_cfg, layout)
+        torch.manual_seed(0)
+        gpt = build_gpt_model(model_cfg, layout, torch.float32, vocab, device=torch.device("cpu"))
+        full = {name: tensor.clone() for name, tensor in hf_weights(gpt, model_cfg, vocab)}
+        parts = [(name, tensor.clone()) for name, tensor in shard_local_hf_weights(gpt, model_cfg, vocab)]
+        config = EngineConfig(dtype=torch.float32, device="cpu", max_num_seqs=2, max_model_len=32)
+        engine = Engine(hf_config, config, tp_group=parallel_state.get_tensor_model_parallel_group())
+        wanted = {name: engine_part(engine, name, tensor) for name, tensor in full.items()}
+        equal = [torch.equal(engine_part(engine, name, part), wanted[name]) for name, part in parts]
+        whole = sorted(name for name, part in parts if part.shape == full[name].shape)
+        engine.load_weights(parts, parts=True)
+        held = [torch.equal(engine.model.hf_view(name), wanted[name]) for name in engine.model.targets]
+        results[Path(directory).name] = {
+            "same_names": [n for n, _ in parts] == list(full),
+            "equal": sum(equal),
+            "count": len(parts),
+            "whole": whole,
+            "names": sorted(full),
+            "engine_equal": sum(held),
+            "engine_count": len(held),
+        }
+    if dist.get_rank() == 0:
+        torch.save(results, out_file)

@@ -21,3 +21,4 @@ def test_bench_grpo_tiny_reports_every_phase(tmp_path: Path, run_script) -> None
     assert phases["step_s"] >= phases["generation_s"] + phases["train_s"]
     assert len(record["metrics"]) == 2
     assert "whole step" in result.stdout
+    assert record["engine_replicas"] == 1 and "refit path: " in result.stdout

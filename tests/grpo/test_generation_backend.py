@@ -79,3 +79,39 @@ def test_vllm_generation_is_refused_where_it_cannot_run(overrides: list[str], me
     base = {"policy": {"model_path": "/m"}, "data": {"task": "repeat_digit"}}
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(base, overrides).validate()
+
+
+def test_build_engine_starts_one_vllm_per_replica_over_its_tensor_parallel_ranks(tmp_path: Path, monkeypatch) -> None:
+    """In a world of several ranks every rank starts one vLLM worker with vLLM's `external_launcher` executor, at
+    the replica's TP and as many data-parallel ranks as there are replicas (vLLM's TP x DP is the world); a
+    single process starts it without (vLLM's engine replaced by a recorder)."""
+    from hf_mcore_bridge.grpo import generation
+
+    calls: list[dict[str, Any]] = []
+
+    class Recorder:
+        def __init__(self, model_dir: Path, config: EngineConfig, **kwargs: Any) -> None:
+            calls.append(kwargs)
+
+    group = object()  # a two-rank group of a four-rank world, as `torch.distributed` would size them
+    world = [4]
+    monkeypatch.setattr(hf_mcore_bridge.engine, "VllmEngine", Recorder)
+    monkeypatch.setattr(generation.dist, "is_initialized", lambda: world[0] > 1)
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda g=None: 2 if g is group else world[0])
+    monkeypatch.setattr(generation.dist, "get_rank", lambda g=None: 0)
+    monkeypatch.setattr(generation.dist, "barrier", lambda g=None: None)
+    policy = build_tiny_policy(tmp_path / "policy")
+    tokenizer = Tokenizer.from_file(str(policy / "tokenizer.json"))
+    hf_config = json.loads((policy / "config.json").read_text())
+    build_engine("vllm", hf_config, CONFIG, tokenizer, tmp_path / "logs", tp_group=group)  # 2 replicas of TP 2
+    build_engine("vllm", hf_config, CONFIG, tokenizer, tmp_path / "logs")  # 4 replicas of one rank
+    world[0] = 1
+    build_engine("vllm", hf_config, CONFIG, tokenizer, tmp_path / "logs")  # one process: vLLM's own executor
+    launcher = {"distributed_executor_backend": "external_launcher"}
+    assert calls[0] == launcher | {"tensor_parallel_size": 2, "data_parallel_size": 2} | _common(calls[0])
+    assert calls[1] == launcher | {"tensor_parallel_size": 1, "data_parallel_size": 4} | _common(calls[1])
+    assert calls[2] == _common(calls[2])
+
+
+def _common(call: dict[str, Any]) -> dict[str, Any]:
+    return {k: call[k] for k in ("load_format", "skip_tokenizer_init")}

@@ -182,10 +182,16 @@ ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rol
         ("later_qk+gate_up", {}, "step 1: engine vs trainer log-probs disagree on the probe prompt: token_mult_pr"),
         ("stale_engine", {}, "the refit after step 1 failed its check: the engine's tensor differs from the one"),
         ("stale_sources", {}, "the refit after step 1 failed its check: the refit read trainer tensors that differ"),
+        (
+            "rank1_copy",
+            {"tp": 2},
+            r"the initial refit \(rank 1\) failed its check: the engine's tensor differs from the one streamed for 1: "
+            "model.layers.1.mlp.down_proj.weight",
+        ),
     ],
     ids=[
         *("tp1-qk", "tp1-gate_up", "tp2-qk", "tp2-gate_up", "pp2-qk", "pp2-gate_up"),
-        *("vllm-qk", "tp1-probe", "tp1-stale_engine", "tp1-stale_sources"),
+        *("vllm-qk", "tp1-probe", "tp1-stale_engine", "tp1-stale_sources", "tp2-rank1_copy"),
     ],
 )
 def test_a_corrupted_refit_stops_the_run_at_the_first_step(

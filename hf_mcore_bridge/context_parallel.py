@@ -1,0 +1,162 @@
+"""Context parallelism without Transformer Engine: the sequence split, the gathers and the attention over it.
+
+The split is megatron-core's load-balanced one: each sequence is cut into `2 * cp` equal chunks and CP rank `r`
+holds chunks `r` and `2 * cp - 1 - r` (so every rank gets the same share of causal-attention work). megatron-core's
+RoPE follows the same convention (`get_pos_emb_on_this_cp_rank` for `[s, b, ...]` rows,
+`_get_thd_freqs_on_this_cp_rank` for packed THD rows, which reads the GLOBAL `cu_seqlens` and divides each length
+by `cp`): the model is handed this rank's tokens in that order and the global `cu_seqlens`. In a packed row each
+sequence is split on its own, so every sequence length must be a multiple of `2 * cp` (`grpo.batching` pads each
+rollout, as NeMo-RL does).
+
+Attention: keys and values are all-gathered over the CP group (the Llama 3 paper's choice; with grouped KV heads
+they are a small fraction of the activations) and each local query attends to the global keys with its causal
+mask at its global position. The gather's backward reduce-scatters the key/value gradients (`gather_sequence`).
+Ring attention would overlap the exchange with compute but needs a log-sum-exp merge of partial attention
+outputs, which torch's SDPA does not return; the all-gather runs the same fused SDPA kernels as CP = 1.
+
+Log-probs: each rank scores its own tokens (labels are the global next tokens, split the same way), the
+per-token values are all-gathered and put back in sequence order (`gather_in_order`), so every CP rank sees the
+whole sequence's log-probs and computes the same loss; that gather's backward keeps this rank's slice only, so
+each token's gradient flows from exactly one rank and megatron-core's DDP sums the ranks' gradients (its
+schedule multiplies the loss by the CP size, its DDP averages over data x context ranks).
+
+Assumes equal-length rows on every CP rank (they hold the same micro-batch) and no attention dropout at CP > 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = [
+    "chunks_of_rank",
+    "cp_positions",
+    "gather_in_order",
+    "gather_sequence",
+    "merge_sequence",
+    "split_sequence",
+]
+
+
+def chunks_of_rank(cp: int, rank: int) -> tuple[int, int]:
+    """The two of `2 * cp` chunks CP rank `rank` holds: `rank` and `2 * cp - 1 - rank`."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"CP rank {rank} outside a group of {cp}")
+    return rank, 2 * cp - 1 - rank
+
+
+def cp_positions(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Positions in the global row (int64) of the tokens CP rank `rank` holds, in the order it holds them.
+
+    `cu_seqlens` `[n + 1]`: the row's sequences (one sequence `[0, S]` for an unpacked row); each length must be a
+    multiple of `2 * cp`. For each sequence in turn: its chunk `rank`, then its chunk `2 * cp - 1 - rank`."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    first, second = chunks_of_rank(cp, rank)
+    parts = []
+    for start, stop in itertools.pairwise(bounds):
+        length = stop - start
+        if length % (2 * cp):
+            raise ValueError(f"a sequence of {length} tokens does not split into 2 x CP = {2 * cp} equal chunks")
+        chunk = length // (2 * cp)
+        parts += [torch.arange(start + c * chunk, start + (c + 1) * chunk) for c in (first, second)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int, cu_seqlens: torch.Tensor | None = None):
+    """CP rank `rank`'s part of `x` along `dim` (the whole row as one sequence when `cu_seqlens` is None)."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, x.shape[dim]])
+    return x.index_select(dim, cp_positions(cu_seqlens, cp, rank).to(x.device))
+
+
+def merge_sequence(parts: list[torch.Tensor], dim: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The row back in sequence order from every CP rank's part (`parts[r]` from rank r), along `dim`."""
+    cp = len(parts)
+    total = sum(p.shape[dim] for p in parts)
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, total])
+    order = torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)])
+    return torch.cat(parts, dim).index_select(dim, torch.argsort(order).to(parts[0].device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 (ranks in order); backward: the gradient summed over ranks, this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, reduce_grad: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        grad = grad.contiguous()
+        if not ctx.reduce_grad:
+            return grad.chunk(size)[rank].contiguous(), None, None
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(grad.chunk(size)[rank])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None, None
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        return grad.chunk(size)[rank].contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, cu_seqlens: torch.Tensor, dim: int = 0):
+    """Every CP rank's part of `x` (split along `dim` as `cp_positions` says), back in global sequence order.
+
+    Backward: the gradients of all ranks summed, each rank keeping its own part (a reduce-scatter): for keys and
+    values, which every rank's queries use."""
+    cp = dist.get_world_size(group)
+    moved = x.movedim(dim, 0)
+    gathered = _GatherSequence.apply(moved, group, True)
+    order = torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)]).to(x.device)
+    return gathered.index_select(0, torch.argsort(order)).movedim(0, dim)
+
+
+def gather_in_order(x: torch.Tensor, group: dist.ProcessGroup, cu_seqlens: torch.Tensor, dim: int = -1):
+    """Per-token values of every CP rank, in sequence order along `dim`, the same on every rank.
+
+    Backward keeps this rank's slice of the gradient, unsummed: every rank computes the same function of the
+    gathered values (the loss), so each token's gradient is taken from exactly one rank."""
+    cp = dist.get_world_size(group)
+    moved = x.movedim(dim, 0)
+    gathered = _GatherSequence.apply(moved, group, False)
+    order = torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)]).to(x.device)
+    return gathered.index_select(0, torch.argsort(order)).movedim(0, dim)
+
+
+def cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: dist.ProcessGroup,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence(s).
+
+    query `[t, b, heads, d]`, key/value `[t, b, groups, d]`: this rank's tokens of rows of sequences `cu_seqlens`
+    (global, on the host; `[0, S]` for plain rows) in `cp_positions` order -> `[t, b, heads, d]`. Keys and values
+    are gathered in one collective; a query attends to the keys of its own sequence at global positions up to
+    its own. The mask is dense (`[t, T]`): exact on every device; on a GPU it keeps SDPA off the flash kernel."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv = gather_sequence(torch.cat([key, value], dim=2), group, cu_seqlens)  # [T, b, 2 * groups, d]
+    key_all, value_all = kv.chunk(2, dim=2)
+    total = key_all.shape[0]
+    mine = cp_positions(cu_seqlens, cp, rank).to(query.device)
+    bounds = cu_seqlens.to(device=query.device, dtype=torch.long)
+    every = torch.arange(total, device=query.device)
+    doc_q = torch.bucketize(mine, bounds[1:], right=True)
+    doc_k = torch.bucketize(every, bounds[1:], right=True)
+    allowed = (doc_q[:, None] == doc_k[None, :]) & (every[None, :] <= mine[:, None])
+    groups = query.shape[2] // key.shape[2]
+    q = query.permute(1, 2, 0, 3)  # [b, heads, t, d]
+    k, v = (x.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3) for x in (key_all, value_all))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.permute(2, 0, 1, 3)

@@ -300,7 +300,11 @@ def hf_weights(
             for _ in local:  # take part in the TP and EP gathers
                 pass
         return
-    first = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    first = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0  # CP ranks hold the same weights
+    )
     mine = []
     for name, tensor in local:  # every rank takes part in the gathers
         if first:

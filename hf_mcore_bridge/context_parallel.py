@@ -12,7 +12,9 @@ Attention: keys and values are all-gathered over the CP group (the Llama 3 paper
 they are a small fraction of the activations) and each local query attends to the global keys with its causal
 mask at its global position. The gather's backward reduce-scatters the key/value gradients (`gather_sequence`).
 Ring attention would overlap the exchange with compute but needs a log-sum-exp merge of partial attention
-outputs, which torch's SDPA does not return; the all-gather runs the same fused SDPA kernels as CP = 1.
+outputs, which torch's public SDPA does not return; both move the same key/value bytes per rank. The choice is not
+backed by GPU measurements yet. The mask is dense (`[local, global]` tokens), so SDPA runs its memory-efficient or
+math kernel with the key/value heads repeated, not flash.
 
 Log-probs: each rank scores its own tokens (labels are the global next tokens, split the same way), the
 per-token values are all-gathered and put back in sequence order (`gather_in_order`), so every CP rank sees the
@@ -144,10 +146,27 @@ def cp_attention(
     query `[t, b, heads, d]`, key/value `[t, b, groups, d]`: this rank's tokens of rows of sequences `cu_seqlens`
     (global, on the host; `[0, S]` for plain rows) in `cp_positions` order -> `[t, b, heads, d]`. Keys and values
     are gathered in one collective; a query attends to the keys of its own sequence at global positions up to
-    its own. The mask is dense (`[t, T]`): exact on every device; on a GPU it keeps SDPA off the flash kernel."""
+    its own. Rows of one sequence each (unpacked rows) attend chunk by chunk with SDPA's lower-right causal bias
+    (`causal_lower_right`: flash or memory-efficient kernels on a GPU, no mask tensor); packed rows take a dense
+    `[t, T]` mask, exact on every device, which keeps SDPA off the flash kernel."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     kv = gather_sequence(torch.cat([key, value], dim=2), group, cu_seqlens)  # [T, b, 2 * groups, d]
     key_all, value_all = kv.chunk(2, dim=2)
+    if len(cu_seqlens) == 2:
+        return _one_sequence(query, key_all, value_all, cp, rank, scale)
+    return _packed(query, key_all, value_all, cp, rank, cu_seqlens, scale)
+
+
+def _packed(
+    query: torch.Tensor,
+    key_all: torch.Tensor,
+    value_all: torch.Tensor,
+    cp: int,
+    rank: int,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`cp_attention` for packed rows: this rank's queries against every key, masked by sequence and position."""
     total = key_all.shape[0]
     mine = cp_positions(cu_seqlens, cp, rank).to(query.device)
     bounds = cu_seqlens.to(device=query.device, dtype=torch.long)
@@ -155,8 +174,29 @@ def cp_attention(
     doc_q = torch.bucketize(mine, bounds[1:], right=True)
     doc_k = torch.bucketize(every, bounds[1:], right=True)
     allowed = (doc_q[:, None] == doc_k[None, :]) & (every[None, :] <= mine[:, None])
-    groups = query.shape[2] // key.shape[2]
+    groups = query.shape[2] // key_all.shape[2]
     q = query.permute(1, 2, 0, 3)  # [b, heads, t, d]
     k, v = (x.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3) for x in (key_all, value_all))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     return out.permute(2, 0, 1, 3)
+
+
+def _one_sequence(
+    query: torch.Tensor, key_all: torch.Tensor, value_all: torch.Tensor, cp: int, rank: int, scale: float
+) -> torch.Tensor:
+    """`cp_attention` for rows of one sequence: each of this rank's two chunks against the keys up to its end.
+
+    Chunk `i` holds global positions `[i * c, (i + 1) * c)`, so its queries see keys `[0, (i + 1) * c)` with the
+    causal diagonal aligned to the bottom right of that block."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk = query.shape[0] // 2
+    groups = query.shape[2] // key_all.shape[2]
+    k_all, v_all = (x.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3) for x in (key_all, value_all))
+    outs = []
+    for half, index in enumerate(chunks_of_rank(cp, rank)):
+        q = query[half * chunk : (half + 1) * chunk].permute(1, 2, 0, 3)  # [b, heads, c, d]
+        seen = (index + 1) * chunk
+        k, v = k_all[:, :, :seen], v_all[:, :, :seen]
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(chunk, seen), scale=scale))
+    return torch.cat(outs, dim=2).permute(2, 0, 1, 3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from cp_ranks import LAYOUTS, cp_rank
 
 from hf_mcore_bridge import config_bridge
@@ -147,3 +148,50 @@ def test_cp2_and_cp2_tp2_equal_cp1(tmp_path):
             for name, grad in want[key]["grads"].items():
                 assert grad.abs().max() > 0, name
                 assert (got[key]["grads"][name] - grad).abs().max() <= 1e-5, (test, key, name)
+
+
+def test_cp_attention_refuses_dropout_and_explicit_masks():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hf_mcore_bridge.sdpa_attention import SDPAttention
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=2, attention_dropout=0.1
+    )
+    attention = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(cp=object()))
+    q = torch.zeros(4, 1, 4, 8)
+    with pytest.raises(ValueError, match="dropout is not implemented under context parallelism"):
+        attention.train()(q, q, q, None)
+    with pytest.raises(ValueError, match="an explicit mask is refused"):
+        attention.eval()(q, q, q, torch.zeros(1, 1, 4, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("packed", [False, True], ids=["one_sequence", "packed"])
+def test_local_attention_equals_full_causal_attention(cp, packed):
+    """Each rank's queries against the gathered keys (the two local paths of `cp_attention`, no collective) give
+    the rows of a reference written here: SDPA over the whole row with a per-sequence causal mask."""
+    from hf_mcore_bridge.context_parallel import _one_sequence
+    from hf_mcore_bridge.context_parallel import _packed as packed_path
+
+    generator = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 4 * cp, 6 * cp, 12 * cp]) if packed else torch.tensor([0, 12 * cp])
+    total, batch = int(cu[-1]), 1 if packed else 2
+    q = torch.randn(total, batch, 4, 8, generator=generator)
+    k, v = (torch.randn(total, batch, 2, 8, generator=generator) for _ in range(2))
+    doc = torch.bucketize(torch.arange(total), cu[1:], right=True)
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), *(x.repeat_interleave(2, 2).permute(1, 2, 0, 3) for x in (k, v)), attn_mask=allowed
+    ).permute(2, 0, 1, 3)
+    for rank in range(cp):
+        mine = cp_positions(cu, cp, rank)
+        if packed:
+            got = packed_path(q[mine], k, v, cp, rank, cu, 8**-0.5)
+        else:
+            got = _one_sequence(q[mine], k, v, cp, rank, 8**-0.5)
+        assert torch.allclose(got, expected[mine], atol=1e-6), rank
+        assert not torch.allclose(got, expected[mine.flip(0)], atol=1e-3)  # a misplaced row would show

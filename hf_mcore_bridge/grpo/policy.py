@@ -17,6 +17,12 @@ micro-batches and DDP averages over data-parallel ranks, so the loss is multipli
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).
 
+Context parallelism (`context_parallel_size` > 1): every rank of a CP group holds the same micro-batches, padded per
+sequence to a multiple of 2 x CP; the model gets this rank's share of each sequence (`cp_inputs`), `token_logprobs`
+gathers the log-probs back in sequence order, and the loss is computed whole on every CP rank (each token's
+gradient taken on the rank that holds it; megatron-core's schedule and DDP sum the CP ranks' gradients). At CP 1
+nothing of this runs.
+
 Simplifications: the reference policy for the KL term is the initial weights, kept as a copy on this rank and
 swapped in for a forward pass; with PP > 1 log-probs and metrics live on the last stage and are broadcast from
 there.

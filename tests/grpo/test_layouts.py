@@ -1,8 +1,8 @@
-"""The first GRPO step at TP1, TP2, PP2 (megatron-core's 1F1B pipeline schedule, 4 micro-batches) and TP2 with
-packed rows (block-diagonal masks) against an independent reference: HF transformers' model of the same initial
-weights, fed the logged rollouts unpacked, with the loss of `grpo_loss` and plain autograd. Loss and gradient norm
-must agree, which checks log-probs (temperature, padded vocabulary), packing, the loss scaling through the
-schedule's micro-batch averaging and the gradient path.
+"""The first GRPO step at TP1, TP2, PP2 (megatron-core's 1F1B pipeline schedule, 4 micro-batches), context
+parallelism (CP2, with TP, SP, PP, EP and packed rows) and TP2 with packed rows (block-diagonal masks) against an
+independent reference: HF transformers' model of the same initial weights, fed the logged rollouts unpacked, with
+the loss of `grpo_loss` and plain autograd. Loss and gradient norm must agree, which checks log-probs (temperature,
+padded vocabulary), packing, the loss scaling through the schedule's micro-batch averaging and the gradient path.
 
 The engine's first weights come from each run's own refit, so equal rollouts (rewards) also confirm that the
 refit gathered the TP shards and the pipeline stages into the same model.
@@ -33,7 +33,11 @@ LAYOUTS = {
 }
 """name -> parallel sizes (`world`: ranks started, so data parallel = world / (TP x PP)); defaults tp=pp=ep=1."""
 
-MOE_LAYOUTS = {"ep2": {"ep": 2}, "tp2_ep2_sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
+MOE_LAYOUTS = {
+    "ep2": {"ep": 2},
+    "tp2_ep2_sp": {"tp": 2, "ep": 2, "sequence_parallel": True},
+    "ep2_cp2": {"ep": 2, "cp": 2},
+}
 """Mixture-of-experts layouts (EP2 on two ranks makes two data-parallel replicas of the dense layers). PP > 1 needs
 megatron-core's all-to-all dispatcher (variable sequence lengths), which needs CUDA: not run here."""
 
@@ -144,20 +148,21 @@ def test_moe_first_step_matches_hf_reference(tmp_path: Path) -> None:
     _check_against_reference(steps, reference)
 
 
-CP_LAYOUTS = {"cp2": {"cp": 2}, "tp2_cp2_sp_packed": {"tp": 2, "cp": 2, "packing": True}}
-"""Context-parallel layouts (`context_parallel`); the TP2 one also with sequence parallelism."""
+CP_LAYOUTS = {
+    "cp2": {"cp": 2, "steps": 2},
+    "tp2_cp2_sp_packed": {"tp": 2, "cp": 2, "packing": True, "sequence_parallel": True},
+    "pp2_cp2": {"pp": 2, "cp": 2},
+}
+"""Context-parallel layouts (`context_parallel`; MoE at EP2 x CP2 is in `MOE_LAYOUTS`)."""
 
 
 def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> None:
-    """CP2 (padded rows) and TP2 x CP2 x SP (packed rows): step one's metrics equal the HF reference (as CP1's do in
-    the test above), and the engine/trainer log-prob gate (`on_logprob_mismatch=stop`) passes on both steps run."""
+    """CP2 (padded rows), TP2 x CP2 x SP (packed rows) and PP2 x CP2 (1F1B schedule): step one's metrics equal the
+    HF reference (as CP1's do in the test above); the engine/trainer log-prob gate (`on_logprob_mismatch=stop`)
+    passes on every step (two at CP2)."""
     policy = build_tiny_policy(tmp_path / "policy", seed=2)
-    steps = {}
-    for name, layout in CP_LAYOUTS.items():
-        sizes = dict(layout)
-        sp = sizes.get("tp", 1) > 1
-        steps[name] = _run(tmp_path, name, policy, sequence_parallel=sp, steps=2, **sizes)
-        assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 2, name
+    steps = {name: _run(tmp_path, name, policy, **layout) for name, layout in CP_LAYOUTS.items()}
+    assert len((tmp_path / "cp2" / "metrics.jsonl").read_text().splitlines()) == 2
     reference = _hf_reference(policy, tmp_path / "cp2" / "rollouts.jsonl")
     assert steps["cp2"]["reward_std"] > 0
     _check_against_reference(steps, reference)

@@ -11,6 +11,7 @@ refit gathered the TP shards and the pipeline stages into the same model.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def _run(
     sequence_parallel: bool = False,
     cp: int = 1,
     steps: int = 1,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, float]:
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": f"Repeat the digit {d}. Answer:", "answer": str(d)} for d in range(10)]
@@ -79,6 +81,11 @@ def _run(
             "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
             "data": {"train_jsonl": str(prompts)},
             "logger": {"log_dir": str(root / name), "print_progress": False},
+            "checkpointing": {
+                "enabled": checkpoint_dir is not None,
+                "checkpoint_dir": str(checkpoint_dir or root / name / "ckpt"),
+                "save_period": 1,
+            },
             "cluster": {"gpus_per_node": world},
         }
     )
@@ -159,10 +166,29 @@ CP_LAYOUTS = {
 def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> None:
     """CP2 (padded rows), TP2 x CP2 x SP (packed rows) and PP2 x CP2 (1F1B schedule): step one's metrics equal the
     HF reference (as CP1's do in the test above); the engine/trainer log-prob gate (`on_logprob_mismatch=stop`)
-    passes on every step (two at CP2)."""
+    passes on every step (two at CP2); the CP2 run's checkpoint resumes at CP1 to the same step 2."""
     policy = build_tiny_policy(tmp_path / "policy", seed=2)
-    steps = {name: _run(tmp_path, name, policy, **layout) for name, layout in CP_LAYOUTS.items()}
+    ckpt = tmp_path / "cp2_ckpt"
+    steps = {
+        name: _run(tmp_path, name, policy, **layout, checkpoint_dir=ckpt if name == "cp2" else None)
+        for name, layout in CP_LAYOUTS.items()
+    }
     assert len((tmp_path / "cp2" / "metrics.jsonl").read_text().splitlines()) == 2
     reference = _hf_reference(policy, tmp_path / "cp2" / "rollouts.jsonl")
     assert steps["cp2"]["reward_std"] > 0
     _check_against_reference(steps, reference)
+    # the CP2 checkpoint of step 1 resumed at CP1 repeats the CP2 run's step 2
+    resumed = tmp_path / "resumed_ckpt"
+    shutil.copytree(ckpt, resumed)
+    shutil.rmtree(resumed / "iter_0000002")
+    (resumed / "latest_checkpointed_iteration.txt").write_text("1")
+    _run(tmp_path, "resumed_cp1", policy, steps=2, checkpoint_dir=resumed)
+    (want,) = [m for m in _metrics(tmp_path / "cp2") if m["step"] == 2]
+    (got,) = [m for m in _metrics(tmp_path / "resumed_cp1") if m["step"] == 2]
+    assert got["reward_mean"] == want["reward_mean"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def _metrics(log_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

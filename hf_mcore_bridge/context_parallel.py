@@ -108,16 +108,30 @@ class _GatherSequence(torch.autograd.Function):
         return grad.chunk(size)[rank].contiguous(), None, None
 
 
+_order_cache: tuple[torch.Tensor, int, int, torch.device, torch.Tensor] | None = None
+
+
+def _sequence_order(cu_seqlens: torch.Tensor, cp: int, device: torch.device) -> torch.Tensor:
+    """Index that puts the ranks' parts, concatenated in rank order, back in sequence order (on `device`).
+
+    Every layer gathers with the same `cu_seqlens`: a one-entry cache keyed on that tensor itself and its version
+    counter (as `sdpa_attention._cached_block_mask`) builds the index once per row, not once per layer."""
+    global _order_cache
+    cached = _order_cache
+    if cached is not None and cached[0] is cu_seqlens and cached[1:4] == (cu_seqlens._version, cp, device):
+        return cached[4]
+    order = torch.argsort(torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)])).to(device)
+    _order_cache = (cu_seqlens, cu_seqlens._version, cp, device, order)
+    return order
+
+
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, cu_seqlens: torch.Tensor, dim: int = 0):
     """Every CP rank's part of `x` (split along `dim` as `cp_positions` says), back in global sequence order.
 
     Backward: the gradients of all ranks summed, each rank keeping its own part (a reduce-scatter): for keys and
     values, which every rank's queries use."""
-    cp = dist.get_world_size(group)
-    moved = x.movedim(dim, 0)
-    gathered = _GatherSequence.apply(moved, group, True)
-    order = torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)]).to(x.device)
-    return gathered.index_select(0, torch.argsort(order)).movedim(0, dim)
+    gathered = _GatherSequence.apply(x.movedim(dim, 0), group, True)
+    return gathered.index_select(0, _sequence_order(cu_seqlens, dist.get_world_size(group), x.device)).movedim(0, dim)
 
 
 def gather_in_order(x: torch.Tensor, group: dist.ProcessGroup, cu_seqlens: torch.Tensor, dim: int = -1):
@@ -125,11 +139,8 @@ def gather_in_order(x: torch.Tensor, group: dist.ProcessGroup, cu_seqlens: torch
 
     Backward keeps this rank's slice of the gradient, unsummed: every rank computes the same function of the
     gathered values (the loss), so each token's gradient is taken from exactly one rank."""
-    cp = dist.get_world_size(group)
-    moved = x.movedim(dim, 0)
-    gathered = _GatherSequence.apply(moved, group, False)
-    order = torch.cat([cp_positions(cu_seqlens, cp, r) for r in range(cp)]).to(x.device)
-    return gathered.index_select(0, torch.argsort(order)).movedim(0, dim)
+    gathered = _GatherSequence.apply(x.movedim(dim, 0), group, False)
+    return gathered.index_select(0, _sequence_order(cu_seqlens, dist.get_world_size(group), x.device)).movedim(0, dim)
 
 
 def cp_attention(
@@ -167,18 +178,33 @@ def _packed(
     scale: float,
 ) -> torch.Tensor:
     """`cp_attention` for packed rows: this rank's queries against every key, masked by sequence and position."""
-    total = key_all.shape[0]
-    mine = cp_positions(cu_seqlens, cp, rank).to(query.device)
-    bounds = cu_seqlens.to(device=query.device, dtype=torch.long)
-    every = torch.arange(total, device=query.device)
-    doc_q = torch.bucketize(mine, bounds[1:], right=True)
-    doc_k = torch.bucketize(every, bounds[1:], right=True)
-    allowed = (doc_q[:, None] == doc_k[None, :]) & (every[None, :] <= mine[:, None])
+    allowed = _packed_mask(cu_seqlens, cp, rank, query.device)
     groups = query.shape[2] // key_all.shape[2]
     q = query.permute(1, 2, 0, 3)  # [b, heads, t, d]
     k, v = (x.repeat_interleave(groups, dim=2).permute(1, 2, 0, 3) for x in (key_all, value_all))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     return out.permute(2, 0, 1, 3)
+
+
+_mask_cache: tuple[torch.Tensor, int, int, int, torch.device, torch.Tensor] | None = None
+
+
+def _packed_mask(cu_seqlens: torch.Tensor, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """`[t, T]` bool, True where this rank's query (row) may attend to a global key (column): same sequence, not
+    later. Built once per row and shared by the layers (one-entry cache, as `_sequence_order`)."""
+    global _mask_cache
+    key = (cu_seqlens._version, cp, rank, device)
+    cached = _mask_cache
+    if cached is not None and cached[0] is cu_seqlens and cached[1:5] == key:
+        return cached[5]
+    mine = cp_positions(cu_seqlens, cp, rank).to(device)
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)
+    every = torch.arange(int(bounds[-1]), device=device)
+    doc_q = torch.bucketize(mine, bounds[1:], right=True)
+    doc_k = torch.bucketize(every, bounds[1:], right=True)
+    allowed = (doc_q[:, None] == doc_k[None, :]) & (every[None, :] <= mine[:, None])
+    _mask_cache = (cu_seqlens, *key, allowed)
+    return allowed
 
 
 def _one_sequence(

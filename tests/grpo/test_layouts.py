@@ -159,14 +159,16 @@ CP_LAYOUTS = {
     "cp2": {"cp": 2, "steps": 2},
     "tp2_cp2_sp_packed": {"tp": 2, "cp": 2, "packing": True, "sequence_parallel": True},
     "pp2_cp2": {"pp": 2, "cp": 2},
+    "dp2_cp2": {"cp": 2, "world": 4},
 }
 """Context-parallel layouts (`context_parallel`; MoE at EP2 x CP2 is in `MOE_LAYOUTS`)."""
 
 
 def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> None:
-    """CP2 (padded rows), TP2 x CP2 x SP (packed rows) and PP2 x CP2 (1F1B schedule): step one's metrics equal the
-    HF reference (as CP1's do in the test above); the engine/trainer log-prob gate (`on_logprob_mismatch=stop`)
-    passes on every step (two at CP2); the CP2 run's checkpoint resumes at CP1 to the same step 2."""
+    """CP2 (padded rows), TP2 x CP2 x SP (packed rows), PP2 x CP2 (1F1B schedule) and DP2 x CP2 (gradients averaged
+    over data x context ranks): step one's metrics equal the HF reference (as CP1's do in the test above); the
+    engine/trainer log-prob gate (`on_logprob_mismatch=stop`) passes on every step (two at CP2); the CP2 run's
+    checkpoint resumes at CP1 to the same step 2."""
     policy = build_tiny_policy(tmp_path / "policy", seed=2)
     ckpt = tmp_path / "cp2_ckpt"
     steps = {

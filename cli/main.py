@@ -354,6 +354,7 @@ VERIFY_EXAMPLES = """Examples:
 
 \b
   bridge verify ./Llama-3.2-1B ./llama-mcore --tp 2 --pp 2
+  bridge verify ./Llama-3.2-1B ./llama-mcore --cp 2
   bridge verify ./Llama-3.2-1B ./llama-mcore --dtype bf16 --tolerance 0.2"""
 
 
@@ -364,6 +365,10 @@ def verify(
     tp: Annotated[int, typer.Option(help="Tensor-parallel size to load at.")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline-parallel size to load at.")] = 1,
     ep: Annotated[int, typer.Option(help="Expert-parallel size to load at (MoE).")] = 1,
+    cp: Annotated[
+        int,
+        typer.Option(help="Context-parallel size to run at (the project's attention; --seq-len a multiple of 2 x CP)."),
+    ] = 1,
     dtype: Annotated[DType, typer.Option(help="Compute dtype on both sides.")] = DType.fp32,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 16,
     batch: Annotated[int, typer.Option(help="Sequences.")] = 2,
@@ -371,16 +376,19 @@ def verify(
 ) -> None:
     """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
 
-    Starts TP x PP x EP processes (gloo on CPU, NCCL on GPU), or under torchrun uses the world it was given.
+    Starts TP x PP x CP x EP processes (gloo on CPU, NCCL on GPU), or under torchrun uses the world it was given.
     Prints OK or FAIL; a FAIL beyond the tolerance exits with status 1.
     """
-    layout = Layout(tp=tp, pp=pp, ep=ep)
+    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep)
 
     def checks() -> None:
         hf_config = validate.hf_model_dir(hf_dir, "HF directory")
         validate.existing_dir(mcore_dir, "Megatron checkpoint")
         validate.at_least("--seq-len", seq_len, 1)
         validate.at_least("--batch", batch, 1)
+        validate.at_least("--cp", cp, 1)
+        if seq_len % (2 * cp):
+            raise BridgeError(f"--seq-len {seq_len} must be a multiple of 2 x --cp = {2 * cp} (the CP split)")
         validate.tolerance(tolerance)
         validate.layout_fits(layout, hf_config)
 

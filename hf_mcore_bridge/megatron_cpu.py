@@ -7,6 +7,9 @@ Applied only when CUDA is absent, idempotently, by `apply_cpu_workarounds()`:
 - `Tensor.cuda()` moves the shared embedding of tied models with PP > 1: it returns the tensor itself.
 - The CUDA RNG tracker forks CUDA generator state in attention: megatron-core's own inference tracker (whose fork
   does nothing) is installed instead, so dropout is not supported on CPU.
+- Context parallelism: RoPE's `get_pos_emb_on_this_cp_rank` builds its chunk index in pinned memory, which needs
+  an accelerator: inside `rope_utils`, `pin_memory` is dropped from tensor factories (as in the training modules
+  below).
 Callers must also pass an explicit attention mask: the default causal mask is built on `device="cuda"`.
 
 `apply_te_absent_workarounds()` is applied wherever Transformer Engine is missing, GPU or not:
@@ -48,12 +51,16 @@ def apply_cpu_workarounds() -> bool:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope_utils.torch = _CpuTensorFactories(torch)  # type: ignore[attr-defined]
     _applied = True
     return True
 
 
 class _CpuTensorFactories:
-    """Stands in for the `torch` module inside a megatron-core module: CUDA devices in factories become CPU."""
+    """Stands in for the `torch` module inside a megatron-core module: CUDA devices in factories become CPU, and
+    factories ask for no pinned memory."""
 
     _FACTORIES = ("zeros", "ones", "tensor", "empty", "full")
 
@@ -69,6 +76,7 @@ class _CpuTensorFactories:
             device = kwargs.get("device")
             if device is not None and torch.device(device).type == "cuda":
                 kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)  # pinned host memory needs an accelerator
             return attr(*args, **kwargs)
 
         return factory

@@ -32,9 +32,12 @@ mask where True means masked) and output (`[s, b, heads * head_dim]`).
     mask is exact and faster.
   `SDPAttention.packed_backend` ("auto", "varlen", "flex", "dense") overrides the choice (tests use it).
 
-Assumes no attention bias, no learnable softmax offset and no context parallelism (as the local spec does);
-attention dropout, which neither `varlen_attn` nor `flex_attention` implements, sends packed rows through the dense
-path.
+At `context_parallel_size` > 1 both layouts go through `context_parallel.cp_attention` (keys and values
+all-gathered over the CP group, each local query masked at its global position); attention dropout is refused
+there.
+
+Assumes no attention bias and no learnable softmax offset (as the local spec does); attention dropout, which
+neither `varlen_attn` nor `flex_attention` implements, sends packed rows through the dense path.
 """
 
 from __future__ import annotations
@@ -299,8 +302,12 @@ class SDPAttention(MegatronModule):
         pg_collection: object | None = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not implement context parallelism")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            cp = getattr(pg_collection, "cp", None)
+            self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels
@@ -319,6 +326,8 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not take an attention bias")
         dropout = self.dropout if self.training else 0.0
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, dropout, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = cu_seqlens_on(packed_seq_params.cu_seqlens_q, query.device)
             out = packed_attention(
@@ -340,6 +349,37 @@ class SDPAttention(MegatronModule):
         out = _sdpa(q, k, v, allowed, causal=causal, scale=self.softmax_scale, dropout=dropout)
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _context_parallel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float,
+        packed_seq_params: PackedSeqParams | None,
+    ) -> torch.Tensor:
+        from hf_mcore_bridge.context_parallel import cp_attention
+
+        if dropout:
+            raise ValueError("attention dropout is not implemented under context parallelism")
+        cp = self.config.context_parallel_size
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_seqlens = packed_seq_params.cu_seqlens_q.cpu()
+            out = cp_attention(
+                query.unsqueeze(1),
+                key.unsqueeze(1),
+                value.unsqueeze(1),
+                self.cp_group,
+                cu_seqlens,
+                scale=self.softmax_scale,
+            )
+            return out.reshape(query.shape[0], -1)
+        if attention_mask is not None:
+            raise ValueError("under context parallelism rows are attended causally: an explicit mask is refused")
+        cu_seqlens = torch.tensor([0, query.shape[0] * cp])
+        out = cp_attention(query, key, value, self.cp_group, cu_seqlens, scale=self.softmax_scale)
+        return out.reshape(query.shape[0], query.shape[1], -1)
 
 
 def use_sdpa(spec: object) -> object:

@@ -78,8 +78,10 @@ def verify(
 ) -> list[VerifyResult]:
     """Verify each job at `layout`; one process world serves all jobs. Under a launcher, the results are returned
     on global rank 0 and the other ranks get an empty list."""
-    if layout.cp != 1 or layout.vpp:
-        raise BridgeError("verify runs at tp/pp/ep layouts; context and virtual pipeline parallelism are not used")
+    if layout.vpp:
+        raise BridgeError("verify runs at tp/pp/cp/ep layouts; virtual pipeline parallelism is not used")
+    if seq_len % (2 * layout.cp):
+        raise BridgeError(f"--seq-len {seq_len} must be a multiple of 2 x CP = {2 * layout.cp} (the CP split)")
     with tempfile.TemporaryDirectory(prefix="bridge-verify-") as scratch:
         work = Path(scratch)
         token_sets = []
@@ -171,6 +173,8 @@ def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: t
 
 def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype):
     """One forward pass through this rank's pipeline stage; activations travel between stages point to point.
+    Under context parallelism each rank runs its share of the sequence (`context_parallel`, causal attention
+    without a mask) and the logits are gathered back in sequence order.
 
     Returns the unpadded, TP-gathered logits `[batch, seq, vocab]` on the last stage's TP rank 0, else None.
     """
@@ -184,16 +188,31 @@ def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.
     tokens = tokens.to(device)
     batch, seq_len = tokens.shape
     positions = torch.arange(seq_len, device=device).expand(batch, -1)
+    cp = parallel_state.get_context_parallel_world_size()
+    mask: torch.Tensor | None = causal_mask(seq_len, device)
+    if cp > 1:
+        from hf_mcore_bridge.context_parallel import split_sequence
+
+        rank = parallel_state.get_context_parallel_rank()
+        tokens, positions = (split_sequence(x, cp, rank, 1) for x in (tokens, positions))
+        mask = None
+    local_len = tokens.shape[1]
     with torch.no_grad():
         if not parallel_state.is_pipeline_first_stage():
-            hidden = torch.empty(seq_len, batch, model_cfg.hidden_size, dtype=dtype, device=device)
+            hidden = torch.empty(local_len, batch, model_cfg.hidden_size, dtype=dtype, device=device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
-        output = model(tokens, positions, causal_mask(seq_len, device))
+        output = model(tokens, positions, mask)
         if not parallel_state.is_pipeline_last_stage():
             dist.send(output.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
         logits = gather_from_tensor_model_parallel_region(output)
-    if parallel_state.get_tensor_model_parallel_rank() != 0 or parallel_state.get_data_parallel_rank() != 0:
+        if cp > 1:
+            from hf_mcore_bridge.context_parallel import gather_in_order
+
+            group = parallel_state.get_context_parallel_group()
+            logits = gather_in_order(logits, group, torch.tensor([0, seq_len]), dim=1)
+    first_replica = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
+    if parallel_state.get_tensor_model_parallel_rank() != 0 or not first_replica:
         return None
     return logits[..., : model_cfg.vocab_size].float().cpu()

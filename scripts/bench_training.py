@@ -30,10 +30,11 @@ What each path is, and assumes:
   (`--distributed-optimizer`, default on) and `ddp.overlap_param_gather` (`--overlap-param-gather`, default off,
   as in the trainer); the recomputation keys in `transformer`. Parallelism:
   `--megatron-parallel dp` (data parallel over nproc, as NeMo-RL runs the 8B), `tp`
-  (TP = nproc, with sequence parallelism) or `auto` (default): dp, and then every row length that needed activation
-  recomputation (or ran out of memory) under dp again at TP = nproc with sequence parallelism, which splits the
-  activations over the GPUs instead of recomputing them; both are reported, and the Megatron / DTensor ratio
-  takes the faster.
+  (TP = nproc, with sequence parallelism), `cp` (context parallelism CP = nproc, `hf_mcore_bridge.context_parallel`;
+  each sequence padded to a multiple of 2 x CP) or `auto` (default): dp, and then every row length that needed
+  activation recomputation (or ran out of memory) under dp again at TP = nproc with sequence parallelism, which
+  splits the activations over the GPUs instead of recomputing them; both are reported, and the Megatron / DTensor
+  ratio takes the faster.
 - dtensor: the trainer's DTensor backend (`policy.dtensor_cfg`): `grpo.dtensor_policy.build_dtensor_policy` on
   the HF `LlamaForCausalLM` (randomly initialised; fp32 parameters, bf16 compute, fp32 gradient reduction, fused
   torch AdamW on CUDA) stepped by its `train_minibatch` with the same GRPO loss. `--dtensor-search auto` (default)
@@ -148,6 +149,7 @@ class Options:
     (`policy.megatron_cfg.ddp.overlap_param_gather`; off by default in the trainer, and here)."""
     megatron_parallel: str = "auto"
     """"dp": Megatron data parallel over nproc with the distributed optimizer; "tp": TP = nproc (sequence parallel);
+    "cp": context parallelism CP = nproc (every packed row split over the ranks; `context_parallel`);
     "auto": dp, then TP = nproc for the row lengths that needed recomputation (or ran out of memory) under dp."""
     recompute: str = "auto"
     """"off", "on", or "auto" (retry with activation recomputation after running out of memory)."""
@@ -302,6 +304,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     dp = parallel_state.get_data_parallel_world_size()
     megatron = MegatronConfig(
         tensor_model_parallel_size=tp,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=tp > 1,
         sequence_packing=True,
         transformer=RECOMPUTE if recompute else {},
@@ -519,7 +522,7 @@ class _Placement:
     row_seed: int
     """Seed of this rank's rows (equal within a TP group, different across data-parallel ranks)."""
     share: int
-    """Ranks training the same rows (TP), which count their tokens and FLOPs once."""
+    """Ranks training the same rows (TP, CP), which count their tokens and FLOPs once."""
 
 
 def _placement(path: str, opts: Options) -> _Placement:
@@ -528,14 +531,15 @@ def _placement(path: str, opts: Options) -> _Placement:
     world = dist.get_world_size()
     if path == "megatron":
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
-        layout = f"TP{tp} SP" if tp > 1 else "TP1"
+        layout = (f"TP{tp} SP" if tp > 1 else "TP1") + f" CP{cp}" * (cp > 1)
         dp = parallel_state.get_data_parallel_world_size()
         if dp > 1:
             ddp = megatron_ddp(opts, dp)
             layout += f" DP{dp}" + " dist-opt" * ddp["use_distributed_optimizer"]
             layout += " overlap-gather" * ddp["overlap_param_gather"]
-        return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp)
+        return _Placement(layout, world, opts.seed + 1000 * dp_rank, tp * cp)
     if path == "dtensor":
         tp = opts.dtensor_layout.tp
         return _Placement(opts.dtensor_layout.label(world), world, opts.seed + 1000 * (dist.get_rank() // tp), tp)
@@ -704,6 +708,7 @@ def run(opts: Options, nproc: int, on_results: Callable[[list[Result]], None] | 
     `on_results` with the results so far after each world; returns them all."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # long rows fragment memory
     tp = nproc if opts.megatron_parallel == "tp" else 1
+    cp = nproc if opts.megatron_parallel == "cp" else 1
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
@@ -721,7 +726,7 @@ def run(opts: Options, nproc: int, on_results: Callable[[list[Result]], None] | 
                 if path == "hf":
                     world(path, Layout(), 1, opts)
                     continue
-                measured = world(path, Layout(tp=tp), nproc, opts)
+                measured = world(path, Layout(tp=tp, cp=cp) if path == "megatron" else Layout(tp=tp), nproc, opts)
                 if path == "megatron" and opts.megatron_parallel == "auto" and nproc > 1:
                     again = tuple(r.seq_len for r in measured if r.recompute or r.status != "ok")
                     if again:
@@ -802,7 +807,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     )
     parser.add_argument(
         "--megatron-parallel",
-        choices=("auto", "dp", "tp"),
+        choices=("auto", "dp", "tp", "cp"),
         default=defaults.megatron_parallel,
         help="auto: dp, then TP=nproc for row lengths that needed recomputation under dp",
     )

@@ -39,6 +39,19 @@ def test_bench_training_tiny_runs_on_cpu(tmp_path: Path, run_script) -> None:
         assert entry["tokens_per_iter"] == 2 * entry["seq_len"]
 
 
+@pytest.mark.slow
+def test_bench_training_runs_the_megatron_path_at_cp2(tmp_path: Path, run_script) -> None:
+    """`--megatron-parallel cp`: the trainer's policy at CP = nproc, each row's tokens counted once."""
+    out = tmp_path / "bench.json"
+    args = ["--shapes", "tiny", "--seq-lens", "64", "--micro-batches", "2", "--warmup", "1", "--iters", "1"]
+    args += ["--dtype", "fp32", "--nproc", "2", "--megatron-parallel", "cp", "--paths", "megatron", "--json", str(out)]
+    run_script("bench_training.py", args, 300)
+    (entry,) = json.loads(out.read_text())["results"]
+    assert entry["status"] == "ok" and entry["layout"] == "TP1 CP2" and entry["gpus"] == 2
+    assert entry["tokens_per_iter"] == 2 * 64
+    assert entry["tokens_per_s_per_gpu"] == pytest.approx(entry["tokens_per_s"] / 2)
+
+
 def test_micro_batches_follow_the_tokens_per_step() -> None:
     defaults = bench_training.Options()
     assert [bench_training.micro_batches(defaults, n) for n in (4096, 16384, 65536)] == [8, 2, 1]

@@ -163,6 +163,7 @@ VERIFY: list[Case] = [
     ("batch-negative", ["verify", "{W}/llama", "{W}/mcore", "--batch", "-1"], 2, r"--batch=-1 must be at least 1"),
     ("batch-0", ["verify", "{W}/llama", "{W}/mcore", "--batch", "0"], 2, r"--batch=0 must be at least 1"),
     ("seq-len-0", ["verify", "{W}/llama", "{W}/mcore", "--seq-len", "0"], 2, r"--seq-len=0 must be at least 1"),
+    ("cp-seq-len", ["verify", "{W}/llama", "{W}/mcore", "--cp", "2", "--seq-len", "6"], 2, r"multiple of 2 x --cp = 4"),
     ("tp-3", ["verify", "{W}/llama", "{W}/mcore", "--tp", "3"], 2, r"num_attention_heads=8 is not divisible by tp=3"),
     ("tp-0", ["verify", "{W}/llama", "{W}/mcore", "--tp", "0"], 2, r"tp=0 must be at least 1"),
     ("pp-3", ["verify", "{W}/llama", "{W}/mcore", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),

@@ -1,4 +1,4 @@
-"""Logit parity through real megatron-core: every architecture at TP1PP1, TP2PP1, TP1PP2 and TP2PP2.
+"""Logit parity through real megatron-core: every architecture at TP1PP1, TP2PP1, TP1PP2, TP2PP2, CP2, TP2CP2.
 
 One gloo world per layout verifies all tiny models (GQA, odd vocabulary padded for TP, tied embeddings with PP>1,
 Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling). Also: checkpoints written by megatron-core itself.
@@ -22,7 +22,14 @@ from hf_mcore_bridge.world import run_world
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"tp1pp1": Layout(), "tp2pp1": Layout(tp=2), "tp1pp2": Layout(pp=2), "tp2pp2": Layout(tp=2, pp=2)}
+LAYOUTS = {
+    "tp1pp1": Layout(),
+    "tp2pp1": Layout(tp=2),
+    "tp1pp2": Layout(pp=2),
+    "tp2pp2": Layout(tp=2, pp=2),
+    "tp1cp2": Layout(cp=2),  # context parallelism through the project's attention (`context_parallel`)
+    "tp2cp2": Layout(tp=2, cp=2),
+}
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))

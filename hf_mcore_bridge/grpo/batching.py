@@ -30,10 +30,13 @@ __all__ = [
     "MicroBatch",
     "Rollout",
     "make_microbatches",
+    "move_predicted",
     "pack_microbatches",
+    "pad_sequences_to_multiple",
     "pad_to_length",
     "pad_to_multiple",
     "response_values",
+    "sequence_padding_index",
 ]
 
 
@@ -242,4 +245,55 @@ def pad_to_length(batch: MicroBatch, length: int) -> MicroBatch:
         advantages=longer(batch.advantages) if batch.advantages.dim() == 2 else batch.advantages,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
+    )
+
+
+def sequence_padding_index(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each token of a packed row goes when every sequence is padded to a multiple of `multiple` tokens:
+    `(index [S] int64, new cu_seqlens [n + 1] int32)` (`pad_sequences_to_multiple`)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    padded = lengths + (-lengths) % multiple
+    new_cu = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    index = torch.arange(int(lengths.sum())) - cu_seqlens[:-1].long()[segment] + new_cu[:-1][segment]
+    return index, new_cu.to(torch.int32)
+
+
+def move_predicted(values: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """`values` `[..., S-1]` (indexed by predicted position) moved into a row of `length` tokens in which old
+    token `k` sits at `index[k]` (`sequence_padding_index`): `[..., length - 1]`, zeros at the new places."""
+    out = values.new_zeros(*values.shape[:-1], length)
+    out[..., index[:-1].to(values.device)] = values
+    return out[..., :-1]
+
+
+def pad_sequences_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
+    """A packed row with each of its sequences lengthened by trailing 0-padding to a multiple of `multiple`
+    tokens (context parallelism splits every sequence into 2 x CP equal chunks; NeMo-RL pads the same way). The
+    padding belongs to its sequence (positions continue), is masked out of the loss and, being after the
+    sequence's last token, is invisible to it under causal attention. Unpacked rows: `pad_to_multiple`."""
+    if batch.cu_seqlens is None:
+        return pad_to_multiple(batch, multiple)
+    index, cu_seqlens = sequence_padding_index(batch.cu_seqlens, multiple)
+    total = int(cu_seqlens[-1])
+    if total == batch.seq_len:
+        return batch
+    new_lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(len(new_lengths)), new_lengths)
+    positions = torch.arange(total) - cu_seqlens[:-1].long()[segment]  # padding continues its sequence
+
+    def spread(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(*values.shape[:-1], total)
+        out[..., index.to(values.device)] = values
+        return out
+
+    return dataclasses.replace(
+        batch,
+        tokens=spread(batch.tokens),
+        position_ids=positions.expand(batch.num_rows, total).to(batch.position_ids),
+        mask=move_predicted(batch.mask, index, total),
+        engine_logprobs=move_predicted(batch.engine_logprobs, index, total),
+        advantages=move_predicted(batch.advantages, index, total) if batch.advantages.dim() == 2 else batch.advantages,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(new_lengths.max()),
     )

@@ -90,7 +90,8 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     """PP: decoder layers split into this many stages."""
     context_parallel_size: int = 1
-    """CP: not supported by the trainer (must be 1)."""
+    """CP: every sequence split over this many ranks (megatron-core's load-balanced 2 x CP chunks; keys and values
+    all-gathered in the project's attention, `context_parallel`); rows are padded per sequence to 2 x CP."""
     expert_model_parallel_size: int = 1
     """EP: routed experts split over this many ranks (MoE models)."""
     expert_tensor_parallel_size: int | None = None
@@ -123,6 +124,9 @@ class DTensorConfig:
     """Train the HF model with FSDP2 instead of megatron-core (needs `policy.megatron_cfg.enabled: false`)."""
     tensor_parallel_size: int = 1
     """TP over DTensor: attention heads and MLP width split over this many ranks (Llama-family models)."""
+    context_parallel_size: int = 1
+    """CP over DTensor: refused above 1 (`DTENSOR_CP_REFUSAL`); context parallelism runs on the megatron-core
+    backend (`policy.megatron_cfg.context_parallel_size`)."""
     data_parallel_shard_size: int | None = None
     """FSDP2 ranks the parameters, gradients and optimizer state are sharded over (each trains on its share of
     every mini-batch); None: `cluster.gpus_per_node / tensor_parallel_size`, or 1 without `gpus_per_node`."""
@@ -752,6 +756,14 @@ def _validate_backend_switch(policy: PolicyConfig) -> None:
     )
 
 
+DTENSOR_CP_REFUSAL = (
+    "policy.dtensor_cfg.context_parallel_size > 1 is not supported: torch's context_parallel ring attention"
+    " replaces only the CUDA SDPA kernels (flash, efficient, cuDNN) and takes no attention mask, so it cannot be"
+    " checked exactly on CPU and packed rows cannot go through it; use policy.megatron_cfg.context_parallel_size"
+)
+"""Why the DTensor backend has no context parallelism (torch 2.13's `_context_parallel._attention` dispatch table)."""
+
+
 def _validate_dtensor(config: GRPOConfig) -> None:
     from hf_mcore_bridge.grpo.lr_schedule import SUPPORTED_STYLES
 
@@ -760,6 +772,7 @@ def _validate_dtensor(config: GRPOConfig) -> None:
     tp, dp_shard = dcfg.tensor_parallel_size, dcfg.data_parallel_shard_size
     _require(tp >= 1, f"{where}.tensor_parallel_size={tp} must be >= 1")
     _require(dp_shard is None or dp_shard >= 1, f"{where}.data_parallel_shard_size={dp_shard} must be >= 1")
+    _require(dcfg.context_parallel_size == 1, DTENSOR_CP_REFUSAL)
     if given is not None:
         _require(
             given % tp == 0 and (dp_shard is None or given == dp_shard * tp),
@@ -805,9 +818,9 @@ def _validate(config: GRPOConfig) -> None:
     _require(etp is None or etp >= 1, f"policy.megatron_cfg.expert_tensor_parallel_size={etp} must be >= 1")
     _validate_world(config)
     _require(
-        mcfg.context_parallel_size == 1,
-        "policy.megatron_cfg.context_parallel_size > 1 is not supported (the local layer spec has no CP, and the "
-        "trainer does not split its batches over CP ranks)",
+        mcfg.context_parallel_size == 1 or not mcfg.transformer.get("attention_dropout"),
+        "policy.megatron_cfg.context_parallel_size > 1 takes no transformer.attention_dropout (the context-parallel"
+        " attention does not implement dropout)",
     )
     _require(
         not mcfg.sequence_parallel or mcfg.tensor_model_parallel_size > 1,

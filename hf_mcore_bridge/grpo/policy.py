@@ -17,6 +17,12 @@ micro-batches and DDP averages over data-parallel ranks, so the loss is multipli
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).
 
+Context parallelism (`context_parallel_size` > 1): every rank of a CP group holds the same micro-batches, padded per
+sequence to a multiple of 2 x CP; the model gets this rank's share of each sequence (`cp_inputs`), `token_logprobs`
+gathers the log-probs back in sequence order, and the loss is computed whole on every CP rank (each token's
+gradient taken on the rank that holds it; megatron-core's schedule and DDP sum the CP ranks' gradients). At CP 1
+nothing of this runs.
+
 Simplifications: the reference policy for the KL term is the initial weights, kept as a copy on this rank and
 swapped in for a forward pass; with PP > 1 log-probs and metrics live on the last stage and are broadcast from
 there.
@@ -34,7 +40,14 @@ import torch
 
 from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.batching import MicroBatch, pad_to_length, pad_to_multiple
+from hf_mcore_bridge.grpo.batching import (
+    MicroBatch,
+    move_predicted,
+    pad_sequences_to_multiple,
+    pad_to_length,
+    pad_to_multiple,
+    sequence_padding_index,
+)
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.layout import Layout
@@ -208,16 +221,42 @@ def use_fused_adamw(optimizer: Any) -> None:
                 group.update(foreach=False, fused=True)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    vocab_size: int,
+    temperature: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Log-probs `[B, S-1]` of `tokens[:, 1:]` under `log_softmax(logits / temperature)` over the real vocabulary.
 
     logits: [B, S, V_local], this TP rank's slice of the padded vocabulary (rank r holds ids
     `r * V_local ... (r + 1) * V_local - 1`); tokens: [B, S]. Collective over the TP group.
+
+    Under context parallelism `logits` are this CP rank's `[B, S / cp, V_local]` (`context_parallel.cp_positions`
+    of the row's sequences `cu_seqlens`, the whole row when None): each rank scores its own tokens against their
+    global next tokens and the log-probs are gathered in sequence order, the same `[B, S-1]` on every CP rank.
     """
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return _label_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
+    from hf_mcore_bridge.context_parallel import gather_in_order, split_sequence
+
+    group = parallel_state.get_context_parallel_group()
+    cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    cu = torch.tensor([0, tokens.shape[1]]) if cu_seqlens is None else cu_seqlens.cpu()
+    labels = split_sequence(torch.roll(tokens, -1, dims=1), cp, rank, 1, cu)  # the last column is dropped below
+    local = _label_logprobs(logits, labels, vocab_size, temperature)
+    return gather_in_order(local, group, cu, dim=1)[:, :-1]
+
+
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """`[B, s]` log-probs of `labels` `[B, s]` under the TP-sharded `logits` `[B, s, V_local]` (`token_logprobs`)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    scaled = logits[:, :-1].float() / temperature
+    scaled = logits.float() / temperature
     local = scaled.shape[-1]
     first = parallel_state.get_tensor_model_parallel_rank() * local
     padding = torch.arange(first, first + local, device=scaled.device) >= vocab_size
@@ -229,8 +268,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, 
         from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
         group = parallel_state.get_tensor_model_parallel_group()
-        return -fused_vocab_parallel_cross_entropy(scaled, tokens[:, 1:], group)
-    return -vocab_parallel_cross_entropy(scaled, tokens[:, 1:])
+        return -fused_vocab_parallel_cross_entropy(scaled, labels, group)
+    return -vocab_parallel_cross_entropy(scaled, labels)
 
 
 def _forward_step(
@@ -244,8 +283,25 @@ def _forward_step(
     # No mask: SDPA's causal flag for padded rows; packed rows are attended per sequence from their cu_seqlens.
     config = getattr(model, "config", None)
     packed = None if batch.cu_seqlens is None else packed_seq_params(batch.cu_seqlens, batch.max_seqlen, config)
-    output = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed)
+    tokens, position_ids = cp_inputs(batch)
+    output = model(tokens, position_ids, None, packed_seq_params=packed)
     return output, partial(loss_func, batch)
+
+
+def cp_inputs(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and positions `[B, S / cp]` this context-parallel rank feeds the model (all of them at CP 1):
+    megatron-core's load-balanced split of each sequence (`context_parallel`); packed rows keep their global
+    `cu_seqlens`, from which megatron-core's RoPE and the attention place each token."""
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch.tokens, batch.position_ids
+    from hf_mcore_bridge.context_parallel import cp_positions
+
+    cu = torch.tensor([0, batch.seq_len]) if batch.cu_seqlens is None else batch.cu_seqlens
+    mine = cp_positions(cu, cp, parallel_state.get_context_parallel_rank()).to(batch.tokens.device)
+    return batch.tokens[:, mine], batch.position_ids[:, mine]
 
 
 def _run_schedule(policy: Policy, batches: list[MicroBatch], loss_func: Callable, forward_only: bool) -> list[dict]:
@@ -303,17 +359,39 @@ def compute_logprobs(
     """Per micro-batch, the policy's log-probs `[B, S-1]` (detached); `reference=True` uses the initial weights."""
 
     def loss_func(batch: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
+        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature, batch.cu_seqlens)
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
 
+    places = [_token_places(policy, b) for b in batches]
     lengths = [b.seq_len - 1 for b in batches]
     batches = _on_device(policy, batches)
     policy.model.eval()
     with torch.no_grad(), _SwappedIn(policy, policy.reference if reference else None):
         results = _run_schedule(policy, batches, loss_func, forward_only=True)
     policy.model.train()
-    logprobs = [r["logprobs"][:, :n].cpu() for r, n in zip(results, lengths, strict=True)] if _is_last_stage() else None
+    logprobs = (
+        [_in_original_places(r["logprobs"], p, n) for r, p, n in zip(results, places, lengths, strict=True)]
+        if _is_last_stage()
+        else None
+    )
     return _broadcast_from_last_stage(logprobs)
+
+
+def _token_places(policy: Policy, batch: MicroBatch) -> torch.Tensor | None:
+    """Where each token of `batch` sits in the row `_on_device` makes of it: None for the same place (padding
+    only at the end), the places under context parallelism in a packed row, whose sequences are each padded
+    (`pad_sequences_to_multiple`)."""
+    cp = policy.module.config.context_parallel_size
+    if cp == 1 or batch.cu_seqlens is None:
+        return None
+    return sequence_padding_index(batch.cu_seqlens, 2 * cp)[0]
+
+
+def _in_original_places(values: torch.Tensor, places: torch.Tensor | None, length: int) -> torch.Tensor:
+    """`values` `[B, S-1]` of a row as `_on_device` made it, back to the original row's `[B, length]` (host)."""
+    if places is None:
+        return values[:, :length].cpu()
+    return values[:, places[:-1].to(values.device)].cpu()
 
 
 def _model_device(policy: Policy) -> torch.device:
@@ -322,9 +400,14 @@ def _model_device(policy: Policy) -> torch.device:
 
 def _on_device(policy: Policy, batches: list[MicroBatch]) -> list[MicroBatch]:
     """The micro-batches on the model's device, padded to a multiple of TP where sequence parallelism needs it,
-    and under expert parallelism to the longest of each micro-batch over the expert-parallel ranks."""
+    under context parallelism each sequence to a multiple of 2 x CP (and the row to 2 x CP x TP with sequence
+    parallelism), and under expert parallelism to the longest of each micro-batch over the expert-parallel ranks."""
     config = policy.module.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    if cp > 1:
+        batches = [pad_sequences_to_multiple(b, 2 * cp) for b in batches]
+        multiple *= 2 * cp
     batches = [pad_to_multiple(b, multiple) for b in batches]
     if config.num_moe_experts and config.expert_model_parallel_size > 1:
         batches = _same_lengths_over_experts(batches, _model_device(policy))
@@ -356,10 +439,15 @@ def _same_lengths_over_experts(batches: list[MicroBatch], device: torch.device) 
     return [pad_to_length(b, int(length)) for b, length in zip(batches, shapes[:, 2].tolist(), strict=True)]
 
 
-def _padded_like(values: torch.Tensor, batch: MicroBatch, device: torch.device) -> torch.Tensor:
-    """`values: [B, S'-1]` right-padded with zeros to `batch`'s `[B, S-1]`, on `device`."""
-    extra = batch.seq_len - 1 - values.shape[-1]
-    return torch.nn.functional.pad(values, (0, extra)).to(device)
+def _padded_like(
+    values: torch.Tensor, batch: MicroBatch, places: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """`values: [B, S'-1]` moved into `batch`'s `[B, S-1]`: right-padded with zeros (`places` None), or token k of
+    the original row put at `places[k]`, zeros elsewhere; on `device`."""
+    if places is None:
+        extra = batch.seq_len - 1 - values.shape[-1]
+        return torch.nn.functional.pad(values, (0, extra)).to(device)
+    return move_predicted(values.to(device), places, batch.seq_len)
 
 
 class _SwappedIn:
@@ -396,10 +484,11 @@ def train_minibatch(
     from megatron.core import parallel_state
 
     device = _model_device(policy)
+    places = [_token_places(policy, b) for b in batches]
     batches = _on_device(policy, batches)
-    old_logprobs = [_padded_like(t, b, device) for t, b in zip(old_logprobs, batches, strict=True)]
+    old_logprobs = [_padded_like(t, b, p, device) for t, b, p in zip(old_logprobs, batches, places, strict=True)]
     if ref_logprobs is not None:
-        ref_logprobs = [_padded_like(t, b, device) for t, b in zip(ref_logprobs, batches, strict=True)]
+        ref_logprobs = [_padded_like(t, b, p, device) for t, b, p in zip(ref_logprobs, batches, places, strict=True)]
     dp_group = parallel_state.get_data_parallel_group() if parallel_state.get_data_parallel_world_size() > 1 else None
     global_count = global_valid_count([b.mask for b in batches], loss_config.aggregation, dp_group)
     scale = len(batches) * parallel_state.get_data_parallel_world_size()
@@ -408,7 +497,7 @@ def train_minibatch(
     }
 
     def loss_func(batch: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature)
+        logprobs = token_logprobs(output, batch.tokens, policy.model_cfg.vocab_size, temperature, batch.cu_seqlens)
         old, ref = extras[id(batch)]
         loss, metrics = grpo_loss(
             logprobs,

@@ -70,7 +70,6 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("reward.name=maths", "did you mean 'math'"),
         ("data.train_jsonl=/x.jsonl", "exactly one of data.task, data.train_jsonl and data.hf_dataset"),
         ("policy.megatron_cfg.sequence_parallel=true", "tensor_model_parallel_size > 1"),
-        ("policy.megatron_cfg.context_parallel_size=2", "context_parallel_size > 1 is not supported"),
         ("policy.megatron_cfg.transformer.transformer_impl=fast", "must be one of local, transformer_engine"),
         ("policy.megatron_cfg.transformer.transformer_impl=transformer_engine", "needs Transformer Engine"),
         ("policy.megatron_cfg.sequence_packing=true", "aggregation=token"),
@@ -82,6 +81,23 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
 def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(BASE, [override, *(["loss_fn.aggregation=sequence"] if "packing" in override else [])])
+
+
+def test_context_parallel_is_taken_and_refuses_attention_dropout() -> None:
+    config = config_from_dict(BASE, ["policy.megatron_cfg.context_parallel_size=2"])
+    assert config.policy.megatron_cfg.context_parallel_size == 2
+    with pytest.raises(GRPOConfigError, match="does not implement dropout"):
+        config_from_dict(
+            BASE,
+            ["policy.megatron_cfg.context_parallel_size=2", "policy.megatron_cfg.transformer.attention_dropout=0.1"],
+        )
+
+
+def test_dtensor_context_parallel_is_refused_with_the_reason() -> None:
+    overrides = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+    config_from_dict(BASE, [*overrides, "policy.dtensor_cfg.context_parallel_size=1"])
+    with pytest.raises(GRPOConfigError, match="ring attention replaces only the CUDA SDPA kernels"):
+        config_from_dict(BASE, [*overrides, "policy.dtensor_cfg.context_parallel_size=2"])
 
 
 def test_overrides_parse_yaml_scalars_and_do_not_touch_the_input() -> None:

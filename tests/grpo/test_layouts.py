@@ -1,8 +1,8 @@
-"""The first GRPO step at TP1, TP2, PP2 (megatron-core's 1F1B pipeline schedule, 4 micro-batches) and TP2 with
-packed rows (block-diagonal masks) against an independent reference: HF transformers' model of the same initial
-weights, fed the logged rollouts unpacked, with the loss of `grpo_loss` and plain autograd. Loss and gradient norm
-must agree, which checks log-probs (temperature, padded vocabulary), packing, the loss scaling through the
-schedule's micro-batch averaging and the gradient path.
+"""The first GRPO step at TP1, TP2, PP2 (megatron-core's 1F1B pipeline schedule, 4 micro-batches), context
+parallelism (CP2, with TP, SP, PP, EP and packed rows) and TP2 with packed rows (block-diagonal masks) against an
+independent reference: HF transformers' model of the same initial weights, fed the logged rollouts unpacked, with
+the loss of `grpo_loss` and plain autograd. Loss and gradient norm must agree, which checks log-probs (temperature,
+padded vocabulary), packing, the loss scaling through the schedule's micro-batch averaging and the gradient path.
 
 The engine's first weights come from each run's own refit, so equal rollouts (rewards) also confirm that the
 refit gathered the TP shards and the pipeline stages into the same model.
@@ -11,6 +11,7 @@ refit gathered the TP shards and the pipeline stages into the same model.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,11 @@ LAYOUTS = {
 }
 """name -> parallel sizes (`world`: ranks started, so data parallel = world / (TP x PP)); defaults tp=pp=ep=1."""
 
-MOE_LAYOUTS = {"ep2": {"ep": 2}, "tp2_ep2_sp": {"tp": 2, "ep": 2, "sequence_parallel": True}}
+MOE_LAYOUTS = {
+    "ep2": {"ep": 2},
+    "tp2_ep2_sp": {"tp": 2, "ep": 2, "sequence_parallel": True},
+    "ep2_cp2": {"ep": 2, "cp": 2},
+}
 """Mixture-of-experts layouts (EP2 on two ranks makes two data-parallel replicas of the dense layers). PP > 1 needs
 megatron-core's all-to-all dispatcher (variable sequence lengths), which needs CUDA: not run here."""
 
@@ -48,6 +53,9 @@ def _run(
     packing: bool = False,
     world: int | None = None,
     sequence_parallel: bool = False,
+    cp: int = 1,
+    steps: int = 1,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, float]:
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": f"Repeat the digit {d}. Answer:", "answer": str(d)} for d in range(10)]
@@ -60,6 +68,7 @@ def _run(
                     "tensor_model_parallel_size": tp,
                     "pipeline_model_parallel_size": pp,
                     "expert_model_parallel_size": ep,
+                    "context_parallel_size": cp,
                     "sequence_parallel": sequence_parallel,
                     "micro_batch_size": 8,
                     "sequence_packing": packing,
@@ -67,11 +76,16 @@ def _run(
                     "optimizer": {"lr": 1e-2},
                 },
             },
-            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": 1},
+            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": steps},
             "loss_fn": {"kl_coef": 0.01},
             "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
             "data": {"train_jsonl": str(prompts)},
             "logger": {"log_dir": str(root / name), "print_progress": False},
+            "checkpointing": {
+                "enabled": checkpoint_dir is not None,
+                "checkpoint_dir": str(checkpoint_dir or root / name / "ckpt"),
+                "save_period": 1,
+            },
             "cluster": {"gpus_per_node": world},
         }
     )
@@ -139,3 +153,44 @@ def test_moe_first_step_matches_hf_reference(tmp_path: Path) -> None:
     reference = _hf_reference(policy, tmp_path / "ep2" / "rollouts.jsonl")
     assert steps["ep2"]["reward_std"] > 0
     _check_against_reference(steps, reference)
+
+
+CP_LAYOUTS = {
+    "cp2": {"cp": 2, "steps": 2},
+    "tp2_cp2_sp_packed": {"tp": 2, "cp": 2, "packing": True, "sequence_parallel": True},
+    "pp2_cp2": {"pp": 2, "cp": 2},
+    "dp2_cp2": {"cp": 2, "world": 4},
+}
+"""Context-parallel layouts (`context_parallel`; MoE at EP2 x CP2 is in `MOE_LAYOUTS`)."""
+
+
+def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> None:
+    """CP2 (padded rows), TP2 x CP2 x SP (packed rows), PP2 x CP2 (1F1B schedule) and DP2 x CP2 (gradients averaged
+    over data x context ranks): step one's metrics equal the HF reference (as CP1's do in the test above); the
+    engine/trainer log-prob gate (`on_logprob_mismatch=stop`) passes on every step (two at CP2); the CP2 run's
+    checkpoint resumes at CP1 to the same step 2."""
+    policy = build_tiny_policy(tmp_path / "policy", seed=2)
+    ckpt = tmp_path / "cp2_ckpt"
+    steps = {
+        name: _run(tmp_path, name, policy, **layout, checkpoint_dir=ckpt if name == "cp2" else None)
+        for name, layout in CP_LAYOUTS.items()
+    }
+    assert len((tmp_path / "cp2" / "metrics.jsonl").read_text().splitlines()) == 2
+    reference = _hf_reference(policy, tmp_path / "cp2" / "rollouts.jsonl")
+    assert steps["cp2"]["reward_std"] > 0
+    _check_against_reference(steps, reference)
+    # the CP2 checkpoint of step 1 resumed at CP1 repeats the CP2 run's step 2
+    resumed = tmp_path / "resumed_ckpt"
+    shutil.copytree(ckpt, resumed)
+    shutil.rmtree(resumed / "iter_0000002")
+    (resumed / "latest_checkpointed_iteration.txt").write_text("1")
+    _run(tmp_path, "resumed_cp1", policy, steps=2, checkpoint_dir=resumed)
+    (want,) = [m for m in _metrics(tmp_path / "cp2") if m["step"] == 2]
+    (got,) = [m for m in _metrics(tmp_path / "resumed_cp1") if m["step"] == 2]
+    assert got["reward_mean"] == want["reward_mean"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def _metrics(log_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

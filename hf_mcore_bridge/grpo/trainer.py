@@ -265,8 +265,8 @@ def _prepare_parent(config: GRPOConfig, explicit_stops: bool) -> PreparedRun:
     prepared = prepare_run(config)
     if resume is not None:
         print(f"resuming from step {resume} ({config.checkpointing.checkpoint_dir})", flush=True)
-    _trim_metrics(prepared.log_dir, resume or 0)
     config = with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
+    _trim_metrics(prepared.log_dir, resume or 0)
     _save_config(config, prepared.log_dir)
     return prepared
 

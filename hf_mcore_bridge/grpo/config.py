@@ -189,6 +189,9 @@ class GRPOSection:
     """Steps to run (counting steps of a resumed run)."""
     num_minibatches: int = 1
     """Optimizer steps per GRPO step: the step's samples split into this many mini-batches (1: on-policy)."""
+    separate_old_logprobs: bool = False
+    """With one mini-batch, still compute the old log-probs in a forward pass of their own (by default they are
+    the training forward's, detached: the same values without the extra pass)."""
     seed: int = 0
     """Seeds the prompt order and the sampling."""
     val_period: int = 0

@@ -227,6 +227,11 @@ class GenerationConfig:
 
     backend: str = "embedded"
     """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM)."""
+    precision: str = "dtype"
+    """`dtype` (the engine runs in `policy.dtype`) or `fp8` (embedded engine: its attention and dense MLP
+    projections multiply by per-block e4m3 copies of the weights, requantized after every refit; see
+    `engine.fp8`). The log-prob mismatch this causes is logged as `token_mult_prob_error` and can be corrected by
+    `loss_fn.is_correction`; the gate's default limit is then `logprob_gate.FP8_MAX_TOKEN_MULT_PROB_ERROR`."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
@@ -843,6 +848,11 @@ def _validate(config: GRPOConfig) -> None:
         f"grpo.num_minibatches={grpo.num_minibatches} must divide the step's {samples} samples",
     )
     _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
+    _require(gen.precision in ("dtype", "fp8"), f"generation.precision={gen.precision!r}: dtype or fp8")
+    _require(
+        gen.precision != "fp8" or gen.backend == "embedded",
+        "generation.precision=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
+    )
     _require(
         gen.top_p == 1.0 and gen.top_k == 0,
         f"generation.top_p={gen.top_p} / top_k={gen.top_k}: truncated sampling is refused for training (the trainer"

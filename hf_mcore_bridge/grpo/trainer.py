@@ -347,6 +347,7 @@ class _RankContext:
             decode_attention=gen.decode_attention,
             flex_min_batch=gen.flex_min_batch,
             torch_compile=gen.torch_compile,
+            fp8_weights=gen.precision == "fp8",
         )
         self.engine = build_engine(
             gen.backend, self.prepared.hf_config, engine_config, self.tokenizer, self.prepared.log_dir

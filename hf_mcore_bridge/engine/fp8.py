@@ -19,6 +19,7 @@ Assumes 2-D weights (linear layers); embeddings, norms and the output layer stay
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ __all__ = [
     "FP8_DTYPE",
     "dequantize_blockwise",
     "fp8_linear",
+    "gemm_agrees",
     "quantize_activations",
     "quantize_blockwise",
     "scaled_mm_works",
@@ -104,19 +106,23 @@ def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> tor
 
 @functools.cache
 def scaled_mm_works(device: torch.device) -> bool:
-    """Whether the blockwise FP8 GEMM runs on `device` and agrees with the dequantized matmul on a random
-    256 x 256 x 384 product (to FP8 activation rounding). CPU: False without trying."""
-    if device.type != "cuda":
-        return False
+    """Whether the blockwise FP8 GEMM runs on `device` and agrees with the dequantized matmul (`gemm_agrees`).
+    CPU: False without trying."""
+    return device.type == "cuda" and gemm_agrees(device, _scaled_mm)
+
+
+def gemm_agrees(device: torch.device, gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `gemm(x, q, scale_inv)` runs on a random 256 x 384 x 256 product on `device` and agrees with
+    `x @ dequantize(q, scale_inv).T` in float32 to 5% relative error (FP8 activation rounding is ~3%)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(256, 384, device=device, generator=generator, dtype=torch.bfloat16)
+    x = torch.randn(256, 384, device=device, generator=generator).to(torch.bfloat16)
     q, scale_inv = quantize_blockwise(torch.randn(256, 384, device=device, generator=generator) * 0.05)
     expected = x.float() @ dequantize_blockwise(q, scale_inv, torch.float32).t()
     try:
-        got = _scaled_mm(x, q, scale_inv).float()
-    except (RuntimeError, NotImplementedError, ValueError):
+        got = gemm(x, q, scale_inv).float()
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError):  # AttributeError: no F.scaled_mm
         return False
-    return bool(((got - expected).norm() / expected.norm()) < 0.05)
+    return got.shape == expected.shape and bool(((got - expected).norm() / expected.norm()) < 0.05)
 
 
 def fp8_linear(

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mcore_bridge.engine.fp8 import dequantize_blockwise, fp8_linear, quantize_blockwise, scaled_mm_works
+from hf_mcore_bridge.engine.fp8 import (
+    dequantize_blockwise,
+    fp8_linear,
+    gemm_agrees,
+    quantize_blockwise,
+    scaled_mm_works,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -109,3 +115,33 @@ def test_fp8_linear_on_cuda_agrees_with_the_dequantized_matmul() -> None:
     got = fp8_linear(x, q, scale_inv).float()
     print(f"blockwise scaled_mm used: {scaled_mm_works(device)}")
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
+
+
+def test_the_gemm_check_accepts_the_dequantized_product_and_refuses_wrong_or_failing_ones() -> None:
+    """The start-up check that decides whether `scaled_mm` is used, run here on CPU with stand-in GEMMs."""
+    cpu = torch.device("cpu")
+
+    def dequantized(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        return x.float() @ _reference_dequantized(q, scale_inv).t()
+
+    def unscaled(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        return x.float() @ q.float().t()  # scales left out
+
+    def transposed(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        return dequantized(x, q, scale_inv.flip(0))  # scales of the wrong blocks
+
+    def failing(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("not supported on this device")
+
+    assert gemm_agrees(cpu, dequantized)
+    assert not gemm_agrees(cpu, unscaled)
+    assert not gemm_agrees(cpu, transposed)
+    assert not gemm_agrees(cpu, failing)
+
+
+def _reference_dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    out = q.float().clone()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= scale_inv[i, j]
+    return out

@@ -32,6 +32,7 @@ def test_precision_is_checked_and_sets_the_gate_default() -> None:
         config_from_dict(_base(precision="fp8", backend="vllm"))
 
 
+@pytest.mark.slow
 def test_one_grpo_step_with_fp8_rollouts_logs_the_mismatch_and_corrects_it(tmp_path: Path) -> None:
     policy = build_tiny_policy(tmp_path / "policy")
     prompts = tmp_path / "prompts.jsonl"

@@ -59,6 +59,7 @@ def _rollouts() -> list[Rollout]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtensor", [False, True], ids=["megatron", "dtensor"])
 def test_one_minibatch_update_equals_the_separate_pass_update(tmp_path: Path, dtensor: bool) -> None:
     policy = build_tiny_policy(tmp_path / "hf")

@@ -116,6 +116,10 @@ class EngineConfig:
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
     runs at, so this bounds the compilations to the large buckets."""
 
+    fp8_weights: bool = False
+    """Multiply by per-block FP8 (e4m3, 128 x 128 blocks) copies of the attention and dense MLP weights
+    (`engine.fp8`), requantized from the held weights at the start of every `generate` (so after every load or
+    refit); the weights themselves, the KV cache and the other layers stay in `dtype`."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -437,6 +441,8 @@ class Engine:
         if self._sleep_level:
             raise EngineAsleepError(f"the engine is asleep (level {self._sleep_level}); call wake_up() first")
         self.check_loaded()
+        if self.config.fp8_weights:  # from the weights held now: a refit may have replaced them in place
+            self.model.quantize_fp8()
         prompt_ids = [self._encode(p) for p in prompts]
         per_prompt = self._params_per_prompt(params, len(prompt_ids))
         allocator = BlockAllocator(self.num_blocks)

@@ -77,6 +77,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
+from hf_mcore_bridge.engine.fp8 import fp8_linear, quantize_blockwise, scaled_mm_works
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
@@ -162,7 +163,9 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A linear layer whose parameters start empty (they are always loaded, never initialised)."""
+    """A linear layer whose parameters start empty (they are always loaded, never initialised). `fp8`, once set by
+    `quantize_fp8`, holds the weight's per-block FP8 copy and its scales (`engine.fp8`), and the layer multiplies
+    by that copy instead of `weight` (which stays: loads and the refit's checks read it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -170,9 +173,25 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def quantize_fp8(self) -> None:
+        """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
+        q, scale_inv = quantize_blockwise(self.weight.detach())
+        scaled_mm_works(q.device)  # decided now, eagerly, not inside a graph capture
+        if self.fp8 is None:
+            self.fp8 = (q, scale_inv)
+        else:
+            self.fp8[0].copy_(q)
+            self.fp8[1].copy_(scale_inv)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, *self.fp8, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class RowLinear(Linear):
@@ -193,8 +212,8 @@ class RowLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -566,6 +585,17 @@ class CausalLM(nn.Module):
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
     @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Per-block FP8 copies of the attention and dense MLP projections (`engine.fp8`), from the weights held
+        now; embeddings, norms, router, experts and the output layer stay in the model's dtype."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.qkv_proj.quantize_fp8()
+                module.o_proj.quantize_fp8()
+            elif isinstance(module, MLP):
+                module.gate_up_proj.quantize_fp8()
+                module.down_proj.quantize_fp8()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], parts: bool = False) -> set[str]:
         """Copies HF-named full tensors into place (under tensor parallelism, this rank's part of each); returns the
         HF names loaded by this call (per-expert names for a fused transformers-5 expert tensor). `parts`: a

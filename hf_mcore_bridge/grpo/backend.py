@@ -74,12 +74,14 @@ class TrainingBackend(Protocol):
     def train_minibatch(
         self,
         batches: list[MicroBatch],
-        old_logprobs: list[torch.Tensor],
+        old_logprobs: list[torch.Tensor] | None,
         ref_logprobs: list[torch.Tensor] | None,
         loss_config: LossConfig,
         temperature: float,
+        before_step: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on this rank's micro-batches of a mini-batch; the mini-batch's metrics."""
+        """One optimizer step on this rank's micro-batches of a mini-batch; the mini-batch's metrics. `old_logprobs`
+        None: the training forward's own, detached; `before_step` sees the metrics before the optimizer step."""
         ...
 
     def hf_names(self) -> list[str]:
@@ -169,14 +171,15 @@ class MegatronBackend:
     def train_minibatch(
         self,
         batches: list[MicroBatch],
-        old_logprobs: list[torch.Tensor],
+        old_logprobs: list[torch.Tensor] | None,
         ref_logprobs: list[torch.Tensor] | None,
         loss_config: LossConfig,
         temperature: float,
+        before_step: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
         from hf_mcore_bridge.grpo.policy import train_minibatch
 
-        return train_minibatch(self.policy, batches, old_logprobs, ref_logprobs, loss_config, temperature)
+        return train_minibatch(self.policy, batches, old_logprobs, ref_logprobs, loss_config, temperature, before_step)
 
     def hf_names(self) -> list[str]:
         from hf_mcore_bridge.mappings import get_architecture
@@ -269,12 +272,13 @@ class DTensorBackend:
     def train_minibatch(
         self,
         batches: list[MicroBatch],
-        old_logprobs: list[torch.Tensor],
+        old_logprobs: list[torch.Tensor] | None,
         ref_logprobs: list[torch.Tensor] | None,
         loss_config: LossConfig,
         temperature: float,
+        before_step: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
-        return self.policy.train_minibatch(batches, old_logprobs, ref_logprobs, loss_config, temperature)
+        return self.policy.train_minibatch(batches, old_logprobs, ref_logprobs, loss_config, temperature, before_step)
 
     def hf_names(self) -> list[str]:
         return [name for name, _, _ in self.policy.hf_specs()]

@@ -193,6 +193,9 @@ class GRPOSection:
     """Steps to run (counting steps of a resumed run)."""
     num_minibatches: int = 1
     """Optimizer steps per GRPO step: the step's samples split into this many mini-batches (1: on-policy)."""
+    separate_old_logprobs: bool = False
+    """With one mini-batch, still compute the old log-probs in a forward pass of their own (by default they are
+    the training forward's, detached: the same values without the extra pass)."""
     seed: int = 0
     """Seeds the prompt order and the sampling."""
     val_period: int = 0
@@ -216,7 +219,7 @@ class GRPOSection:
     max_token_mult_prob_error: float | None = None
     """Largest engine-vs-trainer `token_mult_prob_error` allowed, on each step's rollouts and on the probe prompt
     after each refit (1: the two sides' token probabilities agree exactly). None: 1.0001 for `policy.dtype` fp32,
-    1.05 for bf16 and fp16 (NeMo-RL flags values past 1.01-1.02)."""
+    1.05 for bf16 and fp16 (NeMo-RL flags values past 1.01-1.02), 1.2 with `generation.precision: fp8`."""
     on_logprob_mismatch: str = "stop"
     """What a value past `max_token_mult_prob_error` does: `stop` the run (one line naming the step, the value
     and likely causes) or `warn` and go on."""
@@ -228,6 +231,11 @@ class GenerationConfig:
 
     backend: str = "embedded"
     """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM)."""
+    precision: str = "dtype"
+    """`dtype` (the engine runs in `policy.dtype`) or `fp8` (embedded engine: its attention and dense MLP
+    projections multiply by per-block e4m3 copies of the weights, requantized after every refit; see
+    `engine.fp8`). The log-prob mismatch this causes is logged as `token_mult_prob_error` and can be corrected by
+    `loss_fn.is_correction`; the gate's default limit is then `logprob_gate.FP8_MAX_TOKEN_MULT_PROB_ERROR`."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
@@ -854,6 +862,11 @@ def _validate(config: GRPOConfig) -> None:
         f"grpo.num_minibatches={grpo.num_minibatches} must divide the step's {samples} samples",
     )
     _require(gen.backend in ("embedded", "vllm"), f"generation.backend={gen.backend!r}: embedded or vllm")
+    _require(gen.precision in ("dtype", "fp8"), f"generation.precision={gen.precision!r}: dtype or fp8")
+    _require(
+        gen.precision != "fp8" or gen.backend == "embedded",
+        "generation.precision=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
+    )
     _require(
         gen.top_p == 1.0 and gen.top_k == 0,
         f"generation.top_p={gen.top_p} / top_k={gen.top_k}: truncated sampling is refused for training (the trainer"

@@ -30,7 +30,7 @@ a copy of this rank's initial shards swapped in for a forward pass, as the megat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,13 +164,15 @@ class DTensorPolicy:
     def train_minibatch(
         self,
         batches: list[MicroBatch],
-        old_logprobs: list[torch.Tensor],
+        old_logprobs: list[torch.Tensor] | None,
         ref_logprobs: list[torch.Tensor] | None,
         loss_config: LossConfig,
         temperature: float,
+        before_step: Callable[[dict[str, float]], None] | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's `batches` of the mini-batch: forward/backward per micro-batch, clip,
-        AdamW, scheduler. Returns token-weighted metrics over every data-parallel rank plus `grad_norm` and `lr`."""
+        AdamW, scheduler. Returns token-weighted metrics over every data-parallel rank plus `grad_norm` and `lr`.
+        `old_logprobs` None: each forward's own, detached; `before_step` sees the metrics before the step."""
         batches = [b.to(self.device) for b in batches]
         group = self.dp_group if self.dp_size > 1 else None
         global_count = global_valid_count([b.mask for b in batches], loss_config.aggregation, group)
@@ -182,7 +184,7 @@ class DTensorPolicy:
             logprobs = token_logprobs(self._logits(batch), batch.tokens, temperature)
             loss, metrics = grpo_loss(
                 logprobs,
-                old_logprobs[index].to(self.device),
+                None if old_logprobs is None else old_logprobs[index].to(self.device),
                 batch.advantages,
                 batch.mask,
                 global_count,
@@ -192,13 +194,16 @@ class DTensorPolicy:
             )
             (loss * self.dp_size).backward()
             results.append({k: float(v) for k, v in metrics.items()})
+        metrics = _weighted_means(self._over_data_parallel(results))
+        if before_step is not None:
+            before_step(metrics)
         clip = self.settings.clip_grad if self.settings.clip_grad > 0 else math.inf
         grad_norm = clip_grad_norm(self.model.parameters(), clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
-        return _weighted_means(self._over_data_parallel(results)) | {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return metrics | {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def _over_data_parallel(self, results: list[dict[str, float]]) -> list[dict[str, float]]:
         if self.dp_size == 1:

@@ -472,12 +472,15 @@ class _SwappedIn:
 def train_minibatch(
     policy: Policy,
     batches: list[MicroBatch],
-    old_logprobs: list[torch.Tensor],
+    old_logprobs: list[torch.Tensor] | None,
     ref_logprobs: list[torch.Tensor] | None,
     loss_config: LossConfig,
     temperature: float,
+    before_step: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batches`: forward/backward through the schedule, clip, AdamW, scheduler step.
+    `old_logprobs` None: the forward's own log-probs, detached (one on-policy update). `before_step` sees the
+    mini-batch's metrics after the backward and before the optimizer step (it may raise to stop the update).
 
     Returns the mini-batch's metrics (token-weighted means over micro-batches) plus `grad_norm` and `lr`.
     """
@@ -486,7 +489,10 @@ def train_minibatch(
     device = _model_device(policy)
     places = [_token_places(policy, b) for b in batches]
     batches = _on_device(policy, batches)
-    old_logprobs = [_padded_like(t, b, p, device) for t, b, p in zip(old_logprobs, batches, places, strict=True)]
+    if old_logprobs is None:
+        old_logprobs = [None] * len(batches)
+    else:
+        old_logprobs = [_padded_like(t, b, p, device) for t, b, p in zip(old_logprobs, batches, places, strict=True)]
     if ref_logprobs is not None:
         ref_logprobs = [_padded_like(t, b, p, device) for t, b, p in zip(ref_logprobs, batches, places, strict=True)]
     dp_group = parallel_state.get_data_parallel_group() if parallel_state.get_data_parallel_world_size() > 1 else None
@@ -514,12 +520,14 @@ def train_minibatch(
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     results = _run_schedule(policy, batches, loss_func, forward_only=False)
+    metrics = _weighted_means(_over_data_parallel(results)) if _is_last_stage() else None
+    metrics = _broadcast_from_last_stage(metrics)
+    if before_step is not None:
+        before_step(metrics)
     _, grad_norm, _ = policy.optimizer.step()
     lr = policy.optimizer.param_groups[0]["lr"]
     policy.scheduler.step(increment=1)
     policy.optimizer_steps += 1
-    metrics = _weighted_means(_over_data_parallel(results)) if _is_last_stage() else None
-    metrics = _broadcast_from_last_stage(metrics)
     return metrics | {"grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
 
 

@@ -19,7 +19,9 @@ FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same fo
    completions for its share of them (whole prompts), scores them and computes their group advantages; the
    replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
-   `get_forward_backward_func`), and the reference policy's when the loss has a KL term;
+   `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
+   (`grpo.num_minibatches: 1`) the "old" log-probs are the training forward's own, detached, and only the
+   reference's forward (if any) runs here (`fuses_old_logprobs`; `grpo.separate_old_logprobs` forces the pass);
 3. training: first the gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
    `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
    step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
@@ -360,6 +362,7 @@ class _RankContext:
             decode_attention=gen.decode_attention,
             flex_min_batch=gen.flex_min_batch,
             torch_compile=gen.torch_compile,
+            fp8_weights=gen.precision == "fp8",
         )
         self.engine = build_engine(
             gen.backend,
@@ -516,27 +519,45 @@ def _flat_mult_error(
 def _train_step(
     policy: TrainingBackend, config: GRPOConfig, rollouts: list[Rollout], gate: Callable[[float], None] | None = None
 ) -> dict[str, float]:
-    """Log-probs, then one optimizer step per mini-batch; `gate` sees the rollouts' `token_mult_prob_error` first
-    (it may stop the run before any update)."""
+    """Log-probs, then one optimizer step per mini-batch; `gate` sees the rollouts' `token_mult_prob_error` before
+    any optimizer step (it may stop the run before any update). With one mini-batch (`fuses_old_logprobs`) the old
+    log-probs are the training forward's own, detached, and no separate forward computes them."""
     temperature = config.generation.temperature
     minibatches = _minibatches(policy, config, rollouts)
     flat = [b for mini in minibatches for b in mini]
+    fused = fuses_old_logprobs(config)
     started = time.perf_counter()
-    old = policy.compute_logprobs(flat, temperature)
+    old = None if fused else policy.compute_logprobs(flat, temperature)
     ref = policy.compute_logprobs(flat, temperature, reference=True) if policy.has_reference else None
     logprobs_s = time.perf_counter() - started
-    stats = {"token_mult_prob_error": _flat_mult_error(policy, flat, old), "logprobs_s": logprobs_s}
-    if gate is not None:
-        gate(stats["token_mult_prob_error"])
+    stats = {"logprobs_s": logprobs_s}
+    if old is not None:
+        stats["token_mult_prob_error"] = _flat_mult_error(policy, flat, old)
+        if gate is not None:
+            gate(stats["token_mult_prob_error"])
+
+    def before_step(metrics: dict[str, float]) -> None:  # the training forward's log-probs, before its update
+        if old is None and gate is not None:
+            gate(metrics["token_mult_prob_error"])
+
     started = time.perf_counter()
     per_minibatch, offset = [], 0
     for mini in minibatches:
         part = slice(offset, offset + len(mini))
         per_minibatch.append(
-            policy.train_minibatch(mini, old[part], None if ref is None else ref[part], config.loss_fn, temperature)
+            policy.train_minibatch(
+                mini,
+                None if old is None else old[part],
+                None if ref is None else ref[part],
+                config.loss_fn,
+                temperature,
+                before_step=before_step,
+            )
         )
         offset += len(mini)
     stats["train_s"] = time.perf_counter() - started
+    if old is None:  # the one mini-batch's: its trainer log-probs are those of the policy that sampled
+        stats["token_mult_prob_error"] = per_minibatch[0]["token_mult_prob_error"]
     first = per_minibatch[0]  # the on-policy mini-batch: its KL and clip fraction are the step's invariants
     means = {k: sum(m[k] for m in per_minibatch) / len(per_minibatch) for k in first if k != "token_mult_prob_error"}
     # `loss` and `grad_norm` above are means over the mini-batches; with several, each one's is logged as well
@@ -549,6 +570,13 @@ def _train_step(
         | each
         | {"first_minibatch_clip_fraction": first["clip_fraction"], "first_minibatch_approx_kl": first["approx_kl"]}
     )
+
+
+def fuses_old_logprobs(config: GRPOConfig) -> bool:
+    """Whether a step takes its old log-probs from its training forward: with one mini-batch the policy that
+    sampled is the policy at the start of the only update, so `exp(lp - lp.detach())` is the ratio (1 in value,
+    the surrogate's gradient) and a separate forward pass would compute the same numbers again."""
+    return config.grpo.num_minibatches == 1 and not config.grpo.separate_old_logprobs
 
 
 _PER_MINIBATCH = ("loss", "grad_norm")

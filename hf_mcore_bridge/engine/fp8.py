@@ -1,0 +1,141 @@
+"""Per-block FP8 (e4m3) weights for the rollout engine: quantize, dequantize, and the FP8 linear map.
+
+A weight `w: [N, K]` is cut into 128 x 128 blocks (the last row and column of blocks may be smaller when N or K
+is not a multiple of 128); each block is divided by `scale_inv = amax(|block|) / 448` (448: the largest finite
+`float8_e4m3fn`) and rounded to e4m3. `scale_inv: [ceil(N/128), ceil(K/128)]` float32 is what DeepSeek-V3's
+checkpoints call `weight_scale_inv`: the dequantized weight is `q * scale_inv` per block. A block of zeros gets
+`scale_inv` 1 (any value gives back zeros). Activations, for the CUDA FP8 GEMM, are quantized the same way per
+1 x 128 group of each row (DeepSeek's and NeMo-RL's blockwise FP8 recipe).
+
+`fp8_linear` is `x @ dequantize(q, scale_inv).T + bias`. On CUDA it goes through `torch.nn.functional.scaled_mm`
+(128 x 128 weight blocks, 1 x 128 activation groups) where `scaled_mm_works(device)` found that GEMM present and
+agreeing with the dequantized matmul; elsewhere (CPU, GPUs or torch builds without blockwise scaling, shapes not
+multiples of 128) the weight is dequantized to the activations' dtype and multiplied: the same numbers up to the
+activations' own rounding, without FP8's speed.
+
+Assumes 2-D weights (linear layers); embeddings, norms and the output layer stay in the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BLOCK",
+    "E4M3_MAX",
+    "FP8_DTYPE",
+    "dequantize_blockwise",
+    "fp8_linear",
+    "gemm_agrees",
+    "quantize_activations",
+    "quantize_blockwise",
+    "scaled_mm_works",
+]
+
+BLOCK = 128
+"""Block edge of the weight scales, and group size of the activation scales."""
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
+"""448."""
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _padded(weight: torch.Tensor) -> torch.Tensor:
+    """`weight: [N, K]` zero-padded to multiples of `BLOCK`, viewed as `[N/128, 128, K/128, 128]` in float32."""
+    n, k = weight.shape
+    padded = F.pad(weight.float(), (0, _blocks(k) * BLOCK - k, 0, _blocks(n) * BLOCK - n))
+    return padded.view(_blocks(n), BLOCK, _blocks(k), BLOCK)
+
+
+def quantize_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight: [N, K]` (any float dtype) -> `(q: [N, K] float8_e4m3fn, scale_inv: [ceil(N/128), ceil(K/128)]
+    float32)` with `q * scale_inv` (per block) approximating `weight`. Non-finite weights are refused."""
+    if weight.dim() != 2:
+        raise ValueError(f"blockwise FP8 quantizes 2-D weights, got shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("cannot quantize a weight holding inf or nan to FP8")
+    n, k = weight.shape
+    blocks = _padded(weight)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = scaled.view(_blocks(n) * BLOCK, _blocks(k) * BLOCK)[:n, :k].to(FP8_DTYPE)
+    return q.contiguous(), scale_inv.contiguous()
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q: [N, K]` FP8 and `scale_inv: [ceil(N/128), ceil(K/128)]` -> `[N, K]` in `dtype` (scaled in float32)."""
+    n, k = q.shape
+    if tuple(scale_inv.shape) != (_blocks(n), _blocks(k)):
+        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not fit a {n} x {k} weight in 128 x 128 blocks")
+    scales = scale_inv.float().repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return (q.float() * scales).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x: [M, K]` with K a multiple of 128 -> `(q: [M, K] FP8, scale_inv: [M, K/128] float32)`, per 1 x 128 group."""
+    m, k = x.shape
+    groups = x.float().view(m, k // BLOCK, BLOCK)
+    amax = groups.abs().amax(dim=-1)
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (groups / scale_inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(m, k).to(FP8_DTYPE)
+    return q, scale_inv
+
+
+def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """`x: [M, K]` times `q.T` through the blockwise FP8 GEMM (CUDA), output in `x.dtype`."""
+    xq, x_scale = quantize_activations(x)
+    return F.scaled_mm(
+        xq,
+        q.t(),
+        # cuBLAS wants the 1 x 128 activation scales outer-dim-major (M contiguous)
+        x_scale.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        scale_inv,
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+
+
+@functools.cache
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether the blockwise FP8 GEMM runs on `device` and agrees with the dequantized matmul (`gemm_agrees`).
+    CPU: False without trying."""
+    return device.type == "cuda" and gemm_agrees(device, _scaled_mm)
+
+
+def gemm_agrees(device: torch.device, gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `gemm(x, q, scale_inv)` runs on a random 256 x 384 x 256 product on `device` and agrees with
+    `x @ dequantize(q, scale_inv).T` in float32 to 5% relative error (FP8 activation rounding is ~3%)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 384, device=device, generator=generator).to(torch.bfloat16)
+    q, scale_inv = quantize_blockwise(torch.randn(256, 384, device=device, generator=generator) * 0.05)
+    expected = x.float() @ dequantize_blockwise(q, scale_inv, torch.float32).t()
+    try:
+        got = gemm(x, q, scale_inv).float()
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError):  # AttributeError: no F.scaled_mm
+        return False
+    return got.shape == expected.shape and bool(((got - expected).norm() / expected.norm()) < 0.05)
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x: [..., K]` -> `[..., N]`: `x @ dequantize(q, scale_inv).T + bias` in `x.dtype` (see the module
+    docstring for when the FP8 GEMM runs)."""
+    n, k = q.shape
+    flat = x.reshape(-1, k)
+    # cuBLAS's blockwise FP8 GEMM wants every dimension 16-aligned (N and K are 128-aligned here)
+    if n % BLOCK == 0 and k % BLOCK == 0 and flat.shape[0] % 16 == 0 and flat.shape[0] and scaled_mm_works(x.device):
+        out = _scaled_mm(flat, q, scale_inv)
+        out = out if bias is None else out + bias
+    else:
+        out = F.linear(flat, dequantize_blockwise(q, scale_inv, x.dtype), bias)
+    return out.reshape(*x.shape[:-1], n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import site
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,13 @@ def checkout(tmp_path_factory) -> Path:
     return target
 
 
+BASE_PYTHON = str(Path(sys.base_prefix) / "bin" / "python3")
+"""An interpreter that is no virtual environment: the "system" packages reach it through PYTHONPATH only."""
+
+
 def _setup(checkout: Path, pythonpath: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": pythonpath}
-    environ |= {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"} | env
+    environ |= {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHON": BASE_PYTHON} | env
     return subprocess.run(
         ["bash", "scripts/setup.sh"], cwd=checkout, env=environ, capture_output=True, text=True, timeout=300
     )

@@ -396,14 +396,14 @@ class Checksums:
 
 @functools.lru_cache(maxsize=64)
 def _layout(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For tensors of `rows` rows each: every row's index within its tensor ([R] int64) and the cumulative row
-    counts ([k + 1] int64, from 0). Cached, so a refit recorded as a CUDA graph builds no tensor from host data
-    (the eager refit before the recording made them)."""
+    """For tensors of `rows` rows each: every row's index within its tensor and the index of its tensor ([R] int64
+    each). Cached, so a refit recorded as a CUDA graph builds no tensor from host data (the eager refit before the
+    recording made them)."""
     counts = torch.tensor(rows, dtype=torch.int64)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     within = torch.arange(int(counts.sum()), dtype=torch.int64) - first
-    ends = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
-    return within.to(device), ends.to(device)
+    owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
+    return within.to(device), owner.to(device)
 
 
 _SIDE = 64
@@ -421,7 +421,7 @@ def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     bits = _BITS[tensors[0].element_size()]
     flats = [t.detach().reshape(-1).view(bits) for t in tensors]  # reshape copies only a non-contiguous tensor
     rows = tuple(-(-f.numel() // lanes) for f in flats)
-    within, ends = _layout(rows, device)
+    within, owner = _layout(rows, device)
     buffer = torch.zeros(sum(rows) * lanes, dtype=bits, device=device)
     views, offset = [], 0
     for flat, count in zip(flats, rows, strict=True):
@@ -431,15 +431,19 @@ def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     # a row as [_SIDE, _SIDE] (lane = _SIDE * h + l): its sums over l and over h, accumulated in int64 straight
     # from the bits, give the plain and the lane-weighted sums with no int64 copy of the buffer
     grid = buffer.view(-1, _SIDE, _SIDE)
-    over_l, over_h = grid.sum(2, dtype=torch.int64), grid.sum(1, dtype=torch.int64)
+    # 64 elements of at most 2 bytes sum exactly in int32 (integer reductions run faster in 32 bits on a GPU)
+    partial = torch.int32 if bits in (torch.uint8, torch.int16) else torch.int64
+    over_l = grid.sum(2, dtype=partial).to(torch.int64)
+    over_h = grid.sum(1, dtype=partial).to(torch.int64)
     index = _side(device)
     plain = over_l.sum(1)
     by_lane = (over_l * index).sum(1) * _SIDE + (over_h * index).sum(1)
     # sum of position * value per row: position = row-within-tensor * lanes + lane
     weighted = plain * (within * lanes) + by_lane
-    running = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=device), torch.stack([plain, weighted], 1)])
-    running = running.cumsum(0)[ends]
-    return running[1:] - running[:-1]
+    # rows summed into their tensor's entry (integer addition: exact in any order; a scan over the rows' column
+    # pairs instead took two thirds of the time on an H200)
+    sums = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    return sums.index_add_(0, owner, torch.stack([plain, weighted], 1))
 
 
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -230,7 +230,8 @@ class GenerationConfig:
     """Rollouts."""
 
     backend: str = "embedded"
-    """`embedded` (the in-process engine) or `vllm` (vLLM in the trainer's process on rank 0's GPU; needs vLLM)."""
+    """`embedded` (the in-process engine) or `vllm` (one vLLM engine per replica in the trainer's processes; needs
+    vLLM)."""
     precision: str = "dtype"
     """`dtype` (the engine runs in `policy.dtype`) or `fp8` (embedded engine: its attention and dense MLP
     projections multiply by per-block e4m3 copies of the weights, requantized after every refit; see

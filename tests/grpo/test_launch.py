@@ -311,7 +311,8 @@ def test_the_slurm_example_starts_one_torchrun_per_node_with_the_rendezvous_on_t
     bin_dir, record = tmp_path / "bin", tmp_path / "torchrun.args"
     bin_dir.mkdir()
     fakes = {
-        "scontrol": 'printf "node-a\\nnode-b\\n"',
+        # a long node list: a reader that stops at the first line would leave scontrol to die of SIGPIPE
+        "scontrol": 'printf "node-a\\nnode-b\\n"; seq -f "node-%g" 200000',
         "srun": 'shift; SLURM_NODEID=1 exec "$@"',
         "torchrun": f'printf "%s\\n" "$@" > {record}',
     }

@@ -23,8 +23,8 @@ import typer
 from typer.core import TyperGroup
 
 from hf_mcore_bridge.cli import validate
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError, RunStopped
-from hf_mcore_bridge.layout import Layout
 
 # Let torch's CPU allocator back large tensors with transparent huge pages: conversion allocates one fresh
 # tensor per chunk, and faulting in 4 KiB pages otherwise costs more than copying the bytes. Set before torch loads.
@@ -306,7 +306,7 @@ def convert(
 
     def action() -> None:
         if to is Target.mcore:
-            from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+            from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
             result = convert_hf_to_mcore(
                 source,
@@ -325,7 +325,7 @@ def convert(
                 directory_layout=directory_layout.value,
             )
         else:
-            from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+            from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 
             result = convert_mcore_to_hf(
                 source,
@@ -395,8 +395,8 @@ def verify(
     _check(checks)
 
     def action() -> None:
-        from hf_mcore_bridge.verify import VerifyJob
-        from hf_mcore_bridge.verify import verify as run_verify
+        from hf_mcore_bridge.megatron.verify import VerifyJob
+        from hf_mcore_bridge.megatron.verify import verify as run_verify
 
         results = run_verify(
             [VerifyJob(hf_dir, mcore_dir)],
@@ -437,7 +437,7 @@ def inspect(
     _check(lambda: validate.existing_dir(path, "checkpoint"))
 
     def action() -> None:
-        from hf_mcore_bridge.inspect_checkpoint import inspect_path
+        from hf_mcore_bridge.convert.inspect import inspect_path
 
         report = inspect_path(path)
         if as_json:
@@ -500,7 +500,7 @@ def train_grpo_command(
     def action() -> None:
         from hf_mcore_bridge.grpo.config import load_config
         from hf_mcore_bridge.grpo.trainer import train_grpo
-        from hf_mcore_bridge.world import reports_here
+        from hf_mcore_bridge.megatron.world import reports_here
 
         run_config = load_config(config, overrides or [])
         validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)

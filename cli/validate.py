@@ -5,8 +5,9 @@ well under a second, before torch, transformers or megatron-core load and before
 are deliberately cheap (stat calls and a `config.json` read as plain JSON); the library repeats the thorough ones
 (tensor shapes, the full model config) when it runs.
 
-Assumes: only the standard library plus `hf_mcore_bridge.errors` / `hf_mcore_bridge.layout` (both torch-free) and,
-for `--max-shard-size`, huggingface_hub's size parser are imported here; anything heavier would defeat the point.
+Assumes: only the standard library plus `hf_mcore_bridge.errors` / `hf_mcore_bridge.convert.layout` (both
+torch-free) and, for `--max-shard-size`, huggingface_hub's size parser are imported here; anything heavier would
+defeat the point.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.layout import Layout, validate_layout_for_hf_config
 
 SIZE_HINT = "a byte count or a number with KB, MB, GB or TB (e.g. 500MB, 5GB)"
 

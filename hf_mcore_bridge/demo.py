@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from hf_mcore_bridge.atomic import atomic_directory
-from hf_mcore_bridge.destination import check_destination
+from hf_mcore_bridge.checkpoint.atomic import atomic_directory
+from hf_mcore_bridge.checkpoint.destination import check_destination
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.layout import Layout
 
 
 def run_demo(
@@ -25,10 +25,10 @@ def run_demo(
     check_destination(workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     from safetensors.torch import load_file
 
+    from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.megatron.verify import VerifyJob, verify
     from hf_mcore_bridge.tiny_models import build_tiny_model
-    from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-    from hf_mcore_bridge.verify import VerifyJob, verify
 
     with atomic_directory(
         workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign, record={"command": "demo"}

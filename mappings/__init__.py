@@ -5,7 +5,7 @@ Adding an architecture: one file here declaring an `Architecture`, and one line 
 
 from __future__ import annotations
 
-from hf_mcore_bridge.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 

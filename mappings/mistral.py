@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.architecture import Architecture
-from hf_mcore_bridge.config_errors import refuse_unless
+from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.config_errors import refuse_unless
 from hf_mcore_bridge.mappings.llama import TABLE
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.architecture import Architecture
-from hf_mcore_bridge.config_errors import refuse_if
-from hf_mcore_bridge.mapping_types import FusedQKV
+from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.config_errors import refuse_if
+from hf_mcore_bridge.convert.mapping_types import FusedQKV
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
 
 

@@ -28,13 +28,12 @@ What each path is, and assumes:
   torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. The only keys set are
   ones a user sets in `policy.megatron_cfg` (`megatron_ddp`): with data parallelism `ddp.use_distributed_optimizer`
   (`--distributed-optimizer`, default on) and `ddp.overlap_param_gather` (`--overlap-param-gather`, default off,
-  as in the trainer); the recomputation keys in `transformer`. Parallelism:
-  `--megatron-parallel dp` (data parallel over nproc, as NeMo-RL runs the 8B), `tp`
-  (TP = nproc, with sequence parallelism), `cp` (context parallelism CP = nproc, `hf_mcore_bridge.context_parallel`;
-  each sequence padded to a multiple of 2 x CP) or `auto` (default): dp, and then every row length that needed
-  activation recomputation (or ran out of memory) under dp again at TP = nproc with sequence parallelism, which
-  splits the activations over the GPUs instead of recomputing them; both are reported, and the Megatron / DTensor
-  ratio takes the faster.
+  as in the trainer); the recomputation keys in `transformer`. Parallelism: `--megatron-parallel dp` (data parallel over
+  nproc, as NeMo-RL runs the 8B), `tp` (TP = nproc, with sequence parallelism), `cp` (context parallelism CP = nproc,
+  `hf_mcore_bridge.megatron.context_parallel`; each sequence padded to a multiple of 2 x CP) or `auto` (default): dp,
+  and then every row length that needed activation recomputation (or ran out of memory) under dp again at TP = nproc
+  with sequence parallelism, which splits the activations over the GPUs instead of recomputing them; both are reported,
+  and the Megatron / DTensor ratio takes the faster.
 - dtensor: the trainer's DTensor backend (`policy.dtensor_cfg`): `grpo.dtensor_policy.build_dtensor_policy` on
   the HF `LlamaForCausalLM` (randomly initialised; fp32 parameters, bf16 compute, fp32 gradient reduction, fused
   torch AdamW on CUDA) stepped by its `train_minibatch` with the same GRPO loss. `--dtensor-search auto` (default)
@@ -96,8 +95,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_summary import profile_call
 from random_checkpoint import SHAPES, TINY_SHAPE
 
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.world import run_world
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.megatron.world import run_world
 
 H200_BF16_PEAK = 989e12
 """Dense bf16 FLOP/s of one H200 (the MFU denominator)."""
@@ -293,7 +292,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     docstring. Returns its training step."""
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.convert.config_bridge import from_hf, padded_vocab
     from hf_mcore_bridge.grpo.config import MegatronConfig
     from hf_mcore_bridge.grpo.losses import LossConfig
     from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
@@ -682,8 +681,8 @@ def run_path(shape_name: str, path: str, opts: Options, place: _Placement, devic
 
 def bench_rank(shape_name: str, path: str, opts: Options, out: str) -> None:
     """Rank body (inside `world.run_world`): one path on one shape; rank 0 writes its results to `out`."""
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
-    from hf_mcore_bridge.world import device as rank_device
+    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds
+    from hf_mcore_bridge.megatron.world import device as rank_device
 
     apply_cpu_training_workarounds()  # a no-op on CUDA
     if path == "dtensor":  # every configuration in this world, one after another

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.model_plan import placed_entries
-from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {

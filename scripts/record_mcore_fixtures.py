@@ -37,13 +37,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU: 4 ranks cannot share
 
 import torch
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.config_bridge import ModelConfig
-from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.checkpoint.megatron_dirs import MCORE_VERSIONS, common_state, write_tracker
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.megatron_dirs import MCORE_VERSIONS, common_state, write_tracker
+from hf_mcore_bridge.megatron.world import run_world
 from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
-from hf_mcore_bridge.world import run_world
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 CASES: dict[str, tuple[str, dict, Layout]] = {
@@ -66,8 +66,8 @@ def save_rank(model_cfg: ModelConfig, layout: Layout, directory: str, tokens: to
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from hf_mcore_bridge.megatron_model import build_gpt_model
-    from hf_mcore_bridge.verify import forward_stage
+    from hf_mcore_bridge.megatron.model import build_gpt_model
+    from hf_mcore_bridge.megatron.verify import forward_stage
 
     torch.manual_seed(1234 + dist.get_rank())
     padded = config_bridge.padded_vocab(model_cfg, layout)
@@ -95,8 +95,8 @@ def strict_load_rank(model_cfg: ModelConfig, layout: Layout, directory: str, tok
     """Load a checkpoint with `dist_checkpointing.load(strict="raise_all")` and keep the logits."""
     from megatron.core import dist_checkpointing
 
-    from hf_mcore_bridge.megatron_model import build_gpt_model
-    from hf_mcore_bridge.verify import forward_stage
+    from hf_mcore_bridge.megatron.model import build_gpt_model
+    from hf_mcore_bridge.megatron.verify import forward_stage
 
     try:
         from megatron.core.safe_globals import register_safe_globals
@@ -131,8 +131,8 @@ def record_case(name: str, out: Path) -> None:
 
 def check_ours(name: str, layout_version: int, work: Path) -> dict:
     """This project's checkpoint of a case's shape, in the layout of `layout_version`, loaded strictly here."""
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-    from hf_mcore_bridge.verify import _hf_logits
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.megatron.verify import _hf_logits
 
     architecture, overrides, layout = CASES[name]
     hf_dir = build_tiny_model(work / f"{name}-hf", architecture, seed=7, **overrides)

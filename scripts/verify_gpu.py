@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from random_checkpoint import SHAPES, write_random_checkpoint
 
-from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.megatron.verify import VerifyJob, verify
 from hf_mcore_bridge.quiet import quiet_libraries
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-from hf_mcore_bridge.verify import VerifyJob, verify
 
 
 def parse_layout(text: str) -> Layout:

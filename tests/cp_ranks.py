@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_mcore_bridge.config_bridge import ModelConfig, padded_vocab, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, padded_vocab, transformer_config_kwargs
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.grpo.batching import MicroBatch, pad_sequences_to_multiple, pad_to_multiple, response_values
 from hf_mcore_bridge.grpo.losses import LossConfig, grpo_loss
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_model import gpt_model, load_distributed_checkpoint
+from hf_mcore_bridge.megatron.model import gpt_model, load_distributed_checkpoint
 
 LAYOUTS = {
     "tp1cp1": (Layout(), False),
@@ -57,7 +57,7 @@ def cp_rank(model_cfg: ModelConfig, batches: dict[str, MicroBatch], checkpoint: 
     from megatron.core import dist_checkpointing, parallel_state
 
     from hf_mcore_bridge.grpo.policy import cp_inputs, token_logprobs
-    from hf_mcore_bridge.sdpa_attention import packed_seq_params
+    from hf_mcore_bridge.megatron.sdpa_attention import packed_seq_params
 
     vocab = padded_vocab(model_cfg, Layout(tp=2))
     torch.manual_seed(11)

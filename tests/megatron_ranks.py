@@ -1,4 +1,4 @@
-"""Rank functions the tests run inside megatron-core process worlds (`hf_mcore_bridge.world.run_world`).
+"""Rank functions the tests run inside megatron-core process worlds (`hf_mcore_bridge.megatron.world.run_world`).
 
 Everything here is megatron-core's own machinery: `GPTModel`, `dist_checkpointing.save` / `load`.
 """
@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_mcore_bridge.config_bridge import ModelConfig, from_megatron_args, padded_vocab
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
-from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
-from hf_mcore_bridge.verify import forward_stage
-from hf_mcore_bridge.world import device
+from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.megatron.model import build_gpt_model, load_distributed_checkpoint
+from hf_mcore_bridge.megatron.verify import forward_stage
+from hf_mcore_bridge.megatron.world import device
 
 
 def _save(model: torch.nn.Module, directory: Path) -> None:
@@ -62,7 +62,7 @@ def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) 
     """Load this rank's legacy file into megatron-core modules with strict=True; logits when not interleaved."""
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.legacy_format import FILE_NAME, rank_dirname
+    from hf_mcore_bridge.convert.legacy_format import FILE_NAME, rank_dirname
 
     _, checkpoint_dir = resolve_checkpoint(Path(root))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -97,8 +97,8 @@ def sdpa_rank(model_cfg: ModelConfig, layout: Layout, lengths: list[int], out: s
 
     from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
     from hf_mcore_bridge.grpo.policy import _forward_step, token_logprobs
-    from hf_mcore_bridge.megatron_model import causal_mask
-    from hf_mcore_bridge.sdpa_attention import SDPAttention
+    from hf_mcore_bridge.megatron.model import causal_mask
+    from hf_mcore_bridge.megatron.sdpa_attention import SDPAttention
 
     padded = padded_vocab(model_cfg, layout)
     torch.manual_seed(7)

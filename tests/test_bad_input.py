@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 runner = CliRunner()
 
@@ -121,7 +121,7 @@ def test_non_empty_destination_needs_overwrite(llama, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(llama, tmp_path, monkeypatch):
-    from hf_mcore_bridge import to_mcore
+    from hf_mcore_bridge.convert import to_mcore
 
     calls = {"n": 0}
     original = to_mcore.Producer.chunk
@@ -201,7 +201,7 @@ def test_export_missing_tensors(converted, tiny_models, tmp_path):
 
 
 def test_export_args_contradicting_tensors(converted, tmp_path):
-    from hf_mcore_bridge.megatron_dirs import read_common
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 
     common = read_common(converted / "release")
     common["args"].num_layers = 6

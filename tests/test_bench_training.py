@@ -264,8 +264,8 @@ def test_trainer_logprobs_on_cuda_in_bf16_use_the_fused_cross_entropy(tmp_path: 
     """The Megatron path's log-probs (the trainer's `token_logprobs`) in bf16 on CUDA go through megatron-core's
     fused cross entropy and equal a float64 log-softmax of the same logits (temperature, padded vocabulary) to fp32
     rounding; their gradient to bf16 rounding, none reaching the padding."""
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.world import run_world
+    from hf_mcore_bridge.convert.layout import Layout
+    from hf_mcore_bridge.megatron.world import run_world
 
     out = tmp_path / "fused.json"
     run_world(_fused_logprobs_rank, Layout(), str(out), world=1)

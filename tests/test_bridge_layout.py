@@ -23,10 +23,10 @@ from test_roundtrip import assert_same_weights
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
 GPT_PROVIDER_FIELDS = {
     # GPTModelProvider's own dataclass fields (Megatron-Bridge v0.6.0 models/gpt_provider.py) that are not

@@ -24,8 +24,8 @@ from tree_snapshot import assert_unchanged, snapshot
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 runner = CliRunner()
 
@@ -477,8 +477,8 @@ def test_verify_interrupted_by_ctrl_c_exits_130_and_cleans_up(workspace, tmp_pat
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_expert_parallel_sizes_checked_against_the_config(variant, tiny_moe_models):
     """EP must divide the expert count the config states under its family's key (8, 8 and 4 experts here)."""
+    from hf_mcore_bridge.convert.layout import validate_layout_for_hf_config
     from hf_mcore_bridge.errors import LayoutError
-    from hf_mcore_bridge.layout import validate_layout_for_hf_config
 
     config = json.loads((tiny_moe_models[variant] / "config.json").read_text())
     experts = config.get("num_local_experts") or config["num_experts"]

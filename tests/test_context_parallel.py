@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from cp_ranks import LAYOUTS, cp_rank
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.context_parallel import chunks_of_rank, cp_positions, merge_sequence, split_sequence
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.grpo.batching import (
     Rollout,
     make_microbatches,
@@ -18,10 +18,10 @@ from hf_mcore_bridge.grpo.batching import (
     pad_sequences_to_multiple,
     response_values,
 )
-from hf_mcore_bridge.layout import Layout
 from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.megatron.context_parallel import chunks_of_rank, cp_positions, merge_sequence, split_sequence
+from hf_mcore_bridge.megatron.world import run_world
 from hf_mcore_bridge.tiny_models import tiny_config
-from hf_mcore_bridge.world import run_world
 
 
 def test_chunks_of_rank():
@@ -156,7 +156,7 @@ def test_cp_attention_refuses_dropout_and_explicit_masks():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from hf_mcore_bridge.sdpa_attention import SDPAttention
+    from hf_mcore_bridge.megatron.sdpa_attention import SDPAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=2, attention_dropout=0.1
@@ -174,8 +174,8 @@ def test_cp_attention_refuses_dropout_and_explicit_masks():
 def test_local_attention_equals_full_causal_attention(cp, packed):
     """Each rank's queries against the gathered keys (the two local paths of `cp_attention`, no collective) give
     the rows of a reference written here: SDPA over the whole row with a per-sequence causal mask."""
-    from hf_mcore_bridge.context_parallel import _one_sequence
-    from hf_mcore_bridge.context_parallel import _packed as packed_path
+    from hf_mcore_bridge.megatron.context_parallel import _one_sequence
+    from hf_mcore_bridge.megatron.context_parallel import _packed as packed_path
 
     generator = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 4 * cp, 6 * cp, 12 * cp]) if packed else torch.tensor([0, 12 * cp])

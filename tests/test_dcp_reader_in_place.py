@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_mcore_bridge.dcp_reader import DCPCheckpoint
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 
 def _torch_dcp(directory, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = ".hf-mcore-bridge.json"
@@ -269,7 +269,7 @@ CHILD = """
 import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive shell, even if started ignoring it
-from hf_mcore_bridge import to_mcore
+from hf_mcore_bridge.convert import to_mcore
 flag, source, destination = sys.argv[1:]
 def paused(self, placed, box):
     Path(flag).touch()  # the staging directory exists and is being written

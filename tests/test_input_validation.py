@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
 runner = CliRunner()
 
@@ -236,7 +236,7 @@ def _edit_legacy(root: Path, change) -> None:
 
 
 def test_dcp_global_shape_against_args(dcp, tmp_path):
-    from hf_mcore_bridge.megatron_dirs import read_common
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 
     common = read_common(dcp / "release")
     common["args"].ffn_hidden_size = 80
@@ -314,7 +314,7 @@ def test_megatron_mixed_and_integer_dtypes(legacy, tmp_path):
 
 
 def test_interrupted_export_exits_130_and_leaves_nothing(dcp, tmp_path, monkeypatch):
-    from hf_mcore_bridge.mcore_source import DCPSource
+    from hf_mcore_bridge.checkpoint.mcore_source import DCPSource
 
     calls = {"n": 0}
     original = DCPSource.read
@@ -388,7 +388,7 @@ def test_read_only_destination(llama, read_only_disk, tmp_path):
 def test_write_error_description_names_cause(tmp_path):
     import errno
 
-    from hf_mcore_bridge.write_errors import describe, probe_errno
+    from hf_mcore_bridge.checkpoint.write_errors import describe, probe_errno
 
     file = tmp_path / "x"
     assert describe(errno.EDQUOT, file, "/d", "") == f"disk quota exceeded on /d while writing {file}"
@@ -415,8 +415,8 @@ def test_config_vocabulary_larger_than_the_checkpoints(dcp, tmp_path):
 def test_write_errors_are_told_from_read_errors(tmp_path):
     import errno
 
+    from hf_mcore_bridge.checkpoint.write_errors import WriteError, device_of, reported_write_errors
     from hf_mcore_bridge.errors import CheckpointError
-    from hf_mcore_bridge.write_errors import WriteError, device_of, reported_write_errors
 
     staging, destination = tmp_path / ".out.partial", tmp_path / "out"
     (staging / "release").mkdir(parents=True)

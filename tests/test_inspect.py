@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.cli.main import app
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 runner = CliRunner()
 
@@ -90,7 +90,7 @@ def test_inspect_reads_the_legacy_torch_format(variant, layout, tiny_models, tin
 
 
 def test_inspect_reads_an_exported_hf_directory(tiny_models, tmp_path):
-    from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+    from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 
     convert_hf_to_mcore(tiny_models["qwen2"], tmp_path / "m", layout=Layout(tp=2), show_progress=False)
     convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False, max_shard_size=20_000)

@@ -8,11 +8,11 @@ import torch
 from megatron_ranks import legacy_load_rank
 from test_roundtrip import LAYOUTS, assert_same_weights
 
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-from hf_mcore_bridge.verify import _hf_logits
-from hf_mcore_bridge.world import run_world
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.megatron.verify import _hf_logits
+from hf_mcore_bridge.megatron.world import run_world
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mcore_bridge.megatron_dirs import read_common
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.verify import _hf_logits
+from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.megatron.verify import _hf_logits
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VERSIONS = ["0.16", "0.17", "0.18", "0.19"]

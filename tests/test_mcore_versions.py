@@ -22,12 +22,12 @@ import torch.distributed.checkpoint as dcp
 from test_roundtrip import assert_same_weights
 from typer.testing import CliRunner
 
+from hf_mcore_bridge.checkpoint.megatron_dirs import installed_mcore_version, read_common
 from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import installed_mcore_version, read_common
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
 
 def _mcore019_common(checkpoint_dir: Path) -> dict:
@@ -116,7 +116,7 @@ def test_missing_common_state_is_one_clear_error(tiny_models, tmp_path):
 
 
 def test_common_state_not_a_one_element_list_is_refused(tmp_path):
-    from hf_mcore_bridge.dcp_writer import ObjectItem, write_dcp
+    from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, write_dcp
 
     write_dcp(tmp_path, [], [ObjectItem("common_state/shard_0_1", {"args": None})])
     (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
@@ -141,7 +141,7 @@ def test_cli_mcore_version(tiny_models, tmp_path):
 def test_verify_refuses_a_layout_the_installed_megatron_core_cannot_load(tiny_models, tmp_path):
     """Under megatron-core 0.16.1 the 0.19 layout is refused with its reason before a world starts; the 0.16
     layout passes the check."""
-    from hf_mcore_bridge.megatron_dirs import check_installed_reads
+    from hf_mcore_bridge.checkpoint.megatron_dirs import check_installed_reads
 
     check_installed_reads(_convert(tiny_models["llama"], tmp_path / "a", 16))
     _convert(tiny_models["llama"], tmp_path / "b", 19)

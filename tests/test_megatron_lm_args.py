@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 SET_ARG = [
     "num_layers",
@@ -303,7 +303,7 @@ def test_bridge_reference_fails_without_an_attribute(tiny_models, tmp_path):
 def test_megatron_lm_epsilon_name_is_read(tiny_models, tmp_path):
     """Megatron-LM's own args name the norm epsilon `layernorm_epsilon` (no `norm_epsilon`): reading them must not
     fall back to a default epsilon."""
-    from hf_mcore_bridge.config_bridge import from_megatron_args
+    from hf_mcore_bridge.convert.config_bridge import from_megatron_args
 
     (args,) = _written_args(tiny_models["llama"], tmp_path / "m", "torch_dist", Layout())
     del args.norm_epsilon

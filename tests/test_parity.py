@@ -11,14 +11,14 @@ import torch
 from megatron_ranks import random_save_rank, resave_rank
 from test_roundtrip import assert_same_weights
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.hf_checkpoint import read_json
-from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.checkpoint.hf_dir import read_json
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-from hf_mcore_bridge.verify import VerifyJob, _hf_logits, verify
-from hf_mcore_bridge.world import run_world
+from hf_mcore_bridge.megatron.verify import VerifyJob, _hf_logits, verify
+from hf_mcore_bridge.megatron.world import run_world
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_mcore_bridge.dcp_reader import DCPCheckpoint
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
-from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
 LAYOUTS = {
     "tp1pp1": Layout(),

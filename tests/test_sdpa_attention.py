@@ -9,12 +9,12 @@ import pytest
 import torch
 from megatron_ranks import sdpa_rank
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.layout import Layout
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.sdpa_attention import FLEX_BLOCK, block_causal_mask, document_block_mask, packed_attention
+from hf_mcore_bridge.megatron.sdpa_attention import FLEX_BLOCK, block_causal_mask, document_block_mask, packed_attention
+from hf_mcore_bridge.megatron.world import run_world
 from hf_mcore_bridge.tiny_models import tiny_config
-from hf_mcore_bridge.world import run_world
 
 
 def test_block_causal_mask():
@@ -117,7 +117,7 @@ def test_fast_packed_backends_match_dense_mask_in_bf16_on_cuda(backend, head_dim
     """The CUDA packed paths (compiled flex_attention, torch's varlen flash attention) against SDPA with the dense
     mask, bf16, forward and backward, grouped heads; all measured against an fp32 reference so the tolerance is the
     one bf16 itself needs."""
-    from hf_mcore_bridge.sdpa_attention import _varlen_attn
+    from hf_mcore_bridge.megatron.sdpa_attention import _varlen_attn
 
     if backend == "varlen" and _varlen_attn() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
@@ -148,7 +148,7 @@ def test_packed_rows_keep_cu_seqlens_on_the_host():
     """Packed rows hand megatron-core host `cu_seqlens` (its RoPE reads them there); `cu_seqlens_on` copies a host
     tensor to the device once and gives every later caller (each layer, the backward) that same copy."""
     from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
-    from hf_mcore_bridge.sdpa_attention import cu_seqlens_on, packed_seq_params
+    from hf_mcore_bridge.megatron.sdpa_attention import cu_seqlens_on, packed_seq_params
 
     rollouts = [Rollout((1, 2), (3, 4, 5), (0.0, 0.0, 0.0)), Rollout((6,), (7, 8), (0.0, 0.0))]
     (batch,) = pack_microbatches(rollouts, 8)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_mcore_bridge import transformer_impl
-from hf_mcore_bridge.config_bridge import ModelConfig, from_hf, transformer_config_kwargs
+from hf_mcore_bridge.convert import transformer_impl
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_hf, transformer_config_kwargs
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.grpo.refit import _local_name
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.megatron_model import layer_spec
+from hf_mcore_bridge.megatron.model import layer_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from random_checkpoint import TINY_SHAPE
@@ -48,7 +48,7 @@ def test_transformer_engine_is_chosen_where_installed_with_a_gpu(monkeypatch, in
 
 
 def test_this_machine_builds_the_local_spec_with_sdpa(tiny_model_cfg):
-    from hf_mcore_bridge.sdpa_attention import SDPAttention
+    from hf_mcore_bridge.megatron.sdpa_attention import SDPAttention
 
     assert not transformer_impl.transformer_engine_installed()
     kwargs = transformer_config_kwargs(tiny_model_cfg, Layout(), torch.float32)

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.convert.parallel_style import Parallel
 
 
 class Bias(enum.Enum):
@@ -505,7 +505,7 @@ def fused_expert_pieces(cfg: ModelConfig) -> dict[str, tuple[FusedPiece, ...]]:
     """
     if cfg.moe is None:
         return {}
-    from hf_mcore_bridge.mapping_types import fill
+    from hf_mcore_bridge.convert.mapping_types import fill
     from hf_mcore_bridge.mappings import get_architecture
 
     rules = get_architecture(cfg.arch.hf_architecture).fused_experts or {}

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.engine.arch import (
     Direct,
     Entry,
@@ -90,7 +91,6 @@ from hf_mcore_bridge.engine.tp_shards import (
     local_sizes,
     vocab_shard,
 )
-from hf_mcore_bridge.parallel_style import Parallel
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 

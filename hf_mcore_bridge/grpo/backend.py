@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hf_mcore_bridge.config_bridge import DTYPES
+from hf_mcore_bridge.convert.config_bridge import DTYPES
 from hf_mcore_bridge.grpo.batching import MicroBatch
 from hf_mcore_bridge.grpo.config import GRPOConfig, world_of
 from hf_mcore_bridge.grpo.losses import LossConfig
@@ -182,8 +182,8 @@ class MegatronBackend:
         return train_minibatch(self.policy, batches, old_logprobs, ref_logprobs, loss_config, temperature, before_step)
 
     def hf_names(self) -> list[str]:
+        from hf_mcore_bridge.convert.model_plan import placed_entries
         from hf_mcore_bridge.mappings import get_architecture
-        from hf_mcore_bridge.model_plan import placed_entries
 
         model_cfg = self.policy.model_cfg
         return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
@@ -220,7 +220,7 @@ class MegatronBackend:
         return load_checkpoint(self.policy, root, step)
 
     def _megatron_args(self) -> Any:
-        from hf_mcore_bridge.config_bridge import megatron_args
+        from hf_mcore_bridge.convert.config_bridge import megatron_args
         from hf_mcore_bridge.grpo.policy import layout_of
 
         mcfg = self.config.policy.megatron_cfg
@@ -316,7 +316,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
         )
         return DTensorBackend(policy, _assets(prepared))
     from hf_mcore_bridge.grpo.policy import build_policy
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_training_workarounds
+    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds
 
     apply_cpu_training_workarounds()
     megatron = build_policy(
@@ -334,7 +334,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
 def start_world(config: GRPOConfig, fn: Callable[..., None], *args: Any) -> None:
     """Run `fn(*args)` on every rank of a world of the enabled backend (`world_of(config)` ranks): spawned here, or
     the launcher's (torchrun) world this process is a rank of (see `world`)."""
-    from hf_mcore_bridge.world import run_torch_world, run_world
+    from hf_mcore_bridge.megatron.world import run_torch_world, run_world
 
     if config.policy.dtensor_cfg.enabled:
         run_torch_world(fn, world_of(config), *args)

@@ -25,14 +25,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hf_mcore_bridge.grpo.policy import Policy
-from hf_mcore_bridge.megatron_dirs import (
+from hf_mcore_bridge.checkpoint.megatron_dirs import (
     CHECKPOINT_VERSION,
     HF_ASSETS_DIR,
     TRACKER_NAME,
     iteration_dirname,
     publish_iteration,
 )
+from hf_mcore_bridge.grpo.policy import Policy
 
 __all__ = ["latest_step", "load_checkpoint", "save_checkpoint"]
 
@@ -94,7 +94,7 @@ def _write_results_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from hf_mcore_bridge.world import die_with_parent
+    from hf_mcore_bridge.megatron.world import die_with_parent
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))

@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
+from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
 from hf_mcore_bridge.engine.attention import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.advantages import LeaveOneOutStd
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
-from hf_mcore_bridge.transformer_impl import check_transformer_impl
 
 __all__ = [
     "CheckpointingConfig",
@@ -690,7 +690,7 @@ def cluster_ranks(config: GRPOConfig) -> int | None:
 def world_of(config: GRPOConfig) -> int:
     """The number of ranks the run starts."""
     from hf_mcore_bridge.grpo.policy import layout_of
-    from hf_mcore_bridge.world import world_size
+    from hf_mcore_bridge.megatron.world import world_size
 
     if config.policy.dtensor_cfg.enabled:
         dp_shard, tp = dtensor_sizes(config)
@@ -711,7 +711,7 @@ def data_parallel_size(config: GRPOConfig) -> int:
 def _validate_world(config: GRPOConfig) -> None:
     from hf_mcore_bridge.errors import BridgeError
     from hf_mcore_bridge.grpo.policy import layout_of
-    from hf_mcore_bridge.world import check_world
+    from hf_mcore_bridge.megatron.world import check_world
 
     nodes = config.cluster.num_nodes
     _require(nodes >= 1, f"cluster.num_nodes={nodes} must be >= 1")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from hf_mcore_bridge.megatron_dirs import iteration_dirname, publish_iteration
+from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname, publish_iteration
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.grpo.dtensor_policy import DTensorPolicy
@@ -54,7 +54,7 @@ class _AllowListReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        from hf_mcore_bridge.dcp_reader import read_metadata
+        from hf_mcore_bridge.checkpoint.dcp_reader import read_metadata
 
         metadata = read_metadata(Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
@@ -95,8 +95,8 @@ def save_dtensor_checkpoint(
 
 def _write_hf(policy: DTensorPolicy, directory: Path, assets: dict[str, str], rank0: bool) -> None:
     """Stream the full tensors into `directory/model.safetensors` on rank 0 (every rank takes part in gathers)."""
-    from hf_mcore_bridge.config_bridge import DTYPE_NAMES
-    from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
+    from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
+    from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES
 
     writer = SafetensorsStreamWriter(directory / SAFETENSORS_NAME, policy.hf_specs()) if rank0 else None
     try:

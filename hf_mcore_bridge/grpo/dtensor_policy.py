@@ -40,15 +40,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from hf_mcore_bridge.dtensor_parallel import (
+from hf_mcore_bridge.grpo.batching import MicroBatch
+from hf_mcore_bridge.grpo.config import DTensorConfig
+from hf_mcore_bridge.grpo.dtensor_parallel import (
     clip_grad_norm,
     full_hf_tensors,
     hf_state_entries,
     make_mesh,
     parallelize_hf_model,
 )
-from hf_mcore_bridge.grpo.batching import MicroBatch
-from hf_mcore_bridge.grpo.config import DTensorConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.grpo.lr_schedule import lr_scheduler
 from hf_mcore_bridge.grpo.refit import PhaseTimes
@@ -59,7 +59,7 @@ __all__ = ["DTensorPolicy", "build_dtensor_policy", "hf_policy_dir", "load_hf_mo
 def hf_policy_dir(model_path: Path, log_dir: Path) -> Path:
     """The HF directory the policy starts from: `model_path` itself, or a Megatron checkpoint exported to HF into
     `log_dir/initial_policy_hf` (parent process, before any rank starts)."""
-    from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+    from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 
     if (model_path / "config.json").exists() and any(model_path.glob("*.safetensors")):
         return model_path
@@ -121,7 +121,7 @@ class DTensorPolicy:
 
     @property
     def device(self) -> torch.device:
-        from hf_mcore_bridge.world import device
+        from hf_mcore_bridge.megatron.world import device
 
         return device()
 

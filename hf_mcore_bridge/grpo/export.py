@@ -24,14 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_mcore_bridge.atomic import atomic_directory
-from hf_mcore_bridge.destination import MARKER_NAME, check_destination, check_overlap, notice, read_marker, real_path
+from hf_mcore_bridge.checkpoint.atomic import atomic_directory
+from hf_mcore_bridge.checkpoint.destination import (
+    MARKER_NAME,
+    check_destination,
+    check_overlap,
+    notice,
+    read_marker,
+    real_path,
+)
+from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, resolve_checkpoint
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.dtensor_checkpoint import hf_policy_of
 from hf_mcore_bridge.grpo.metrics import METRICS_FILE, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
-from hf_mcore_bridge.megatron_dirs import TRACKER_NAME, resolve_checkpoint
-from hf_mcore_bridge.to_hf import convert_mcore_to_hf
 
 CONFIG_FILE = "grpo_config.yaml"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -27,10 +27,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, world_of
-from hf_mcore_bridge.megatron_dirs import iteration_dirname
 
 __all__ = ["check_resumable", "check_shared_storage", "check_start", "prepare_once", "stopped_message"]
 
@@ -47,7 +47,7 @@ T = TypeVar("T")
 def check_start(config: GRPOConfig) -> None:
     """Refuse a world the run cannot start in: a launcher's world of another size than the config lays out, or
     `cluster.num_nodes > 1` without a launcher."""
-    from hf_mcore_bridge.world import check_launched_size, launched_world
+    from hf_mcore_bridge.megatron.world import check_launched_size, launched_world
 
     cluster = config.cluster
     if cluster.gpus_per_node is not None:
@@ -151,9 +151,9 @@ def _model_of(path: Path) -> ModelConfig:
     """The model an HF directory (its `config.json`) or a Megatron checkpoint (its `args`) holds; nothing loaded."""
     import json
 
-    from hf_mcore_bridge import config_bridge
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint
+    from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.mappings import get_architecture
-    from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint
 
     if (path / "config.json").is_file():
         hf_config = json.loads((path / "config.json").read_text())

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.config_bridge import ModelConfig, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, transformer_config_kwargs
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.batching import (
     MicroBatch,
@@ -50,8 +51,7 @@ from hf_mcore_bridge.grpo.batching import (
 )
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_model import load_distributed_checkpoint
+from hf_mcore_bridge.megatron.model import load_distributed_checkpoint
 
 __all__ = [
     "Policy",
@@ -119,7 +119,7 @@ def _transformer_config(
 def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.nn.Module:
     """The policy's `GPTModel`: the project's layer spec (SDPA core attention, which also takes the block-diagonal
     masks of packed rows)."""
-    from hf_mcore_bridge.megatron_model import gpt_model
+    from hf_mcore_bridge.megatron.model import gpt_model
 
     return gpt_model(config, model_cfg, padded_vocab)
 
@@ -241,7 +241,7 @@ def token_logprobs(
 
     if parallel_state.get_context_parallel_world_size() == 1:
         return _label_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, temperature)
-    from hf_mcore_bridge.context_parallel import gather_in_order, split_sequence
+    from hf_mcore_bridge.megatron.context_parallel import gather_in_order, split_sequence
 
     group = parallel_state.get_context_parallel_group()
     cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
@@ -277,7 +277,7 @@ def _forward_step(
     data_iterator: Iterator[MicroBatch],
     model: torch.nn.Module,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
-    from hf_mcore_bridge.sdpa_attention import packed_seq_params
+    from hf_mcore_bridge.megatron.sdpa_attention import packed_seq_params
 
     batch = next(data_iterator)
     # No mask: SDPA's causal flag for padded rows; packed rows are attended per sequence from their cu_seqlens.
@@ -297,7 +297,7 @@ def cp_inputs(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return batch.tokens, batch.position_ids
-    from hf_mcore_bridge.context_parallel import cp_positions
+    from hf_mcore_bridge.megatron.context_parallel import cp_positions
 
     cu = torch.tensor([0, batch.seq_len]) if batch.cu_seqlens is None else batch.cu_seqlens
     mine = cp_positions(cu, cp, parallel_state.get_context_parallel_rank()).to(batch.tokens.device)

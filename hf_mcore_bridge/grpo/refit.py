@@ -41,11 +41,19 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from hf_mcore_bridge.config_bridge import ModelConfig
-from hf_mcore_bridge.mapping_types import EXPERT, LAYER, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM, Dims, Entry, at_layer
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.mapping_types import (
+    EXPERT,
+    LAYER,
+    LOCAL_SPEC_MOE_NORM,
+    MOE_PRE_MLP_NORM,
+    Dims,
+    Entry,
+    at_layer,
+)
+from hf_mcore_bridge.convert.model_plan import placed_entries
+from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.model_plan import placed_entries
-from hf_mcore_bridge.parallel_style import Parallel
 
 __all__ = [
     "Checksums",

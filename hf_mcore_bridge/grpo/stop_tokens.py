@@ -31,7 +31,7 @@ def model_assets_dir(model_path: Path) -> Path | None:
     stored assets; None when there is none (or the path does not exist)."""
     if (model_path / "config.json").is_file():
         return model_path
-    from hf_mcore_bridge.megatron_dirs import hf_assets_dir, resolve_checkpoint
+    from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, resolve_checkpoint
 
     try:
         root, checkpoint_dir = resolve_checkpoint(model_path)

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
@@ -140,10 +140,10 @@ def _tokenizer_file(config: GRPOConfig, candidates: list[Path]) -> Path:
 
 def prepare_run(config: GRPOConfig) -> PreparedRun:
     """Resolve the policy checkpoint (converting an HF directory), the engine's HF config and the tokenizer."""
-    from hf_mcore_bridge import config_bridge
+    from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
+    from hf_mcore_bridge.convert import config_bridge
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.mappings import get_architecture
-    from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
     log_dir = Path(config.logger.log_dir)
     if config.policy.dtensor_cfg.enabled:
@@ -193,7 +193,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
 
 def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
     """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first)."""
-    from hf_mcore_bridge import config_bridge
+    from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
     from hf_mcore_bridge.mappings import get_architecture
 
@@ -218,7 +218,7 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     the metrics returned are then complete on global rank 0, which writes them."""
     from hf_mcore_bridge.grpo import launch
     from hf_mcore_bridge.grpo.chat import with_template_stop_ids
-    from hf_mcore_bridge.world import join_launched_world, launched_world, reports_here, stop_on_signals
+    from hf_mcore_bridge.megatron.world import join_launched_world, launched_world, reports_here, stop_on_signals
 
     config.validate()
     explicit_stops = config.generation.stop_token_ids is not None
@@ -390,7 +390,7 @@ class _RankContext:
 
 
 def _device() -> torch.device:
-    from hf_mcore_bridge.world import device
+    from hf_mcore_bridge.megatron.world import device
 
     return device()
 

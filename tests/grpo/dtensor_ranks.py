@@ -1,4 +1,4 @@
-"""Rank functions the DTensor tests run inside `hf_mcore_bridge.world.run_torch_world` (gloo on CPU)."""
+"""Rank functions the DTensor tests run inside `hf_mcore_bridge.megatron.world.run_torch_world` (gloo on CPU)."""
 
 from __future__ import annotations
 

@@ -193,14 +193,14 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from hf_mcore_bridge.config_bridge import from_megatron_args
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+    from hf_mcore_bridge.convert.config_bridge import from_megatron_args
+    from hf_mcore_bridge.convert.layout import Layout
     from hf_mcore_bridge.grpo.backend import MegatronBackend
     from hf_mcore_bridge.grpo.policy import Policy
     from hf_mcore_bridge.grpo.refit import hf_weights
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.megatron_dirs import read_common
-    from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
-    from hf_mcore_bridge.world import device
+    from hf_mcore_bridge.megatron.model import build_gpt_model, load_distributed_checkpoint
+    from hf_mcore_bridge.megatron.world import device
 
     args = read_common(Path(checkpoint_dir))["args"]
     model_cfg = from_megatron_args(args)
@@ -250,13 +250,13 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.convert.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.convert.layout import Layout
     from hf_mcore_bridge.engine import Engine, EngineConfig
     from hf_mcore_bridge.grpo.generation import engine_part
     from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
-    from hf_mcore_bridge.layout import Layout
     from hf_mcore_bridge.mappings import get_architecture
-    from hf_mcore_bridge.megatron_model import build_gpt_model
+    from hf_mcore_bridge.megatron.model import build_gpt_model
 
     results = {}
     for directory in hf_dirs:

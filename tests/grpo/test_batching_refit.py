@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.grpo.batching import Rollout, make_microbatches, pack_microbatches, response_values
 from hf_mcore_bridge.grpo.refit import PhaseTimes, assemble_shards
-from hf_mcore_bridge.parallel_style import Parallel
-from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
 
 ROLLOUTS = [
     Rollout((5, 6, 7), (8, 9), (-0.1, -0.2), reward=1.0, advantage=0.5),
@@ -62,7 +62,7 @@ def test_assemble_shards_inverts_megatron_sharding(style: Parallel, tp: int) -> 
 
 
 def test_cpu_clip_matches_torch_clip_grad_norm() -> None:
-    from hf_mcore_bridge.megatron_cpu import _clip_grad_by_total_norm_fp32
+    from hf_mcore_bridge.megatron.cpu_patches import _clip_grad_by_total_norm_fp32
 
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]

@@ -24,7 +24,7 @@ import torch
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.config import DTensorConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, grpo_loss
-from hf_mcore_bridge.world import run_torch_world
+from hf_mcore_bridge.megatron.world import run_torch_world
 
 from .dtensor_ranks import logprobs_and_step_rank
 from .tiny_policy import WORDS, build_tiny_policy
@@ -243,8 +243,8 @@ def test_bridge_export_of_the_run_loads_in_transformers(grpo_run, tmp_path: Path
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
+    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
     from hf_mcore_bridge.cli.main import app
-    from hf_mcore_bridge.dcp_reader import DCPCheckpoint
 
     _, root = grpo_run
     out = tmp_path / "export"
@@ -270,8 +270,8 @@ def test_resume_from_the_middle_checkpoint_repeats_the_run(grpo_run, tmp_path: P
     metrics of the uninterrupted run."""
     import shutil
 
+    from hf_mcore_bridge.checkpoint.megatron_dirs import write_tracker
     from hf_mcore_bridge.grpo.trainer import train_grpo
-    from hf_mcore_bridge.megatron_dirs import write_tracker
 
     run, root = grpo_run
     middle = STEPS // 2

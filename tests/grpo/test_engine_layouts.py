@@ -140,8 +140,8 @@ def test_shard_local_stream_is_the_engines_part_of_the_gathered_tensors(tmp_path
     gate/up, rows), only the vocabulary tensors come whole, and an engine loaded from it holds those slices."""
     import torch
 
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.world import run_world
+    from hf_mcore_bridge.convert.layout import Layout
+    from hf_mcore_bridge.megatron.world import run_world
 
     from .refit_ranks import shard_local_rank
 

@@ -19,10 +19,10 @@ import psutil
 import pytest
 import yaml
 
+from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, iteration_dirname
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.checkpoint import latest_step
 from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, world_of
-from hf_mcore_bridge.megatron_dirs import TRACKER_NAME, iteration_dirname
 
 from .tiny_policy import build_tiny_policy
 
@@ -135,9 +135,9 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
 
 
 def test_resuming_with_another_model_is_one_line(tmp_path: Path) -> None:
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.grpo.launch import check_resumable
     from hf_mcore_bridge.grpo.trainer import train_grpo
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
 
     first = build_tiny_policy(tmp_path / "first", seed=1)
     other = build_tiny_policy(tmp_path / "other", seed=2, num_hidden_layers=3)
@@ -179,7 +179,7 @@ def _shared_storage_rank(base: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_storage_that_is_not_shared_is_refused_on_every_rank(tmp_path: Path) -> None:
-    from hf_mcore_bridge.world import run_torch_world
+    from hf_mcore_bridge.megatron.world import run_torch_world
 
     run_torch_world(_shared_storage_rank, 2, str(tmp_path), str(tmp_path))
     for rank in (0, 1):
@@ -265,7 +265,7 @@ def test_signals_and_kill_stop_every_rank_within_seconds(tmp_path: Path) -> None
 def test_two_torchrun_nodes_give_the_metrics_of_the_world_spawned_locally(tmp_path: Path) -> None:
     """Two `torchrun --nnodes 2 --nproc-per-node 1` invocations over loopback (gloo) run the same DP2 world as one
     `bridge train grpo` spawning two ranks; `bridge verify` runs at PP2 under a one-node torchrun at the same time."""
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
     policy = build_tiny_policy(tmp_path / "policy", seed=1)
     convert_hf_to_mcore(policy, tmp_path / "mcore", show_progress=False)

@@ -113,7 +113,7 @@ def test_final_checkpoint_exports_to_hf_and_transformers_says_7(run, tmp_path: P
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from hf_mcore_bridge.to_hf import convert_mcore_to_hf
+    from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 
     _, root = run
     exported = tmp_path / "hf"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mcore_bridge import config_bridge
+from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.policy import _transformer_config, layout_of
 from hf_mcore_bridge.mappings import get_architecture

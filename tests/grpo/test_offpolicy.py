@@ -215,8 +215,8 @@ def test_expert_parallel_ranks_pad_microbatches_alike(tmp_path: Path) -> None:
     """megatron-core's all-gather token dispatcher needs equal token blocks on the expert-parallel ranks, which
     hold different rollouts: each micro-batch is padded to the longest over those ranks (the padding masked out),
     and unequal micro-batch counts (packing) or row counts are refused on every rank."""
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.world import run_world
+    from hf_mcore_bridge.convert.layout import Layout
+    from hf_mcore_bridge.megatron.world import run_world
 
     out = tmp_path / "padding.json"
     run_world(expert_padding_rank, Layout(ep=2), str(out))

@@ -220,10 +220,10 @@ def test_refit_streams_the_post_step_weights_with_overlapped_param_gather_at_dp2
     """With the distributed optimizer's buffers and `ddp.overlap_param_gather`, a step leaves the other ranks'
     shards stale until the next forward; the stream then differs from the post-step weights, and after
     `finish_param_gather` (what the megatron backend's `hf_weights` runs first) equals them."""
-    from hf_mcore_bridge.layout import Layout
-    from hf_mcore_bridge.megatron_dirs import resolve_checkpoint
-    from hf_mcore_bridge.to_mcore import convert_hf_to_mcore
-    from hf_mcore_bridge.world import run_world
+    from hf_mcore_bridge.checkpoint.megatron_dirs import resolve_checkpoint
+    from hf_mcore_bridge.convert.layout import Layout
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.megatron.world import run_world
 
     from .refit_ranks import param_gather_rank
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 """Keys a training checkpoint holds besides the model; export skips them."""

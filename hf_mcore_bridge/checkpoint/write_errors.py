@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hf_mcore_bridge.atomic import atomic_directory
+from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 
 _TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")

@@ -359,7 +359,7 @@ class SDPAttention(MegatronModule):
         dropout: float,
         packed_seq_params: PackedSeqParams | None,
     ) -> torch.Tensor:
-        from hf_mcore_bridge.context_parallel import cp_attention
+        from hf_mcore_bridge.megatron.context_parallel import cp_attention
 
         if dropout:
             raise ValueError("attention dropout is not implemented under context parallelism")

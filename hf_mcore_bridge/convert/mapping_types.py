@@ -15,9 +15,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.parallel_style import Parallel
-from hf_mcore_bridge.tensor_ops import (
+from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER, fill
+from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.tensor_ops import (
     fuse_gate_up,
     fuse_qkv,
     pad_vocab,
@@ -25,6 +25,7 @@ from hf_mcore_bridge.tensor_ops import (
     split_qkv,
     unpad_vocab,
 )
+from hf_mcore_bridge.errors import CheckpointError
 
 
 class LayerKind(enum.Enum):
@@ -64,10 +65,6 @@ class Dims:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
-
-
-LAYER = "{layer}"
-EXPERT = "{expert}"
 
 
 @dataclass(frozen=True)
@@ -289,15 +286,6 @@ def is_layered(name: str) -> bool:
 def is_expert(name: str) -> bool:
     """Whether a name has the `{expert}` placeholder (one tensor per routed expert)."""
     return EXPERT in name
-
-
-def fill(name: str, layer: int | None, expert: int | None = None) -> str:
-    """Substitute the decoder layer and expert indices into a name."""
-    if layer is not None:
-        name = name.replace(LAYER, str(layer))
-    if expert is not None:
-        name = name.replace(EXPERT, str(expert))
-    return name
 
 
 def at_layer(entry: Entry, layer: int | None, expert: int | None = None) -> Entry:

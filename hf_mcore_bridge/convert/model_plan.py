@@ -5,10 +5,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hf_mcore_bridge.architecture import Architecture
-from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.mapping_types import (
+    Entry,
+    LayerKind,
+    Placement,
+    at_layer,
+    is_expert,
+    is_layered,
+    placement,
+)
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.mapping_types import Entry, LayerKind, Placement, at_layer, is_expert, is_layered, placement
 
 IGNORABLE_HF = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 """HF tensors that carry no weights (old checkpoints saved RoPE buffers)."""

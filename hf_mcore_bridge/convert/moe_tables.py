@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hf_mcore_bridge.config_errors import ConfigError, require
-from hf_mcore_bridge.mapping_types import Direct, Entry, FusedGateUp, LayerKind, Size
-from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.convert.config_errors import ConfigError, require
+from hf_mcore_bridge.convert.mapping_types import Direct, Entry, FusedGateUp, LayerKind, Size
+from hf_mcore_bridge.convert.parallel_style import Parallel
 
 MC_LAYER = "decoder.layers.{layer}"
 MC_EXPERT = "decoder.layers.{layer}.mlp.experts.local_experts.{expert}"

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
+from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint, safe_torch_load
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
-from hf_mcore_bridge.megatron_dirs import read_common, resolve_checkpoint, safe_torch_load
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _inspect_mcore(path: Path) -> Inspection:
 
 
 def _inspect_legacy(checkpoint_dir: Path) -> Inspection:
-    from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
+    from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
     from hf_mcore_bridge.mappings import get_architecture
 
     first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))

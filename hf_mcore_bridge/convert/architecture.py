@@ -6,10 +6,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hf_mcore_bridge.mapping_types import Entry
+from hf_mcore_bridge.convert.mapping_types import Entry
 
 if TYPE_CHECKING:
-    from hf_mcore_bridge.config_bridge import MoeConfig
+    from hf_mcore_bridge.convert.config_bridge import MoeConfig
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -150,8 +151,6 @@ class HFCheckpoint:
         `rules` maps a per-expert name template to (fused template, part); `wanted` lists (template, layer,
         expert) of the names the model needs. Aliased names read one expert's slice of the fused tensor.
         """
-        from hf_mcore_bridge.mapping_types import fill
-
         for template, layer, expert in wanted:
             name = fill(template, layer, expert)
             if template not in rules or name in self._tensors:

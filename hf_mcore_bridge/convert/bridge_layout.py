@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import yaml
 
-from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.checkpoint.megatron_dirs import LATEST_TRAIN_STATE
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.layout import Layout
 
 RUN_CONFIG = "run_config.yaml"
 TRAIN_STATE = "train_state.pt"
-LATEST_TRAIN_STATE = "latest_train_state.pt"
 GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
 
 _RENAMED = {
@@ -171,15 +171,3 @@ def write_bridge_files(root: Path, checkpoint_dir: Path, config: dict[str, Any],
     for path in (checkpoint_dir / TRAIN_STATE, root / LATEST_TRAIN_STATE):
         with path.open("wb") as handle:
             torch.save(state, handle)
-
-
-def latest_step(root: Path) -> int | None:
-    """The step `latest_train_state.pt` records (None without one)."""
-    path = root / LATEST_TRAIN_STATE
-    if not path.is_file():
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        return int(state["step"])
-    except Exception as err:
-        raise CheckpointError(f"{path} is unreadable: {str(err).strip().splitlines()[0]}") from None

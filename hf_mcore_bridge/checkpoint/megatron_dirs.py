@@ -32,11 +32,13 @@ from typing import IO, Any
 
 import torch
 
-from hf_mcore_bridge.dcp_reader import DCPCheckpoint
-from hf_mcore_bridge.dcp_writer import ObjectItem
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem
 from hf_mcore_bridge.errors import CheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+LATEST_TRAIN_STATE = "latest_train_state.pt"
+"""Megatron-Bridge's tracker of the newest step, where Megatron-LM has `TRACKER_NAME`."""
 COMMON_NAME = "common.pt"
 METADATA_NAME = "metadata.json"
 HF_ASSETS_DIR = "hf_assets"
@@ -247,9 +249,7 @@ def resolve_checkpoint(path: Path, iteration: int | None = None) -> tuple[Path, 
         return path, candidate
     tracker = path / TRACKER_NAME
     if not tracker.exists():
-        from hf_mcore_bridge.bridge_layout import latest_step
-
-        step = latest_step(path)  # Megatron-Bridge's own tracker
+        step = bridge_latest_step(path)  # Megatron-Bridge's own tracker
         if step is not None and (path / iteration_dirname(step)).is_dir():
             return path, path / iteration_dirname(step)
         raise CheckpointError(f"{path} is not a Megatron checkpoint (no {TRACKER_NAME}, no metadata.json)")
@@ -270,3 +270,15 @@ def hf_assets_dir(root: Path, checkpoint_dir: Path) -> Path | None:
         if (candidate / "config.json").exists():
             return candidate
     return None
+
+
+def bridge_latest_step(root: Path) -> int | None:
+    """The step Megatron-Bridge's `latest_train_state.pt` records (None without one)."""
+    path = root / LATEST_TRAIN_STATE
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return int(state["step"])
+    except Exception as err:
+        raise CheckpointError(f"{path} is unreadable: {str(err).strip().splitlines()[0]}") from None

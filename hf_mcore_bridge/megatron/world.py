@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError, RunStopped
-from hf_mcore_bridge.layout import Layout
 
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What an env:// launcher (`torchrun`) sets for each rank it starts."""
@@ -291,7 +291,7 @@ def _rank_body(layout: Layout | None, fn: Callable[..., None], args: tuple) -> N
     """On a rank whose default process group is up: megatron-core's state for `layout`, `fn(*args)`, teardown."""
     import torch.distributed as dist
 
-    from hf_mcore_bridge.megatron_cpu import apply_cpu_workarounds, apply_te_absent_workarounds
+    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_workarounds, apply_te_absent_workarounds
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()

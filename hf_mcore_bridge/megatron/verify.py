@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.checkpoint.megatron_dirs import check_installed_reads, resolve_checkpoint
+from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.megatron_dirs import check_installed_reads, resolve_checkpoint
-from hf_mcore_bridge.world import device as rank_device
-from hf_mcore_bridge.world import reports_here, run_world
+from hf_mcore_bridge.megatron.world import device as rank_device
+from hf_mcore_bridge.megatron.world import reports_here, run_world
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.05}
 """Max |dlogit| allowed per compute dtype."""
@@ -148,7 +148,7 @@ def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) 
 
 def _args(checkpoint_dir: Path) -> Any:
     """Megatron-LM `args`, or those of a Megatron-Bridge checkpoint's `run_config.yaml`."""
-    from hf_mcore_bridge.to_hf import checkpoint_args
+    from hf_mcore_bridge.convert.to_hf import checkpoint_args
 
     args = checkpoint_args(checkpoint_dir)
     if args is None:
@@ -158,7 +158,7 @@ def _args(checkpoint_dir: Path) -> Any:
 
 def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run this rank's pipeline stage; the last stage's TP-rank-0 returns the gathered, unpadded logits."""
-    from hf_mcore_bridge.megatron_model import build_gpt_model, load_distributed_checkpoint
+    from hf_mcore_bridge.megatron.model import build_gpt_model, load_distributed_checkpoint
 
     _, checkpoint_dir = resolve_checkpoint(checkpoint)
     args = _args(checkpoint_dir)
@@ -182,7 +182,7 @@ def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hf_mcore_bridge.megatron_model import causal_mask
+    from hf_mcore_bridge.megatron.model import causal_mask
 
     device = rank_device()
     tokens = tokens.to(device)
@@ -191,7 +191,7 @@ def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.
     cp = parallel_state.get_context_parallel_world_size()
     mask: torch.Tensor | None = causal_mask(seq_len, device)
     if cp > 1:
-        from hf_mcore_bridge.context_parallel import split_sequence
+        from hf_mcore_bridge.megatron.context_parallel import split_sequence
 
         rank = parallel_state.get_context_parallel_rank()
         tokens, positions = (split_sequence(x, cp, rank, 1) for x in (tokens, positions))
@@ -208,7 +208,7 @@ def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.
             return None
         logits = gather_from_tensor_model_parallel_region(output)
         if cp > 1:
-            from hf_mcore_bridge.context_parallel import gather_in_order
+            from hf_mcore_bridge.megatron.context_parallel import gather_in_order
 
             group = parallel_state.get_context_parallel_group()
             logits = gather_in_order(logits, group, torch.tensor([0, seq_len]), dim=1)

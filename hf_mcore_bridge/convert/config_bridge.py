@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.architecture import Architecture
-from hf_mcore_bridge.config_errors import ConfigError, require
-from hf_mcore_bridge.layout import Layout, validate_layout
-from hf_mcore_bridge.mapping_types import Dims
-from hf_mcore_bridge.megatron_lm_args import loader_defaults
-from hf_mcore_bridge.tensor_ops import padded_vocab_size
-from hf_mcore_bridge.transformer_impl import default_transformer_impl
+from hf_mcore_bridge.checkpoint.megatron_lm_args import loader_defaults
+from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.config_errors import ConfigError, require
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
+from hf_mcore_bridge.convert.mapping_types import Dims
+from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size
+from hf_mcore_bridge.convert.transformer_impl import default_transformer_impl
 
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""

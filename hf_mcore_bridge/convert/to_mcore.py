@@ -17,18 +17,10 @@ from pathlib import Path
 
 import torch
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.bridge_layout import run_config, write_bridge_files
-from hf_mcore_bridge.config_bridge import DTYPES, ModelConfig
-from hf_mcore_bridge.dcp_writer import ObjectItem, TensorChunk, write_dcp
-from hf_mcore_bridge.destination import check_destination, real_path
-from hf_mcore_bridge.hf_checkpoint import HFCheckpoint
-from hf_mcore_bridge.input_checks import check_hf_shapes, choose_dtype, hf_sizes
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.legacy_format import write_legacy
-from hf_mcore_bridge.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
-from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.megatron_dirs import (
+from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, TensorChunk, write_dcp
+from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
+from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
+from hf_mcore_bridge.checkpoint.megatron_dirs import (
     HF_ASSETS_DIR,
     common_objects,
     common_state,
@@ -37,11 +29,19 @@ from hf_mcore_bridge.megatron_dirs import (
     write_common,
     write_tracker,
 )
-from hf_mcore_bridge.model_plan import Placed, check_hf_names, placed_entries
-from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.checkpoint.write_errors import written_atomically
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
+from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
+from hf_mcore_bridge.convert.input_checks import check_hf_shapes, choose_dtype, hf_sizes
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.legacy_format import write_legacy
+from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
+from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
+from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
+from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.progress import progress_bar
-from hf_mcore_bridge.tensor_ops import shard_boxes, take_box
-from hf_mcore_bridge.write_errors import written_atomically
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from hf_mcore_bridge.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
-from hf_mcore_bridge.layout import Layout
-from hf_mcore_bridge.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
-from hf_mcore_bridge.transformer_impl import check_transformer_impl
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
+from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
 
 
 def build_gpt_model(
@@ -61,11 +61,11 @@ def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = Non
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
     if sequence_parallel:
-        from hf_mcore_bridge.sequence_parallel_norm import use_sequence_parallel_norms
+        from hf_mcore_bridge.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
         use_sequence_parallel_norms(spec)
     if core_attention == "sdpa":
-        from hf_mcore_bridge.sdpa_attention import use_sdpa
+        from hf_mcore_bridge.megatron.sdpa_attention import use_sdpa
 
         use_sdpa(spec)
     return spec
@@ -115,7 +115,7 @@ def load_distributed_checkpoint(module: torch.nn.Module, checkpoint_dir: Path) -
 
 
 def _has_te_moe_norms(checkpoint_dir: Path) -> bool:
-    from hf_mcore_bridge.dcp_reader import DCPCheckpoint
+    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 
     return any(MOE_PRE_MLP_NORM in key for key in DCPCheckpoint(checkpoint_dir).tensor_keys())
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
+from hf_mcore_bridge.convert.layout import Layout, stage_layer_counts
+from hf_mcore_bridge.convert.mapping_types import Entry, dcp_key, extra_state_module, fill, is_layered
+from hf_mcore_bridge.convert.model_plan import Placed
+from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.tensor_ops import global_shape, merge_rank_shards, rank_shard
 from hf_mcore_bridge.errors import CheckpointError, LayoutError
-from hf_mcore_bridge.layout import Layout, stage_layer_counts
-from hf_mcore_bridge.mapping_types import Entry, dcp_key, extra_state_module, fill, is_layered
-from hf_mcore_bridge.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
-from hf_mcore_bridge.model_plan import Placed
-from hf_mcore_bridge.parallel_style import Parallel
-from hf_mcore_bridge.tensor_ops import global_shape, merge_rank_shards, rank_shard
 
 FILE_NAME = "model_optim_rng.pt"
 LOCAL_SPEC_NAMES = {

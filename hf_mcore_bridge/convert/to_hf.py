@@ -16,23 +16,23 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge import config_bridge
-from hf_mcore_bridge.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
-from hf_mcore_bridge.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
-from hf_mcore_bridge.destination import check_destination, real_path
+from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
+from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
+from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
+from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.checkpoint.write_errors import written_atomically
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
+from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
+from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
+from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
+from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
+from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.to_mcore import ConversionResult
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.hf_checkpoint import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
-from hf_mcore_bridge.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
-from hf_mcore_bridge.legacy_format import FILE_NAME, LegacySource
-from hf_mcore_bridge.mapping_types import Dims, Entry, Placement
 from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.mcore_source import DCPSource, McoreSource
-from hf_mcore_bridge.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
-from hf_mcore_bridge.model_plan import Placed, placed_entries
 from hf_mcore_bridge.progress import progress_bar
-from hf_mcore_bridge.safetensors_stream import SafetensorsStreamWriter
-from hf_mcore_bridge.to_mcore import ConversionResult
-from hf_mcore_bridge.write_errors import written_atomically
 
 
 def _is_legacy(checkpoint_dir: Path) -> bool:
@@ -221,7 +221,7 @@ def convert_mcore_to_hf(
         (staging / "config.json").write_text(_json(config))
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
-    from hf_mcore_bridge.layout import Layout
+    from hf_mcore_bridge.convert.layout import Layout
 
     notes = (choice.note,) if choice.note else ()
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)

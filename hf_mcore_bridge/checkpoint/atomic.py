@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hf_mcore_bridge.destination import (
+from hf_mcore_bridge.checkpoint.destination import (
     DestinationError,
     check_existing,
     check_overlap,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_mcore_bridge.parallel_style import Parallel
+from hf_mcore_bridge.convert.parallel_style import Parallel
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A chunk of a global tensor: (offsets, sizes)."""

@@ -3,7 +3,7 @@ Engine is installed and a GPU is present, megatron-core's local modules elsewher
 
 The choice travels in `TransformerConfig.transformer_impl` (`local` or `transformer_engine`), which
 `config_bridge.transformer_config_kwargs` sets to `default_transformer_impl()`; a caller may override it like any
-other `TransformerConfig` key (in GRPO, `policy.megatron_cfg.transformer.transformer_impl`). `megatron_model`
+other `TransformerConfig` key (in GRPO, `policy.megatron_cfg.transformer.transformer_impl`). `megatron.model`
 builds the matching layer spec: Transformer Engine's (its fused attention, norms fused into the linear layers),
 or the local spec with this project's SDPA core attention and sequence-parallel norms. Both name their
 parameters the same way in checkpoints, so either loads the other's.

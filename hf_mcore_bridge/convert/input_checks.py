@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.mapping_types import Dims, Shape, Size
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.mapping_types import Dims, Shape, Size
 
 Resolved = dict[Size, tuple[int, str]]
 """Each model dimension's size and the config field(s) it comes from."""

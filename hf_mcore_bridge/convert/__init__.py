@@ -1,0 +1,8 @@
+"""Conversion between HF and megatron-core checkpoints, in both directions, from one CPU process.
+
+The vocabulary that `mappings/` tables are written in (`mapping_types`, `parallel_style`, `moe_tables`), the pure
+tensor transforms (`tensor_ops`), the HF config <-> `TransformerConfig` translation (`config_bridge`), parallel
+layouts (`layout`), the shape and dtype checks made before anything is written (`input_checks`), and the
+streaming converters themselves (`to_mcore`, `to_hf`, with the legacy and Megatron-Bridge layouts). `inspect`
+reports what any of these formats holds. Needs megatron-core only where a checkpoint's own classes are read.
+"""

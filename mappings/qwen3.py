@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_errors import refuse_if
 from hf_mcore_bridge.convert.mapping_types import Direct, Size
 from hf_mcore_bridge.convert.parallel_style import Parallel
@@ -39,5 +39,7 @@ ARCHITECTURE = Architecture(
     table=(*TABLE, *QK_NORMS),
     qk_norm=True,
     check=check,
-    hf_defaults={"use_sliding_window": False},
+    hf_defaults={"use_sliding_window": False, "attention_bias": False},
+    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG),
+    tiny={"head_dim": 32, "rope_theta": 1000000.0},
 )

@@ -218,10 +218,6 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": model.tie_word_embeddings,
     }
-    if arch.model_type in ("llama", "qwen3"):
-        config["attention_bias"] = False
-    if arch.model_type == "llama":
-        config["mlp_bias"] = False
     config.update(arch.hf_defaults or {})
     if model.moe is not None and arch.moe_to_hf is not None:
         config.update(arch.moe_to_hf(model.moe))
@@ -429,16 +425,12 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     qkv_bias = bool(getattr(args, "add_qkv_bias", False))
     scaling = getattr(args, "use_rope_scaling", False)
     moe = _moe_from_args(args, get("num_layers"))
-    if architecture is None and moe is not None:
-        architecture = (
-            "Qwen2MoeForCausalLM"
-            if moe.shared_expert_size
-            else "Qwen3MoeForCausalLM"
-            if qk_norm
-            else "MixtralForCausalLM"
-        )
-    if architecture is None:
-        architecture = "Qwen3ForCausalLM" if qk_norm else "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    if architecture is None:  # written by Megatron-LM: the registered architecture with these features
+        from hf_mcore_bridge.mappings import with_features
+
+        shared = moe is not None and bool(moe.shared_expert_size)
+        features = {"moe": moe is not None, "shared_expert": shared, "qk_norm": qk_norm, "qkv_bias": qkv_bias}
+        architecture = with_features(**features).hf_name
     return ModelConfig(
         architecture=architecture,
         num_layers=get("num_layers"),

@@ -1,30 +1,30 @@
-"""Per-architecture data for the engine's one shared decoder, and the HF weight-name table it loads from.
+"""The engine's view of an architecture: the config its shared decoder is built from, and where each HF tensor goes.
 
 Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads,
-SiLU-gated MLP or a mixture of SiLU-gated experts); what differs is data on an `ArchSpec`: which projections carry
-a bias, whether q and k get a per-head RMSNorm, and for a mixture-of-experts model a `MoeSpec` (HF names of the
-block and its experts, how routing weights are normalised, whether a gated shared expert runs beside the routed
-ones). `ModelConfig.from_hf` reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig`
-the decoder is built from, refusing values the decoder would silently get wrong.
+SiLU-gated MLP or a mixture of SiLU-gated experts). What differs lives in the architecture's file in `mappings/`
+(`convert.architecture.Architecture`): its mapping table, its mixture-of-experts reading (`moe_from_hf`, the same
+one conversion uses) and the few decoder options the table does not say (`EngineOptions`: biases that HF configs
+switch on, how routing weights are rounded). `ModelConfig.from_hf` reads an HF config (a `PretrainedConfig` or
+its dict) into the frozen `ModelConfig` the decoder is built from, refusing values the decoder would get wrong.
 
-`weight_table` lists, once, every HF tensor name (with `{layer}` and `{expert}` placeholders) of a layer with a
-given MLP kind and the engine parameter it fills: `Direct` entries copy a whole tensor, `FusedQKV` / `FusedGateUp`
-entries name the HF sources that are stacked, in row order, into the engine's fused `qkv_proj` / `gate_up_proj`
-parameters, and `ExpertSlice` / `ExpertGateUp` entries fill slice `[expert]` of a parameter stacked on a leading
-expert axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows, HF's own fused layout).
-Each entry also names its tensor-parallel style (`parallel_style.Parallel`: fused q/k/v and gate/up are column
-parallel by construction; `Direct` and `ExpertSlice` say ROW, VOCAB or REPLICATED).
+`weight_table` is derived from the architecture's mapping table, not written again: each entry's HF names are
+the names the engine loads, and its megatron-core name says which engine parameter they fill, through one
+architecture-independent map (`ENGINE_PARAMS`: megatron-core's `linear_qkv` is the engine's `qkv_proj`, and so
+on). The derived records: `Direct` copies a whole tensor, `FusedQKV` / `FusedGateUp` stack HF sources in row
+order into the engine's fused `qkv_proj` / `gate_up_proj` (HF's own q, k, v order, unlike megatron-core's
+interleaving), `ExpertSlice` / `ExpertGateUp` fill slice `[expert]` of a parameter stacked on a leading expert
+axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows). Each keeps the entry's
+tensor-parallel style (`parallel_style.Parallel`). Biases an HF config switches on where the table has none
+(Llama's `attention_bias`) get names derived from their weights'.
 
 Simplifications and how to extend:
-- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE). Layer
-  placement follows the Qwen keys (`mlp_only_layers`, `decoder_sparse_step`); a config without them (Mixtral) has
-  experts in every layer. Another architecture with this routing is one more `ArchSpec` with a `MoeSpec`; grouped
-  or sigmoid routing with expert score biases (DeepSeek-V3) would need a new routing function and is not
-  implemented. `router_jitter_noise` and the auxiliary load-balancing loss are training-only and ignored.
+- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE); grouped or
+  sigmoid routing with expert score biases (DeepSeek-V3) needs a routing function of its own.
+  `router_jitter_noise` and the auxiliary load-balancing loss are training-only and ignored.
 - Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
   transformers-5 model (`mlp.experts.gate_up_proj` [E, 2F, H], gate rows then up rows; `mlp.experts.down_proj`
   [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
-  with the conversion's own rules (`Architecture.fused_experts` in `mappings/`), so there is one name table.
+  with the conversion's own rules (`Architecture.fused_experts`), so there is one name table.
 - RoPE types: default, linear and llama3. Others (yarn, dynamic, longrope) are refused, not approximated.
 - Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused.
 """
@@ -33,21 +33,20 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from hf_mcore_bridge.checkpoint.names import fill
+from hf_mcore_bridge.convert import mapping_types as mt
+from hf_mcore_bridge.convert.architecture import Architecture, Bias
+from hf_mcore_bridge.convert.config_errors import ConfigError
+from hf_mcore_bridge.convert.mapping_types import LayerKind, Size
 from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.errors import UnsupportedArchitectureError
+from hf_mcore_bridge.mappings import REGISTRY, for_config
 
-
-class Bias(enum.Enum):
-    """Whether a projection carries a bias."""
-
-    NEVER = "never"
-    ALWAYS = "always"
-    FROM_CONFIG = "from_config"
-    """Follows the HF config's `attention_bias` flag."""
-    FROM_QKV_BIAS = "from_qkv_bias"
-    """Follows the HF config's `qkv_bias` flag, true when absent (Qwen2-MoE)."""
+ARCHITECTURES: Mapping[str, Architecture] = REGISTRY
+"""The registry the engine serves: every architecture in `mappings/`."""
 
 
 class MlpKind(enum.Enum):
@@ -59,100 +58,12 @@ class MlpKind(enum.Enum):
     """A router, routed experts stacked on a leading expert axis, and optionally a gated shared expert."""
 
 
-@dataclass(frozen=True)
-class MoeSpec:
-    """How one mixture-of-experts architecture names and routes its experts."""
-
-    block: str
-    """The HF module of the MoE block inside a layer: `block_sparse_moe` (Mixtral) or `mlp` (Qwen)."""
-    gate_proj: str
-    """HF name of an expert's gate projection (`w1` in Mixtral)."""
-    up_proj: str
-    """HF name of an expert's up projection (`w3` in Mixtral)."""
-    down_proj: str
-    """HF name of an expert's down projection (`w2` in Mixtral)."""
-    width_key: str
-    """The config key of an expert's width: `intermediate_size` (Mixtral) or `moe_intermediate_size` (Qwen)."""
-    renormalize: bool | None
-    """Renormalise the top-k routing weights to sum to 1; None follows the config's `norm_topk_prob` (default
-    false)."""
-    round_routing_weights: bool
-    """Routing weights are rounded to the activation dtype before they scale the expert outputs (Qwen); Mixtral
-    scales in float32 and rounds the product. Identical in float32."""
-    shared_expert: bool = False
-    """A SiLU-gated shared expert on every token, scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """The few ways one HF decoder architecture differs from the shared decoder."""
-
-    hf_architecture: str
-    """The HF `architectures` entry, e.g. `LlamaForCausalLM`."""
-    model_type: str
-    """The HF `model_type`, used when a config carries no `architectures` list."""
-    qkv_bias: Bias = Bias.NEVER
-    """Bias on the q, k and v projections (Qwen2: always)."""
-    o_bias: Bias = Bias.NEVER
-    """Bias on the output projection."""
-    qk_norm: bool = False
-    """Per-head RMSNorm on q and k before rotary embedding (Qwen3)."""
-    moe: MoeSpec | None = None
-    """The mixture of experts, for a MoE architecture; None: every layer has a dense MLP."""
-
-
-_QWEN_MOE = MoeSpec(
-    block="mlp",
-    gate_proj="gate_proj",
-    up_proj="up_proj",
-    down_proj="down_proj",
-    width_key="moe_intermediate_size",
-    renormalize=None,
-    round_routing_weights=True,
-)
-
-LLAMA = ArchSpec("LlamaForCausalLM", "llama", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG)
-MISTRAL = ArchSpec("MistralForCausalLM", "mistral")
-QWEN2 = ArchSpec("Qwen2ForCausalLM", "qwen2", qkv_bias=Bias.ALWAYS)
-QWEN3 = ArchSpec("Qwen3ForCausalLM", "qwen3", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, qk_norm=True)
-MIXTRAL = ArchSpec(
-    "MixtralForCausalLM",
-    "mixtral",
-    moe=MoeSpec(
-        block="block_sparse_moe",
-        gate_proj="w1",
-        up_proj="w3",
-        down_proj="w2",
-        width_key="intermediate_size",
-        renormalize=True,
-        round_routing_weights=False,
-    ),
-)
-QWEN2_MOE = ArchSpec(
-    "Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=Bias.FROM_QKV_BIAS, moe=replace(_QWEN_MOE, shared_expert=True)
-)
-QWEN3_MOE = ArchSpec(
-    "Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, qk_norm=True, moe=_QWEN_MOE
-)
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    spec.hf_architecture: spec for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-}
-"""The explicit registry, keyed by the HF `architectures` entry."""
-
-
-def find_arch(hf: Mapping[str, Any]) -> ArchSpec:
-    """The spec for an HF config: by its `architectures` entry, else by its `model_type`."""
-    names = hf.get("architectures") or []
-    for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    by_type = {spec.model_type: spec for spec in ARCHITECTURES.values()}
-    if not names and hf.get("model_type") in by_type:
-        return by_type[hf["model_type"]]
-    raise NotImplementedError(
-        f"unsupported architecture {names or hf.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}"
-    )
+def find_arch(hf: Mapping[str, Any]) -> Architecture:
+    """The architecture of an HF config: by its `architectures` entry, else by its `model_type`."""
+    try:
+        return for_config(hf)
+    except UnsupportedArchitectureError as err:
+        raise NotImplementedError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -193,36 +104,31 @@ class MoeConfig:
     """The layers with a MoE block; the others have a dense MLP of width `intermediate_size`."""
 
     @classmethod
-    def from_hf(cls, spec: MoeSpec, hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        top_k = int(hf["num_experts_per_tok"])
-        if not 0 < top_k <= experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
-        renormalize = spec.renormalize if spec.renormalize is not None else bool(hf.get("norm_topk_prob", False))
+    def from_hf(cls, arch: Architecture, hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
+        """Read with the architecture's own `moe_from_hf` (the one conversion uses); its refusals are
+        `ValueError`s here."""
+        assert arch.moe_from_hf is not None
+        try:
+            moe = arch.moe_from_hf(hf, num_layers)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
         return cls(
-            num_experts=experts,
-            top_k=top_k,
-            expert_width=int(hf[spec.width_key]),
-            renormalize=renormalize,
-            round_routing_weights=spec.round_routing_weights,
-            shared_expert_width=int(hf["shared_expert_intermediate_size"]) if spec.shared_expert else None,
-            layers=moe_layers(hf, num_layers),
+            num_experts=moe.num_experts,
+            top_k=moe.topk,
+            expert_width=moe.ffn_hidden_size,
+            renormalize=not moe.pre_softmax,
+            round_routing_weights=arch.engine.round_routing_weights,
+            shared_expert_width=moe.shared_expert_size,
+            layers=frozenset(i for i, routed in enumerate(moe.moe_layers) if routed),
         )
-
-
-def moe_layers(hf: Mapping[str, Any], num_layers: int) -> frozenset[int]:
-    """Layers with experts: every `decoder_sparse_step`-th layer (1-based) that is not in `mlp_only_layers`."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense = {int(layer) for layer in hf.get("mlp_only_layers") or ()}
-    return frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the shared decoder needs, read from an HF config."""
 
-    arch: ArchSpec
-    """The architecture's differences from the shared decoder."""
+    arch: Architecture
+    """The architecture (its file in `mappings/`)."""
     vocab_size: int
     """Rows of the embedding and of the output layer."""
     hidden_size: int
@@ -276,10 +182,10 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=read_rope(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=_resolve_bias(arch.qkv_bias, hf),
-            o_bias=_resolve_bias(arch.o_bias, hf),
+            qkv_bias=_resolve_bias(arch.engine.qkv_bias, hf),
+            o_bias=_resolve_bias(arch.engine.o_bias, hf),
             sliding_window=_sliding_window(hf),
-            moe=MoeConfig.from_hf(arch.moe, hf, num_layers) if arch.moe is not None else None,
+            moe=MoeConfig.from_hf(arch, hf, num_layers) if arch.is_moe else None,
         )
 
 
@@ -343,11 +249,48 @@ def read_rope(hf: Mapping[str, Any]) -> RopeConfig:
 
 LAYER = "model.layers.{layer}"
 EXPERT = "{expert}"
+MC_LAYER = "decoder.layers.{layer}."
+
+ENGINE_PARAMS: dict[str, str] = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.local_experts.{expert}.linear_fc1.weight": "mlp.experts.w13",
+    "mlp.experts.local_experts.{expert}.linear_fc2.weight": "mlp.experts.w2",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+"""megatron-core tensor name (after `decoder.layers.{layer}.` for a layer's) -> the engine parameter it is, for
+every architecture: the engine's modules are megatron-core's, under HF-style names."""
+
+
+def engine_param(mcore: str) -> str:
+    """The engine parameter of a mapping-table entry's megatron-core name (with its placeholders)."""
+    if mcore.startswith(MC_LAYER):
+        inner = mcore.removeprefix(MC_LAYER)
+        if inner in ENGINE_PARAMS:
+            return f"{LAYER}.{ENGINE_PARAMS[inner]}"
+    elif mcore in ENGINE_PARAMS:
+        return ENGINE_PARAMS[mcore]
+    raise NotImplementedError(f"the engine has no parameter for megatron-core's {mcore!r}")
 
 
 @dataclass(frozen=True)
 class Direct:
-    """An HF tensor that is one whole engine parameter."""
+    """An HF tensor that is one whole engine parameter (derived from the mapping table, as are the records
+    below)."""
 
     name: str
     target: str | None = None
@@ -405,32 +348,60 @@ Entry = Direct | FusedQKV | FusedGateUp | ExpertSlice | ExpertGateUp
 
 
 def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
-    """Every HF tensor of a model whose layers have `mlp` blocks, and where it goes.
+    """Every HF tensor of a model whose layers have `mlp` blocks, and where it goes, derived from the
+    architecture's mapping table.
 
     `{layer}` stands for the layer index, `{expert}` for the expert index; entries without `{layer}` are the
     model's own (embedding, final norm, output layer).
     """
-    table: list[Entry] = [
-        Direct("model.embed_tokens.weight", parallel=Parallel.VOCAB),
-        Direct("model.norm.weight"),
-        Direct(f"{LAYER}.input_layernorm.weight"),
-        Direct(f"{LAYER}.post_attention_layernorm.weight"),
-        Direct(f"{LAYER}.self_attn.o_proj.weight", parallel=Parallel.ROW),
-        _qkv("weight"),
-    ]
-    if cfg.qkv_bias:
-        table.append(_qkv("bias"))
+    kind = LayerKind.MOE if mlp is MlpKind.MOE else LayerKind.DENSE
+    table: list[Entry] = []
+    for entry in cfg.arch.table:
+        if entry.layers not in (LayerKind.ALL, kind) or (entry.untied_only and cfg.tie_word_embeddings):
+            continue
+        if isinstance(entry, mt.FusedQKV) and not entry.tail and not cfg.qkv_bias:
+            continue  # a q/k/v bias the config switches off (Qwen2-MoE's `qkv_bias: false`)
+        table.append(_derived(cfg, entry))
+    qkv = next(e for e in table if isinstance(e, FusedQKV))
+    if cfg.qkv_bias and not any(isinstance(e, FusedQKV) and e.target.endswith(".bias") for e in table):
+        table.append(FusedQKV(*(_bias_of(name) for name in (qkv.target, qkv.q, qkv.k, qkv.v))))
     if cfg.o_bias:
-        table.append(Direct(f"{LAYER}.self_attn.o_proj.bias"))
-    if cfg.arch.qk_norm:
-        table += [Direct(f"{LAYER}.self_attn.q_norm.weight"), Direct(f"{LAYER}.self_attn.k_norm.weight")]
-    if not cfg.tie_word_embeddings:
-        table.append(Direct("lm_head.weight", parallel=Parallel.VOCAB))
-    if mlp is MlpKind.DENSE:
-        table += _gated_mlp(f"{LAYER}.mlp", cfg.intermediate_size)
-    else:
-        table += _moe(cfg)
+        o_proj = engine_param(f"{MC_LAYER}self_attention.linear_proj.weight")
+        table.append(Direct(_bias_of(_hf_name(table, o_proj))))
     return tuple(table)
+
+
+def _derived(cfg: ModelConfig, entry: mt.Entry) -> Entry:
+    """The engine record of one mapping-table entry."""
+    target = engine_param(entry.mcore)
+    if isinstance(entry, mt.FusedQKV):
+        return FusedQKV(target, q=entry.q, k=entry.k, v=entry.v)
+    if isinstance(entry, mt.FusedGateUp):
+        width = _width(cfg, entry.width)
+        if EXPERT in entry.gate:
+            return ExpertGateUp(target, gate=entry.gate, up=entry.up, width=width)
+        return FusedGateUp(target, gate=entry.gate, up=entry.up, width=width)
+    if EXPERT in entry.hf:
+        return ExpertSlice(target, source=entry.hf, parallel=entry.parallel)
+    return Direct(entry.hf, target=None if target == entry.hf else target, parallel=entry.parallel)
+
+
+def _width(cfg: ModelConfig, size: Size) -> int:
+    widths = {Size.FFN: cfg.intermediate_size}
+    if cfg.moe is not None:
+        widths[Size.EXPERT_FFN] = cfg.moe.expert_width
+        if cfg.moe.shared_expert_width is not None:
+            widths[Size.SHARED_FFN] = cfg.moe.shared_expert_width
+    return widths[size]
+
+
+def _bias_of(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".bias"
+
+
+def _hf_name(table: list[Entry], param: str) -> str:
+    """The HF name of the table record that fills `param`."""
+    return next(e.name for e in table if isinstance(e, Direct) and (e.target or e.name) == param)
 
 
 def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -439,50 +410,6 @@ def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:
     if cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     return tuple(names)
-
-
-def _qkv(leaf: str) -> FusedQKV:
-    return FusedQKV(
-        f"{LAYER}.self_attn.qkv_proj.{leaf}",
-        q=f"{LAYER}.self_attn.q_proj.{leaf}",
-        k=f"{LAYER}.self_attn.k_proj.{leaf}",
-        v=f"{LAYER}.self_attn.v_proj.{leaf}",
-    )
-
-
-def _gated_mlp(prefix: str, width: int) -> list[Entry]:
-    """A SiLU-gated MLP with HF's `gate_proj` / `up_proj` / `down_proj` names under `prefix`."""
-    return [
-        FusedGateUp(
-            f"{prefix}.gate_up_proj.weight",
-            gate=f"{prefix}.gate_proj.weight",
-            up=f"{prefix}.up_proj.weight",
-            width=width,
-        ),
-        Direct(f"{prefix}.down_proj.weight", parallel=Parallel.ROW),
-    ]
-
-
-def _moe(cfg: ModelConfig) -> list[Entry]:
-    """Router, stacked routed experts and (Qwen2-MoE) the gated shared expert; the engine's block is `mlp`."""
-    spec, moe = cfg.arch.moe, cfg.moe
-    assert spec is not None and moe is not None
-    hf_block, block = f"{LAYER}.{spec.block}", f"{LAYER}.mlp"
-    expert = f"{hf_block}.experts.{EXPERT}"
-    table: list[Entry] = [
-        Direct(f"{hf_block}.gate.weight", target=f"{block}.gate.weight"),
-        ExpertGateUp(
-            f"{block}.experts.w13",
-            gate=f"{expert}.{spec.gate_proj}.weight",
-            up=f"{expert}.{spec.up_proj}.weight",
-            width=moe.expert_width,
-        ),
-        ExpertSlice(f"{block}.experts.w2", source=f"{expert}.{spec.down_proj}.weight", parallel=Parallel.ROW),
-    ]
-    if moe.shared_expert_width is not None:
-        table += _gated_mlp(f"{block}.shared_expert", moe.shared_expert_width)
-        table.append(Direct(f"{block}.shared_expert_gate.weight"))
-    return table
 
 
 @dataclass(frozen=True)
@@ -505,10 +432,7 @@ def fused_expert_pieces(cfg: ModelConfig) -> dict[str, tuple[FusedPiece, ...]]:
     """
     if cfg.moe is None:
         return {}
-    from hf_mcore_bridge.convert.mapping_types import fill
-    from hf_mcore_bridge.mappings import get_architecture
-
-    rules = get_architecture(cfg.arch.hf_architecture).fused_experts or {}
+    rules = cfg.arch.fused_experts or {}
     pieces: dict[str, list[FusedPiece]] = {}
     for layer in sorted(cfg.moe.layers):
         for template, (fused_template, part) in rules.items():

@@ -13,8 +13,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, ModelConfig
-from hf_mcore_bridge.engine.arch import QWEN2, QWEN3, RopeConfig, read_rope
+from hf_mcore_bridge.engine.arch import RopeConfig, read_rope
 from hf_mcore_bridge.engine.model import rope_inv_freq
+from hf_mcore_bridge.mappings.qwen2 import ARCHITECTURE as QWEN2
+from hf_mcore_bridge.mappings.qwen3 import ARCHITECTURE as QWEN3
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

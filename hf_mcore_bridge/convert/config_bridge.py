@@ -54,6 +54,20 @@ class MoeConfig:
     """FFN width of the shared expert (Qwen2-MoE), if any."""
     shared_expert_gate: bool = False
     """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
+    score_function: str = "softmax"
+    """The router's score of each expert: `softmax` over the experts, or an independent `sigmoid` per expert
+    (DeepSeek-V3, GLM-4.5; megatron-core's `moe_router_score_function`). Sigmoid scores of the chosen experts are
+    always renormalised to sum to 1 by megatron-core (HF `norm_topk_prob=True`)."""
+    expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing the experts only, not to their weights (HF
+    `e_score_correction_bias`; megatron-core's `moe_router_enable_expert_bias`, its `router.expert_bias`)."""
+    topk_scaling_factor: float | None = None
+    """The chosen experts' weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts are cut into this many groups (HF `n_group`); None: no groups."""
+    group_topk: int | None = None
+    """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
+    `topk / group_topk` scores (megatron-core's rule)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,11 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
         "moe_aux_loss_coeff": 0.0,
         "moe_shared_expert_intermediate_size": moe.shared_expert_size,
         "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_router_score_function": moe.score_function,
+        "moe_router_enable_expert_bias": moe.expert_bias,
+        "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
+        "moe_router_num_groups": moe.num_groups,
+        "moe_router_group_topk": moe.group_topk,
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "allgather",
         "expert_tensor_parallel_size": layout.etp,
@@ -401,6 +420,11 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | Non
         aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0)),
         shared_expert_size=getattr(args, "moe_shared_expert_intermediate_size", None),
         shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)),
+        score_function=getattr(args, "moe_router_score_function", None) or "softmax",
+        expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        num_groups=getattr(args, "moe_router_num_groups", None),
+        group_topk=getattr(args, "moe_router_group_topk", None),
     )
 
 

@@ -15,6 +15,9 @@ Callers must also pass an explicit attention mask: the default causal mask is bu
 `apply_te_absent_workarounds()` is applied wherever Transformer Engine is missing, GPU or not:
 - The MoE router refers to Transformer Engine's `te_general_gemm`, undefined when TE is absent: it is set to None,
   which megatron-core's own code treats as "use torch".
+- Multi-latent attention believes TE is there whenever `megatron.core.extensions.transformer_engine` imports (it
+  does, with stand-ins for TE's classes) and then calls `isinstance` with a stand-in: its `HAVE_TE` is set to
+  False.
 
 Training (pipeline schedules, DDP, `get_megatron_optimizer`, gradient clipping) needs more, applied by
 `apply_cpu_training_workarounds()` (it imports megatron-core's optimizer, so it is separate and opt-in):
@@ -115,7 +118,11 @@ def apply_cpu_training_workarounds() -> bool:
 
 def apply_te_absent_workarounds() -> None:
     """Define what megatron-core's MoE code references from Transformer Engine when TE is not installed."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False

@@ -300,6 +300,8 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: object | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         self.cp_group = None
@@ -310,7 +312,8 @@ class SDPAttention(MegatronModule):
             self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        head_dim = config.kv_channels
+        # multi-latent attention passes its query/key and value head widths (they differ) and its own scale
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
     def forward(

@@ -2,7 +2,8 @@
 
 Shapes are small but exercise what conversions get wrong: grouped-query attention (8 heads, 4 KV groups, so TP
 up to 4), an odd vocabulary that needs padding, tied or untied embeddings, Qwen2's q/k/v biases, Qwen3's q/k
-norms with a head_dim that is not hidden/heads, and Llama-3 RoPE scaling.
+norms with a head_dim that is not hidden/heads, Llama-3 RoPE scaling, and DeepSeek-V3's multi-latent attention
+with YaRN and its sigmoid, group-limited router.
 """
 
 from __future__ import annotations
@@ -57,5 +58,9 @@ def build_tiny_model(
         for param in model.parameters():  # norms start at 1 and biases at 0: randomise so mistakes show
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
+        saved = model.state_dict().keys()
+        for name, buffer in model.named_buffers():  # saved buffers too (DeepSeek-V3's expert-score correction)
+            if name in saved and buffer.is_floating_point():
+                buffer.add_(torch.randn_like(buffer) * 0.1)
     model.to(dtype).save_pretrained(directory)
     return directory

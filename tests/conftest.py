@@ -76,10 +76,25 @@ def tiny_models_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     }
 
 
+MOONLIGHT_LIKE = {
+    "q_lora_rank": None,
+    "rope_interleave": False,
+    "rope_scaling": None,
+    "rope_theta": 50000.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 3,
+}
+"""DeepSeek-V3 with a full-rank query projection (Moonlight), plain RoPE with weights in rotate-half order, no
+expert groups."""
+
 MOE_VARIANTS = {
     "mixtral": ("MixtralForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeForCausalLM", {}),  # layer 1 dense (mlp_only_layers): a heterogeneous stack
     "qwen2_moe": ("Qwen2MoeForCausalLM", {}),  # shared expert with its gate, no top-k renormalisation
+    # multi-latent attention, YaRN, sigmoid router with expert bias and 4 groups of 4 experts, a dense layer 0
+    "deepseek_v3": ("DeepseekV3ForCausalLM", {}),
+    "moonlight": ("DeepseekV3ForCausalLM", MOONLIGHT_LIKE),
 }
 
 

@@ -1,6 +1,7 @@
-"""Mixture-of-experts: Mixtral, Qwen3-MoE (with dense layers) and Qwen2-MoE (shared expert) at EP2, TP2EP2 and
-PP2EP2: logit parity through real megatron-core, bit-exact round trips in both formats, checkpoints saved by
-megatron-core, fused HF expert layouts, and the router configuration."""
+"""Mixture-of-experts: Mixtral, Qwen3-MoE (with dense layers), Qwen2-MoE (shared expert) and DeepSeek-V3 (multi-latent
+attention, sigmoid group-limited router; two variants) at EP2, TP2EP2 and PP2EP2: logit parity through real
+megatron-core, bit-exact round trips in both formats, checkpoints saved by megatron-core, fused HF expert layouts,
+and the router configuration."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_moe_logit_parity_through_megatron_core(layout_name, tiny_moe_models, tm
     layout = LAYOUTS[layout_name]
     jobs = []
     for name, hf_dir in tiny_moe_models.items():
-        spec = "local" if name == "qwen3_moe" else "te"  # both namings of a MoE layer's pre-MLP norm
+        spec = "local" if name in ("qwen3_moe", "moonlight") else "te"  # both namings of the layers' norms
         convert_hf_to_mcore(hf_dir, tmp_path / name, layout=layout, spec=spec, show_progress=False)
         jobs.append(VerifyJob(hf_dir, tmp_path / name))
     for result in verify(jobs, layout, seq_len=20):
@@ -84,8 +85,9 @@ def test_moe_checkpoint_saved_by_megatron_core_exports_to_matching_hf(tiny_moe_m
 
 
 @pytest.mark.slow
-def test_megatron_core_loads_legacy_moe_files_strictly(tiny_moe_models, tmp_path):
-    hf_dir = tiny_moe_models["mixtral"]
+@pytest.mark.parametrize("variant", ["mixtral", "deepseek_v3"])
+def test_megatron_core_loads_legacy_moe_files_strictly(variant, tiny_moe_models, tmp_path):
+    hf_dir = tiny_moe_models[variant]
     layout = Layout(ep=2)
     convert_hf_to_mcore(
         hf_dir, tmp_path / "m", layout=layout, checkpoint_format="torch", spec="local", show_progress=False

@@ -83,6 +83,11 @@ class Architecture:
         return self.moe_from_hf is not None
 
     @property
+    def multi_latent(self) -> bool:
+        """Whether its attention is multi-latent (a table entry of the key/value latent's width)."""
+        return any(Size.KV_LORA in _sizes(entry) or Size.KV_DOWN in _sizes(entry) for entry in self.table)
+
+    @property
     def has_shared_expert(self) -> bool:
         """Whether its MoE layers have a shared expert beside the routed ones (a table entry of that width)."""
         return any(Size.SHARED_FFN in _sizes(entry) for entry in self.table)

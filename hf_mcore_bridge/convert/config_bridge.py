@@ -7,6 +7,12 @@
 Anything megatron-core cannot represent is refused naming the field; nothing is approximated. In particular:
 RoPE must be plain or Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4) and
 original length 8192, and a missing rope theta is an error rather than a default.
+
+Multi-latent attention (a config with `kv_lora_rank`, DeepSeek-V2/V3 style) is a property of the config, not of
+an architecture name: its dimensions go to megatron-core's `MLATransformerConfig`, with plain RoPE or DeepSeek's
+YaRN (`rope_type: yarn` with `factor`, `original_max_position_embeddings`, `beta_fast`/`beta_slow`, `mscale` and
+`mscale_all_dim`, which megatron-core's `YarnRotaryEmbedding` computes as HF does). YaRN options HF has and
+megatron-core lacks (`attention_factor`, `truncate: false`, `mscale_all_dim` without `mscale`) are refused.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from hf_mcore_bridge.checkpoint.megatron_lm_args import loader_defaults
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_errors import ConfigError, require
 from hf_mcore_bridge.convert.layout import Layout, validate_layout
-from hf_mcore_bridge.convert.mapping_types import Dims
+from hf_mcore_bridge.convert.mapping_types import Dims, Requires
 from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size
 from hf_mcore_bridge.convert.transformer_impl import default_transformer_impl
+from hf_mcore_bridge.errors import LayoutError
 
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""
@@ -68,6 +75,46 @@ class MoeConfig:
     group_topk: int | None = None
     """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
     `topk / group_topk` scores (megatron-core's rule)."""
+    router_dtype: str | None = None
+    """megatron-core's `moe_router_dtype`: `fp32` computes the router logits in float32 whatever the model's dtype
+    (as HF's DeepSeek-V3 router does); None: in the activations' dtype."""
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents, RoPE on its own
+    slice of every query/key head (megatron-core's `MLATransformerConfig`)."""
+
+    q_lora_rank: int | None
+    """Rank of the query's down-projection (HF `q_lora_rank`); None: one full-rank query projection (Moonlight)."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent (HF `kv_lora_rank`)."""
+    qk_nope_head_dim: int
+    """Query/key dims per head without RoPE (HF `qk_nope_head_dim`; megatron-core's `qk_head_dim`)."""
+    qk_rope_head_dim: int
+    """Query/key dims per head with RoPE (HF `qk_rope_head_dim`; megatron-core's `qk_pos_emb_head_dim`)."""
+    v_head_dim: int
+    """Value dims per head."""
+    rotate_half: bool = False
+    """The HF weights order the rotary dims rotate-half style (HF `rope_interleave=false`); megatron-core's MLA
+    pairs dims 2i, 2i + 1 as DeepSeek's weights do (`rope_interleave=true`), so such weights are permuted on the
+    way (`mapping_types.RotaryRows`). Not recorded in megatron-core: its checkpoint holds interleaved rows."""
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """DeepSeek's YaRN RoPE scaling, as both HF and megatron-core's `YarnRotaryEmbedding` compute it."""
+
+    factor: float
+    """Context extension factor (HF `factor`; megatron-core's `rotary_scaling_factor`)."""
+    original_max_position_embeddings: int
+    """The pre-training context length the correction range is computed from."""
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    """Numerator of the rotary concentration `mscale(factor, mscale) / mscale(factor, mscale_all_dim)`."""
+    mscale_all_dim: float
+    """Denominator of that concentration; `mscale(factor, mscale_all_dim)^2` also multiplies the softmax scale."""
 
 
 @dataclass(frozen=True)
@@ -96,14 +143,22 @@ class ModelConfig:
     """The dtype the HF checkpoint declares (`float32`, `bfloat16`, ...), if any."""
     moe: MoeConfig | None = None
     """The mixture-of-experts part, None for a dense model."""
+    mla: MlaConfig | None = None
+    """Multi-latent attention, None for grouped-query attention."""
+    yarn: YarnConfig | None = None
+    """YaRN RoPE scaling (with multi-latent attention only), None for none."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers after the decoder (HF `num_nextn_predict_layers` where the checkpoint holds
+    their tensors; megatron-core's `mtp_num_layers`)."""
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.moe_layers[layer]
 
     @property
     def homogeneous(self) -> bool:
-        """All decoder layers of one kind: megatron-core then stacks them under one checkpoint key."""
-        return self.moe is None or len(set(self.moe.moe_layers)) == 1
+        """All decoder layers of one kind: megatron-core then stacks them under one checkpoint key. A MoE model all
+        of whose layers are dense is not (its `moe_layer_freq` is a list, which megatron-core never stacks)."""
+        return self.moe is None or all(self.moe.moe_layers)
 
     def dims(self, padded_vocab: int) -> Dims:
         """The dimensions the mapping table's fused transforms need."""
@@ -113,7 +168,16 @@ class ModelConfig:
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
             padded_vocab_size=padded_vocab,
+            **(_mla_dims(self.mla) if self.mla else {}),
         )
+
+    def has(self, part: Requires) -> bool:
+        """Whether the model has an optional part that table entries may require."""
+        if part is Requires.Q_LORA:
+            return self.mla is not None and self.mla.q_lora_rank is not None
+        if part is Requires.FULL_RANK_Q:
+            return self.mla is not None and self.mla.q_lora_rank is None
+        return True
 
     def validate(self, layout: Layout) -> None:
         """Refuse a layout megatron-core cannot build for this model."""
@@ -126,6 +190,27 @@ class ModelConfig:
             num_experts=self.moe.num_experts if self.moe else None,
             moe_ffn_hidden_size=self.moe.ffn_hidden_size if self.moe else None,
         )
+        if self.mla is not None:
+            _validate_mla_layout(self.mla, layout)
+
+
+def _mla_dims(mla: MlaConfig) -> dict[str, Any]:
+    return {
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "rotate_half_rotary": mla.rotate_half,
+    }
+
+
+def _validate_mla_layout(mla: MlaConfig, layout: Layout) -> None:
+    """megatron-core's local layer spec splits MLA's down-projections over TP (column-parallel, then gathered)."""
+    widths = {"kv_lora_rank + qk_rope_head_dim": mla.kv_lora_rank + mla.qk_rope_head_dim}
+    if mla.q_lora_rank is not None:
+        widths["q_lora_rank"] = mla.q_lora_rank
+    for what, width in widths.items():
+        if width % layout.tp:
+            raise LayoutError(f"{what}={width} is not divisible by tp={layout.tp}")
 
 
 def _positive_int(config: Mapping[str, Any], field: str) -> int:
@@ -135,8 +220,9 @@ def _positive_int(config: Mapping[str, Any], field: str) -> int:
     return value
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
-    """(theta, llama3 scaling factor or None) from either the transformers-5 or the older config form."""
+def _rope(config: Mapping[str, Any], mla: bool = False) -> tuple[float, float | None, YarnConfig | None]:
+    """(theta, llama3 scaling factor or None, YaRN or None) from either the transformers-5 or the older form.
+    YaRN is taken with multi-latent attention (`mla`) only, Llama-3 scaling without it."""
     params = config.get("rope_parameters")
     if params is not None:
         if not isinstance(params, Mapping) or ("rope_type" not in params and "rope_theta" not in params):
@@ -149,10 +235,16 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
     if theta is None:
         raise ConfigError("config field 'rope_theta' is missing (no default is assumed: it changes the logits)")
     if not scaling:
-        return float(theta), None
+        return float(theta), None, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, None
+    if rope_type == "yarn" and mla:
+        return float(theta), None, _yarn(config, scaling)
+    if rope_type == "yarn":
+        raise ConfigError("config field rope_type='yarn' is converted with multi-latent attention only")
+    if rope_type == "llama3" and mla:
+        raise ConfigError("config field rope_type='llama3' cannot be represented in megatron-core's MLA")
     if rope_type != "llama3":
         raise ConfigError(f"config field rope_type={rope_type!r} cannot be represented in megatron-core")
     for field, expected in MCORE_LLAMA3_ROPE.items():
@@ -162,7 +254,58 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, float | None]:
                 f"config field rope_scaling.{field}={value!r} cannot be represented in megatron-core "
                 f"(it hard-codes {expected:g})"
             )
-    return float(theta), float(require(scaling, "factor"))
+    return float(theta), float(require(scaling, "factor")), None
+
+
+def _yarn(config: Mapping[str, Any], scaling: Mapping[str, Any]) -> YarnConfig:
+    """HF's YaRN settings as megatron-core's: the same correction range (floor/ceil of the bounds), ramp and
+    concentration. HF ignores `mscale` unless `mscale_all_dim` is set; megatron-core always uses both."""
+    original = int(require(scaling, "original_max_position_embeddings"))
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else _positive_int(config, "max_position_embeddings") / original
+    if scaling.get("attention_factor") is not None:
+        raise ConfigError("config field rope_scaling.attention_factor cannot be represented in megatron-core")
+    if scaling.get("truncate", True) is not True:
+        raise ConfigError("config field rope_scaling.truncate=false cannot be represented in megatron-core")
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("config field rope_scaling.partial_rotary_factor cannot be represented in megatron-core")
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise ConfigError(
+            f"config field rope_scaling.mscale_all_dim={all_dim!r} without mscale cannot be represented in "
+            "megatron-core (which divides the concentration by mscale(factor, mscale_all_dim))"
+        )
+    return YarnConfig(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        mscale=float(mscale) if all_dim else 1.0,
+        mscale_all_dim=float(all_dim or 0.0),
+    )
+
+
+def _mla(config: Mapping[str, Any], heads: int) -> MlaConfig | None:
+    """Multi-latent attention where the config has `kv_lora_rank`; its key/value heads must be its query heads."""
+    if config.get("kv_lora_rank") is None:
+        return None
+    groups = config.get("num_key_value_heads") or heads
+    if groups != heads:
+        raise ConfigError(
+            f"config field num_key_value_heads={groups} cannot be represented with multi-latent attention "
+            f"(megatron-core's MLA has one key/value head per query head, {heads})"
+        )
+    if config.get("attention_bias"):
+        raise ConfigError("config field attention_bias=True cannot be represented in megatron-core's MLA")
+    q_lora = config.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=_positive_int(config, "q_lora_rank") if q_lora is not None else None,
+        kv_lora_rank=_positive_int(config, "kv_lora_rank"),
+        qk_nope_head_dim=_positive_int(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=_positive_int(config, "qk_rope_head_dim"),
+        v_head_dim=_positive_int(config, "v_head_dim"),
+        rotate_half=config.get("rope_interleave", True) is False,
+    )
 
 
 def _layer_types_are_full(config: Mapping[str, Any]) -> None:
@@ -185,10 +328,14 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
     head_dim = config.get("head_dim") or hidden // heads
     if heads % groups:
         raise ConfigError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={groups}")
-    theta, factor = _rope(config)
+    mla = _mla(config, heads)
+    theta, factor, yarn = _rope(config, mla is not None)
     dtype = config.get("torch_dtype", config.get("dtype"))
     num_layers = _positive_int(config, "num_hidden_layers")
     moe = arch.moe_from_hf(config, num_layers) if arch.moe_from_hf else None
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        raise ConfigError(f"config field num_nextn_predict_layers={mtp!r} must be a non-negative integer")
     return ModelConfig(
         architecture=arch.hf_name,
         num_layers=num_layers,
@@ -207,6 +354,9 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
         qk_norm=arch.qk_norm,
         torch_dtype=str(dtype) if dtype is not None else None,
         moe=moe,
+        mla=mla,
+        yarn=yarn,
+        mtp_layers=mtp,
     )
 
 
@@ -232,6 +382,8 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": model.tie_word_embeddings,
     }
+    if model.mla is not None:
+        config.update(_mla_to_hf(model))
     config.update(arch.hf_defaults or {})
     if model.moe is not None and arch.moe_to_hf is not None:
         config.update(arch.moe_to_hf(model.moe))
@@ -240,6 +392,61 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
     for key, value in (extra or {}).items():
         config.setdefault(key, value)
     return config
+
+
+def _mla_to_hf(model: ModelConfig) -> dict[str, Any]:
+    """The multi-latent attention fields of an HF config (DeepSeek-V3's names), with its RoPE."""
+    assert model.mla is not None
+    mla = model.mla
+    fields: dict[str, Any] = {
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "head_dim": mla.qk_rope_head_dim,
+        "rope_interleave": not mla.rotate_half,
+        "num_nextn_predict_layers": model.mtp_layers,
+    }
+    if model.yarn is not None:
+        yarn = model.yarn
+        fields["rope_scaling"] = {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow,
+            "mscale": yarn.mscale,
+            "mscale_all_dim": yarn.mscale_all_dim,
+        }
+    return fields
+
+
+def _mla_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """`MLATransformerConfig` fields (`megatron.model.transformer_config` picks that class when they are set)."""
+    mla, yarn = model.mla, model.yarn
+    if mla is None:
+        return {}
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_head_dim": mla.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "qk_layernorm": True,  # the q and kv latents' RMSNorms (HF q_a_layernorm, kv_a_layernorm)
+        "rope_type": "yarn" if yarn else "rope",
+        "rotary_base": model.rope_theta,
+        "rotary_percent": 1.0,
+        "rotary_scaling_factor": yarn.factor if yarn else 1.0,
+        "original_max_position_embeddings": yarn.original_max_position_embeddings if yarn else 4096,
+        "beta_fast": yarn.beta_fast if yarn else 32.0,
+        "beta_slow": yarn.beta_slow if yarn else 1.0,
+        "mscale": yarn.mscale if yarn else 1.0,
+        "mscale_all_dim": yarn.mscale_all_dim if yarn else 0.0,
+        "apply_rope_fusion": False,
+    }
 
 
 def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
@@ -262,6 +469,10 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
         "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
         "moe_router_num_groups": moe.num_groups,
         "moe_router_group_topk": moe.group_topk,
+        # megatron-core would move the expert bias towards balanced loads after every step (DeepSeek's
+        # pre-training rule); the HF model, and so fine-tuning here, keeps it fixed
+        **({"moe_router_bias_update_rate": 0.0} if moe.expert_bias else {}),
+        **({"moe_router_dtype": moe.router_dtype} if moe.router_dtype else {}),
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "allgather",
         "expert_tensor_parallel_size": layout.etp,
@@ -274,36 +485,42 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
 
     MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training. The
     auxiliary load-balancing loss is off (`moe_aux_loss_coeff` 0, whatever the HF `router_aux_loss_coef`).
+    Multi-token-prediction layers are left out (`mtp_num_layers` unset): megatron-core's GPTModel then computes
+    their loss on every forward and needs labels; `megatron.model.build_gpt_model(mtp=True)` builds them.
     """
-    return _moe_kwargs(model.moe, layout) | {
-        "num_layers": model.num_layers,
-        "hidden_size": model.hidden_size,
-        "ffn_hidden_size": model.ffn_hidden_size,
-        "num_attention_heads": model.num_attention_heads,
-        "num_query_groups": model.num_query_groups,
-        "kv_channels": model.head_dim,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": model.norm_epsilon,
-        "gated_linear_unit": True,
-        "activation_func": torch.nn.functional.silu,
-        "add_bias_linear": False,
-        "add_qkv_bias": model.qkv_bias,
-        "qk_layernorm": model.qk_norm,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "tensor_model_parallel_size": layout.tp,
-        "pipeline_model_parallel_size": layout.pp,
-        "virtual_pipeline_model_parallel_size": layout.vpp,
-        "context_parallel_size": layout.cp,
-        "expert_model_parallel_size": layout.ep,
-        "num_layers_in_first_pipeline_stage": layout.first_stage_layers,
-        "num_layers_in_last_pipeline_stage": layout.last_stage_layers,
-        "params_dtype": dtype,
-        "pipeline_dtype": dtype,
-        "bf16": dtype == torch.bfloat16,
-        "fp16": dtype == torch.float16,
-        "transformer_impl": default_transformer_impl(),
-    }
+    return (
+        _moe_kwargs(model.moe, layout)
+        | _mla_kwargs(model)
+        | {
+            "num_layers": model.num_layers,
+            "hidden_size": model.hidden_size,
+            "ffn_hidden_size": model.ffn_hidden_size,
+            "num_attention_heads": model.num_attention_heads,
+            "num_query_groups": model.num_query_groups,
+            "kv_channels": model.head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": model.norm_epsilon,
+            "gated_linear_unit": True,
+            "activation_func": torch.nn.functional.silu,
+            "add_bias_linear": False,
+            "add_qkv_bias": model.qkv_bias,
+            "qk_layernorm": model.qk_norm or model.mla is not None,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "tensor_model_parallel_size": layout.tp,
+            "pipeline_model_parallel_size": layout.pp,
+            "virtual_pipeline_model_parallel_size": layout.vpp,
+            "context_parallel_size": layout.cp,
+            "expert_model_parallel_size": layout.ep,
+            "num_layers_in_first_pipeline_stage": layout.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": layout.last_stage_layers,
+            "params_dtype": dtype,
+            "pipeline_dtype": dtype,
+            "bf16": dtype == torch.bfloat16,
+            "fp16": dtype == torch.float16,
+            "transformer_impl": default_transformer_impl(),
+        }
+    )
 
 
 def gpt_model_kwargs(model: ModelConfig, padded_vocab: int) -> dict[str, Any]:
@@ -389,8 +606,10 @@ def megatron_args(
         attention_dropout=0.0,
         tokenizer_type="HuggingFaceTokenizer",
         hf_architecture=model.architecture,
+        mtp_num_layers=model.mtp_layers or None,
         **_moe_args(model.moe),
     )
+    values.update(_mla_kwargs(model))
     return argparse.Namespace(**(loader_defaults() | values))
 
 
@@ -425,7 +644,32 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | Non
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         num_groups=getattr(args, "moe_router_num_groups", None),
         group_topk=getattr(args, "moe_router_group_topk", None),
+        router_dtype=getattr(args, "moe_router_dtype", None),
     )
+
+
+def _mla_from_args(args: argparse.Namespace) -> tuple[MlaConfig | None, YarnConfig | None]:
+    """Multi-latent attention and its YaRN from Megatron-LM's argument names (megatron-core's field names)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return None, None
+    mla = MlaConfig(
+        q_lora_rank=getattr(args, "q_lora_rank", None),
+        kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_head_dim,
+        qk_rope_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+    )
+    if getattr(args, "rope_type", "yarn") != "yarn":
+        return mla, None
+    yarn = YarnConfig(
+        factor=float(args.rotary_scaling_factor),
+        original_max_position_embeddings=int(getattr(args, "original_max_position_embeddings", 4096)),
+        beta_fast=float(getattr(args, "beta_fast", 32.0)),
+        beta_slow=float(getattr(args, "beta_slow", 1.0)),
+        mscale=float(getattr(args, "mscale", 1.0)),
+        mscale_all_dim=float(getattr(args, "mscale_all_dim", 0.0)),
+    )
+    return mla, yarn
 
 
 def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
@@ -445,7 +689,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     if get("normalization", "LayerNorm") != "RMSNorm":
         raise ConfigError(f"checkpoint args normalization={args.normalization!r}; only RMSNorm is supported")
     architecture = getattr(args, "hf_architecture", None)
-    qk_norm = bool(getattr(args, "qk_layernorm", False))
+    mla, yarn = _mla_from_args(args)
+    qk_norm = bool(getattr(args, "qk_layernorm", False)) and mla is None  # MLA's are its latents' norms
     qkv_bias = bool(getattr(args, "add_qkv_bias", False))
     scaling = getattr(args, "use_rope_scaling", False)
     moe = _moe_from_args(args, get("num_layers"))
@@ -454,6 +699,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
 
         shared = moe is not None and bool(moe.shared_expert_size)
         features = {"moe": moe is not None, "shared_expert": shared, "qk_norm": qk_norm, "qkv_bias": qkv_bias}
+        features["mla"] = mla is not None
         architecture = with_features(**features).hf_name
     return ModelConfig(
         architecture=architecture,
@@ -474,4 +720,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         qk_norm=qk_norm,
         torch_dtype=DTYPE_NAMES.get(getattr(args, "params_dtype", None)),
         moe=moe,
+        mla=mla,
+        yarn=yarn,
+        mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
     )

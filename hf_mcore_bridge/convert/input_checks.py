@@ -29,7 +29,7 @@ Resolved = dict[Size, tuple[int, str]]
 
 def _sizes(model: ModelConfig) -> dict[Size, int | None]:
     moe = model.moe
-    return {
+    return _mla_sizes(model) | {
         Size.HIDDEN: model.hidden_size,
         Size.Q: model.num_attention_heads * model.head_dim,
         Size.KV: model.num_query_groups * model.head_dim,
@@ -40,7 +40,42 @@ def _sizes(model: ModelConfig) -> dict[Size, int | None]:
         Size.VOCAB: model.vocab_size,
         Size.EXPERTS: moe.num_experts if moe else None,
         Size.ONE: 1,
+        Size.TWO_HIDDEN: 2 * model.hidden_size,
     }
+
+
+def _mla_sizes(model: ModelConfig) -> dict[Size, int | None]:
+    mla, heads = model.mla, model.num_attention_heads
+    if mla is None:
+        return {}
+    return {
+        Size.MLA_Q: heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim),
+        Size.Q_LORA: mla.q_lora_rank,
+        Size.KV_LORA: mla.kv_lora_rank,
+        Size.KV_DOWN: mla.kv_lora_rank + mla.qk_rope_head_dim,
+        Size.KV_UP: heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+        Size.MLA_V: heads * mla.v_head_dim,
+    }
+
+
+_MLA_HF_LABELS = {
+    Size.MLA_Q: "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)",
+    Size.Q_LORA: "q_lora_rank",
+    Size.KV_LORA: "kv_lora_rank",
+    Size.KV_DOWN: "kv_lora_rank + qk_rope_head_dim",
+    Size.KV_UP: "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
+    Size.MLA_V: "num_attention_heads * v_head_dim",
+    Size.TWO_HIDDEN: "2 * hidden_size",
+}
+_MLA_MEGATRON_LABELS = {
+    Size.MLA_Q: "num_attention_heads * (qk_head_dim + qk_pos_emb_head_dim)",
+    Size.Q_LORA: "q_lora_rank",
+    Size.KV_LORA: "kv_lora_rank",
+    Size.KV_DOWN: "kv_lora_rank + qk_pos_emb_head_dim",
+    Size.KV_UP: "num_attention_heads * (qk_head_dim + v_head_dim)",
+    Size.MLA_V: "num_attention_heads * v_head_dim",
+    Size.TWO_HIDDEN: "2 * hidden_size",
+}
 
 
 def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
@@ -53,10 +88,17 @@ def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
         Size.FFN: "intermediate_size",
         # Mixtral keeps the expert width in intermediate_size and the expert count in num_local_experts
         Size.EXPERT_FFN: "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size",
-        Size.SHARED_FFN: "shared_expert_intermediate_size",
+        Size.SHARED_FFN: (
+            "moe_intermediate_size * n_shared_experts"
+            if "n_shared_experts" in config
+            else "shared_expert_intermediate_size"
+        ),
         Size.VOCAB: "vocab_size",
-        Size.EXPERTS: "num_experts" if config.get("num_experts") else "num_local_experts",
+        Size.EXPERTS: next(
+            (key for key in ("num_experts", "n_routed_experts") if config.get(key)), "num_local_experts"
+        ),
         Size.ONE: "1",
+        **_MLA_HF_LABELS,
     }
     return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
 
@@ -74,6 +116,7 @@ def megatron_sizes(model: ModelConfig) -> Resolved:
         Size.VOCAB: "vocab_size",
         Size.EXPERTS: "num_experts",
         Size.ONE: "1",
+        **_MLA_MEGATRON_LABELS,
     }
     return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
 

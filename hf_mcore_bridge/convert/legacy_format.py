@@ -24,7 +24,14 @@ import torch
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
 from hf_mcore_bridge.convert.layout import Layout, stage_layer_counts
-from hf_mcore_bridge.convert.mapping_types import Entry, dcp_key, extra_state_module, fill, is_layered
+from hf_mcore_bridge.convert.mapping_types import (
+    LOCAL_MLA_SPEC_KEYS,
+    Entry,
+    dcp_key,
+    extra_state_module,
+    fill,
+    is_layered,
+)
 from hf_mcore_bridge.convert.model_plan import Placed
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.convert.tensor_ops import global_shape, merge_rank_shards, rank_shard
@@ -35,7 +42,8 @@ LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
-"""Transformer-Engine names (as the distributed checkpoint stores them) -> the local spec's module names."""
+"""Transformer-Engine names (as the distributed checkpoint stores them) -> the local spec's module names (with
+multi-latent attention: `LOCAL_MLA_SPEC_KEYS`, its input norm having one name in both)."""
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
@@ -80,11 +88,13 @@ def model_chunks(layout: Layout, num_layers: int) -> list[ModelChunk]:
     return chunks
 
 
-def local_name(mcore_template: str, local_layer: int | None, spec: str, local_expert: int | None = None) -> str:
+def local_name(
+    mcore_template: str, local_layer: int | None, spec: str, local_expert: int | None = None, mla: bool = False
+) -> str:
     """The module state-dict name of a table entry on its stage (layer and expert numbered locally)."""
     name = fill(mcore_template, local_layer, local_expert)
     if spec == "local":
-        for te_name, local in LOCAL_SPEC_NAMES.items():
+        for te_name, local in (LOCAL_MLA_SPEC_KEYS if mla else LOCAL_SPEC_NAMES).items():
             name = name.replace(te_name, local)
     return name
 
@@ -101,6 +111,7 @@ def write_legacy(
     spec: str,
     args: Any,
     on_write: Callable[[], None] = lambda: None,
+    mla: bool = False,
 ) -> int:
     """Write one file per (TP, PP, EP) rank; returns the number of files. `full_tensor` gives a placed entry's tensor.
 
@@ -123,7 +134,7 @@ def write_legacy(
                 experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
                 for chunk in (c for c in chunks if c.pp_rank == pp_rank):
                     state[chunk.state_key] = _chunk_state(
-                        chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, spec
+                        chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, (spec, mla)
                     )
                 directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, ep_rank, layout)
                 directory.mkdir(parents=True)
@@ -136,8 +147,9 @@ def write_legacy(
     return files
 
 
-def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, spec) -> dict[str, Any]:
+def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, naming) -> dict[str, Any]:
     first, last = chunk == chunks[0], chunk == chunks[-1]
+    spec, mla = naming
     state: dict[str, Any] = {}
     for p in placed:
         template = p.template.mcore
@@ -154,11 +166,11 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, t
             if p.expert not in experts:
                 continue
             local_expert = p.expert - experts.start
-        name = local_name(template, local_layer, spec, local_expert)
+        name = local_name(template, local_layer, spec, local_expert, mla)
         state[name] = rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank)
         module = extra_state_module(p.template)
         if module is not None:
-            state[local_name(module, local_layer, spec, local_expert) + "._extra_state"] = None
+            state[local_name(module, local_layer, spec, local_expert, mla) + "._extra_state"] = None
     if last:
         state["output_layer._extra_state"] = None
         if tied and not first:  # the last stage holds its own copy of the shared embedding
@@ -314,9 +326,22 @@ class LegacySource:
         elif ep_rank:
             return None  # non-expert tensors are the same on every expert-parallel rank
         if not (suffix == "pre_mlp_layernorm.weight" and match.group(1) in moe_layers):
+            suffix = self._te_name(suffix)
+        return f"decoder.layers.{suffix}", leading, local_layer
+
+    def _te_name(self, suffix: str) -> str:
+        """A (dense-layer) module name as the table (Transformer Engine's names) has it: a local-spec name is
+        renamed where the table holds the renamed key (multi-latent attention keeps `input_layernorm`, which has no
+        fused name in its table); without a table, as the plain local spec names it."""
+        if not self._parallel:
             for te_name, local in LOCAL_SPEC_NAMES.items():
                 suffix = suffix.replace(local, te_name)
-        return f"decoder.layers.{suffix}", leading, local_layer
+            return suffix
+        for te_name, local in (*LOCAL_SPEC_NAMES.items(), *LOCAL_MLA_SPEC_KEYS.items()):
+            renamed = suffix.replace(local, te_name)
+            if renamed != suffix and f"decoder.layers.{renamed}" in self._parallel:
+                return renamed
+        return suffix
 
     def keys(self) -> set[str]:
         return set(self._index)

@@ -18,8 +18,10 @@ import torch
 from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER, fill
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.convert.tensor_ops import (
+    deinterleave_rotary_rows,
     fuse_gate_up,
     fuse_qkv,
+    interleave_rotary_rows,
     pad_vocab,
     split_gate_up,
     split_qkv,
@@ -36,6 +38,19 @@ class LayerKind(enum.Enum):
     """Layers with a dense MLP (all layers of a dense model; `mlp_only_layers` of a MoE model)."""
     MOE = "moe"
     """Layers with a routed mixture of experts."""
+    MTP = "mtp"
+    """Multi-token-prediction layers (megatron-core's `mtp.layers.{i}`, HF's layers after the decoder's): `{layer}`
+    is the MTP layer's index in megatron-core names and its HF layer index in HF names."""
+
+
+class Requires(enum.Enum):
+    """An optional part of the model an entry belongs to (besides the layer kinds); the model says which it has."""
+
+    NOTHING = "nothing"
+    Q_LORA = "q_lora"
+    """Multi-latent attention with a low-rank query (`q_lora_rank` set): query down/up projections and norm."""
+    FULL_RANK_Q = "full_rank_q"
+    """Multi-latent attention without one (`q_lora_rank` null, Moonlight): one query projection."""
 
 
 class Size(enum.Enum):
@@ -51,6 +66,13 @@ class Size(enum.Enum):
     VOCAB = "vocabulary"
     EXPERTS = "routed experts"
     ONE = "1"
+    TWO_HIDDEN = "2 * hidden"
+    MLA_Q = "query heads * (qk_nope_head_dim + qk_rope_head_dim)"
+    Q_LORA = "q_lora_rank"
+    KV_LORA = "kv_lora_rank"
+    KV_DOWN = "kv_lora_rank + qk_rope_head_dim"
+    KV_UP = "query heads * (qk_nope_head_dim + v_head_dim)"
+    MLA_V = "query heads * v_head_dim"
 
 
 Shape = tuple[Size, ...]
@@ -65,6 +87,15 @@ class Dims:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    qk_nope_head_dim: int = 0
+    """Multi-latent attention: the query/key dims without rotary embedding (0 without MLA)."""
+    qk_rope_head_dim: int = 0
+    """Multi-latent attention: the rotary query/key dims."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention: the width of the compressed key/value latent."""
+    rotate_half_rotary: bool = False
+    """The HF weights hold the rotary dims in rotate-half order (DeepSeek-V3's `rope_interleave=false`) rather
+    than megatron-core MLA's pairwise-interleaved order."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +111,8 @@ class Direct:
     """Present only when the output layer is not tied to the word embeddings."""
     layers: LayerKind = LayerKind.ALL
     """Which decoder layers have this tensor (dense-MLP or MoE layers, or all)."""
+    requires: Requires = Requires.NOTHING
+    """The optional part of the model this tensor belongs to."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -126,6 +159,7 @@ class FusedQKV:
     """The dimensions after the output rows: the input width for weights, none for biases."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
+    requires: Requires = Requires.NOTHING
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -171,6 +205,7 @@ class FusedGateUp:
     """The MLP width (rows of gate and of up): dense, routed expert or shared expert."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
+    requires: Requires = Requires.NOTHING
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -197,7 +232,58 @@ class FusedGateUp:
         return {self.gate: gate, self.up: up}
 
 
-Entry = Direct | FusedQKV | FusedGateUp
+@dataclass(frozen=True)
+class RotaryRows:
+    """A multi-latent-attention projection whose output rows include rotary dims: the query projection (per head:
+    `qk_nope_head_dim` plain rows, then `qk_rope_head_dim` rotary ones) or the key/value down-projection (the
+    `kv_lora_rank` latent rows, then the shared rotary key's).
+
+    megatron-core's MLA rotary pairs dims 2i and 2i + 1, as DeepSeek's own weights do (HF `rope_interleave=true`):
+    the tensor is then copied as it is. Weights in rotate-half order (`rope_interleave=false`) have their rotary
+    rows interleaved on import and put back on export (`tensor_ops.interleave_rotary_rows`), so both layouts give
+    the same attention scores."""
+
+    mcore: str
+    hf: str
+    shape: Shape
+    """The HF tensor's full shape."""
+    per_head: bool
+    """Rotary rows in every head (the query) or once (the key/value down-projection)."""
+    parallel: Parallel = Parallel.COLUMN
+    untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
+    requires: Requires = Requires.NOTHING
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {self.hf: self.shape}
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        return shapes[self.hf]
+
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        return {self.hf: shape}
+
+    def _rows(self, dims: Dims) -> tuple[int, int, int]:
+        """(period, offset, width) of the rotary rows."""
+        rope = dims.qk_rope_head_dim
+        plain = dims.qk_nope_head_dim if self.per_head else dims.kv_lora_rank
+        return plain + rope, plain, rope
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        tensor = tensors[self.hf]
+        return interleave_rotary_rows(tensor, *self._rows(dims)) if dims.rotate_half_rotary else tensor
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        if dims.rotate_half_rotary:
+            tensor = deinterleave_rotary_rows(tensor, *self._rows(dims))
+        return {self.hf: tensor}
+
+
+Entry = Direct | FusedQKV | FusedGateUp | RotaryRows
 
 
 def _expect(name: str, actual: int, expected: int, what: str) -> None:
@@ -225,6 +311,13 @@ class Placement:
 
 MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
 LOCAL_SPEC_MOE_NORM = "mlp.linear_fc1.layer_norm_weight"
+LOCAL_MLA_SPEC_KEYS = {
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
+"""Transformer-Engine keys -> the keys of megatron-core's local layer spec with multi-latent attention, which maps
+none of its norms onto TE's fused names (a dense layer's pre-MLP norm included)."""
 
 
 def placement(
@@ -236,17 +329,24 @@ def placement(
     num_experts: int | None,
     stacked: bool = True,
     spec: str = "te",
+    mla: bool = False,
 ) -> Placement:
     """The checkpoint key and leading offsets of `template` at (layer, expert).
 
     Homogeneous decoders stack layers of one kind under one key with a leading layer axis; heterogeneous ones
-    (dense and MoE layers mixed) keep per-layer keys. Experts are stacked on an expert axis under
-    `...mlp.experts.experts.*`. The local layer spec saves a MoE layer's pre-MLP norm under the name the
-    Transformer-Engine spec uses for a dense layer's fused norm.
+    (dense and MoE layers mixed) keep per-layer keys, as multi-token-prediction layers always do (`mtp.layers.`).
+    Experts are stacked on an expert axis under `...mlp.experts.experts.*`. The local layer spec saves a MoE
+    layer's pre-MLP norm under the name the Transformer-Engine spec uses for a dense layer's fused norm; with
+    multi-latent attention (`mla`) it keeps every norm's own name instead (`LOCAL_MLA_SPEC_KEYS`).
     """
     key, leading, shape = template, [], []
-    if spec == "local":
+    if spec == "local" and mla:
+        for te_key, local_key in LOCAL_MLA_SPEC_KEYS.items():
+            key = key.replace(te_key, local_key)
+    elif spec == "local":
         key = key.replace(MOE_PRE_MLP_NORM, LOCAL_SPEC_MOE_NORM)
+    if key.startswith("mtp."):
+        stacked = False
     if LAYER in key:
         if stacked:
             key = key.replace(f"{LAYER}.", "")
@@ -288,9 +388,15 @@ def is_expert(name: str) -> bool:
     return EXPERT in name
 
 
-def at_layer(entry: Entry, layer: int | None, expert: int | None = None) -> Entry:
-    """The entry with `{layer}` and `{expert}` substituted in every name it holds."""
+def at_layer(entry: Entry, layer: int | None, expert: int | None = None, mcore_layer: int | None = None) -> Entry:
+    """The entry with `{layer}` and `{expert}` substituted in every name it holds; `mcore_layer`, where given, is
+    the layer index of the megatron-core name (a multi-token-prediction layer's, which HF numbers after the
+    decoder's layers)."""
     if layer is None and expert is None:
         return entry
-    names = {f.name: fill(getattr(entry, f.name), layer, expert) for f in fields(entry) if f.type in ("str", str)}
-    return replace(entry, **names)
+
+    def index(field: str) -> int | None:
+        return mcore_layer if field == "mcore" and mcore_layer is not None else layer
+
+    text = [f.name for f in fields(entry) if f.type in ("str", str)]
+    return replace(entry, **{name: fill(getattr(entry, name), index(name), expert) for name in text})

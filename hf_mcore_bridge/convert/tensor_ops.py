@@ -53,6 +53,28 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate.contiguous(), up.contiguous()
 
 
+def interleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, width: int) -> torch.Tensor:
+    """Rotate-half rotary rows -> pairwise-interleaved ones, in every group of `period` rows.
+
+    weight: [G * period, ...]. In each group, rows `offset .. offset + width` hold rotary dims; rotate-half order
+    (HF DeepSeek-V3 with `rope_interleave=False`) pairs dim i with dim i + width/2, megatron-core's multi-latent
+    attention pairs dims 2i and 2i + 1: row i goes to 2i, row i + width/2 to 2i + 1. Other rows are unchanged.
+    """
+    groups = weight.reshape(-1, period, *weight.shape[1:])
+    rotary = groups[:, offset : offset + width]
+    first, second = rotary.chunk(2, dim=1)
+    paired = torch.stack((first, second), dim=2).reshape(rotary.shape)
+    return torch.cat((groups[:, :offset], paired, groups[:, offset + width :]), dim=1).reshape(weight.shape)
+
+
+def deinterleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, width: int) -> torch.Tensor:
+    """Inverse of `interleave_rotary_rows`: rows 2i go to i, rows 2i + 1 to i + width/2 (per group)."""
+    groups = weight.reshape(-1, period, *weight.shape[1:])
+    rotary = groups[:, offset : offset + width]
+    split = torch.cat((rotary[:, 0::2], rotary[:, 1::2]), dim=1)
+    return torch.cat((groups[:, :offset], split, groups[:, offset + width :]), dim=1).reshape(weight.shape)
+
+
 def pad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
     """[V, H] -> [Vp, H] with zero rows appended (megatron pads the vocabulary for TP divisibility)."""
     extra = padded_size - weight.shape[0]

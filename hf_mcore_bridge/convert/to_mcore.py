@@ -244,6 +244,7 @@ def convert_hf_to_mcore(
                     spec=spec,
                     args=args,
                     on_write=step,
+                    mla=model.mla is not None,
                 )
         else:
             version = mcore_version or installed_mcore_version()

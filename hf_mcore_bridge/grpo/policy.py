@@ -51,7 +51,7 @@ from hf_mcore_bridge.grpo.batching import (
 )
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
-from hf_mcore_bridge.megatron.model import load_distributed_checkpoint
+from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
 
 __all__ = [
     "Policy",
@@ -101,8 +101,6 @@ class Policy:
 def _transformer_config(
     model_cfg: ModelConfig, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig, on_device_init: bool = False
 ) -> Any:
-    from megatron.core.transformer import TransformerConfig
-
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
     # weights loaded from a checkpoint are built on the CPU first; random ones are initialised where they live
     kwargs.update(use_cpu_initialization=not on_device_init, sequence_parallel=megatron.sequence_parallel)
@@ -113,7 +111,7 @@ def _transformer_config(
         # megatron-core refuses variable lengths with the allgather dispatcher (dense models included)
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     kwargs.update(megatron.transformer)
-    return TransformerConfig(**kwargs)
+    return transformer_config(kwargs)
 
 
 def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.nn.Module:

@@ -8,13 +8,26 @@ initialised the process group and `parallel_state`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hf_mcore_bridge.convert.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.mapping_types import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
+from hf_mcore_bridge.convert.mapping_types import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
+
+SPEC_NAME_PAIRS = tuple(dict.fromkeys(((LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM), *LOCAL_MLA_SPEC_KEYS.items())))
+"""Names one tensor has in the two layer specs' checkpoints (local spec, Transformer Engine's, with and without
+multi-latent attention): a checkpoint key missing under one is looked up under the other."""
+
+
+def transformer_config(kwargs: dict[str, Any]) -> Any:
+    """megatron-core's `TransformerConfig`, or its `MLATransformerConfig` where `kwargs` ask for multi-latent
+    attention."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(
@@ -27,19 +40,23 @@ def build_gpt_model(
     vp_stage: int | None = None,
     initialize: bool = True,
     core_attention: str = "sdpa",
+    mtp: bool = False,
 ) -> torch.nn.Module:
     """A `GPTModel` for this rank's pipeline stage (and virtual stage), parameters on `device`.
 
     `initialize=False` skips megatron-core's random initialisation (the weights are about to be loaded); on a GPU
     the parameters are then allocated there directly. `core_attention` is `sdpa` (torch's fused attention, which
-    also takes packed sequences; see `sdpa_attention`) or `local` (megatron-core's unfused attention).
+    also takes packed sequences; see `sdpa_attention`) or `local` (megatron-core's unfused attention). `mtp`
+    builds the model's multi-token-prediction layers too; megatron-core's forward then needs `labels` (it computes
+    their loss), so logits-only uses leave them out (a checkpoint holding them loads all the same).
     """
-    from megatron.core.transformer import TransformerConfig
-
     kwargs = transformer_config_kwargs(model, layout, dtype)
     kwargs["use_cpu_initialization"] = initialize or device.type == "cpu"
     kwargs["perform_initialization"] = initialize
-    gpt = gpt_model(TransformerConfig(**kwargs), model, padded_vocab, vp_stage=vp_stage, core_attention=core_attention)
+    if mtp and model.mtp_layers:
+        kwargs["mtp_num_layers"] = model.mtp_layers
+    config = transformer_config(kwargs)
+    gpt = gpt_model(config, model, padded_vocab, vp_stage=vp_stage, core_attention=core_attention)
     return gpt.to(device)
 
 
@@ -54,8 +71,11 @@ def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = Non
     if impl == "transformer_engine":
         return _transformer_engine_spec(model, config, vp_stage)
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    mla = model.mla is not None
     if model.moe is None and not sequence_parallel:
-        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=model.qk_norm or mla, multi_latent_attention=mla, normalization="RMSNorm"
+        )
     else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq); the final norm is in the spec
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
@@ -68,6 +88,27 @@ def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = Non
         from hf_mcore_bridge.megatron.sdpa_attention import use_sdpa
 
         use_sdpa(spec)
+    if mla:
+        use_te_names_for_mla(spec)
+    return spec
+
+
+def use_te_names_for_mla(spec: object) -> object:
+    """Give the local spec's multi-latent-attention layers Transformer Engine's checkpoint names.
+
+    megatron-core's local MLA spec, unlike its plain one, maps no norm onto TE's fused names: its q/kv latent norms
+    and a dense layer's pre-MLP norm would save under their module names. With this key map they save (and load,
+    and refit) under the names of the mapping table, as the local spec's other layers do; checkpoints of
+    Megatron-LM's local MLA spec still load (`load_distributed_checkpoint` looks their names up)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layer_specs = getattr(spec, "layer_specs", None) or [spec]
+    for layer in layer_specs:
+        keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_"}
+        keys["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+        if layer.submodules.mlp.module is not MoELayer:
+            keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        layer.submodules.sharded_state_dict_keys_map = keys
     return spec
 
 
@@ -80,7 +121,8 @@ def _transformer_engine_spec(model: ModelConfig, config: object, vp_stage: int |
     )
 
     if model.moe is None:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+        mla = model.mla is not None
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm or mla, multi_latent_attention=mla)
     return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)
 
 
@@ -94,8 +136,20 @@ def gpt_model(
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     spec = layer_spec(model, config, vp_stage=vp_stage, core_attention=core_attention)
+    extra: dict[str, Any] = {}
+    if getattr(config, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        te = getattr(config, "transformer_impl", "local") == "transformer_engine"
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage)
     return GPTModel(
-        config, spec, pre_process=pre, post_process=post, vp_stage=vp_stage, **gpt_model_kwargs(model, padded_vocab)
+        config,
+        spec,
+        pre_process=pre,
+        post_process=post,
+        vp_stage=vp_stage,
+        **gpt_model_kwargs(model, padded_vocab),
+        **extra,
     )
 
 
@@ -107,30 +161,31 @@ def load_distributed_checkpoint(module: torch.nn.Module, checkpoint_dir: Path) -
     register_safe_globals()  # common.pt holds an argparse Namespace; Megatron-LM registers these at start-up
     # Megatron-LM nests the model under "model" ("model0", "model1", ... with virtual pipeline stages); the
     # returned dict also holds common.pt's entries (args, iteration, ...).
+    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+
     sharded = module.sharded_state_dict()
-    if _has_te_moe_norms(checkpoint_dir):
-        _use_te_moe_norm_keys(sharded)
+    match_spec_names(sharded, DCPCheckpoint(checkpoint_dir).tensor_keys())
     state = dist_checkpointing.load({"model": sharded}, str(checkpoint_dir))
     module.load_state_dict(state["model"])
 
 
-def _has_te_moe_norms(checkpoint_dir: Path) -> bool:
-    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+def match_spec_names(sharded: dict, keys: set[str]) -> None:
+    """Point every tensor whose key the checkpoint lacks at its name under the other layer spec, where the
+    checkpoint holds that (`SPEC_NAME_PAIRS`).
 
-    return any(MOE_PRE_MLP_NORM in key for key in DCPCheckpoint(checkpoint_dir).tensor_keys())
-
-
-def _use_te_moe_norm_keys(sharded: dict) -> None:
-    """Point the local spec's MoE pre-MLP norms at the Transformer-Engine spec's checkpoint key.
-
-    The two specs name only this tensor differently on disk: the local spec saves a MoE layer's pre-MLP norm as
-    `mlp.linear_fc1.layer_norm_weight`, Transformer Engine as `pre_mlp_layernorm.weight`.
+    The specs name a few norms differently on disk: the local spec saves a MoE layer's pre-MLP norm as
+    `mlp.linear_fc1.layer_norm_weight`, Transformer Engine as `pre_mlp_layernorm.weight`; with multi-latent
+    attention, the local spec keeps every norm's module name (`q_layernorm`, `kv_layernorm`, a dense layer's
+    `pre_mlp_layernorm`) where Transformer Engine fuses them into the following linear layers.
     """
-    moe_layers = {name.split(".mlp.router.")[0] for name in sharded if ".mlp.router." in name}
-    for name, item in sharded.items():
-        module = name.removesuffix(".pre_mlp_layernorm.weight")
-        if module != name and module in moe_layers:
-            item.key = item.key.replace(LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM)
+    for item in sharded.values():
+        key = getattr(item, "key", None)
+        if key is None or key in keys:
+            continue
+        for first, second in SPEC_NAME_PAIRS:
+            for old, new in ((first, second), (second, first)):
+                if old in key and key.replace(old, new) in keys:
+                    item.key = key.replace(old, new)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

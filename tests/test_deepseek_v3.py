@@ -1,0 +1,290 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-latent attention, YaRN and the sigmoid group-limited router.
+
+Logit parity through megatron-core runs in the shared worlds of `test_moe` (EP2, TP2 x EP2, PP2 x EP2) and
+`test_parity` (TP2, PP2), and the bit-exact round trips in `test_moe`'s, for the two tiny variants of
+`conftest.MOE_VARIANTS`: DeepSeek-V3-like (low-rank query, YaRN, 4 groups of 4 experts) and Moonlight-like
+(full-rank `q_proj`, plain RoPE in rotate-half order, no groups). Here: the published config through
+megatron-core's own `MLATransformerConfig` and back, the refusals, the rotary-row permutation against a layout
+written out in the test, and what the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert.config_errors import ConfigError
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.tensor_ops import deinterleave_rotary_rows, interleave_rotary_rows
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.mappings import get_architecture
+
+ARCH = get_architecture("DeepseekV3ForCausalLM")
+
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+"""deepseek-ai/DeepSeek-V3's config.json (architecture fields as released)."""
+
+FULL_RANK_Q = {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "rope_scaling": None, "num_experts_per_tok": 6}
+"""Moonlight's kind of model: a full-rank query projection, no expert groups, plain RoPE."""
+
+
+def _with(**changes):
+    config = copy.deepcopy(DEEPSEEK_V3)
+    config.update(changes)
+    return config
+
+
+def _auto(config: dict) -> object:
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+
+
+@pytest.mark.parametrize("variant", ["as published", "full-rank query"])
+def test_published_config_builds_megatron_mla_config_and_round_trips(variant):
+    from megatron.core.transformer import MLATransformerConfig
+
+    original = DEEPSEEK_V3 if variant == "as published" else _with(**FULL_RANK_Q)
+    model = config_bridge.from_hf(original, ARCH)
+    layout = Layout(tp=8, ep=8, pp=1)
+    model.validate(layout)
+    config = MLATransformerConfig(**config_bridge.transformer_config_kwargs(model, layout, torch.bfloat16))
+    assert (config.q_lora_rank, config.kv_lora_rank) == (original["q_lora_rank"], 512)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (128, 64, 128)
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert config.moe_router_topk_scaling_factor == 2.5 and config.moe_router_dtype == "fp32"
+    assert config.moe_shared_expert_intermediate_size == 2048 and config.moe_router_bias_update_rate == 0.0
+    assert config.moe_layer_freq == [0, 0, 0] + [1] * 58
+    if variant == "as published":
+        assert (config.moe_router_num_groups, config.moe_router_group_topk) == (8, 4)
+        assert (config.rope_type, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (
+            "yarn",
+            40,
+            1.0,
+            1.0,
+        )
+        assert config.original_max_position_embeddings == 4096 and (config.beta_fast, config.beta_slow) == (32, 1)
+    else:
+        assert config.moe_router_num_groups is None and config.rope_type == "rope"
+    back = config_bridge.to_hf(model, ARCH)
+    a, b = _auto(original), _auto(back)
+    for field in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "rope_interleave",
+        "head_dim",
+        "rope_parameters",
+    ):
+        assert getattr(b, field) == getattr(a, field), field
+    # megatron-core's args describe the same model (a checkpoint converted here rebuilds it without HF assets)
+    args = config_bridge.megatron_args(model, layout, torch.bfloat16)
+    assert config_bridge.from_megatron_args(args) == model
+
+
+def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
+    """megatron-core's YaRN frequencies, rotary concentration and softmax scale from our config equal HF's."""
+    if not torch.cuda.is_available():  # megatron-core moves the frequencies to the current CUDA device
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_get_mscale,
+    )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    for rope in (
+        {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 1},
+        {"type": "yarn", "factor": 8, "original_max_position_embeddings": 4096, "mscale": 1.0},
+        {"type": "yarn", "factor": 32, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0},
+    ):
+        original = _with(rope_scaling=rope)
+        yarn = config_bridge.from_hf(original, ARCH).yarn
+        rotary = YarnRotaryEmbedding(
+            64,
+            rotary_base=10000,
+            scaling_factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            mscale=yarn.mscale,
+            mscale_all_dim=yarn.mscale_all_dim,
+            use_cpu_initialization=True,
+        )
+        emb, concentration = rotary.get_emb(16)
+        hf = _auto(original)
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        assert torch.equal(emb[:, 0, 0, :32], torch.outer(torch.arange(16.0), inv_freq))
+        assert concentration == pytest.approx(attention_factor, rel=1e-12)
+        scale = _yarn_get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2 / math.sqrt(192)
+        assert scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"topk_method": "group_limited_greedy"}, "topk_method"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"topk_group": 2}, "topk_group"),  # groups ranked by their top 4 in megatron-core, top 2 in HF
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"num_experts_per_tok": 1, "n_group": 1}, "norm_topk_prob"),  # one expert: HF renormalises to 1
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "truncate": False}},
+         "truncate"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 4096,
+                           "attention_factor": 1.2}}, "attention_factor"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 4096,
+                           "mscale_all_dim": 1.0}}, "mscale_all_dim"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}, "rope_type"),
+    ],
+)  # fmt: skip
+def test_what_megatron_core_computes_otherwise_is_refused_by_name(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        config_bridge.from_hf(_with(**changes), ARCH)
+
+
+def test_trivial_groups_and_one_unnormalised_expert_are_represented():
+    assert config_bridge.from_hf(_with(topk_group=8), ARCH).moe.num_groups is None  # every group chosen
+    one = config_bridge.from_hf(_with(num_experts_per_tok=1, n_group=1, norm_topk_prob=False), ARCH)
+    assert one.moe.topk == 1 and one.moe.num_groups is None
+    assert config_bridge.from_hf(_with(num_experts_per_tok=9), ARCH).moe.group_topk == 4  # 9 // 4 == 2 as well
+
+
+def _reference_interleave(weight: torch.Tensor, period: int, offset: int, width: int) -> torch.Tensor:
+    """Row by row: in each group, rotary row i (rotate-half order) goes to 2i, row i + width/2 to 2i + 1."""
+    out = weight.clone()
+    half = width // 2
+    for start in range(0, weight.shape[0], period):
+        for i in range(half):
+            out[start + offset + 2 * i] = weight[start + offset + i]
+            out[start + offset + 2 * i + 1] = weight[start + offset + half + i]
+    return out
+
+
+@pytest.mark.parametrize(("groups", "period", "offset", "width"), [(3, 24, 16, 8), (1, 32, 24, 8), (2, 6, 0, 6)])
+def test_rotary_rows_are_interleaved_as_written_out_and_back(groups, period, offset, width):
+    weight = torch.randn(groups * period, 5)
+    paired = interleave_rotary_rows(weight, period, offset, width)
+    assert torch.equal(paired, _reference_interleave(weight, period, offset, width))
+    assert torch.equal(deinterleave_rotary_rows(paired, period, offset, width), weight)
+    assert not torch.equal(paired, weight)  # the check sees a permutation left out
+
+
+def test_rotate_half_weights_give_the_same_scores_as_interleaved_ones():
+    """HF's rotate-half RoPE on rows R equals megatron-core's MLA RoPE (pairs 2i, 2i+1, de-interleaved before the
+    rotation) on `interleave_rotary_rows(R)`: equal q.k for every position pair."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb
+
+    dim, seq = 8, 6
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(seq).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    q_hf, k_hf = (torch.randn(dim, dim) for _ in range(2))
+    act = torch.randn(seq, dim)
+    q_rot, k_rot = apply_rotary_pos_emb(
+        (act @ q_hf.T)[None, None], (act @ k_hf.T)[None, None], emb.cos()[None], emb.sin()[None]
+    )
+
+    def megatron_rope(weight: torch.Tensor) -> torch.Tensor:
+        rows = (act @ weight.T)[:, None, None]
+        return _apply_rotary_pos_emb_bshd(rows, emb[:, None, None], multi_latent_attention=True)[:, 0, 0]
+
+    ours = [megatron_rope(interleave_rotary_rows(w, dim, 0, dim)) for w in (q_hf, k_hf)]
+    assert torch.allclose(ours[0] @ ours[1].T, q_rot[0, 0] @ k_rot[0, 0].T, atol=1e-5)
+    plain = [megatron_rope(w) for w in (q_hf, k_hf)]
+    assert not torch.allclose(plain[0] @ plain[1].T, q_rot[0, 0] @ k_rot[0, 0].T, atol=1e-3)  # unpermuted: wrong
+
+
+def test_checkpoint_holds_megatron_cores_mla_names(tiny_moe_models, tmp_path):
+    convert_hf_to_mcore(tiny_moe_models["deepseek_v3"], tmp_path / "te", layout=Layout(ep=2), show_progress=False)
+    keys = DCPCheckpoint(tmp_path / "te" / "release").tensor_keys()
+    attention = "decoder.layers.1.self_attention"
+    for name in ("linear_q_down_proj.weight", "linear_q_up_proj.layer_norm_weight", "linear_kv_up_proj.weight"):
+        assert f"{attention}.{name}" in keys, name
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys  # dense layer 0: TE's fused norm
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in keys and "decoder.layers.1.mlp.router.expert_bias" in keys
+    assert DCPCheckpoint(tmp_path / "te" / "release").tensor_meta(
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+    ).shape == (16, 64, 64)
+    convert_hf_to_mcore(tiny_moe_models["moonlight"], tmp_path / "local", spec="local", show_progress=False)
+    keys = DCPCheckpoint(tmp_path / "local" / "release").tensor_keys()
+    assert "decoder.layers.1.self_attention.linear_q_proj.weight" in keys  # full-rank query
+    assert "decoder.layers.1.self_attention.kv_layernorm.weight" in keys  # the local MLA spec's own names
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in keys

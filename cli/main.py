@@ -200,7 +200,8 @@ CONVERT_EXAMPLES = """Examples:
 \b
   bridge convert --to mcore --tp 2 --pp 2 ./Llama-3.2-1B ./llama-mcore
   bridge convert --to mcore --format torch --tp 2 ./Llama-3.2-1B ./llama-legacy
-  bridge convert --to hf --max-shard-size 2GB ./llama-mcore ./llama-hf"""
+  bridge convert --to hf --max-shard-size 2GB ./llama-mcore ./llama-hf
+  bridge convert --to hf --fp8-blockwise ./deepseek-mcore ./deepseek-fp8"""
 
 
 @app.command(epilog=CONVERT_EXAMPLES)
@@ -240,6 +241,13 @@ def convert(
     max_shard_size: Annotated[
         str | None, typer.Option(help="Largest safetensors shard, e.g. 500MB (--to hf; default 5GB).")
     ] = None,
+    fp8_blockwise: Annotated[
+        bool,
+        typer.Option(
+            help="Write the linear layers' weights as 128 x 128 FP8 (e4m3) blocks with weight_scale_inv, as"
+            " DeepSeek publishes them (--to hf)."
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a destination written earlier by this tool.")] = False,
     overwrite_foreign: Annotated[
         bool,
@@ -283,6 +291,7 @@ def convert(
                 "--hf-config": hf_config is not None,
                 "--tokenizer": tokenizer is not None,
                 "--max-shard-size": max_shard_size is not None,
+                "--fp8-blockwise": fp8_blockwise,
             },
         )
         if to is Target.mcore:
@@ -339,6 +348,7 @@ def convert(
                 overwrite_foreign=overwrite_foreign,
                 ignore_unknown=ignore_unknown,
                 show_progress=progress,
+                fp8_blockwise=fp8_blockwise,
             )
         typer.echo(
             f"wrote {result.destination} ({result.model.architecture}, {result.tensors} tensors, "

@@ -215,6 +215,7 @@ ARCHITECTURE = Architecture(
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
+    own_dtype=(f"{HF_MOE}.gate.weight", f"{HF_MOE}.gate.e_score_correction_bias"),
     tiny={
         "rms_norm_eps": LATENT_NORM_EPS,
         "num_hidden_layers": 4,

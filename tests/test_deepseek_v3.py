@@ -288,3 +288,11 @@ def test_checkpoint_holds_megatron_cores_mla_names(tiny_moe_models, tmp_path):
     assert "decoder.layers.1.self_attention.linear_q_proj.weight" in keys  # full-rank query
     assert "decoder.layers.1.self_attention.kv_layernorm.weight" in keys  # the local MLA spec's own names
     assert "decoder.layers.0.pre_mlp_layernorm.weight" in keys
+
+
+def test_the_megatron_bridge_layout_is_refused_for_mla(tiny_moe_models, tmp_path):
+    with pytest.raises(ConfigError, match="Megatron-Bridge layout"):
+        convert_hf_to_mcore(
+            tiny_moe_models["deepseek_v3"], tmp_path / "b", directory_layout="megatron-bridge", show_progress=False
+        )
+    assert not (tmp_path / "b").exists()

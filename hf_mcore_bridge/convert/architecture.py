@@ -71,6 +71,10 @@ class Architecture:
     fused_experts: Mapping[str, tuple[str, str]] | None = None
     """Alternative HF layouts to read: per-expert name template -> (fused `[num_experts, ...]` tensor template,
     part: `gate` / `up` half of dim 1, or `all`). Export always writes the per-expert names."""
+    own_dtype: tuple[str, ...] = ()
+    """HF name templates of tensors that keep the dtype they are stored in, outside `--dtype` and the one-dtype
+    check: what HF keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. DeepSeek-V3's
+    router and its expert-score correction bias, float32 in its bfloat16 checkpoints)."""
     engine: EngineOptions = EngineOptions()
     """The engine decoder's options beyond the table."""
     tiny: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

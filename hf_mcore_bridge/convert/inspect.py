@@ -67,8 +67,17 @@ def _row(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorRow:
 
 
 def _inspect_hf(path: Path) -> Inspection:
+    from hf_mcore_bridge.convert.fp8_checkpoint import SCALE_SUFFIX, is_fp8_config
+
     hf = HFCheckpoint(path)
     rows = [_row(name, hf.info(name).shape, hf.info(name).dtype) for name in sorted(hf.names())]
+    notes = []
+    if is_fp8_config(hf.config):
+        scales = sum(r.name.endswith(SCALE_SUFFIX) for r in rows)
+        notes.append(
+            f"{scales} weights in 128 x 128 FP8 blocks (float8_e4m3fn with {SCALE_SUFFIX}; the parameter count "
+            "includes the scales); conversion dequantizes them to bfloat16"
+        )
     return Inspection(
         path=str(path),
         format="huggingface safetensors",
@@ -78,6 +87,7 @@ def _inspect_hf(path: Path) -> Inspection:
         parameters=sum(_numel(tuple(r.shape)) for r in rows),
         total_bytes=sum(r.bytes for r in rows),
         tensors=rows,
+        notes=notes,
     )
 
 

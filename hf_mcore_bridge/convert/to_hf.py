@@ -25,6 +25,7 @@ from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
 from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
+from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export, is_fp8_config
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
 from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
 from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
@@ -151,11 +152,14 @@ def convert_mcore_to_hf(
     overwrite_foreign: bool = False,
     ignore_unknown: bool = False,
     show_progress: bool = True,
+    fp8_blockwise: bool = False,
 ) -> ConversionResult:
     """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
 
     The destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
-    output of this tool, `overwrite_foreign` anything.
+    output of this tool, `overwrite_foreign` anything. `fp8_blockwise` writes the linear layers' weights as
+    128 x 128 FP8 blocks with `weight_scale_inv` (`fp8_checkpoint.Fp8Export`); otherwise every tensor is written
+    in the export dtype and a `quantization_config` the source config carried is dropped.
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -165,6 +169,7 @@ def convert_mcore_to_hf(
     root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
     args = checkpoint_args(checkpoint_dir)
     config = _hf_config(root, checkpoint_dir, args, hf_config)
+    original_config = config
     arch = get_architecture(str((config.get("architectures") or ["?"])[0]))
     model = config_bridge.from_hf(config, arch)
     mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
@@ -179,9 +184,23 @@ def convert_mcore_to_hf(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
     out_dtype = DTYPES[dtype] if dtype else None
-    keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan}
+    kept = {planned.where.key for planned in plan if planned.placed.template.hf_sources[0] in arch.own_dtype}
+    keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan if planned.where.key not in kept}
     choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
-    specs = {name: (shape, choice.dtype) for planned in plan for name, shape in planned.hf_shapes.items()}
+
+    def dtype_of(planned: _Planned) -> torch.dtype:
+        key = planned.where.key
+        return mcore.dtype(key) if key in kept else choice.dtype
+
+    fp8 = Fp8Export(p.entry for p in placed) if fp8_blockwise else None
+    specs = {
+        written: (written_shape, written_dtype)
+        for planned in plan
+        for name, shape in planned.hf_shapes.items()
+        for written, written_shape, written_dtype in (
+            fp8.specs(name, shape, dtype_of(planned)) if fp8 else [(name, shape, dtype_of(planned))]
+        )
+    }
     split = split_torch_state_dict_into_shards(
         {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
         max_shard_size=max_shard_size,
@@ -203,7 +222,9 @@ def convert_mcore_to_hf(
                 for planned in plan:
                     tensor = mcore.read(planned.where.key, planned.where.leading)
                     for name, value in planned.placed.entry.to_hf(tensor, dims).items():
-                        writers[split.tensor_to_filename[name]].write(name, value.to(specs[name][1]))
+                        value = value.to(dtype_of(planned))
+                        for written, part in fp8.tensors(name, value) if fp8 else [(name, value)]:
+                            writers[split.tensor_to_filename[written]].write(written, part)
                     advance()
         except BaseException:
             for writer in writers.values():
@@ -216,8 +237,11 @@ def convert_mcore_to_hf(
             (staging / INDEX_NAME).write_text(_json(index))
         elif SINGLE_NAME not in writers:
             (staging / next(iter(writers))).rename(staging / SINGLE_NAME)
-        if out_dtype is not None:
-            config = {**config, "torch_dtype": DTYPE_NAMES[out_dtype]}
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if fp8 is not None:
+            config["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
+        if out_dtype is not None or is_fp8_config(original_config):
+            config = {**config, "torch_dtype": DTYPE_NAMES[choice.dtype]}
         (staging / "config.json").write_text(_json(config))
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())

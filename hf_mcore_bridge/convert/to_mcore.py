@@ -33,6 +33,8 @@ from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
+from hf_mcore_bridge.convert.config_errors import ConfigError
+from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Checkpoint, open_hf_checkpoint
 from hf_mcore_bridge.convert.input_checks import check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.legacy_format import write_legacy
@@ -59,30 +61,39 @@ class ConversionResult:
 
 
 def check_hf_tensors(
-    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
-) -> tuple[torch.dtype, str | None]:
-    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts)."""
+    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None, own_dtype: tuple[str, ...] = ()
+) -> tuple[torch.dtype, str | None, dict[str, torch.dtype]]:
+    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts), and
+    the megatron-core tensors that keep their stored dtype (`Architecture.own_dtype`), by name."""
     expected = {name: shape for p in placed for name, shape in p.entry.hf_expected().items()}
 
     def info(name: str) -> tuple[tuple[int, ...], str]:
         return hf.info(name).shape, hf.info(name).file.name
 
     check_hf_shapes(expected, hf_sizes(model, hf.config), info, hf.fused_source)
+    kept = {p.mcore_name: hf.info(p.hf_names()[0]).dtype for p in placed if p.template.hf_sources[0] in own_dtype}
+    kept_hf = {name for p in placed if p.mcore_name in kept for name in p.hf_names()}
     choice = choose_dtype(
-        {name: hf.info(name).dtype for name in expected},
+        {name: hf.info(name).dtype for name in expected if name not in kept_hf},
         lambda name: hf.info(name).file.name,
         DTYPES[dtype] if dtype else None,
         "--dtype",
     )
-    return choice.dtype, choice.note
+    return choice.dtype, choice.note, kept
 
 
 class Producer:
     """Produces megatron-core tensors and chunks from the HF checkpoint, caching the last fused tensor."""
 
-    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
+    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype, kept: dict[str, torch.dtype] | None = None):
         self.hf, self.dims, self.dtype = hf, dims, dtype
+        self.kept = kept or {}
+        """megatron-core tensors written in their own dtype rather than `dtype`."""
         self._cached: tuple[str, torch.Tensor] | None = None
+
+    def dtype_of(self, placed: Placed) -> torch.dtype:
+        """The dtype a placed entry is written in."""
+        return self.kept.get(placed.mcore_name, self.dtype)
 
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         if isinstance(placed.entry, Direct):
@@ -95,7 +106,7 @@ class Producer:
         if self._cached is None or self._cached[0] != name:
             self._cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype))
+            self._cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed)))
         return self._cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
@@ -106,10 +117,11 @@ class Producer:
         rows = self.hf.read(name, (start, real_stop)) if real_stop > start else None
         if rows is not None and len(offsets) > 1:
             rows = rows[(slice(None), *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)))]
-        rows = rows.to(self.dtype) if rows is not None else None
+        dtype = self.dtype_of(placed)
+        rows = rows.to(dtype) if rows is not None else None
         if real_stop == stop:
             return rows.contiguous()
-        pad = torch.zeros(stop - max(real_stop, start), *sizes[1:], dtype=self.dtype)
+        pad = torch.zeros(stop - max(real_stop, start), *sizes[1:], dtype=dtype)
         return pad if rows is None else torch.cat((rows, pad))
 
 
@@ -139,7 +151,7 @@ def plan_chunks(
             offsets, sizes = box
             produce = _bind(producer, p, box, leading=len(where.leading))
             offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
-            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype, produce))
+            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype_of(p), produce))
         module = extra_state_module(p.template)
         if module is not None:
             module_where = placement(
@@ -197,20 +209,25 @@ def convert_hf_to_mcore(
     check_destination(destination, [source], overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     started = time.perf_counter()
     layout = layout or Layout()
-    hf = HFCheckpoint(source, allow_pickle=allow_pickle)
+    hf = open_hf_checkpoint(source, allow_pickle=allow_pickle)
     arch = get_architecture(hf.architecture)
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
+    if directory_layout == "megatron-bridge" and model.mla is not None:
+        raise ConfigError(
+            "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"
+            " them by Megatron-Bridge's DeepSeek providers, not written here); use --layout megatron-lm"
+        )
     placed = placed_entries(arch, model)
     if arch.fused_experts:
         hf.add_fused_aliases(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
         )
     check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
-    target_dtype, note = check_hf_tensors(hf, placed, model, dtype)
+    target_dtype, note, kept = check_hf_tensors(hf, placed, model, dtype, arch.own_dtype)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
-    producer = Producer(hf, dims, target_dtype)
+    producer = Producer(hf, dims, target_dtype, kept)
     chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer, spec)
     args = config_bridge.megatron_args(
         model,
@@ -262,5 +279,5 @@ def convert_hf_to_mcore(
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
-    notes = (note,) if note else ()
+    notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

@@ -1,11 +1,8 @@
 """Per-block FP8 (e4m3) weights for the rollout engine: quantize, dequantize, and the FP8 linear map.
 
-A weight `w: [N, K]` is cut into 128 x 128 blocks (the last row and column of blocks may be smaller when N or K
-is not a multiple of 128); each block is divided by `scale_inv = amax(|block|) / 448` (448: the largest finite
-`float8_e4m3fn`) and rounded to e4m3. `scale_inv: [ceil(N/128), ceil(K/128)]` float32 is what DeepSeek-V3's
-checkpoints call `weight_scale_inv`: the dequantized weight is `q * scale_inv` per block. A block of zeros gets
-`scale_inv` 1 (any value gives back zeros). Activations, for the CUDA FP8 GEMM, are quantized the same way per
-1 x 128 group of each row (DeepSeek's and NeMo-RL's blockwise FP8 recipe).
+Weights are 128 x 128 blocks of e4m3 with a float32 `scale_inv` each (`convert.fp8_blocks`, which checkpoint
+conversion shares; re-exported here). Activations, for the CUDA FP8 GEMM, are quantized the same way per 1 x 128
+group of each row (DeepSeek's and NeMo-RL's blockwise FP8 recipe).
 
 `fp8_linear` is `x @ dequantize(q, scale_inv).T + bias`. On CUDA it goes through `torch.nn.functional.scaled_mm`
 (128 x 128 weight blocks, 1 x 128 activation groups) where `scaled_mm_works(device)` found that GEMM present and
@@ -24,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from hf_mcore_bridge.convert.fp8_blocks import BLOCK, E4M3_MAX, FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+
 __all__ = [
     "BLOCK",
     "E4M3_MAX",
@@ -35,48 +34,6 @@ __all__ = [
     "quantize_blockwise",
     "scaled_mm_works",
 ]
-
-BLOCK = 128
-"""Block edge of the weight scales, and group size of the activation scales."""
-FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
-"""448."""
-
-
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
-def _padded(weight: torch.Tensor) -> torch.Tensor:
-    """`weight: [N, K]` zero-padded to multiples of `BLOCK`, viewed as `[N/128, 128, K/128, 128]` in float32."""
-    n, k = weight.shape
-    padded = F.pad(weight.float(), (0, _blocks(k) * BLOCK - k, 0, _blocks(n) * BLOCK - n))
-    return padded.view(_blocks(n), BLOCK, _blocks(k), BLOCK)
-
-
-def quantize_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight: [N, K]` (any float dtype) -> `(q: [N, K] float8_e4m3fn, scale_inv: [ceil(N/128), ceil(K/128)]
-    float32)` with `q * scale_inv` (per block) approximating `weight`. Non-finite weights are refused."""
-    if weight.dim() != 2:
-        raise ValueError(f"blockwise FP8 quantizes 2-D weights, got shape {tuple(weight.shape)}")
-    if not torch.isfinite(weight).all():
-        raise ValueError("cannot quantize a weight holding inf or nan to FP8")
-    n, k = weight.shape
-    blocks = _padded(weight)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    scaled = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    q = scaled.view(_blocks(n) * BLOCK, _blocks(k) * BLOCK)[:n, :k].to(FP8_DTYPE)
-    return q.contiguous(), scale_inv.contiguous()
-
-
-def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`q: [N, K]` FP8 and `scale_inv: [ceil(N/128), ceil(K/128)]` -> `[N, K]` in `dtype` (scaled in float32)."""
-    n, k = q.shape
-    if tuple(scale_inv.shape) != (_blocks(n), _blocks(k)):
-        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not fit a {n} x {k} weight in 128 x 128 blocks")
-    scales = scale_inv.float().repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
-    return (q.float() * scales).to(dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

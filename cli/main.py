@@ -257,6 +257,13 @@ def convert(
     ] = False,
     ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
     allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
+    strict_mtp: Annotated[
+        bool,
+        typer.Option(
+            help="Refuse, rather than drop with a notice, multi-token-prediction layers megatron-core cannot hold"
+            " (--to mcore)."
+        ),
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Convert HF -> Megatron-Core (`--to mcore`) or Megatron-Core -> HF (`--to hf`).
@@ -284,6 +291,7 @@ def convert(
                 "--layout": directory_layout is not DirectoryLayout.megatron_lm,
                 "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
                 "--allow-pickle": allow_pickle,
+                "--strict-mtp": strict_mtp,
             }
             if to is Target.hf
             else {
@@ -332,6 +340,7 @@ def convert(
                 checkpoint_format=fmt.value,
                 mcore_version=int(mcore_version.value.split(".")[1]) if mcore_version else None,
                 directory_layout=directory_layout.value,
+                strict_mtp=strict_mtp,
             )
         else:
             from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf

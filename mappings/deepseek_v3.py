@@ -6,6 +6,10 @@ Multi-latent attention maps onto megatron-core's MLA (`config_bridge.MlaConfig`)
 into the up-projections under Transformer Engine's names) and the key/value up-projection, whose rows are laid out
 per head as `[k_nope; v]` in both. The router is megatron-core's sigmoid `TopKRouter` with `expert_bias`.
 
+Multi-token-prediction layers (`num_nextn_predict_layers`, HF layers numbered after the decoder's) map onto
+megatron-core's MTP (`mtp.layers.{i}`: `enorm`, `hnorm`, `eh_proj`, a MoE decoder layer, `final_layernorm`); their
+copies of the embedding and output layer, which megatron-core shares, must equal the model's (`convert.mtp`).
+
 Refused, because megatron-core computes something else: groups ranked other than by their top-2 scores
 (megatron-core sums the top `topk // topk_group`), unnormalised sigmoid weights of several experts (megatron-core
 renormalises them) or a renormalised single one, `topk_method` other than `noaux_tc`, `scoring_func` other than
@@ -15,12 +19,13 @@ renormalises them) or a renormalised single one, `topk_method` other than `noaux
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_bridge import MoeConfig
 from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, LayerKind, Requires, RotaryRows, Size
+from hf_mcore_bridge.convert.mapping_types import Direct, Entry, FusedGateUp, LayerKind, Requires, RotaryRows, Size
 from hf_mcore_bridge.convert.moe_tables import dense_only, routed_experts, topk
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings.llama import ATTENTION as LLAMA_ATTENTION
@@ -115,7 +120,45 @@ MOE = (
 )
 """Pre-MLP norm, sigmoid router and its correction bias, routed experts and the (ungated) shared experts."""
 
-TABLE = (EMBEDDING, *MLA, *dense_only(DENSE_MLP), *MOE, FINAL_NORM, OUTPUT)
+MC_MTP = "mtp.layers.{layer}"
+
+
+def _in_mtp(entry: Entry) -> Entry:
+    """A decoder layer's entry as the transformer layer of a multi-token-prediction layer."""
+    mcore = entry.mcore.replace(f"{MC_LAYER}.", f"{MC_MTP}.transformer_layer.")
+    return replace(entry, mcore=mcore, layers=LayerKind.MTP)
+
+
+MTP = (
+    Direct(f"{MC_MTP}.enorm.weight", f"{HF_LAYER}.enorm.weight", REPLICATED, (Size.HIDDEN,), layers=LayerKind.MTP),
+    Direct(f"{MC_MTP}.hnorm.weight", f"{HF_LAYER}.hnorm.weight", REPLICATED, (Size.HIDDEN,), layers=LayerKind.MTP),
+    Direct(
+        f"{MC_MTP}.eh_proj.weight",
+        f"{HF_LAYER}.eh_proj.weight",
+        COLUMN,
+        (Size.HIDDEN, Size.TWO_HIDDEN),
+        layers=LayerKind.MTP,
+    ),
+    *(_in_mtp(e) for e in (*MLA, *MOE)),
+    Direct(
+        f"{MC_MTP}.final_layernorm.weight",
+        f"{HF_LAYER}.shared_head.norm.weight",
+        REPLICATED,
+        (Size.HIDDEN,),
+        layers=LayerKind.MTP,
+    ),
+)
+"""A multi-token-prediction layer (HF's layers after the decoder's; megatron-core's `mtp.layers.{i}`): the norms
+of the next token's embedding and of the hidden state, their projection `eh_proj` (over `[embedding; hidden]` in
+both), a MoE decoder layer, and the norm before the shared output layer."""
+
+MTP_COPIES = {
+    f"{HF_LAYER}.embed_tokens.weight": "model.embed_tokens.weight",
+    f"{HF_LAYER}.shared_head.head.weight": "lm_head.weight",
+}
+"""The MTP layer's copies of the embedding and output layer, which megatron-core's MTP shares with the model."""
+
+TABLE = (EMBEDDING, *MLA, *dense_only(DENSE_MLP), *MOE, *MTP, FINAL_NORM, OUTPUT)
 
 
 LATENT_NORM_EPS = 1e-6
@@ -215,6 +258,7 @@ ARCHITECTURE = Architecture(
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
+    mtp_copies=MTP_COPIES,
     own_dtype=(f"{HF_MOE}.gate.weight", f"{HF_MOE}.gate.e_score_correction_bias"),
     tiny={
         "rms_norm_eps": LATENT_NORM_EPS,

@@ -194,3 +194,31 @@ def packed_step_sync_rank(model_cfg: ModelConfig, lengths: list[int], out: str) 
     torch.cuda.synchronize()
     if dist.get_rank() == 0:
         Path(out).write_text(error or "no synchronisation")
+
+
+def mtp_logits_rank(checkpoint: str, layout: Layout, tokens: torch.Tensor, out: str) -> None:
+    """A checkpoint loaded into a GPTModel built with its multi-token-prediction layers (every tensor must load), run
+    on `tokens` with `labels=tokens` (megatron-core computes the MTP layers only with labels); the output layer's
+    logits, TP-gathered, in the order megatron-core computes them (MTP layers first, then the model's), saved by
+    global rank 0 as a list."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    _, checkpoint_dir = resolve_checkpoint(Path(checkpoint))
+    args = read_common(checkpoint_dir)["args"]
+    model_cfg = from_megatron_args(args)
+    model = build_gpt_model(model_cfg, layout, torch.float32, args.padded_vocab_size, device=device(), mtp=True)
+    model.eval()
+    load_distributed_checkpoint(model, checkpoint_dir)
+    captured: list[torch.Tensor] = []
+    # cloned: the loss (vocab-parallel cross entropy) then changes the logits in place
+    model.output_layer.register_forward_hook(lambda module, inputs, output: captured.append(output[0].detach().clone()))
+    tokens = tokens.to(device())
+    positions = torch.arange(tokens.shape[1], device=device()).expand(tokens.shape[0], -1)
+    from hf_mcore_bridge.megatron.model import causal_mask
+
+    with torch.no_grad():
+        model(tokens, positions, causal_mask(tokens.shape[1], device()), labels=tokens)
+    logits = [gather_from_tensor_model_parallel_region(x)[..., : model_cfg.vocab_size] for x in captured]
+    if dist.get_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+        torch.save([x.transpose(0, 1).float().cpu() for x in logits], out)  # [b, s, vocab] each

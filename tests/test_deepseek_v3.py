@@ -11,19 +11,30 @@ written out in the test, and what the checkpoint holds.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from megatron_ranks import mtp_logits_rank
+from safetensors.torch import load_file, save_file
+from test_bad_input import assert_one_line_error, run
+from test_roundtrip import assert_same_weights
 from transformers import AutoConfig
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.tensor_ops import deinterleave_rotary_rows, interleave_rotary_rows
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.megatron.world import run_world
 
 ARCH = get_architecture("DeepseekV3ForCausalLM")
 
@@ -296,3 +307,123 @@ def test_the_megatron_bridge_layout_is_refused_for_mla(tiny_moe_models, tmp_path
             tiny_moe_models["deepseek_v3"], tmp_path / "b", directory_layout="megatron-bridge", show_progress=False
         )
     assert not (tmp_path / "b").exists()
+
+
+def _with_mtp_layer(hf_dir: Path, out: Path, *, copies_equal: bool = True, seed: int = 9) -> Path:
+    """`hf_dir` plus one MTP layer as DeepSeek publishes it (HF layer N): its decoder layer (layer N-1's weights,
+    changed), `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding and output layer."""
+    shutil.copytree(hf_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(like: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.randn(like.shape, generator=generator) * scale
+
+    for name in list(tensors):
+        if name.startswith(f"model.layers.{last}."):
+            value = tensors[name]
+            tensors[name.replace(f"layers.{last}.", f"layers.{mtp}.")] = value + noise(value, 0.05)
+    hidden = config["hidden_size"]
+    prefix = f"model.layers.{mtp}"
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{prefix}.{norm}.weight"] = 1 + noise(torch.empty(hidden), 0.1)
+    tensors[f"{prefix}.eh_proj.weight"] = noise(torch.empty(hidden, 2 * hidden), 0.05)
+    tensors[f"{prefix}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    head = tensors["lm_head.weight"].clone()
+    tensors[f"{prefix}.shared_head.head.weight"] = head if copies_equal else head + 1e-3
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_moe_models, tmp_path_factory):
+    return _with_mtp_layer(tiny_moe_models["deepseek_v3"], tmp_path_factory.mktemp("mtp") / "hf")
+
+
+def test_mtp_layers_convert_to_megatron_cores_mtp_and_back(mtp_model, tmp_path):
+    for fmt, spec in (("te", "te"), ("local", "local")):
+        out = tmp_path / fmt
+        result = convert_hf_to_mcore(mtp_model, out, layout=Layout(tp=2, ep=2), spec=spec, show_progress=False)
+        assert result.model.mtp_layers == 1 and not result.notes
+        assert config_bridge.from_megatron_args(read_common(out / "release")["args"]).mtp_layers == 1
+        convert_mcore_to_hf(out, tmp_path / f"{fmt}-hf", show_progress=False)
+        assert_same_weights(mtp_model, tmp_path / f"{fmt}-hf")  # the copies written again from the shared tensors
+    keys = set(DCPCheckpoint(tmp_path / "te" / "release").tensor_keys())
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.final_layernorm.weight"} <= keys
+    layer = "mtp.layers.0.transformer_layer"
+    assert f"{layer}.self_attention.linear_kv_up_proj.layer_norm_weight" in keys
+    experts = DCPCheckpoint(tmp_path / "te" / "release").tensor_meta(f"{layer}.mlp.experts.experts.linear_fc1.weight")
+    assert experts.shape == (16, 64, 64)  # unstacked MTP layer, experts on the leading axis
+    assert f"{layer}.self_attention.kv_layernorm.weight" in DCPCheckpoint(tmp_path / "local" / "release").tensor_keys()
+
+
+def test_mtp_layers_megatron_core_cannot_hold_are_dropped_with_a_notice_or_refused(
+    mtp_model, tiny_moe_models, tmp_path
+):
+    differing = _with_mtp_layer(tiny_moe_models["deepseek_v3"], tmp_path / "differs", copies_equal=False)
+    result = convert_hf_to_mcore(differing, tmp_path / "dropped", show_progress=False)
+    (note,) = result.notes
+    assert "1 multi-token-prediction layer(s) dropped" in note and "shared_head.head.weight differs" in note
+    assert result.model.mtp_layers == 0
+    assert not any(k.startswith("mtp.") for k in DCPCheckpoint(tmp_path / "dropped" / "release").tensor_keys())
+    export = convert_mcore_to_hf(tmp_path / "dropped", tmp_path / "dropped-hf", show_progress=False)
+    assert json.loads((tmp_path / "dropped-hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert "holds 0" in export.notes[0]
+    with pytest.raises(CheckpointError, match=r"cannot be converted: .*differs"):
+        convert_hf_to_mcore(differing, tmp_path / "strict", strict_mtp=True, show_progress=False)
+    result = run("convert", "--to", "mcore", differing, tmp_path / "cli", "--strict-mtp", "--no-progress")
+    assert_one_line_error(result, "multi-token-prediction", "differs")
+    legacy = convert_hf_to_mcore(mtp_model, tmp_path / "legacy", checkpoint_format="torch", spec="local",
+                                 show_progress=False)  # fmt: skip
+    assert "legacy torch format" in legacy.notes[0] and legacy.model.mtp_layers == 0
+    # transformers' own DeepSeek-V3 declares one MTP layer and saves none
+    declared = tmp_path / "declared"
+    shutil.copytree(tiny_moe_models["deepseek_v3"], declared)
+    config = json.loads((declared / "config.json").read_text())
+    (declared / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    result = convert_hf_to_mcore(declared, tmp_path / "none", show_progress=False)
+    assert "holds none of their tensors" in result.notes[0] and result.model.mtp_layers == 0
+
+
+@pytest.mark.slow
+def test_megatron_cores_mtp_layer_computes_deepseeks(mtp_model, tmp_path):
+    """The converted MTP layer loads into megatron-core's MTP (built on the local spec, TP2) and its logits equal a
+    reference built from HF's own DeepSeek-V3 decoder layer: next token's embedding and the model's final hidden
+    state, each normed, projected by `eh_proj`, through the layer, normed, through the output layer."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    layout = Layout(tp=2)
+    convert_hf_to_mcore(mtp_model, tmp_path / "m", layout=layout, show_progress=False)
+    tokens = torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(2))
+    run_world(mtp_logits_rank, layout, str(tmp_path / "m"), layout, tokens, str(tmp_path / "logits.pt"))
+    mtp_logits, main_logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+
+    tensors = load_file(mtp_model / "model.safetensors")
+    main = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32).eval()
+    layers = main.config.num_hidden_layers
+    longer = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32, num_hidden_layers=layers + 1)
+    prefix = f"model.layers.{layers}"
+
+    def norm(name: str) -> DeepseekV3RMSNorm:
+        module = DeepseekV3RMSNorm(main.config.hidden_size, eps=main.config.rms_norm_eps)
+        module.weight.data.copy_(tensors[f"{prefix}.{name}.weight"])
+        return module
+
+    with torch.no_grad():
+        hidden = main.model(tokens).last_hidden_state
+        assert (main.lm_head(hidden) - main_logits).abs().max() <= 1e-4
+        following = torch.cat((tokens[:, 1:], torch.zeros_like(tokens[:, :1])), dim=1)  # megatron-core rolls in 0
+        embedded = main.model.embed_tokens(following)
+        x = torch.cat((norm("enorm")(embedded), norm("hnorm")(hidden)), dim=-1) @ tensors[f"{prefix}.eh_proj.weight"].T
+        positions = torch.arange(tokens.shape[1])[None]
+        mask = torch.full((tokens.shape[1],) * 2, float("-inf")).triu(1)[None, None]
+        out = longer.model.layers[layers](
+            x, attention_mask=mask, position_ids=positions, position_embeddings=main.model.rotary_emb(x, positions)
+        )
+        reference = norm("shared_head.norm")(out) @ tensors[f"{prefix}.shared_head.head.weight"].T
+    assert (mtp_logits - reference).abs().max() <= 1e-4
+    assert (mtp_logits - main_logits).abs().max() > 1e-2  # a different prediction: the check sees the MTP layer

@@ -71,6 +71,10 @@ class Architecture:
     fused_experts: Mapping[str, tuple[str, str]] | None = None
     """Alternative HF layouts to read: per-expert name template -> (fused `[num_experts, ...]` tensor template,
     part: `gate` / `up` half of dim 1, or `all`). Export always writes the per-expert names."""
+    mtp_copies: Mapping[str, str] | None = None
+    """A multi-token-prediction layer's own copies of model tensors that megatron-core's MTP shares: HF name
+    template (with `{layer}`) -> the HF name of the shared tensor (DeepSeek-V3's `embed_tokens` and
+    `shared_head.head` of its MTP layer). Checked equal on import, written again on export."""
     own_dtype: tuple[str, ...] = ()
     """HF name templates of tensors that keep the dtype they are stored in, outside `--dtype` and the one-dtype
     check: what HF keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. DeepSeek-V3's

@@ -29,12 +29,20 @@ class Placed:
     template: Entry
     """The table entry, names with `{layer}` / `{expert}` placeholders."""
     layer: int | None
+    """The HF layer index."""
     expert: int | None = None
+    mcore_layer: int | None = None
+    """megatron-core's index where it differs from HF's: a multi-token-prediction layer's (`mtp.layers.{i}`)."""
 
     @property
     def entry(self) -> Entry:
         """The entry with this layer's and expert's names."""
-        return at_layer(self.template, self.layer, self.expert)
+        return at_layer(self.template, self.layer, self.expert, self.mcore_layer)
+
+    @property
+    def mcore_index(self) -> int | None:
+        """The layer index in megatron-core's names."""
+        return self.layer if self.mcore_layer is None else self.mcore_layer
 
     @property
     def mcore_name(self) -> str:
@@ -47,7 +55,7 @@ class Placed:
         """Where this tensor lives in a distributed checkpoint of `model`."""
         return placement(
             self.template.mcore,
-            layer=self.layer,
+            layer=self.mcore_index,
             expert=self.expert,
             num_layers=model.num_layers,
             num_experts=model.moe.num_experts if model.moe else None,
@@ -60,22 +68,28 @@ class Placed:
 def _applies(entry: Entry, model: ModelConfig, layer: int) -> bool:
     if entry.layers is LayerKind.ALL:
         return True
+    if entry.layers is LayerKind.MTP:
+        return False
     return (entry.layers is LayerKind.MOE) == model.is_moe_layer(layer)
 
 
 def placed_entries(arch: Architecture, model: ModelConfig) -> list[Placed]:
-    """Every tensor of the model in table order, layer by layer, expert by expert."""
+    """Every tensor of the model in table order, layer by layer, expert by expert; then its multi-token-prediction
+    layers (HF numbers them after the decoder's layers, megatron-core from 0)."""
     entries = [e for e in arch.table if not (e.untied_only and model.tie_word_embeddings) and model.has(e.requires)]
     placed = [Placed(e, None) for e in entries if not is_layered(e.mcore) and e.mcore.startswith("embedding")]
     experts = range(model.moe.num_experts) if model.moe else range(0)
+
+    def at(e: Entry, layer: int, mcore_layer: int | None = None) -> list[Placed]:
+        if is_expert(e.mcore):
+            return [Placed(e, layer, x, mcore_layer) for x in experts]
+        return [Placed(e, layer, None, mcore_layer)]
+
     for layer in range(model.num_layers):
-        for e in entries:
-            if not is_layered(e.mcore) or not _applies(e, model, layer):
-                continue
-            if is_expert(e.mcore):
-                placed += [Placed(e, layer, x) for x in experts]
-            else:
-                placed.append(Placed(e, layer))
+        placed += [p for e in entries if is_layered(e.mcore) and _applies(e, model, layer) for p in at(e, layer)]
+    for index in range(model.mtp_layers):
+        layer = model.num_layers + index
+        placed += [p for e in entries if e.layers is LayerKind.MTP for p in at(e, layer, index)]
     placed += [Placed(e, None) for e in entries if not is_layered(e.mcore) and not e.mcore.startswith("embedding")]
     return placed
 

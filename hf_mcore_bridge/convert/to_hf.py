@@ -30,6 +30,8 @@ from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype
 from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
 from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.mtp import copies as mtp_copies
+from hf_mcore_bridge.convert.mtp import resolve_export
 from hf_mcore_bridge.convert.to_mcore import ConversionResult
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.mappings import get_architecture
@@ -174,6 +176,7 @@ def convert_mcore_to_hf(
     model = config_bridge.from_hf(config, arch)
     mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
+    model, mtp_note = resolve_export(model, mcore.keys())
     placed = placed_entries(arch, model)
     padded = _padded_vocab(mcore, placed[0].placement(model).key, model)
     dims = model.dims(padded)
@@ -193,14 +196,22 @@ def convert_mcore_to_hf(
         return mcore.dtype(key) if key in kept else choice.dtype
 
     fp8 = Fp8Export(p.entry for p in placed) if fp8_blockwise else None
-    specs = {
-        written: (written_shape, written_dtype)
-        for planned in plan
-        for name, shape in planned.hf_shapes.items()
-        for written, written_shape, written_dtype in (
-            fp8.specs(name, shape, dtype_of(planned)) if fp8 else [(name, shape, dtype_of(planned))]
-        )
-    }
+    copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it, written after it
+    for copy, original in mtp_copies(arch, model).items():
+        copied.setdefault(original, []).append(copy)
+
+    def written(name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors one exported HF tensor is written as: itself (or its FP8 blocks), then its copies."""
+        own = fp8.tensors(name, value) if fp8 else [(name, value)]
+        return own + [(copy, value) for copy in copied.get(name, [])]
+
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for planned in plan:
+        for name, shape in planned.hf_shapes.items():
+            dtype_ = dtype_of(planned)
+            own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
+            for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
+                specs[spec_name] = (spec_shape, spec_dtype)
     split = split_torch_state_dict_into_shards(
         {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
         max_shard_size=max_shard_size,
@@ -222,9 +233,8 @@ def convert_mcore_to_hf(
                 for planned in plan:
                     tensor = mcore.read(planned.where.key, planned.where.leading)
                     for name, value in planned.placed.entry.to_hf(tensor, dims).items():
-                        value = value.to(dtype_of(planned))
-                        for written, part in fp8.tensors(name, value) if fp8 else [(name, value)]:
-                            writers[split.tensor_to_filename[written]].write(written, part)
+                        for out_name, part in written(name, value.to(dtype_of(planned))):
+                            writers[split.tensor_to_filename[out_name]].write(out_name, part)
                     advance()
         except BaseException:
             for writer in writers.values():
@@ -242,12 +252,14 @@ def convert_mcore_to_hf(
             config["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
         if out_dtype is not None or is_fp8_config(original_config):
             config = {**config, "torch_dtype": DTYPE_NAMES[choice.dtype]}
+        if mtp_note is not None:
+            config["num_nextn_predict_layers"] = model.mtp_layers
         (staging / "config.json").write_text(_json(config))
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
     from hf_mcore_bridge.convert.layout import Layout
 
-    notes = (choice.note,) if choice.note else ()
+    notes = tuple(note for note in (mtp_note, choice.note) if note)
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
 
 

@@ -40,6 +40,7 @@ from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.legacy_format import write_legacy
 from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
+from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.mappings import get_architecture
@@ -156,7 +157,7 @@ def plan_chunks(
         if module is not None:
             module_where = placement(
                 module,
-                layer=p.layer,
+                layer=p.mcore_index,
                 expert=p.expert,
                 num_layers=model.num_layers,
                 num_experts=model.moe.num_experts if model.moe else None,
@@ -191,6 +192,7 @@ def convert_hf_to_mcore(
     checkpoint_format: str = "torch_dist",
     mcore_version: int | None = None,
     directory_layout: str = "megatron-lm",
+    strict_mtp: bool = False,
 ) -> ConversionResult:
     """Convert an HF model directory into a Megatron-LM-loadable checkpoint (`release/`).
 
@@ -200,7 +202,8 @@ def convert_hf_to_mcore(
     `directory_layout` is `megatron-lm` (`release/`, `args` in the common state) or `megatron-bridge`
     (`iter_0000000/` with `run_config.yaml` and train state instead of `args`: `bridge_layout`). The
     destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
-    output of this tool, `overwrite_foreign` anything.
+    output of this tool, `overwrite_foreign` anything. Multi-token-prediction layers megatron-core cannot hold
+    are dropped with a notice, or refused with `strict_mtp` (`convert.mtp`).
     """
     if directory_layout not in ("megatron-lm", "megatron-bridge"):
         raise ValueError(f"unknown directory layout {directory_layout!r}")
@@ -218,12 +221,14 @@ def convert_hf_to_mcore(
             "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"
             " them by Megatron-Bridge's DeepSeek providers, not written here); use --layout megatron-lm"
         )
+    mtp = resolve_mtp(arch, model, hf, legacy=checkpoint_format == "torch", strict=strict_mtp)
+    model = mtp.model
     placed = placed_entries(arch, model)
     if arch.fused_experts:
         hf.add_fused_aliases(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
         )
-    check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
+    check_hf_names(placed, hf.names() - mtp.accepted, model, ignore_unknown=ignore_unknown)
     target_dtype, note, kept = check_hf_tensors(hf, placed, model, dtype, arch.own_dtype)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
@@ -279,5 +284,5 @@ def convert_hf_to_mcore(
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
-    notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, note) if n)
+    notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, mtp.note, note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

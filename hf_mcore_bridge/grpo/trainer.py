@@ -163,7 +163,9 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
             hf_dir, source, layout=layout, dtype=config.policy.dtype, overwrite=True, show_progress=False
         )
     root, checkpoint_dir = resolve_checkpoint(source)
-    model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
+    # multi-token-prediction layers are not trained (megatron-core computes them only with labels, for their own
+    # loss): the policy is built, refit, saved and exported without them
+    model_cfg = dataclasses.replace(from_megatron_args(read_common(checkpoint_dir)["args"]), mtp_layers=0)
     model_cfg.validate(layout)
     if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
         raise GRPOConfigError(

@@ -427,3 +427,18 @@ def test_megatron_cores_mtp_layer_computes_deepseeks(mtp_model, tmp_path):
         reference = norm("shared_head.norm")(out) @ tensors[f"{prefix}.shared_head.head.weight"].T
     assert (mtp_logits - reference).abs().max() <= 1e-4
     assert (mtp_logits - main_logits).abs().max() > 1e-2  # a different prediction: the check sees the MTP layer
+
+
+def test_bridge_inspect_reports_the_mla_checkpoint(tiny_moe_models, tmp_path):
+    from hf_mcore_bridge.convert.inspect import inspect_path
+
+    hf_dir = tiny_moe_models["deepseek_v3"]
+    convert_hf_to_mcore(hf_dir, tmp_path / "m", layout=Layout(tp=2, ep=2), show_progress=False)
+    report = inspect_path(tmp_path / "m")
+    hf = load_file(hf_dir / "model.safetensors")
+    padding = (-211 % 256) * 64 * 2  # embedding and output layer padded to 256 rows for TP2
+    assert report.architecture == "DeepseekV3ForCausalLM" and report.layout["ep"] == 2
+    assert report.parameters == sum(t.numel() for t in hf.values()) + padding  # the expert bias included
+    rows = {row.name: row.shape for row in report.tensors}
+    assert rows["decoder.layers.2.self_attention.linear_kv_down_proj.weight"] == [32, 64]  # kv_lora + rope rows
+    assert inspect_path(hf_dir).parameters == sum(t.numel() for t in hf.values())

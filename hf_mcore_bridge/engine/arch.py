@@ -207,6 +207,8 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
 
 
 def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
+    if hf.get("kv_lora_rank") is not None:
+        raise NotImplementedError("multi-latent attention (kv_lora_rank, DeepSeek-V3) is not implemented in the engine")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r}: only 'silu' is implemented")

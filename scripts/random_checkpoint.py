@@ -1,18 +1,18 @@
 """Random HF checkpoints of real model shapes, written shard by shard without building a transformers model.
 
-Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB) or Qwen3-MoE-shaped checkpoint
-is generated in seconds (on a GPU when there is one) and streamed to disk with bounded memory. Tensor names and
-shapes come from the project's own mapping tables (every HF tensor the converter expects), shapes from the
-config by the role of each tensor.
+Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB), Qwen3-MoE-shaped or
+DeepSeek-V3-shaped checkpoint is generated in seconds (on a GPU when there is one) and streamed to disk with bounded
+memory, optionally with DeepSeek's FP8 blocks (`--fp8`). Tensor names and shapes come from the project's own
+mapping tables (every HF tensor the converter expects, each with the shape its entry states in model dimensions).
 
     python scripts/random_checkpoint.py llama3-8b OUT_DIR
+    python scripts/random_checkpoint.py deepseek-v3 OUT_DIR --fp8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import torch
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export
+from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.mappings import get_architecture
 
@@ -94,27 +96,48 @@ SHAPES: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "attention_bias": False,
     },
+    "deepseek-v3": {  # DeepSeek-V3's layer shape (MLA, 8 groups of experts, a dense first layer), 4 layers, 32 experts
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 0,
+        "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    },
 }
-
-_ROLES = [  # (pattern on the HF name, shape from the model config)
-    (r"(embed_tokens|lm_head)\.weight", lambda m, x: (m.vocab_size, m.hidden_size)),
-    (r"q_proj\.weight", lambda m, x: (m.num_attention_heads * m.head_dim, m.hidden_size)),
-    (r"[kv]_proj\.weight", lambda m, x: (m.num_query_groups * m.head_dim, m.hidden_size)),
-    (r"q_proj\.bias", lambda m, x: (m.num_attention_heads * m.head_dim,)),
-    (r"[kv]_proj\.bias", lambda m, x: (m.num_query_groups * m.head_dim,)),
-    (r"o_proj\.weight", lambda m, x: (m.hidden_size, m.num_attention_heads * m.head_dim)),
-    (r"[qk]_norm\.weight", lambda m, x: (m.head_dim,)),
-    (r"(layernorm|norm)\.weight", lambda m, x: (m.hidden_size,)),
-    (r"shared_expert_gate\.weight", lambda m, x: (1, m.hidden_size)),
-    (r"shared_expert\.(gate|up)_proj\.weight", lambda m, x: (m.moe.shared_expert_size, m.hidden_size)),
-    (r"shared_expert\.down_proj\.weight", lambda m, x: (m.hidden_size, m.moe.shared_expert_size)),
-    (r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight", lambda m, x: (m.moe.ffn_hidden_size, m.hidden_size)),
-    (r"experts\.\d+\.(down_proj|w2)\.weight", lambda m, x: (m.hidden_size, m.moe.ffn_hidden_size)),
-    (r"(mlp|block_sparse_moe)\.gate\.weight", lambda m, x: (m.moe.num_experts, m.hidden_size)),
-    (r"mlp\.(gate|up)_proj\.weight", lambda m, x: (m.ffn_hidden_size, m.hidden_size)),
-    (r"mlp\.down_proj\.weight", lambda m, x: (m.hidden_size, m.ffn_hidden_size)),
-]
-
 
 TINY_SHAPE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -134,17 +157,15 @@ TINY_SHAPE: dict[str, Any] = {
 
 
 def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every HF tensor (in table order) of a model with this config, with its shape."""
+    """Every HF tensor (in table order) of a model with this config, with the shape its table entry states."""
     arch = get_architecture(config["architectures"][0])
     model: ModelConfig = config_bridge.from_hf(config, arch)
-    out = []
-    for placed in placed_entries(arch, model):
-        for name in placed.hf_names():
-            shape = next((fn(model, None) for pattern, fn in _ROLES if re.search(pattern, name)), None)
-            if shape is None:
-                raise ValueError(f"no shape rule for {name}")
-            out.append((name, shape))
-    return out
+    sizes = hf_sizes(model, config)
+    return [
+        (name, concrete(shape, sizes))
+        for placed in placed_entries(arch, model)
+        for name, shape in placed.entry.hf_expected().items()
+    ]
 
 
 def write_random_checkpoint(
@@ -154,37 +175,53 @@ def write_random_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     shard_bytes: int = 2 << 30,
     seed: int = 0,
+    fp8: bool = False,
 ) -> int:
-    """Write a random checkpoint (normal, std 0.02; norms near 1) with `config`; returns the bytes written."""
+    """Write a random checkpoint (normal, std 0.02; norms near 1) with `config`; returns the bytes written. `fp8`:
+    the linear layers as 128 x 128 FP8 blocks with `weight_scale_inv`, as DeepSeek publishes them."""
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensor_shapes(config)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    arch = get_architecture(config["architectures"][0])
+    blocks = Fp8Export(p.entry for p in placed_entries(arch, config_bridge.from_hf(config, arch))) if fp8 else None
+    plan = [
+        spec
+        for name, shape in hf_tensor_shapes(config)
+        for spec in (blocks.specs(name, shape, dtype) if blocks else [(name, shape, dtype)])
+    ]
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
-    for name, shape in tensors:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+    for name, shape, tensor_dtype in plan:
+        nbytes = torch.Size(shape).numel() * tensor_dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append((name, shape, tensor_dtype))
         size += nbytes
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(seed)
     weight_map, total = {}, 0
+    pending: dict[str, torch.Tensor] = {}  # a weight's scale, written after it
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = SafetensorsStreamWriter(directory / file, [(n, s, dtype) for n, s in shard])
-        for name, shape in shard:
-            value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
-            if name.endswith("norm.weight") or "layernorm" in name:
-                value = value + 1.0
-            writer.write(name, value.to(dtype).cpu())
+        writer = SafetensorsStreamWriter(directory / file, shard)
+        for name, shape, _ in shard:
+            value = pending.pop(name, None)
+            if value is None:
+                value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    value = value + 1.0
+                parts = blocks.tensors(name, value) if blocks else [(name, value)]
+                value = parts[0][1].to(dtype) if len(parts) == 1 else parts[0][1]
+                pending.update(parts[1:])
+            writer.write(name, value.cpu())
             weight_map[name] = file
-            total += value.numel() * dtype.itemsize
+            total += value.numel() * value.dtype.itemsize
         writer.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    dtype_name = config_bridge.DTYPE_NAMES[dtype]
-    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype_name}, indent=2))
+    written = {**config, "torch_dtype": config_bridge.DTYPE_NAMES[dtype]}
+    if fp8:
+        written["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
+    (directory / "config.json").write_text(json.dumps(written, indent=2))
     return total
 
 
@@ -194,11 +231,12 @@ def main() -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--layers", type=int, help="Override the number of layers.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", action="store_true", help="Linear layers as 128 x 128 FP8 blocks (DeepSeek's).")
     args = parser.parse_args()
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    total = write_random_checkpoint(args.directory, config, seed=args.seed)
+    total = write_random_checkpoint(args.directory, config, seed=args.seed, fp8=args.fp8)
     print(f"wrote {args.directory}: {total / 2**30:.2f} GiB")
 
 

@@ -82,6 +82,10 @@ def test_an_unknown_architecture_is_refused_with_the_supported_list() -> None:
         ({"moe": True, "shared_expert": False, "qk_norm": False, "qkv_bias": False}, "MixtralForCausalLM"),
         ({"moe": True, "shared_expert": False, "qk_norm": True, "qkv_bias": False}, "Qwen3MoeForCausalLM"),
         ({"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": True}, "Qwen2MoeForCausalLM"),
+        (
+            {"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": False, "mla": True},
+            "DeepseekV3ForCausalLM",
+        ),
     ],
 )
 def test_megatron_args_without_an_hf_name_map_to_the_architecture_with_their_features(
@@ -93,6 +97,8 @@ def test_megatron_args_without_an_hf_name_map_to_the_architecture_with_their_fea
 def test_features_no_architecture_has_are_refused() -> None:
     with pytest.raises(UnsupportedArchitectureError, match="--hf-config"):
         with_features(moe=False, shared_expert=False, qk_norm=True, qkv_bias=True)
+    with pytest.raises(UnsupportedArchitectureError, match="multi-latent attention=False"):
+        with_features(moe=True, shared_expert=True, qk_norm=False, qkv_bias=False)  # DeepSeek-V3 without MLA
 
 
 MEGATRON_PATTERN = {

@@ -442,3 +442,13 @@ def test_bridge_inspect_reports_the_mla_checkpoint(tiny_moe_models, tmp_path):
     rows = {row.name: row.shape for row in report.tensors}
     assert rows["decoder.layers.2.self_attention.linear_kv_down_proj.weight"] == [32, 64]  # kv_lora + rope rows
     assert inspect_path(hf_dir).parameters == sum(t.numel() for t in hf.values())
+
+
+def test_megatron_args_rebuild_the_model_with_its_rotary_row_order(tiny_moe_models):
+    """The refit and an export without HF assets take the model from the checkpoint's args: a rotate-half model
+    (Moonlight-like) must come back rotate-half, or its rotary rows would be streamed interleaved."""
+    for name in ("deepseek_v3", "moonlight"):
+        config = json.loads((tiny_moe_models[name] / "config.json").read_text())
+        model = config_bridge.from_hf(config, ARCH)
+        assert config_bridge.from_megatron_args(config_bridge.megatron_args(model, Layout(), torch.float32)) == model
+    assert model.mla.rotate_half and model.mla.q_lora_rank is None

@@ -98,7 +98,8 @@ class MlaConfig:
     rotate_half: bool = False
     """The HF weights order the rotary dims rotate-half style (HF `rope_interleave=false`); megatron-core's MLA
     pairs dims 2i, 2i + 1 as DeepSeek's weights do (`rope_interleave=true`), so such weights are permuted on the
-    way (`mapping_types.RotaryRows`). Not recorded in megatron-core: its checkpoint holds interleaved rows."""
+    way (`mapping_types.RotaryRows`). megatron-core's checkpoint holds interleaved rows; its `args` record the HF
+    order (`hf_rope_interleave`, as `hf_architecture` records the architecture) for export and refit."""
 
 
 @dataclass(frozen=True)
@@ -610,6 +611,8 @@ def megatron_args(
         **_moe_args(model.moe),
     )
     values.update(_mla_kwargs(model))
+    if model.mla is not None:  # how the HF weights order their rotary rows (megatron-core's are interleaved)
+        values["hf_rope_interleave"] = not model.mla.rotate_half
     return argparse.Namespace(**(loader_defaults() | values))
 
 
@@ -658,6 +661,7 @@ def _mla_from_args(args: argparse.Namespace) -> tuple[MlaConfig | None, YarnConf
         qk_nope_head_dim=args.qk_head_dim,
         qk_rope_head_dim=args.qk_pos_emb_head_dim,
         v_head_dim=args.v_head_dim,
+        rotate_half=getattr(args, "hf_rope_interleave", True) is False,
     )
     if getattr(args, "rope_type", "yarn") != "yarn":
         return mla, None

@@ -154,15 +154,17 @@ def cp_attention(
 ) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence(s).
 
-    query `[t, b, heads, d]`, key/value `[t, b, groups, d]`: this rank's tokens of rows of sequences `cu_seqlens`
-    (global, on the host; `[0, S]` for plain rows) in `cp_positions` order -> `[t, b, heads, d]`. Keys and values
+    query `[t, b, heads, d_k]`, key `[t, b, groups, d_k]`, value `[t, b, groups, d_v]`: this rank's tokens of rows
+    of sequences `cu_seqlens` (global, on the host; `[0, S]` for plain rows) in `cp_positions` order ->
+    `[t, b, heads, d_v]`. Keys and values
     are gathered in one collective; a query attends to the keys of its own sequence at global positions up to
     its own. Rows of one sequence each (unpacked rows) attend chunk by chunk with SDPA's lower-right causal bias
     (`causal_lower_right`: flash or memory-efficient kernels on a GPU, no mask tensor); packed rows take a dense
     `[t, T]` mask, exact on every device, which keeps SDPA off the flash kernel."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    kv = gather_sequence(torch.cat([key, value], dim=2), group, cu_seqlens)  # [T, b, 2 * groups, d]
-    key_all, value_all = kv.chunk(2, dim=2)
+    # [T, b, groups, d_k + d_v]: keys and values may differ in width (multi-latent attention's do)
+    kv = gather_sequence(torch.cat([key, value], dim=-1), group, cu_seqlens)
+    key_all, value_all = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
     if len(cu_seqlens) == 2:
         return _one_sequence(query, key_all, value_all, cp, rank, scale)
     return _packed(query, key_all, value_all, cp, rank, cu_seqlens, scale)

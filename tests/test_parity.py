@@ -34,9 +34,8 @@ LAYOUTS = {
 
 
 MLA_LAYOUTS = ("tp2pp1", "tp1pp2", "tp1cp2")
-"""Layouts whose world also verifies the tiny DeepSeek-V3 (multi-latent attention, keys and values of different
-widths under CP; `test_moe` has it at EP2,
-TP2 x EP2 and PP2 x EP2)."""
+"""Layouts whose world also verifies the tiny DeepSeek-V3 (multi-latent attention: keys and values of different
+widths under CP; `test_moe` has it at EP2, TP2 x EP2 and PP2 x EP2)."""
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))

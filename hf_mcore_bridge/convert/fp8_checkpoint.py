@@ -12,7 +12,9 @@ Writing (`Fp8Export`): export with `--fp8-blockwise` quantizes the linear layers
 row-parallel tensors; embeddings, output layer, norms and router stay in the export dtype) to e4m3 with
 power-of-two scales (`scale_fmt: ue8m0`, as DeepSeek-V3.1 publishes) and writes `quantization_config`. Weights that
 came from such blocks (a checkpoint with power-of-two scales, dequantized on import) are exactly representable, so
-their dequantized FP8 export equals the bfloat16 export bit for bit; other weights get the nearest e4m3 values.
+their dequantized FP8 export equals the bfloat16 export bit for bit (the blocks' encodings may differ from the
+source's: a block whose largest |q| is 224 at scale s is written as 448 at s / 2, the smallest scale that fits);
+other weights get the nearest e4m3 values.
 Float32 scales (DeepSeek-V3's) cannot be kept through bfloat16: importing them rounds `q * scale` to bfloat16.
 """
 

@@ -13,7 +13,9 @@ copies of the embedding and output layer, which megatron-core shares, must equal
 Refused, because megatron-core computes something else: groups ranked other than by their top-2 scores
 (megatron-core sums the top `topk // topk_group`), unnormalised sigmoid weights of several experts (megatron-core
 renormalises them) or a renormalised single one, `topk_method` other than `noaux_tc`, `scoring_func` other than
-`sigmoid`, and MoE layers placed other than after the first `first_k_dense_replace`.
+`sigmoid`, MoE layers placed other than after the first `first_k_dense_replace` (`moe_layer_freq` other than 1),
+and `rms_norm_eps` other than 1e-6 (HF's latent norms use 1e-6 whatever it says, megatron-core's use it). The
+router and its correction bias keep the dtype they are stored in (HF keeps them in float32).
 """
 
 from __future__ import annotations

@@ -154,3 +154,27 @@ def test_other_quantizations_and_broken_blocks_are_refused(bf16_model, tmp_path)
         convert_hf_to_mcore(source, tmp_path / "out-scale", show_progress=False)
     result = run("convert", "--to", "mcore", source, tmp_path / "cli", "--no-progress")
     assert_one_line_error(result, "is FP8 but the checkpoint has no", scale)
+
+
+def test_weights_taller_than_a_span_read_and_write_as_whole_blocks(tmp_path):
+    """Reading dequantizes, and export quantizes, `SPAN_ROWS` rows at a time: the same values as whole-weight
+    dequantization and quantization, for any row range."""
+    from hf_mcore_bridge.convert.fp8_checkpoint import SPAN_ROWS, Fp8Checkpoint, Fp8Export
+    from hf_mcore_bridge.convert.mapping_types import Direct, Size
+    from hf_mcore_bridge.convert.parallel_style import Parallel
+
+    rows = 2 * SPAN_ROWS + 300
+    weight = torch.randn(rows, 200) * 0.02
+    q, scale = quantize_blockwise(weight, pow2=True)
+    save_file({"w.weight": q, "w.weight_scale_inv": scale}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": QUANTIZATION}))
+    checkpoint = Fp8Checkpoint(tmp_path)
+    whole = dequantize_blockwise(q, scale, torch.bfloat16)
+    assert checkpoint.names() == {"w.weight"} and checkpoint.info("w.weight").dtype == torch.bfloat16
+    for span in (None, (0, rows), (SPAN_ROWS - 5, SPAN_ROWS + 7), (130, 2 * SPAN_ROWS + 1)):
+        expected = whole if span is None else whole[span[0] : span[1]]
+        assert torch.equal(checkpoint.read("w.weight", span), expected), span
+    export = Fp8Export([Direct("w", "w.weight", Parallel.ROW, (Size.HIDDEN, Size.FFN))])
+    (_, q2), (_, scale2) = export.tensors("w.weight", whole)
+    expected_q, expected_scale = quantize_blockwise(whole, pow2=True)
+    assert torch.equal(scale2, expected_scale) and torch.equal(q2.view(torch.uint8), expected_q.view(torch.uint8))

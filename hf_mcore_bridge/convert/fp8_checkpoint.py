@@ -3,7 +3,8 @@
 
 Reading (`open_hf_checkpoint`): such a checkpoint is read through `Fp8Checkpoint`, which shows every FP8 weight as
 its bfloat16 dequantization (`fp8_blocks.dequantize_rows`) and hides the scales. Row ranges are dequantized as
-they are read, so conversion streams and its memory stays bounded as for any checkpoint. Only what DeepSeek
+they are read, `SPAN_ROWS` rows at a time into the bfloat16 result, so conversion streams and its memory stays
+bounded as for any checkpoint (no float32 copy of a whole weight). Only what DeepSeek
 publishes is taken: `quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [128, 128]`, dynamic activation scales;
 other quantization configs are refused by name, and so is a weight without its scale or a scale without its
 weight.
@@ -20,6 +21,7 @@ Float32 scales (DeepSeek-V3's) cannot be kept through bfloat16: importing them r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +39,8 @@ from hf_mcore_bridge.errors import CheckpointError
 SCALE_SUFFIX = "_scale_inv"
 """`<name>.weight` is scaled by `<name>.weight_scale_inv`."""
 DEQUANTIZED_DTYPE = torch.bfloat16
+SPAN_ROWS = 8 * BLOCK
+"""Rows dequantized (or quantized) at a time: the float32 temporaries stay a few MB whatever the weight."""
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 """(name, shape, dtype) of a tensor to write."""
 QUANTIZED_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN, Parallel.ROW)
@@ -110,12 +114,16 @@ class Fp8Checkpoint(HFCheckpoint):
         return replace(info, dtype=DEQUANTIZED_DTYPE) if name in self.scales else info
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """As `HFCheckpoint.read`; an FP8 weight is dequantized `SPAN_ROWS` rows at a time into its output."""
         if name not in self.scales:
             return super().read(name, rows)
         start, stop = rows if rows is not None else (0, super().info(name).shape[0])
-        q = super().read(name, (start, stop))
-        block_scales = super().read(self.scales[name], (start // BLOCK, -(-stop // BLOCK)))
-        return dequantize_rows(q, block_scales, start, DEQUANTIZED_DTYPE)
+        out = torch.empty((stop - start, *super().info(name).shape[1:]), dtype=DEQUANTIZED_DTYPE)
+        for first, last in _spans(start, stop):
+            q = super().read(name, (first, last))
+            block_scales = super().read(self.scales[name], (first // BLOCK, -(-last // BLOCK)))
+            out[first - start : last - start] = dequantize_rows(q, block_scales, first, DEQUANTIZED_DTYPE)
+        return out
 
     def note(self) -> str:
         """What reading this checkpoint does, in one line."""
@@ -151,8 +159,20 @@ class Fp8Export:
         return [(name, shape, FP8_DTYPE), (name + SCALE_SUFFIX, scale_shape(shape), torch.float32)]
 
     def tensors(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The tensors one exported tensor is written as (quantized with power-of-two scales where FP8)."""
+        """The tensors one exported tensor is written as (quantized with power-of-two scales where FP8, `SPAN_ROWS`
+        rows at a time: blocks are independent)."""
         if name not in self.names:
             return [(name, value)]
-        q, scale_inv = quantize_blockwise(value, pow2=True)
+        q = torch.empty(value.shape, dtype=FP8_DTYPE)
+        scale_inv = torch.empty(scale_shape(tuple(value.shape)), dtype=torch.float32)
+        for first, last in _spans(0, value.shape[0]):
+            q[first:last], scale_inv[first // BLOCK : -(-last // BLOCK)] = quantize_blockwise(
+                value[first:last], pow2=True
+            )
         return [(name, q), (name + SCALE_SUFFIX, scale_inv)]
+
+
+def _spans(start: int, stop: int) -> list[tuple[int, int]]:
+    """Rows `start .. stop` cut at multiples of `SPAN_ROWS` (whole 128-row blocks but at the ends)."""
+    edges = [start, *range((start // SPAN_ROWS + 1) * SPAN_ROWS, stop, SPAN_ROWS), stop]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]

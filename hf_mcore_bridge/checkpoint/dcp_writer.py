@@ -2,9 +2,9 @@
 
 torch's own `FileSystemWriter` does the file format; a custom save planner supplies the plan (every chunk's key,
 global shape, offsets and dtype, known up front from the model config) and produces each chunk's data lazily,
-one at a time, when the writer asks for it. So a whole model is written from one process, without a process
-group, holding at most the tensor being produced. With one writer thread the chunks are written in plan order,
-which lets a producer reuse one fused tensor for its tensor-parallel chunks.
+one at a time, when the writer asks for it, and freed once written. So a whole model is written from one process,
+without a process group, holding at most the tensor being produced. With one writer thread the chunks are written
+in plan order, which lets a producer reuse one fused tensor for its tensor-parallel chunks.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class _StreamingPlanner(SavePlanner):
 
     def __init__(self, chunks: Sequence[TensorChunk], objects: Sequence[ObjectItem], on_write: Callable[[], None]):
         self._items: list[WriteItem] = []
+        self._written: torch.Tensor | None = None
+        """The last tensor handed to the writer."""
         self._producers: dict[tuple[str, tuple[int, ...]], Callable[[], torch.Tensor | io.BytesIO]] = {}
         self._on_write = on_write
         for obj in objects:
@@ -86,6 +88,14 @@ class _StreamingPlanner(SavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         offsets = tuple(write_item.index.offset) if write_item.index.offset is not None else ()
         data = self._producers.pop((write_item.index.fqn, offsets))()
+        if isinstance(data, torch.Tensor):
+            # torch's writer keeps every tensor it wrote to a file, by key, until the file is closed (for its
+            # safetensors format): one chunk per key, so memory would grow with the keys of a heterogeneous stack.
+            # Its serial loader asks for the next tensor only after writing the last: that one's storage is freed.
+            # (Tensors read straight from safetensors files are memory-mapped, not resizable, and cost page cache.)
+            if self._written is not None and self._written.untyped_storage().resizable():
+                self._written.untyped_storage().resize_(0)
+            self._written = data
         self._on_write()
         return data
 
@@ -135,7 +145,10 @@ def write_dcp(
     """
     directory.mkdir(parents=True, exist_ok=True)
     planner = _StreamingPlanner(chunks, objects, on_write)
-    writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1, sync_files=False)
+    # no copy-ahead: the serial loader (see `_StreamingPlanner.resolve_data`), as torch uses without CUDA anyway
+    writer = FileSystemWriter(
+        str(directory), single_file_per_rank=True, thread_count=1, sync_files=False, per_thread_copy_ahead=0
+    )
     with warnings.catch_warnings(), _without_crc32():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:

@@ -2,8 +2,8 @@
 
 Each refusal is checked three ways: exit status 2, one line naming the problem, and the whole test directory
 (sources, destination and everything beside them) byte-for-byte as before, by a snapshot of paths and sha256 taken
-here. Signals are real: a child process converts with a patched producer that pauses mid-write, and is sent SIGTERM,
-SIGINT or SIGKILL.
+here. Signals are real: a child process converts with its writes paused mid-way, and is sent SIGTERM, SIGINT or
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -269,12 +269,14 @@ CHILD = """
 import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive shell, even if started ignoring it
-from hf_mcore_bridge.convert import to_mcore
+from hf_mcore_bridge.checkpoint import byte_copy
 flag, source, destination = sys.argv[1:]
-def paused(self, placed, box):
+def paused(self):  # every write into the output waits here, as if the disk never answered, until stopped
     Path(flag).touch()  # the staging directory exists and is being written
-    time.sleep(120)
-to_mcore.Producer.chunk = paused
+    while not self.stop.is_set():
+        time.sleep(0.05)
+    raise byte_copy.Stopped
+byte_copy._Output.check = paused
 from hf_mcore_bridge.cli.main import app
 sys.argv = ["bridge", "convert", "--to", "mcore", "--no-progress", source, destination]
 app()

@@ -314,18 +314,18 @@ def test_megatron_mixed_and_integer_dtypes(legacy, tmp_path):
 
 
 def test_interrupted_export_exits_130_and_leaves_nothing(dcp, tmp_path, monkeypatch):
-    from hf_mcore_bridge.checkpoint.mcore_source import DCPSource
+    from hf_mcore_bridge.checkpoint import parallel_write
 
     calls = {"n": 0}
-    original = DCPSource.read
+    original = parallel_write.write_pieces
 
-    def interrupt_midway(self, key, leading):
+    def interrupt_midway(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 10:
             raise KeyboardInterrupt
-        return original(self, key, leading)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(DCPSource, "read", interrupt_midway)
+    monkeypatch.setattr(parallel_write, "write_pieces", interrupt_midway)
     assert_refused(_to_hf(dcp, tmp_path / "out"), tmp_path, dcp, snapshot(dcp), "interrupted", status=130)
 
 

@@ -3,12 +3,18 @@
 The HF config comes from the checkpoint's stored HF assets, an explicit `--hf-config`, or is rebuilt from the
 checkpoint's `args`. Every expected tensor's global shape and dtype is checked against that config before
 anything is written, so an `args` that contradicts the tensors is refused up front; a failure while writing
-names the file and its cause. Safetensors shards are planned with
-`huggingface_hub` (sizes only) and written with their headers first, so memory holds one layer tensor at a time.
+names the file and its cause. Safetensors shards are planned with `huggingface_hub` (sizes only), so every
+tensor's place in its file is known before anything is written. A tensor whose rows are stored unchanged in a
+`torch_dist` checkpoint (the output dtype; splitting QKV or gate/up and joining tensor-parallel chunks only
+regroups rows and columns) is copied from the data files in the kernel (`checkpoint.byte_copy`); which rows, is
+found by running the entry's own transform on row tags (`row_trace`). Any other tensor is read and transformed
+when its turn comes, so memory holds at most one layer tensor at a time. Shards are written in parallel, one
+writer thread each (`checkpoint.parallel_write`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +22,14 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
-from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
+from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
+from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
@@ -29,6 +38,7 @@ from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype
 from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
 from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.to_mcore import ConversionResult
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.mappings import get_architecture
@@ -159,7 +169,7 @@ def convert_mcore_to_hf(
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
-    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
     started = time.perf_counter()
     root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
@@ -182,8 +192,9 @@ def convert_mcore_to_hf(
     keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan}
     choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
     specs = {name: (shape, choice.dtype) for planned in plan for name, shape in planned.hf_shapes.items()}
-    split = split_torch_state_dict_into_shards(
-        {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
+    split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
+        {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
+        get_storage_size=lambda nbytes: nbytes,
         max_shard_size=max_shard_size,
         filename_pattern="model{suffix}.safetensors",
     )
@@ -195,27 +206,23 @@ def convert_mcore_to_hf(
         overwrite_foreign=overwrite_foreign,
         record={"command": "convert --to hf", "sources": [str(real_path(s)) for s in sources if s is not None]},
     ) as staging:
-        writers: dict[str, SafetensorsStreamWriter] = {}
-        try:
-            for file, names in split.filename_to_tensors.items():
-                writers[file] = SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
-            with progress_bar("export to hf", total=len(plan), enabled=show_progress) as advance:
-                for planned in plan:
-                    tensor = mcore.read(planned.where.key, planned.where.leading)
-                    for name, value in planned.placed.entry.to_hf(tensor, dims).items():
-                        writers[split.tensor_to_filename[name]].write(name, value.to(specs[name][1]))
-                    advance()
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()  # the failure above is the one to report, not the files it left short
-            raise
-        for writer in writers.values():
-            writer.close()
+        layouts = {
+            file: SafetensorsLayout([(n, *specs[n]) for n in names])
+            for file, names in split.filename_to_tensors.items()
+        }
+        queues = {file: [Job(staging / file, 0, (layout.header,))] for file, layout in layouts.items()}
+        tensors = _Tensors(mcore, dims, specs)
+        for planned in plan:
+            for name, pieces in tensors.pieces(planned).items():
+                file = split.tensor_to_filename[name]
+                queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
+        with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
+            run_jobs(list(queues.values()), on_done=advance)  # one step per file header, one per tensor
         if split.is_sharded:
             index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
             (staging / INDEX_NAME).write_text(_json(index))
-        elif SINGLE_NAME not in writers:
-            (staging / next(iter(writers))).rename(staging / SINGLE_NAME)
+        elif SINGLE_NAME not in queues:
+            (staging / next(iter(queues))).rename(staging / SINGLE_NAME)
         if out_dtype is not None:
             config = {**config, "torch_dtype": DTYPE_NAMES[out_dtype]}
         (staging / "config.json").write_text(_json(config))
@@ -225,6 +232,109 @@ def convert_mcore_to_hf(
 
     notes = (choice.note,) if choice.note else ()
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
+
+
+class _Tensors:
+    """The HF tensors of each planned entry, as byte pieces: of the checkpoint's data files where the entry's rows
+    are stored there unchanged (a `torch_dist` checkpoint of the output dtype), else produced from the tensor read
+    and transformed when its turn comes (one entry's tensors cached per writer thread)."""
+
+    def __init__(self, source: McoreSource, dims: Dims, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.source, self.dims, self.specs = source, dims, specs
+        self._local = threading.local()
+        self._raw: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], Path, int]] | None] = {}
+        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+
+    def pieces(self, planned: _Planned) -> dict[str, tuple[Piece, ...]]:
+        copied = self._copied(planned)
+        if copied is not None:
+            return copied
+        return {
+            name: (Produced(_nbytes(*self.specs[name]), self._producer(planned, name)),) for name in planned.hf_shapes
+        }
+
+    def _copied(self, planned: _Planned) -> dict[str, tuple[Piece, ...]] | None:
+        if not isinstance(self.source, DCPSource) or len(planned.shape) not in (1, 2):
+            return None
+        key, dtype = planned.where.key, self.source.dtype(planned.where.key)
+        if any(self.specs[n][1] != dtype or shape[1:] != planned.shape[1:] for n, shape in planned.hf_shapes.items()):
+            return None
+        if key not in self._raw:
+            self._raw[key] = self.source.dcp.raw_chunks(key)
+        raw = self._raw[key]
+        blocks = None if raw is None else _blocks(raw, planned.where.leading, len(planned.shape), dtype.itemsize)
+        runs = self._row_runs(planned)
+        if blocks is None or runs is None:
+            return None
+        cols = planned.shape[1] if len(planned.shape) == 2 else 1
+        template = planned.placed.template
+        out = {}
+        for template_name, name in zip(template.hf_sources, planned.placed.hf_names(), strict=True):
+            pieces: list[Piece] = []
+            for run in runs[template_name]:
+                if run.source is None:
+                    pieces.append(Zeros(run.count * cols * dtype.itemsize))
+                    continue
+                found = region(blocks, (run.source_row, run.source_row + run.count), (0, cols), dtype.itemsize)
+                if found is None:
+                    return None
+                pieces += found
+            out[name] = tuple(joined(pieces))
+        return out
+
+    def _row_runs(self, planned: _Planned) -> dict[str, tuple[RowRun, ...]] | None:
+        """Each HF tensor's rows as runs of the megatron-core tensor's rows (names as in the template)."""
+        template = planned.placed.template
+        key = (template, planned.shape)
+        if key not in self._traces:
+            self._traces[key] = trace(
+                lambda tensors: template.to_hf(tensors["mcore"], self.dims), {"mcore": planned.shape}
+            )
+        return self._traces[key]
+
+    def _producer(self, planned: _Planned, name: str):
+        def produce():
+            cached = getattr(self._local, "cached", None)
+            if cached is None or cached[0] is not planned:
+                self._local.cached = cached = None  # drop the previous entry's tensors first
+                tensor = self.source.read(planned.where.key, planned.where.leading)
+                self._local.cached = cached = (planned, planned.placed.entry.to_hf(tensor, self.dims))
+            shape, dtype = self.specs[name]
+            value = cached[1][name].to(dtype)
+            if tuple(value.shape) != shape:
+                raise AssertionError(f"{name}: got {tuple(value.shape)}, declared {shape}")
+            return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+        return produce
+
+
+def _blocks(
+    raw: list[tuple[tuple[int, ...], tuple[int, ...], Path, int]], leading: tuple[int, ...], rank: int, itemsize: int
+) -> list[Block] | None:
+    """The chunks holding the tensor at these leading (layer / expert) indices, as blocks of its matrix (a vector
+    as one column), or None when a chunk is not of that form."""
+    blocks = []
+    for offsets, sizes, path, start in raw:
+        if len(offsets) != len(leading) + rank:
+            return None
+        if not all(o <= i < o + n for i, o, n in zip(leading, offsets, sizes, strict=False)):
+            continue
+        flat, step = 0, 1
+        for index in reversed(range(len(sizes))):
+            if index < len(leading):
+                flat += (leading[index] - offsets[index]) * step
+            step *= sizes[index]
+        row, nrows = offsets[len(leading)], sizes[len(leading)]
+        col, ncols = (offsets[-1], sizes[-1]) if rank == 2 else (0, 1)
+        blocks.append(Block(path, start + flat * itemsize, row, nrows, col, ncols))
+    return blocks
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = dtype.itemsize
+    for dim in shape:
+        count *= dim
+    return count
 
 
 def _padded_vocab(source: McoreSource, embedding_key: str, model: ModelConfig) -> int:

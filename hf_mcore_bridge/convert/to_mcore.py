@@ -2,14 +2,18 @@
 
 Assumes the HF directory holds safetensors. Every tensor's shape and dtype is checked against the config (from
 the safetensors headers) before the destination is created; a failure while writing names the file and its
-cause. Each megatron-core tensor is produced when the writer asks for it and dropped once written: plain tensors
-are read chunk by chunk (row ranges straight from the safetensors file), fused ones (QKV, gate/up) are built once
-per layer and reused for their tensor-parallel chunks. Peak memory is therefore about one fused layer tensor,
-whatever the model size.
+cause. A chunk whose bytes are rows of the HF tensors unchanged (same dtype; fused QKV and gate/up only regroup
+rows, tensor parallelism cuts rows or columns) is written as byte pieces of the safetensors files, copied in the
+kernel (`checkpoint.byte_copy`); which rows, is found by running the entry's own transform on row tags
+(`row_trace`). Any other chunk (a cast, a fused expert tensor) is produced when the writer gets to it and dropped
+once written: plain tensors are read chunk by chunk (row ranges straight from the safetensors file), fused ones
+are built once per layer and reused for their tensor-parallel chunks. Peak memory is therefore at most about one
+fused layer tensor per writer thread, whatever the model size.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Zeros
 from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
@@ -29,6 +34,7 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import (
     write_common,
     write_tracker,
 )
+from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
@@ -39,6 +45,7 @@ from hf_mcore_bridge.convert.legacy_format import write_legacy
 from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.progress import progress_bar
@@ -78,11 +85,63 @@ def check_hf_tensors(
 
 
 class Producer:
-    """Produces megatron-core tensors and chunks from the HF checkpoint, caching the last fused tensor."""
+    """Produces megatron-core chunks from the HF checkpoint: as byte pieces of its files where the bytes are
+    unchanged, else as tensors, caching the last fused tensor (one per writer thread)."""
 
     def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
         self.hf, self.dims, self.dtype = hf, dims, dtype
-        self._cached: tuple[str, torch.Tensor] | None = None
+        self._local = threading.local()
+        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+
+    def pieces(
+        self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]], shape: tuple[int, ...]
+    ) -> tuple[Piece, ...] | None:
+        """A chunk (`box` of the megatron-core tensor of `shape`) as byte pieces of the HF files, or None when its
+        bytes are not rows of them as stored (another dtype, a slice of a fused expert tensor, a computed value)."""
+        names = placed.hf_names()
+        if len(shape) not in (1, 2) or any(self.hf.info(n).dtype != self.dtype for n in names):
+            return None
+        locations = [self.hf.location(n) for n in names]
+        sources = [self.hf.info(n).shape for n in names]
+        if any(loc is None for loc in locations) or any(s[1:] != shape[1:] for s in sources):
+            return None
+        runs = self._row_runs(placed, tuple(sources))
+        if runs is None:
+            return None
+        cols = shape[1] if len(shape) == 2 else 1
+        itemsize = self.dtype.itemsize
+        blocks = {
+            template: [Block(loc[0], loc[1], 0, rows[0], 0, cols)]
+            for template, loc, rows in zip(placed.template.hf_sources, locations, sources, strict=True)
+            if loc is not None
+        }
+        (r0, *c_off), (rows_n, *c_size) = box
+        c0, c1 = (c_off[0], c_off[0] + c_size[0]) if c_off else (0, 1)
+        pieces: list[Piece] = []
+        for run in runs:
+            lo, hi = max(run.start, r0), min(run.start + run.count, r0 + rows_n)
+            if lo >= hi:
+                continue
+            if run.source is None:
+                pieces.append(Zeros((hi - lo) * (c1 - c0) * itemsize))
+                continue
+            first = run.source_row + lo - run.start
+            found = region(blocks[run.source], (first, first + hi - lo), (c0, c1), itemsize)
+            if found is None:
+                return None
+            pieces += found
+        return tuple(joined(pieces))
+
+    def _row_runs(self, placed: Placed, sources: tuple[tuple[int, ...], ...]) -> tuple[RowRun, ...] | None:
+        """The megatron-core tensor's rows as runs of HF rows (names as in the template), traced once per entry."""
+        template = placed.template
+        key = (template, sources)
+        if key not in self._traces:
+            shapes = dict(zip(template.hf_sources, sources, strict=True))
+            traced = trace(lambda tensors: {"out": template.to_mcore(tensors, self.dims)}, shapes)
+            self._traces[key] = traced
+        traced = self._traces[key]
+        return None if traced is None else traced["out"]
 
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         if isinstance(placed.entry, Direct):
@@ -90,13 +149,14 @@ class Producer:
         return take_box(self.full(placed), box).clone()
 
     def full(self, placed: Placed) -> torch.Tensor:
-        """The whole megatron-core tensor of one placed entry (kept until the next entry is asked for)."""
+        """The whole megatron-core tensor of one placed entry (kept until this thread asks for the next entry)."""
         name = placed.mcore_name
-        if self._cached is None or self._cached[0] != name:
-            self._cached = None  # drop the previous tensor before building the next
+        cached = getattr(self._local, "cached", None)
+        if cached is None or cached[0] != name:
+            self._local.cached = cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype))
-        return self._cached[1]
+            self._local.cached = cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype))
+        return cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         (name,) = placed.hf_names()
@@ -138,8 +198,9 @@ def plan_chunks(
         for box in shard_boxes(shape, p.entry.parallel, tp):
             offsets, sizes = box
             produce = _bind(producer, p, box, leading=len(where.leading))
+            pieces = producer.pieces(p, box, shape)
             offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
-            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype, produce))
+            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype, produce, pieces))
         module = extra_state_module(p.template)
         if module is not None:
             module_where = placement(

@@ -110,9 +110,10 @@ def write_dcp(
         add(0, obj.key, None, (_saved(obj.payload),))
     total = sum(c.nbytes for c in framed)
     done = 0
+    archives: dict[tuple[str, tuple[int, ...]], TensorArchive] = {}  # one serialization id each, as torch has per run
     for chunk in framed:  # contiguous runs of the plan per file, of about equal size
         file = min(done * len(queues) // total, len(queues) - 1) if total else 0
-        archive = TensorArchive(chunk.dtype_name, chunk.sizes)
+        archive = archives.setdefault((chunk.dtype_name, chunk.sizes), TensorArchive(chunk.dtype_name, chunk.sizes))
         data = chunk.pieces if chunk.pieces is not None else (Produced(chunk.nbytes, _tensor_bytes(chunk)),)
         add(file, chunk.key, chunk.offsets, (archive.head, *data, archive.tail))
         done += chunk.nbytes

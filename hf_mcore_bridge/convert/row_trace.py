@@ -12,9 +12,11 @@ padding) come out as rows of no input.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _COLUMNS = 3
@@ -45,51 +47,59 @@ def trace(
     matrix = len(next(iter(inputs.values()))) == 2
     if any((len(shape) == 2) != matrix for shape in inputs.values()):
         return None
-    tagged = {}
-    for index, name in enumerate(names):
-        rows = inputs[name][0]
-        tags = ((index + 1) << _ROW_BITS) + (torch.arange(rows, dtype=torch.int64) << 2)
-        tagged[name] = tags[:, None] + torch.arange(_COLUMNS, dtype=torch.int64) if matrix else tags
-    try:
-        outputs = transform(tagged)
-    except (RuntimeError, ValueError, IndexError):
-        return None
-    runs = {}
-    for name, out in outputs.items():
-        found = _runs(out, names, inputs, matrix)
-        if found is None:
+    with _one_thread():  # small tensors: torch's thread pool costs more than it saves, ten times so on busy cores
+        tagged = {}
+        for index, name in enumerate(names):
+            tags = ((index + 1) << _ROW_BITS) + (torch.arange(inputs[name][0], dtype=torch.int64) << 2)
+            tagged[name] = tags[:, None] + torch.arange(_COLUMNS, dtype=torch.int64) if matrix else tags
+        try:
+            outputs = transform(tagged)
+        except (RuntimeError, ValueError, IndexError):
             return None
-        runs[name] = found
+        limits = np.array([0, *(inputs[n][0] for n in names)], dtype=np.int64)
+        runs = {}
+        for name, out in outputs.items():
+            if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.dim() != (2 if matrix else 1):
+                return None
+            found = _runs(out.contiguous().numpy(), names, limits)
+            if found is None:
+                return None
+            runs[name] = found
     return runs
 
 
-def _runs(
-    out: torch.Tensor, names: list[str], inputs: Mapping[str, tuple[int, ...]], matrix: bool
-) -> tuple[RowRun, ...] | None:
-    if out.dtype != torch.int64 or out.dim() != (2 if matrix else 1):
-        return None
-    if matrix:
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _runs(out: np.ndarray, names: list[str], limits: np.ndarray) -> tuple[RowRun, ...] | None:
+    """The runs of one traced output (`limits`: 0, then each input's row count)."""
+    if out.ndim == 2:
         if out.shape[1] != _COLUMNS:
             return None
-        first = out[:, 0]
-        columns = torch.arange(_COLUMNS, dtype=torch.int64)
-        if not torch.equal(out, first[:, None] + columns * (first != 0)[:, None]):  # zero rows: all zero
+        tags = out[:, 0]
+        expected = tags[:, None] + np.arange(_COLUMNS, dtype=np.int64) * (tags != 0)[:, None]  # zero rows: all 0
+        if not np.array_equal(out, expected):
             return None
-        tags = first
     else:
         tags = out
     source = tags >> _ROW_BITS
     row = (tags & ((1 << _ROW_BITS) - 1)) >> 2
-    if (tags & 3).any() or (source > len(names)).any() or (source < 0).any():
+    if (tags & 3).any() or (source >= len(limits)).any() or (source < 0).any():
         return None
-    limits = torch.tensor([0, *(inputs[n][0] for n in names)], dtype=torch.int64)
-    if ((row >= limits[source]) & (source > 0)).any() or ((source == 0) & (row != 0)).any():
+    if ((source > 0) & (row >= limits[source])).any() or ((source == 0) & (row != 0)).any():
         return None
     if len(tags) == 0:
         return ()
-    step = torch.ones_like(row)
+    step = np.ones(len(tags), dtype=bool)
     step[1:] = (source[1:] != source[:-1]) | ((source[1:] != 0) & (row[1:] != row[:-1] + 1))
-    starts = [*torch.nonzero(step).flatten().tolist(), len(tags)]
+    starts = [*np.flatnonzero(step).tolist(), len(tags)]
     found = []
     for start, stop in itertools.pairwise(starts):
         index = int(source[start])

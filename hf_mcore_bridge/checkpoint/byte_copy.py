@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import threading
@@ -190,22 +191,21 @@ class _Output:
                 for part in rows.parts:
                     self.copy(inputs, Span(part.path, part.offset + i * part.stride, part.length))
             return
+        row_bytes = sum(part.length for part in rows.parts)
+        per_call = max(1, min(_IOV_MAX // len(rows.parts), STEP // max(row_bytes, 1)))  # rows per system call
         with _Mapped(inputs, rows) as views:
-            batch: list[memoryview] = []
-            size = 0
-            for i in range(rows.count):
-                for view, part in zip(views, rows.parts, strict=True):
-                    start = i * part.stride
-                    batch.append(view[start : start + part.length])
-                    size += part.length
-                if len(batch) + len(rows.parts) > _IOV_MAX or size >= STEP:
-                    self._gather(batch)
-                    batch, size = [], 0
-            self._gather(batch)
-            del batch
+            for first in range(0, rows.count, per_call):
+                last = min(first + per_call, rows.count)
+                columns = [  # for each part, its ranges in these rows
+                    [view[i * part.stride : i * part.stride + part.length] for i in range(first, last)]
+                    for view, part in zip(views, rows.parts, strict=True)
+                ]
+                interleaved = itertools.chain.from_iterable(zip(*columns, strict=True))
+                batch = columns[0] if len(columns) == 1 else list(interleaved)
+                self._gather(batch, (last - first) * row_bytes)
+                del batch, columns
 
-    def _gather(self, buffers: list[memoryview]) -> None:
-        remaining = sum(len(buffer) for buffer in buffers)
+    def _gather(self, buffers: list[memoryview], remaining: int) -> None:
         while remaining:
             self.check()
             try:

@@ -119,6 +119,7 @@ class DCPCheckpoint:
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
         self.metadata: Metadata = _read(self.directory, MetadataUnpickler, Metadata)
+        self._meta: dict[str, TensorMeta] = {}
         self._check_files()
 
     def _check_files(self) -> None:
@@ -142,11 +143,14 @@ class DCPCheckpoint:
         return [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
 
     def tensor_meta(self, key: str) -> TensorMeta:
-        entry = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"tensor {key} is missing from {self.directory}")
-        chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
-        return TensorMeta(key, tuple(entry.size), entry.properties.dtype, chunks)
+        meta = self._meta.get(key)
+        if meta is None:
+            entry = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"tensor {key} is missing from {self.directory}")
+            chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            meta = self._meta[key] = TensorMeta(key, tuple(entry.size), entry.properties.dtype, chunks)
+        return meta
 
     def location(self, key: str) -> Path:
         """The data file holding a tensor's first chunk (or the metadata file when it has none)."""

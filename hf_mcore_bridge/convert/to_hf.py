@@ -242,7 +242,7 @@ class _Tensors:
     def __init__(self, source: McoreSource, dims: Dims, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]):
         self.source, self.dims, self.specs = source, dims, specs
         self._local = threading.local()
-        self._raw: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], Path, int]] | None] = {}
+        self._raw: dict[tuple[str, int], dict[tuple[int, ...] | None, list[RawChunk]] | None] = {}
         self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
 
     def pieces(self, planned: _Planned) -> dict[str, tuple[Piece, ...]]:
@@ -259,10 +259,12 @@ class _Tensors:
         key, dtype = planned.where.key, self.source.dtype(planned.where.key)
         if any(self.specs[n][1] != dtype or shape[1:] != planned.shape[1:] for n, shape in planned.hf_shapes.items()):
             return None
-        if key not in self._raw:
-            self._raw[key] = self.source.dcp.raw_chunks(key)
-        raw = self._raw[key]
-        blocks = None if raw is None else _blocks(raw, planned.where.leading, len(planned.shape), dtype.itemsize)
+        leading = planned.where.leading
+        if (key, len(leading)) not in self._raw:
+            self._raw[(key, len(leading))] = _by_leading(self.source.dcp.raw_chunks(key), len(leading))
+        raw = self._raw[(key, len(leading))]
+        candidates = None if raw is None else [*raw.get(leading, ()), *raw.get(None, ())]
+        blocks = None if candidates is None else _blocks(candidates, leading, len(planned.shape), dtype.itemsize)
         runs = self._row_runs(planned)
         if blocks is None or runs is None:
             return None
@@ -308,9 +310,24 @@ class _Tensors:
         return produce
 
 
-def _blocks(
-    raw: list[tuple[tuple[int, ...], tuple[int, ...], Path, int]], leading: tuple[int, ...], rank: int, itemsize: int
-) -> list[Block] | None:
+RawChunk = tuple[tuple[int, ...], tuple[int, ...], Path, int]
+"""A stored chunk: (offsets, sizes, data file, where its raw bytes start), as `DCPCheckpoint.raw_chunks` gives it."""
+
+
+def _by_leading(raw: list[RawChunk] | None, leading: int) -> dict[tuple[int, ...] | None, list[RawChunk]] | None:
+    """Chunks by their leading (layer / expert) offsets where they hold one index of each leading axis (as
+    megatron-core and this tool save them), under None otherwise: each entry then looks only at its own."""
+    if raw is None:
+        return None
+    index: dict[tuple[int, ...] | None, list[RawChunk]] = {}
+    for chunk in raw:
+        offsets, sizes = chunk[0], chunk[1]
+        single = len(sizes) >= leading and all(size == 1 for size in sizes[:leading])
+        index.setdefault(tuple(offsets[:leading]) if single else None, []).append(chunk)
+    return index
+
+
+def _blocks(raw: list[RawChunk], leading: tuple[int, ...], rank: int, itemsize: int) -> list[Block] | None:
     """The chunks holding the tensor at these leading (layer / expert) indices, as blocks of its matrix (a vector
     as one column), or None when a chunk is not of that form."""
     blocks = []

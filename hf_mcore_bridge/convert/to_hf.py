@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,8 @@ class _Tensors:
         out = {}
         for template_name, name in zip(template.hf_sources, planned.placed.hf_names(), strict=True):
             pieces: list[Piece] = []
+            if sum(run.count for run in runs[template_name]) != planned.hf_shapes[name][0]:
+                return None
             for run in runs[template_name]:
                 if run.source is None:
                     pieces.append(Zeros(run.count * cols * dtype.itemsize))
@@ -294,8 +297,8 @@ class _Tensors:
             )
         return self._traces[key]
 
-    def _producer(self, planned: _Planned, name: str):
-        def produce():
+    def _producer(self, planned: _Planned, name: str) -> Callable[[], Any]:
+        def produce() -> Any:
             cached = getattr(self._local, "cached", None)
             if cached is None or cached[0] is not planned:
                 self._local.cached = cached = None  # drop the previous entry's tensors first

@@ -102,24 +102,23 @@ class Producer:
         if len(shape) not in (1, 2) or any(self.hf.info(n).dtype != self.dtype for n in names):
             return None
         locations = [self.hf.location(n) for n in names]
-        sources = [self.hf.info(n).shape for n in names]
+        sources = tuple(self.hf.info(n).shape for n in names)
         if any(loc is None for loc in locations) or any(s[1:] != shape[1:] for s in sources):
             return None
-        runs = self._row_runs(placed, tuple(sources))
-        if runs is None:
+        runs = self._row_runs(placed, sources)
+        if runs is None or sum(run.count for run in runs) != shape[0]:
             return None
-        cols = shape[1] if len(shape) == 2 else 1
+        cols = shape[1] if len(shape) == 2 else 1  # a vector is a matrix of one column
         itemsize = self.dtype.itemsize
-        blocks = {
-            template: [Block(loc[0], loc[1], 0, rows[0], 0, cols)]
-            for template, loc, rows in zip(placed.template.hf_sources, locations, sources, strict=True)
-            if loc is not None
+        blocks = {  # each HF tensor is one block, whole, where its safetensors file holds its bytes
+            template: [Block(path, offset, 0, source[0], 0, cols)]
+            for template, (path, offset), source in zip(placed.template.hf_sources, locations, sources, strict=True)
         }
-        (r0, *c_off), (rows_n, *c_size) = box
+        (r0, *c_off), (nrows, *c_size) = box
         c0, c1 = (c_off[0], c_off[0] + c_size[0]) if c_off else (0, 1)
         pieces: list[Piece] = []
         for run in runs:
-            lo, hi = max(run.start, r0), min(run.start + run.count, r0 + rows_n)
+            lo, hi = max(run.start, r0), min(run.start + run.count, r0 + nrows)
             if lo >= hi:
                 continue
             if run.source is None:

@@ -8,8 +8,8 @@ tensor's place in its file is known before anything is written. A tensor whose r
 `torch_dist` checkpoint (the output dtype; splitting QKV or gate/up and joining tensor-parallel chunks only
 regroups rows and columns) is copied from the data files in the kernel (`checkpoint.byte_copy`); which rows, is
 found by running the entry's own transform on row tags (`row_trace`). Any other tensor is read and transformed
-when its turn comes, so memory holds at most one layer tensor at a time. Shards are written in parallel, one
-writer thread each (`checkpoint.parallel_write`).
+when its turn comes, so memory holds at most one layer tensor per writer thread. Shards are written in parallel
+by two writer threads (`checkpoint.parallel_write`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros, length_of
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
@@ -218,7 +218,7 @@ def convert_mcore_to_hf(
                 file = split.tensor_to_filename[name]
                 queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
         with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
-            run_jobs(list(queues.values()), on_done=advance)  # one step per file header, one per tensor
+            run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
             index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
             (staging / INDEX_NAME).write_text(_json(index))
@@ -348,6 +348,21 @@ def _blocks(raw: list[RawChunk], leading: tuple[int, ...], rank: int, itemsize: 
         col, ncols = (offsets[-1], sizes[-1]) if rank == 2 else (0, 1)
         blocks.append(Block(path, start + flat * itemsize, row, nrows, col, ncols))
     return blocks
+
+
+WRITERS = 2
+"""Writer threads of an export, each writing whole shards (the writes into one file serialize on its inode lock)."""
+
+
+def _in_turns(queues: list[list[Job]], writers: int) -> list[list[Job]]:
+    """The shards' queues dealt to `writers` threads, consecutive shards of about equal size to each."""
+    sizes = [sum(sum(length_of(p) for p in job.pieces) for job in queue) for queue in queues]
+    total, done = sum(sizes), 0
+    turns: list[list[Job]] = [[] for _ in range(writers)]
+    for queue, size in zip(queues, sizes, strict=True):
+        turns[min(done * writers // total, writers - 1) if total else 0].extend(queue)
+        done += size
+    return [turn for turn in turns if turn]
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

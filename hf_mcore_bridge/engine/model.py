@@ -78,7 +78,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
-from hf_mcore_bridge.engine.fp8 import fp8_linear, quantize_blockwise, scaled_mm_works
+from hf_mcore_bridge.engine.fp8 import fp8_linear, gemm_scales, quantize_blockwise, scaled_mm_works
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
@@ -164,8 +164,9 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """A linear layer whose parameters start empty (they are always loaded, never initialised). `fp8`, once set by
-    `quantize_fp8`, holds the weight's per-block FP8 copy and its scales (`engine.fp8`), and the layer multiplies
-    by that copy instead of `weight` (which stays: loads and the refit's checks read it)."""
+    `quantize_fp8`, holds the weight's per-block FP8 copy, its scales (`engine.fp8`) and those scales in the FP8
+    GEMM's layout (`fp8.gemm_scales`), and the layer multiplies by that copy instead of `weight` (which stays:
+    loads and the refit's checks read it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -173,22 +174,24 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def quantize_fp8(self) -> None:
         """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
         q, scale_inv = quantize_blockwise(self.weight.detach())
         scaled_mm_works(q.device)  # decided now, eagerly, not inside a graph capture
         if self.fp8 is None:
-            self.fp8 = (q, scale_inv)
+            self.fp8 = (q, scale_inv, gemm_scales(scale_inv))
         else:
             self.fp8[0].copy_(q)
             self.fp8[1].copy_(scale_inv)
+            self.fp8[2].copy_(gemm_scales(scale_inv))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, *self.fp8, bias)
+        q, scale_inv, gemm_scale = self.fp8
+        return fp8_linear(x, q, scale_inv, bias, gemm_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

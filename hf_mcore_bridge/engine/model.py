@@ -291,7 +291,7 @@ class Attention(nn.Module):
             # Without per-head norms q and k are rotated together: half the kernels of the decode step's RoPE.
             qk = qkv[:, : self.split[0] + self.split[1]].view(tokens, heads + kv_heads, head_dim)
             q, k = self.ops.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
-        write_kv(layer_cache, k, v, meta.slot_mapping)
+        write_kv(layer_cache, k, v, meta.slot_mapping, meta.kv_scale)
         if isinstance(meta, PrefillMetadata):
             out = prefill_attention(q, k, v, meta, self.scale)
         else:
@@ -512,6 +512,9 @@ class CausalLM(nn.Module):
         """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
         self.tp = tp
         """The tensor-parallel group's collectives; None: one device, no collective (`TensorParallel.of`)."""
+        self.kv_scale = 1.0
+        """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
+        attention of every layer through the pass's metadata."""
         place = tp.place if tp is not None else TPRank(1, 0)
         moe = cfg.moe
         self.sizes = local_sizes(
@@ -568,6 +571,8 @@ class CausalLM(nn.Module):
         input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
         """
         h = self.model.embed_tokens(input_ids)
+        if self.kv_scale != meta.kv_scale:
+            meta = replace(meta, kv_scale=self.kv_scale)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
             if self.decode_kernel == "triton":
                 meta = replace(meta, triton=True)

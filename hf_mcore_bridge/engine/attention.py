@@ -65,8 +65,14 @@ def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, kv_scale: float) -> torc
     return (x.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_CACHE_DTYPE)
 
 
-_TO_CACHE = CompiledOrEager(to_cache, "FP8 KV-cache quantization")
-"""`to_cache` compiled (CUDA inputs only): one kernel per tensor instead of four."""
+def _to_cache_pair(
+    k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype, kv_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return to_cache(k, cache_dtype, kv_scale), to_cache(v, cache_dtype, kv_scale)
+
+
+_TO_CACHE = CompiledOrEager(_to_cache_pair, "FP8 KV-cache quantization")
+"""`to_cache` of keys and values compiled (CUDA inputs only): one kernel for both instead of eight."""
 
 
 def from_cache(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
@@ -211,10 +217,9 @@ def write_kv(
     (an FP8 cache: as `to_cache` rounds them)."""
     kv_heads, head_dim = layer_cache.shape[-2:]
     cache = _raw(layer_cache)
-    for index, x in enumerate((k, v)):
-        quantize = _TO_CACHE if x.is_cuda and layer_cache.dtype == FP8_CACHE_DTYPE else to_cache
-        stored = _raw(quantize(x, layer_cache.dtype, kv_scale))
-        cache[index].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, stored)
+    quantize = _TO_CACHE if k.is_cuda and layer_cache.dtype == FP8_CACHE_DTYPE else _to_cache_pair
+    for index, stored in enumerate(quantize(k, v, layer_cache.dtype, kv_scale)):
+        cache[index].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _raw(stored))
 
 
 def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

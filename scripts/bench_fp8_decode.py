@@ -23,7 +23,9 @@ recorded with its error and the run goes on; past `--time-limit` the remaining s
    capture), then `--repeats` timed runs: tokens/s median (min-max) beside the run's bound (the sum of its decode
    steps' bounds). The log-prob mismatch of the last run's first 64 samples against a bf16 transformers forward
    (`grpo.losses.token_mult_prob_error`, the GRPO log's metric; random weights, so near-uniform logits: not a real
-   model's figure), and greedy token agreement of each FP8 variant with `bf16` on 16 prompts x 64 tokens.
+   model's figure), and greedy token agreement of each FP8 variant with `bf16` on 16 prompts x 64 tokens. Beside
+   it, the last run's mean step and the host's busy time per step (the run less its waits for the device's
+   tokens): where the two are close the pipelined loop is bound by the host, not by the decode step.
 
 Bounds (printed beside every time, `roofline.py`'s figures): bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s for bf16
 products; FP8 products at twice that rate (`FP8_FLOPS`: the H200's dense FP8 peak is 1979 TFLOP/s, twice bf16's
@@ -39,13 +41,14 @@ then `. .venv/bin/activate`, as `scripts/gpu_check.sh` does):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +364,27 @@ def section_decode_step(
     return out, summary
 
 
+@contextlib.contextmanager
+def _timed_event_waits(total: list[float]) -> Iterator[None]:
+    """Adds to `total[0]` the seconds the host spends in `torch.cuda.Event.synchronize` (the engine's wait for a
+    decode step's tokens) while the block runs."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.Event.synchronize
+
+    def synchronize(event: torch.cuda.Event) -> None:
+        start = time.perf_counter()
+        original(event)
+        total[0] += time.perf_counter() - start
+
+    torch.cuda.Event.synchronize = synchronize  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
+
+
 def _agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
     """Greedy agreement: the fraction of positions equal, and of samples equal throughout."""
     pairs = list(zip(reference, other, strict=True))
@@ -401,19 +425,28 @@ def section_generate(
     engine.generate(prompts, SamplingParams(n=args.n, temperature=1.0, max_tokens=8, seed=1))
     engine.generate(prompts, params)  # first run: graphs of the longer contexts
     seconds, outputs = [], []
-    for _ in range(args.repeats):
+    waited = [0.0]
+    for repeat in range(args.repeats):
         _sync(device)
         start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
+        if repeat == args.repeats - 1:
+            with _timed_event_waits(waited):
+                outputs = engine.generate(prompts, params)
+        else:
+            outputs = engine.generate(prompts, params)
         _sync(device)
         seconds.append(time.perf_counter() - start)
     tokens = sum(len(s.token_ids) for o in outputs for s in o.samples)
+    steps = engine.last_stats.decode_steps + engine.last_stats.prefill_steps
+    mean_step_ms = seconds[-1] / steps * 1e3
+    host_ms = (seconds[-1] - waited[0]) / steps * 1e3
     bound = sum(
         step_bound_s(hf_model.config, rows, args.prompt_tokens + t, fp8_w, fp8_kv) for t in range(1, args.new_tokens)
     )
     rates = spread([tokens / s for s in seconds])
     record = {"variant": variant, "tokens": tokens, "seconds": spread(seconds), "tokens_per_s": rates}
     record |= {"bound_s": bound, "bound_tokens_per_s": tokens / bound, "stats": vars(engine.last_stats)}
+    record |= {"mean_step_ms": mean_step_ms, "host_busy_ms_per_step": host_ms}
     record["token_mult_prob_error"] = _mismatch(hf_model, prompts, outputs, args.n, device)
     few = prompts[:16]
     greedy[variant] = [
@@ -432,6 +465,10 @@ def section_generate(
         f"generate [{variant:<11}] {tokens} tokens: {fmt(rates, digits=0)} tokens/s, {fmt(record['seconds'])} s; "
         f"bound {bound:.3f} s ({tokens / bound:,.0f} tokens/s; measured {record['seconds']['median'] / bound:.2f}x "
         f"the bound); token_mult_prob_error {record['token_mult_prob_error']:.4f}{agreement}"
+    )
+    print(
+        f"generate [{variant:<11}] last run: mean step {mean_step_ms:.3f} ms over {steps} steps, of which the host "
+        f"was busy {host_ms:.3f} ms (not waiting for the device's tokens): near the mean step, the loop is host-bound"
     )
     return record
 

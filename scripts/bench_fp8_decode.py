@@ -14,16 +14,20 @@ recorded with its error and the run goes on; past `--time-limit` the remaining s
    `--prompt-tokens` (as the engine's forks share a prompt's full blocks): whether the kernel already gains from
    the shared blocks (L2 hits) tells what in-kernel prompt-block sharing could still save. Checked against SDPA
    over the gathered (dequantized) blocks.
-4. `decode_step`: the whole decode step (input copy + CUDA-graph replay, as `bench_engine.py`'s profile) at M
-   sequences x each context, for each engine variant: `bf16` (the current path), `fp8-weights`
-   (`fp8_weights`), `fp8-kv` (`kv_cache_dtype: fp8`), `fp8-both`; median (min-max) of 5 means of 10 steps. Then one
-   eager step at the middle context under the profiler (kernel time by kind, top kernels).
-5. `generate`: each variant's `generate` on the GRPO benchmark's workload (`--prompts` x `--n` samples, prompts of
+4. `sampler`: one step's sampling of M rows of the vocabulary (bf16 logits, temperature 1): the compiled torch
+   sampler (`current`) against the fused Triton kernel (`triton_sampling`), CUDA-graph timed, beside one read of
+   the logits at 4.3 TB/s; the share of equal tokens and the largest log-prob difference between the two.
+5. `decode_step`: the whole decode step (input copy + CUDA-graph replay, as `bench_engine.py`'s profile) at M
+   sequences x each context, for each engine variant (`VARIANTS`: `current`, the path measured on 2026-12-01;
+   `bf16`, today's defaults; `fp8-both`, `fp8-weights` (`fp8_weights`), `fp8-kv` (`kv_cache_dtype: fp8`));
+   median (min-max) of 5 means of 10 steps. Then one eager step at the middle context under the profiler (kernel
+   time by kind, top kernels).
+6. `generate`: each variant's `generate` on the GRPO benchmark's workload (`--prompts` x `--n` samples, prompts of
    `--prompt-tokens`, `--new-tokens` new tokens, temperature 1, no stop token): a warm-up, a first run (graph
    capture), then `--repeats` timed runs: tokens/s median (min-max) beside the run's bound (the sum of its decode
    steps' bounds). The log-prob mismatch of the last run's first 64 samples against a bf16 transformers forward
    (`grpo.losses.token_mult_prob_error`, the GRPO log's metric; random weights, so near-uniform logits: not a real
-   model's figure), and greedy token agreement of each FP8 variant with `bf16` on 16 prompts x 64 tokens. Beside
+   model's figure), and greedy token agreement of each variant with `current` on 16 prompts x 64 tokens. Beside
    it, the last run's mean step and the host's busy time per step (the run less its waits for the device's
    tokens): where the two are close the pipelined loop is bound by the host, not by the decode step.
 
@@ -70,12 +74,14 @@ from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 FP8_FLOPS = 2 * H200_FLOPS
 """FP8 matrix-multiply rate taken for the bound: twice the bf16 rate of `roofline.H200_FLOPS`."""
 VARIANTS = {
+    "current": {"fused_sampler": False},
     "bf16": {},
+    "fp8-both": {"fp8_weights": True, "kv_cache_dtype": "fp8"},
     "fp8-weights": {"fp8_weights": True},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
-    "fp8-both": {"fp8_weights": True, "kv_cache_dtype": "fp8"},
 }
-"""Engine variants: `EngineConfig` overrides of the current path (`bf16`)."""
+"""Engine variants, in the order they run: `EngineConfig` overrides of the defaults. `current` is the path measured
+on 2026-12-01 (bf16, the compiled torch sampler); `bf16` the defaults now (the fused Triton sampler)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -279,6 +285,40 @@ def section_attention(
     return out
 
 
+def section_sampler(device: torch.device, vocab: int, rows: int) -> dict:
+    from hf_mcore_bridge.engine.sampling import Sampler, SamplingBatch
+
+    generator = torch.Generator(device=device).manual_seed(2)
+    logits = (torch.randn(rows, vocab, device=device, generator=generator) * 3).to(torch.bfloat16)
+    batch = SamplingBatch(
+        temperature=torch.ones(rows, device=device),
+        top_k=torch.zeros(rows, dtype=torch.int64, device=device),
+        top_p=torch.ones(rows, device=device),
+        uniforms=torch.rand(rows, dtype=torch.float64, device=device, generator=generator),
+        any_random=True,
+        any_greedy=False,
+        any_truncation=False,
+        any_scaled=False,
+    )
+    torch_sampler, fused_sampler = Sampler(compile=device.type == "cuda"), Sampler(compile=False, fused=True)
+    (torch_tokens, torch_lp), (fused_tokens, fused_lp) = torch_sampler(logits, batch), fused_sampler(logits, batch)
+    record: dict[str, Any] = {"rows": rows, "vocab": vocab, "bound_us": rows * vocab * 2 / 4.3e6}
+    record["equal_tokens"] = (torch_tokens == fused_tokens).float().mean().item()
+    record["max_logprob_difference"] = (torch_lp - fused_lp).abs().max().item()
+    for name, sampler in (("compiled torch sampler", torch_sampler), ("fused Triton sampler", fused_sampler)):
+        timing = time_graph_us(lambda sampler=sampler: sampler(logits, batch), device)
+        record[name] = timing
+        print(
+            f"sampler {rows} x {vocab} bf16, {name:<24}{fmt(timing, digits=1):>26} us   bound "
+            f"{record['bound_us']:.1f} us ({record['bound_us'] / timing['median']:.0%})"
+        )
+    print(
+        f"sampler: fused vs torch tokens equal on {record['equal_tokens']:.1%} of rows, log-probs within "
+        f"{record['max_logprob_difference']:.2e}"
+    )
+    return record
+
+
 def _triton_call(
     q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float
 ) -> Callable[[], torch.Tensor]:
@@ -453,10 +493,10 @@ def section_generate(
         o.samples[0].token_ids
         for o in engine.generate(few, SamplingParams(n=1, temperature=0.0, max_tokens=min(64, args.new_tokens)))
     ]
-    if variant != "bf16" and "bf16" in greedy:
-        record |= _agreement(greedy["bf16"], greedy[variant])
+    if variant != "current" and "current" in greedy:
+        record |= _agreement(greedy["current"], greedy[variant])
     agreement = (
-        f", greedy agreement with bf16 {record['token_agreement']:.3f} "
+        f", greedy agreement with current {record['token_agreement']:.3f} "
         f"({record['samples_identical']:.0%} of samples identical)"
         if "token_agreement" in record
         else ""
@@ -525,6 +565,14 @@ def main() -> None:
         "attention",
         lambda: (
             section_attention(device, hf_config, args.rows, args.contexts, args.prompt_tokens, args.n)
+            if device.type == "cuda" or triton_decode._interpreted()
+            else "skipped: the Triton kernel runs on CPU only in its interpreter (TRITON_INTERPRET=1)"
+        ),
+    )
+    run(
+        "sampler",
+        lambda: (
+            section_sampler(device, hf_config.vocab_size, args.rows)
             if device.type == "cuda" or triton_decode._interpreted()
             else "skipped: the Triton kernel runs on CPU only in its interpreter (TRITON_INTERPRET=1)"
         ),

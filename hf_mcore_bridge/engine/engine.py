@@ -135,6 +135,9 @@ class EngineConfig:
     """Per-tensor scale of an FP8 KV cache (`kv_cache_dtype: fp8`), one for keys and values of every layer: an
     entry holds value / scale, rounded to e4m3 (3 mantissa bits) and clamped to +-448. 1.0 is vLLM's default
     without calibrated scales: keys and values of magnitude 2^-6 to 448 keep a relative error of at most 2^-4."""
+    fused_sampler: bool | None = None
+    """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
+    (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -341,7 +344,10 @@ class Engine:
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
         flex_rows = cfg.flex_min_batch if kernel == "flex" and self.device.type == "cuda" else None
         self._flex_rows = flex_rows
-        self._sampler = Sampler(compile=cfg.compiled())
+        fused = cfg.fused_sampler
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_available()
+        self._sampler = Sampler(compile=cfg.compiled(), fused=fused)
         self._graphs = (
             self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None else None
         )

@@ -6,7 +6,9 @@ attention metadata says how tokens group into sequences and where they live in t
 to the activation dtype, float32 router softmax), so an fp32 engine reproduces an fp32 HF model to rounding; in
 bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwise steps (rotary embedding, SiLU
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
-eager, or compiled into fused kernels (the engine's choice on CUDA). Logits come out in the model's dtype.
+eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
+kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms).
+Logits come out in the model's dtype.
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
 and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP
@@ -91,6 +93,7 @@ from hf_mcore_bridge.engine.tp_shards import (
     local_sizes,
     vocab_shard,
 )
+from hf_mcore_bridge.engine.triton_rope import fused_rope_write
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -281,6 +284,10 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if isinstance(meta, DecodeMetadata) and meta.triton and self.q_norm is None:
+            # one kernel rotates q and k and writes k and v into the cache (`triton_rope`)
+            q = fused_rope_write(qkv, cos, sin, layer_cache, meta.slot_mapping, heads, kv_heads, meta.kv_scale)
+            return self.o_proj(decode_attention(q, layer_cache, meta, self.scale).reshape(tokens, -1))
         v = qkv[:, self.split[0] + self.split[1] :].view(tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split(self.split, dim=-1)

@@ -114,3 +114,17 @@ def test_fp8_and_bf16_greedy_tokens_agreement_on_cuda() -> None:
     rate = same / sum(len(x) for x in bf16)
     print(f"fp8 vs bf16 greedy token agreement: {rate:.3f}")
     assert 0.0 <= rate <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_kv_cache_through_the_triton_kernels_on_cuda() -> None:
+    """The CPU test's tolerance, on CUDA through the fused RoPE / cache write and the Triton decode kernel (fp32
+    activations, so the FP8 cache's rounding is the only difference from transformers)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = random_prompts([5, 9, 3], seed=4)
+    model = build_hf_model("llama", seed=0)
+    engine = engine_from_hf(model, device="cuda", kv_cache_dtype="fp8", kv_cache_scale=0.5, decode_attention="triton")
+    gap = _max_gap(engine, model, prompts)
+    print(f"fp8 KV cache (triton) max |dlogprob| against transformers: {gap:.4f}")
+    assert 1e-4 < gap < 0.1, gap

@@ -66,7 +66,8 @@ def test_engine_with_the_fused_sampler_draws_the_tokens_of_the_torch_sampler(get
     model = get_hf_model("llama", 0)
     prompts = random_prompts([5, 9], seed=2)
     params = SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=3)
-    runs = [engine_from_hf(model, fused_sampler=fused).generate(prompts, params) for fused in (False, True)]
+    engines = [engine_from_hf(model, fused_sampler=fused, device=DEVICE) for fused in (False, True)]
+    runs = [engine.generate(prompts, params) for engine in engines]
     for torch_output, fused_output in zip(*runs, strict=True):
         for a, b in zip(torch_output.samples, fused_output.samples, strict=True):
             assert a.token_ids == b.token_ids

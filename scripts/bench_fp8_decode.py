@@ -74,14 +74,15 @@ from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 FP8_FLOPS = 2 * H200_FLOPS
 """FP8 matrix-multiply rate taken for the bound: twice the bf16 rate of `roofline.H200_FLOPS`."""
 VARIANTS = {
-    "current": {"fused_sampler": False},
+    "current": {"fused_sampler": False, "fused_rope": False},
     "bf16": {},
     "fp8-both": {"fp8_weights": True, "kv_cache_dtype": "fp8"},
     "fp8-weights": {"fp8_weights": True},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
 }
 """Engine variants, in the order they run: `EngineConfig` overrides of the defaults. `current` is the path measured
-on 2026-12-01 (bf16, the compiled torch sampler); `bf16` the defaults now (the fused Triton sampler)."""
+on 2026-12-01 (bf16, the compiled torch sampler, separate RoPE and cache writes); `bf16` the defaults now (the
+fused Triton sampler, the fused RoPE / cache write)."""
 
 
 def _sync(device: torch.device) -> None:

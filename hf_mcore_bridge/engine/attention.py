@@ -138,6 +138,8 @@ class DecodeMetadata:
     """Decode through the Triton kernel (`triton`), which needs nothing beyond the block tables and lengths."""
     kv_scale: float = 1.0
     """Per-tensor scale of an FP8 cache's entries (`to_cache`); unused for a cache in the activations' dtype."""
+    fused_rope: bool = False
+    """Rotate q and k and write the cache in one kernel (`triton_rope`), with the Triton decode kernel only."""
 
 
 def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> DecodeMetadata:

@@ -135,6 +135,10 @@ class EngineConfig:
     """Per-tensor scale of an FP8 KV cache (`kv_cache_dtype: fp8`), one for keys and values of every layer: an
     entry holds value / scale, rounded to e4m3 (3 mantissa bits) and clamped to +-448. 1.0 is vLLM's default
     without calibrated scales: keys and values of magnitude 2^-6 to 448 keep a relative error of at most 2^-4."""
+    fused_rope: bool = True
+    """With the Triton decode kernel, rotate q and k and write k and v into the cache in one Triton kernel a layer
+    (`triton_rope`) instead of the compiled rotary kernel and two cache copies (models without per-head q/k
+    norms)."""
     fused_sampler: bool | None = None
     """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
     (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed."""
@@ -328,6 +332,7 @@ class Engine:
             tp=self.tp,
         )
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
+        self.model.fused_rope = cfg.fused_rope
         self.num_kv_heads = self.model.sizes.num_kv_heads
         """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
         block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.cache_dtype())

@@ -7,7 +7,8 @@ to the activation dtype, float32 router softmax), so an fp32 engine reproduces a
 bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwise steps (rotary embedding, SiLU
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
 eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
-kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms).
+kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms;
+`fused_rope` off: the separate steps).
 Logits come out in the model's dtype.
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
@@ -284,7 +285,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if isinstance(meta, DecodeMetadata) and meta.triton and self.q_norm is None:
+        if isinstance(meta, DecodeMetadata) and meta.fused_rope and self.q_norm is None:
             # one kernel rotates q and k and writes k and v into the cache (`triton_rope`)
             q = fused_rope_write(qkv, cos, sin, layer_cache, meta.slot_mapping, heads, kv_heads, meta.kv_scale)
             return self.o_proj(decode_attention(q, layer_cache, meta, self.scale).reshape(tokens, -1))
@@ -519,6 +520,9 @@ class CausalLM(nn.Module):
         """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
         self.tp = tp
         """The tensor-parallel group's collectives; None: one device, no collective (`TensorParallel.of`)."""
+        self.fused_rope = True
+        """With the Triton decode kernel, rotate q and k and write the cache in one kernel (`triton_rope`); set by
+        the engine (`EngineConfig.fused_rope`)."""
         self.kv_scale = 1.0
         """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
         attention of every layer through the pass's metadata."""
@@ -582,7 +586,7 @@ class CausalLM(nn.Module):
             meta = replace(meta, kv_scale=self.kv_scale)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
             if self.decode_kernel == "triton":
-                meta = replace(meta, triton=True)
+                meta = replace(meta, triton=True, fused_rope=self.fused_rope)
             elif self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
                 meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
             else:

@@ -8,8 +8,7 @@ bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwis
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
 eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
 kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms;
-`fused_rope` off: the separate steps).
-Logits come out in the model's dtype.
+`fused_rope` off: the separate steps). Logits come out in the model's dtype.
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
 and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP

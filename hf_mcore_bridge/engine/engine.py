@@ -29,6 +29,7 @@ sharing within the n samples of one prompt; a preempted sequence is recomputed, 
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +44,7 @@ import torch
 from hf_mcore_bridge.engine.arch import ModelConfig
 from hf_mcore_bridge.engine.attention import (
     DECODE_KERNELS,
+    FP8_CACHE_DTYPE,
     DecodeMetadata,
     PrefillMetadata,
     allocate_kv_cache,
@@ -66,6 +68,9 @@ from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""Values of `EngineConfig.kv_cache_dtype`."""
 
 
 class EngineAsleepError(RuntimeError):
@@ -120,6 +125,23 @@ class EngineConfig:
     """Multiply by per-block FP8 (e4m3, 128 x 128 blocks) copies of the attention and dense MLP weights
     (`engine.fp8`), requantized from the held weights at the start of every `generate` (so after every load or
     refit); the weights themselves, the KV cache and the other layers stay in `dtype`."""
+    kv_cache_dtype: str = "auto"
+    """`auto`: the KV cache holds keys and values in `dtype`; `fp8`: in float8_e4m3fn, each the value over
+    `kv_cache_scale` (`attention.to_cache`), so a block takes half the bytes of bf16 (twice the blocks for the same
+    `kv_cache_memory_bytes`) and decode attention reads half as many. Prefill attends over the unrounded keys and
+    values; decode reads the rounded ones. Needs `decode_attention` triton or gather (FlexAttention does not read
+    FP8)."""
+    kv_cache_scale: float = 1.0
+    """Per-tensor scale of an FP8 KV cache (`kv_cache_dtype: fp8`), one for keys and values of every layer: an
+    entry holds value / scale, rounded to e4m3 (3 mantissa bits) and clamped to +-448. 1.0 is vLLM's default
+    without calibrated scales: keys and values of magnitude 2^-6 to 448 keep a relative error of at most 2^-4."""
+    fused_rope: bool = True
+    """With the Triton decode kernel, rotate q and k and write k and v into the cache in one Triton kernel a layer
+    (`triton_rope`) instead of the compiled rotary kernel and two cache copies (models without per-head q/k
+    norms)."""
+    fused_sampler: bool | None = None
+    """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
+    (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -138,6 +160,14 @@ class EngineConfig:
             raise ValueError(f"decode_attention must be one of {kernels}, got {self.decode_attention!r}")
         if self.flex_min_batch < 1:
             raise ValueError(f"flex_min_batch must be >= 1, got {self.flex_min_batch}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not (self.kv_cache_scale > 0 and math.isfinite(self.kv_cache_scale)):
+            raise ValueError(f"kv_cache_scale must be a positive finite number, got {self.kv_cache_scale}")
+
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is allocated in (`kv_cache_dtype`)."""
+        return FP8_CACHE_DTYPE if self.kv_cache_dtype == "fp8" else self.dtype
 
     def compiled(self) -> bool:
         """Whether `torch_compile` resolves to compiled steps on this config's device."""
@@ -289,6 +319,8 @@ class Engine:
         kernel = cfg.decode_kernel(mc.head_dim)
         if kernel == "triton":
             triton_check(self.device, mc.head_dim, cfg.block_size)
+        if cfg.kv_cache_dtype == "fp8" and kernel == "flex":
+            raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")
         self.model = CausalLM(
             mc,
             cfg.dtype,
@@ -299,9 +331,11 @@ class Engine:
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
             tp=self.tp,
         )
+        self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
+        self.model.fused_rope = cfg.fused_rope
         self.num_kv_heads = self.model.sizes.num_kv_heads
         """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
-        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype)
+        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.cache_dtype())
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
         if self.num_blocks < self.max_blocks_per_seq + 2:
@@ -315,7 +349,10 @@ class Engine:
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
         flex_rows = cfg.flex_min_batch if kernel == "flex" and self.device.type == "cuda" else None
         self._flex_rows = flex_rows
-        self._sampler = Sampler(compile=cfg.compiled())
+        fused = cfg.fused_sampler
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_available()
+        self._sampler = Sampler(compile=cfg.compiled(), fused=fused)
         self._graphs = (
             self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None else None
         )
@@ -725,5 +762,11 @@ class Engine:
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config
         return allocate_kv_cache(
-            mc.num_layers, self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype, self.device
+            mc.num_layers,
+            self.num_blocks,
+            cfg.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+            cfg.cache_dtype(),
+            self.device,
         )

@@ -6,7 +6,9 @@ attention metadata says how tokens group into sequences and where they live in t
 to the activation dtype, float32 router softmax), so an fp32 engine reproduces an fp32 HF model to rounding; in
 bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwise steps (rotary embedding, SiLU
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
-eager, or compiled into fused kernels (the engine's choice on CUDA). Logits come out in the model's dtype.
+eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
+kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms;
+`fused_rope` off: the separate steps). Logits come out in the model's dtype.
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
 and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP
@@ -78,7 +80,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
-from hf_mcore_bridge.engine.fp8 import fp8_linear, quantize_blockwise, scaled_mm_works
+from hf_mcore_bridge.engine.fp8 import fp8_linear, gemm_scales, quantize_blockwise, scaled_mm_works
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
@@ -91,6 +93,7 @@ from hf_mcore_bridge.engine.tp_shards import (
     local_sizes,
     vocab_shard,
 )
+from hf_mcore_bridge.engine.triton_rope import fused_rope_write
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -164,8 +167,9 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """A linear layer whose parameters start empty (they are always loaded, never initialised). `fp8`, once set by
-    `quantize_fp8`, holds the weight's per-block FP8 copy and its scales (`engine.fp8`), and the layer multiplies
-    by that copy instead of `weight` (which stays: loads and the refit's checks read it)."""
+    `quantize_fp8`, holds the weight's per-block FP8 copy, its scales (`engine.fp8`) and those scales in the FP8
+    GEMM's layout (`fp8.gemm_scales`), and the layer multiplies by that copy instead of `weight` (which stays:
+    loads and the refit's checks read it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -173,22 +177,24 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def quantize_fp8(self) -> None:
         """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
         q, scale_inv = quantize_blockwise(self.weight.detach())
         scaled_mm_works(q.device)  # decided now, eagerly, not inside a graph capture
         if self.fp8 is None:
-            self.fp8 = (q, scale_inv)
+            self.fp8 = (q, scale_inv, gemm_scales(scale_inv))
         else:
             self.fp8[0].copy_(q)
             self.fp8[1].copy_(scale_inv)
+            self.fp8[2].copy_(gemm_scales(scale_inv))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, *self.fp8, bias)
+        q, scale_inv, gemm_scale = self.fp8
+        return fp8_linear(x, q, scale_inv, bias, gemm_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -278,6 +284,10 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if isinstance(meta, DecodeMetadata) and meta.fused_rope and self.q_norm is None:
+            # one kernel rotates q and k and writes k and v into the cache (`triton_rope`)
+            q = fused_rope_write(qkv, cos, sin, layer_cache, meta.slot_mapping, heads, kv_heads, meta.kv_scale)
+            return self.o_proj(decode_attention(q, layer_cache, meta, self.scale).reshape(tokens, -1))
         v = qkv[:, self.split[0] + self.split[1] :].view(tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split(self.split, dim=-1)
@@ -288,7 +298,7 @@ class Attention(nn.Module):
             # Without per-head norms q and k are rotated together: half the kernels of the decode step's RoPE.
             qk = qkv[:, : self.split[0] + self.split[1]].view(tokens, heads + kv_heads, head_dim)
             q, k = self.ops.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
-        write_kv(layer_cache, k, v, meta.slot_mapping)
+        write_kv(layer_cache, k, v, meta.slot_mapping, meta.kv_scale)
         if isinstance(meta, PrefillMetadata):
             out = prefill_attention(q, k, v, meta, self.scale)
         else:
@@ -509,6 +519,12 @@ class CausalLM(nn.Module):
         """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
         self.tp = tp
         """The tensor-parallel group's collectives; None: one device, no collective (`TensorParallel.of`)."""
+        self.fused_rope = True
+        """With the Triton decode kernel, rotate q and k and write the cache in one kernel (`triton_rope`); set by
+        the engine (`EngineConfig.fused_rope`)."""
+        self.kv_scale = 1.0
+        """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
+        attention of every layer through the pass's metadata."""
         place = tp.place if tp is not None else TPRank(1, 0)
         moe = cfg.moe
         self.sizes = local_sizes(
@@ -565,9 +581,11 @@ class CausalLM(nn.Module):
         input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
         """
         h = self.model.embed_tokens(input_ids)
+        if self.kv_scale != meta.kv_scale:
+            meta = replace(meta, kv_scale=self.kv_scale)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
             if self.decode_kernel == "triton":
-                meta = replace(meta, triton=True)
+                meta = replace(meta, triton=True, fused_rope=self.fused_rope)
             elif self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
                 meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
             else:

@@ -237,6 +237,12 @@ class GenerationConfig:
     projections multiply by per-block e4m3 copies of the weights, requantized after every refit; see
     `engine.fp8`). The log-prob mismatch this causes is logged as `token_mult_prob_error` and can be corrected by
     `loss_fn.is_correction`; the gate's default limit is then `logprob_gate.FP8_MAX_TOKEN_MULT_PROB_ERROR`."""
+    kv_cache_dtype: str = "auto"
+    """`auto` (the KV cache in the engine's dtype) or `fp8` (embedded engine: keys and values stored as e4m3 over
+    `kv_cache_scale`, half the bytes of bf16 for decode to read and twice the blocks in the same memory; see
+    `EngineConfig.kv_cache_dtype`). Its log-prob mismatch shows in `token_mult_prob_error` like `precision`'s."""
+    kv_cache_scale: float = 1.0
+    """Per-tensor scale of the FP8 KV cache (`kv_cache_dtype: fp8`): an entry holds value / scale."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
@@ -868,6 +874,12 @@ def _validate(config: GRPOConfig) -> None:
         gen.precision != "fp8" or gen.backend == "embedded",
         "generation.precision=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
     )
+    _require(gen.kv_cache_dtype in ("auto", "fp8"), f"generation.kv_cache_dtype={gen.kv_cache_dtype!r}: auto or fp8")
+    _require(
+        gen.kv_cache_dtype != "fp8" or gen.backend == "embedded",
+        "generation.kv_cache_dtype=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
+    )
+    _require(gen.kv_cache_scale > 0, f"generation.kv_cache_scale={gen.kv_cache_scale} must be positive")
     _require(
         gen.top_p == 1.0 and gen.top_k == 0,
         f"generation.top_p={gen.top_p} / top_k={gen.top_k}: truncated sampling is refused for training (the trainer"

@@ -363,6 +363,8 @@ class _RankContext:
             flex_min_batch=gen.flex_min_batch,
             torch_compile=gen.torch_compile,
             fp8_weights=gen.precision == "fp8",
+            kv_cache_dtype=gen.kv_cache_dtype,
+            kv_cache_scale=gen.kv_cache_scale,
         )
         self.engine = build_engine(
             gen.backend,

@@ -76,6 +76,8 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("generation.decode_attention=paged", "one of auto, triton, flex, gather"),
         ("generation.flex_min_batch=0", "flex_min_batch must be >= 1"),
         ("generation.torch_compile=maybe", "torch_compile must be bool"),
+        ("generation.kv_cache_dtype=int8", "kv_cache_dtype='int8': auto or fp8"),
+        ("generation.kv_cache_scale=0", "kv_cache_scale=0.0 must be positive"),
     ],
 )
 def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:

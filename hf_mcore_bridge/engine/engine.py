@@ -135,13 +135,14 @@ class EngineConfig:
     """Per-tensor scale of an FP8 KV cache (`kv_cache_dtype: fp8`), one for keys and values of every layer: an
     entry holds value / scale, rounded to e4m3 (3 mantissa bits) and clamped to +-448. 1.0 is vLLM's default
     without calibrated scales: keys and values of magnitude 2^-6 to 448 keep a relative error of at most 2^-4."""
-    fused_rope: bool = True
+    fused_rope: bool = False
     """With the Triton decode kernel, rotate q and k and write k and v into the cache in one Triton kernel a layer
     (`triton_rope`) instead of the compiled rotary kernel and two cache copies (models without per-head q/k
-    norms)."""
-    fused_sampler: bool | None = None
+    norms). Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
+    fused_sampler: bool | None = False
     """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
-    (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed."""
+    (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed.
+    Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.

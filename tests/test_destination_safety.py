@@ -147,6 +147,53 @@ def test_destination_overlapping_a_source_is_refused_even_with_overwrite(case, w
     assert snapshot(case.work) == before
 
 
+def test_destination_holding_what_the_source_links_to_is_refused(case):
+    """A source whose files are symlinks into another directory (an HF hub cache's snapshot and its `blobs/`):
+    that directory is what the source reads, so it may not be the destination, whatever the flags."""
+    blobs = case.work / "blobs"
+    blobs.mkdir()
+    for index, file in enumerate(sorted(p for p in case.source.rglob("*") if p.is_file())):
+        file.rename(blobs / f"{index:04d}")
+        file.symlink_to(blobs / f"{index:04d}")
+    before = snapshot(case.work)
+    result = invoke(case, case.source, blobs, "--overwrite", "--overwrite-foreign")
+    assert_refused(result, f"destination {blobs} contains {blobs}/", ", which the source links to (")
+    assert snapshot(case.work) == before
+    assert invoke(case, case.source, case.work / "out").exit_code == 0  # the linked source itself is fine
+
+
+@pytest.fixture
+def mount_point(tmp_path) -> Path:
+    """An empty tmpfs mounted at `tmp_path/mnt` (skipped where mounting is not permitted)."""
+    target = tmp_path / "mnt"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(target)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip() or mounted.returncode}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_mount_point_as_destination_is_refused_before_any_work(case, mount_point, monkeypatch):
+    """The output is renamed into place, which a mount point cannot take: refused up front, not after the work."""
+    from hf_mcore_bridge.convert import to_mcore
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a tensor was produced")
+
+    monkeypatch.setattr(to_mcore.Producer, "chunk", no_work)
+    monkeypatch.setattr(to_mcore.Producer, "full", no_work)
+    before = snapshot(case.work)
+    result = invoke(case, case.source, mount_point, "--overwrite-foreign")
+    assert_refused(result, f"destination {mount_point} is a mount point", f"{mount_point / 'model'}")
+    assert snapshot(case.work) == before and list(mount_point.iterdir()) == []
+    monkeypatch.undo()
+    result = invoke(case, case.source, mount_point / "model")
+    assert result.exit_code == 0 and (mount_point / "model" / MARKER).exists(), result.output
+
+
 # --- requirement 1: --overwrite replaces only what this tool wrote ---
 
 

@@ -298,7 +298,7 @@ def convert(
             if hf_config is not None:
                 validate.hf_config_option(hf_config)
             if tokenizer is not None:
-                validate.existing_dir(tokenizer, "--tokenizer")
+                validate.tokenizer_dir(tokenizer)
         validate.writable_destination(destination)
         return validate.shard_size(max_shard_size or "5GB")
 

@@ -128,6 +128,12 @@ CONVERT_TO_HF: list[Case] = [
     ("not-a-checkpoint", [*TO_HF, "{W}/empty", "{W}/out"], 2, r"not a Megatron checkpoint"),
     ("tokenizer-nowhere", [*TO_HF, "--tokenizer", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--tokenizer: no such"),
     ("tokenizer-is-a-file", [*TO_HF, "--tokenizer", "{W}/file.txt", "{W}/mcore", "{W}/out"], 2, r"not a directory"),
+    (
+        "tokenizer-without-tokenizer-files",
+        [*TO_HF, "--tokenizer", "{W}/empty", "{W}/mcore", "{W}/out"],
+        2,
+        r"--tokenizer: {W}/empty holds no tokenizer files \(none of tokenizer\.json, tokenizer\.model",
+    ),
     ("hf-config-nowhere", [*TO_HF, "--hf-config", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--hf-config: no such"),
     (
         "hf-config-malformed",
@@ -389,6 +395,20 @@ def test_short_help_with_an_example(command):
     assert short.exit_code == 0 and short.output == long.output
     examples = short.output.split("Examples:")[1]
     assert f"bridge {' '.join(command)} " in examples, short.output
+
+
+def test_tokenizer_option_puts_its_files_in_the_export(workspace, tmp_path):
+    """The accepted neighbour of `tokenizer-without-tokenizer-files`: a directory with tokenizer files is copied."""
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tokenizer / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    result = runner.invoke(
+        app, [*TO_HF, "--tokenizer", str(tokenizer), str(workspace / "mcore"), str(tmp_path / "out")]
+    )
+    assert result.exit_code == 0, result.output
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tokenizer / name).read_bytes()
 
 
 # --- the snapshot helper itself ------------------------------------------------------------------------------------

@@ -298,6 +298,26 @@ def test_bad_input_is_one_line_and_changes_nothing(workspace, argv, code, messag
     assert_refused(workspace, argv, code, message)
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--ep", "2"], r"legacy MoE checkpoints are written for the local spec \(--spec local\)"),
+        (["--tp", "2", "--etp", "1", "--spec", "local"], r"expert tensor parallelism equal to tp; use torch_dist"),
+    ],
+    ids=["te-spec", "etp-not-tp"],
+)
+def test_legacy_format_of_a_moe_model_is_refused_before_anything_is_written(tiny_moe_models, tmp_path, extra, message):
+    """What the legacy format cannot hold is one line before the output's staging directory (or a progress bar)
+    exists, not an error from inside the writer."""
+    source = tiny_moe_models["qwen3_moe"]
+    before = snapshot(source.parent, tmp_path)
+    argv = ["convert", "--to", "mcore", "--format", "torch", *extra, str(source), str(tmp_path / "out")]
+    result = runner.invoke(app, argv)  # with the progress bar on: it must not have started
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and re.search(message, lines[0]), result.output
+    assert_unchanged(before, source.parent, tmp_path)
+
+
 # --- read-only destination --------------------------------------------------------------------------------------
 
 

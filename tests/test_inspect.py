@@ -39,6 +39,25 @@ def test_inspect_megatron_checkpoint(tiny_models, tmp_path):
     assert table.exit_code == 0 and "linear_qkv" in table.output and "tp=2 pp=2" in table.output
 
 
+def test_inspect_megatron_bridge_layout(tiny_models, tmp_path):
+    """No `args` in its common state: the layout comes from `run_config.yaml`, the architecture from the HF
+    assets, and the tensors are those of the same model in the Megatron-LM layout (read by the same DCP reader)."""
+    for name, directory_layout in (("bridge", "megatron-bridge"), ("lm", "megatron-lm")):
+        convert_hf_to_mcore(
+            tiny_models["qwen3"],
+            tmp_path / name,
+            layout=Layout(tp=2),
+            directory_layout=directory_layout,
+            show_progress=False,
+        )
+    bridge = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "bridge"), "--json"]).output)
+    lm = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "lm"), "--json"]).output)
+    assert bridge["format"] == "megatron-core torch_dist, Megatron-Bridge layout (iteration 0)"
+    assert bridge["architecture"] == "Qwen3ForCausalLM" and bridge["layout"]["tp"] == 2
+    assert not any("records no args" in note for note in bridge["notes"])
+    assert bridge["tensors"] == lm["tensors"] and bridge["parameters"] == lm["parameters"]
+
+
 def test_inspect_not_a_checkpoint(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ")

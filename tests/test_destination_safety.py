@@ -505,6 +505,35 @@ def test_model_card_names_the_exported_step(run_dir, tmp_path, step, expected):
     assert [int(row.split("|")[1]) for row in rows] == list(range(1, expected + 1))
 
 
+def test_model_card_shows_this_runs_logs_only(converted, tmp_path):
+    """Logs are looked for in the run directory, or beside the checkpoint directory when that is what was given;
+    never in other runs: a run without logs gets a card without a reward curve, not another run's."""
+    runs = tmp_path / "runs"
+    other = make_run(converted, runs / "b")
+    (other / "logs" / "grpo_config.yaml").write_text("policy: {model_path: the-other-run}\n")
+    bare = runs / "a"
+    shutil.copytree(other / "checkpoints", bare / "checkpoints")  # checkpoints only, no logs
+    for given, out in ((bare, "card_a"), (bare / "checkpoints", "card_a_ckpt")):
+        result = run_export(given, tmp_path / out)
+        assert result.exit_code == 0, result.output
+        card = (tmp_path / out / "README.md").read_text()
+        assert "## Reward" not in card and "the-other-run" not in card, card
+        assert not (tmp_path / out / "metrics.jsonl").exists()
+    result = run_export(other / "checkpoints", tmp_path / "card_b")  # its own logs, beside its checkpoints
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "card_b" / "README.md").read_text()
+    assert "## Reward" in card and "the-other-run" in card
+    # what the export reads beside the checkpoint directory is a source: the destination may not replace it
+    before = snapshot(tmp_path)
+    refused = run_export(other / "checkpoints", other / "logs", "--overwrite-foreign")
+    assert_refused(refused, f"destination {other / 'logs'} is the source {other / 'logs'}")
+    assert snapshot(tmp_path) == before
+
+
+def run_export(*args: object):
+    return run("export", *args)
+
+
 def test_export_writes_generation_config(run_dir, tmp_path):
     from transformers import GenerationConfig
 

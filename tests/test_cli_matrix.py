@@ -191,6 +191,7 @@ EXPORT: list[Case] = [
 ]
 
 GRPO = ["train", "grpo", "--config"]
+DTENSOR = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
 TRAIN_GRPO: list[Case] = [
     ("config-missing", [*GRPO, "{W}/nowhere.yaml"], 2, r"--config: no such file: {W}/nowhere\.yaml$"),
     ("config-is-a-directory", [*GRPO, "{W}/empty"], 2, r"--config: .*empty is not a file"),
@@ -265,6 +266,20 @@ TRAIN_GRPO: list[Case] = [
     ),
     # the tiny HF model has no tokenizer.json: found before the model is converted (no run directory appears)
     ("tokenizer-not-found", [*GRPO, "{W}/run.yaml"], 2, r"no tokenizer\.json found .*; set policy\.tokenizer"),
+    # nor in a Megatron checkpoint's HF assets: found before the DTensor backend exports it to HF, or a log
+    # directory is made for the megatron-core backend
+    (
+        "tokenizer-not-in-checkpoint-assets",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/mcore"],
+        2,
+        r"no tokenizer\.json found \(looked at \['{W}/mcore/hf_assets'\]\)",
+    ),
+    (
+        "dtensor-tokenizer-not-in-checkpoint-assets",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/mcore", *DTENSOR],
+        2,
+        r"no tokenizer\.json found \(looked at \['{W}/mcore/hf_assets'\]\)",
+    ),
 ]
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.checkpoint.destination import (
     MARKER_NAME,
     check_destination,
@@ -38,6 +37,7 @@ from hf_mcore_bridge.checkpoint.destination import (
     real_path,
 )
 from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, resolve_checkpoint
+from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.dtensor_checkpoint import hf_policy_of
@@ -192,7 +192,7 @@ def _write_export(
         records = [r for r in records if r["step"] <= step]
     config_text = Path(config_file).read_text() if config_file else None
     hf_copy = hf_policy_of(checkpoint_dir)
-    with atomic_directory(
+    with written_atomically(
         destination,
         sources=sources,
         overwrite=overwrite,

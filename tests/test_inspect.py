@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -56,6 +57,25 @@ def test_inspect_megatron_bridge_layout(tiny_models, tmp_path):
     assert bridge["architecture"] == "Qwen3ForCausalLM" and bridge["layout"]["tp"] == 2
     assert not any("records no args" in note for note in bridge["notes"])
     assert bridge["tensors"] == lm["tensors"] and bridge["parameters"] == lm["parameters"]
+
+
+def test_inspect_dtensor_checkpoint(tiny_models, tmp_path):
+    """A DTensor GRPO checkpoint (laid out as `grpo.dtensor_checkpoint` writes it) is read through its HF copy,
+    given as the checkpoint root or as the iteration directory."""
+    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(tiny_models["qwen2"], root / "iter_0000004" / HF_DIR)
+    (root / "iter_0000004" / "trainer_state.json").write_text("{}")
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    tensors = load_file(tiny_models["qwen2"] / "model.safetensors")
+    for given in (root, root / "iter_0000004"):
+        result = runner.invoke(app, ["inspect", str(given), "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["format"] == "DTensor GRPO checkpoint (step 4); the tensors of its HF copy, hf/"
+        assert report["path"] == str(root / "iter_0000004") and report["architecture"] == "Qwen2ForCausalLM"
+        assert {row["name"] for row in report["tensors"]} == set(tensors)
 
 
 def test_inspect_not_a_checkpoint(tmp_path):

@@ -16,14 +16,21 @@ import torch
 from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.checkpoint.destination import check_destination
 from hf_mcore_bridge.checkpoint.write_errors import reported_write_errors
-from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
 from hf_mcore_bridge.errors import BridgeError
+
+ARCHITECTURE = "LlamaForCausalLM"
+"""The demo's model: `tiny_models.tiny_config` of this architecture."""
 
 
 def run_demo(
     workdir: Path, *, tp: int = 2, pp: int = 2, overwrite: bool = False, overwrite_foreign: bool = False
 ) -> Iterator[str]:
-    """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees."""
+    """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees; a layout the
+    tiny model cannot take or a destination that may not be written is refused before anything is built."""
+    from hf_mcore_bridge.tiny_models import tiny_config
+
+    validate_layout_for_hf_config(Layout(tp=tp, pp=pp), tiny_config(ARCHITECTURE))
     check_destination(workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     from safetensors.torch import load_file
 
@@ -44,8 +51,8 @@ def run_demo(
 
         hf_dir, mcore_dir, back_dir = staging / "hf", staging / "mcore", staging / "hf-back"
         with reported_write_errors(staging, workdir):  # the conversions report their own write failures
-            build_tiny_model(hf_dir, "LlamaForCausalLM")
-        yield f"built a tiny LlamaForCausalLM in {shown(hf_dir)}"
+            build_tiny_model(hf_dir, ARCHITECTURE)
+        yield f"built a tiny {ARCHITECTURE} in {shown(hf_dir)}"
         result = convert_hf_to_mcore(hf_dir, mcore_dir, layout=Layout(tp=tp, pp=pp), show_progress=False)
         yield f"converted to {shown(mcore_dir)} for tp={tp} pp={pp}: {result.tensors} chunks in {result.seconds:.2f}s"
         (check,) = verify([VerifyJob(hf_dir, mcore_dir)], Layout(tp=tp, pp=pp))

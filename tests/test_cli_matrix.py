@@ -190,6 +190,14 @@ EXPORT: list[Case] = [
     ("no-checkpoints", ["export", "{W}/empty", "{W}/out"], 2, r"holds no checkpoints"),
 ]
 
+DEMO: list[Case] = [
+    ("tp-0", ["demo", "{W}/demo", "--tp", "0"], 2, r"--tp=0 must be at least 1"),
+    ("tp-3", ["demo", "{W}/demo", "--tp", "3"], 2, r"num_attention_heads=8 is not divisible by tp=3"),
+    ("pp-3", ["demo", "{W}/demo", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),
+    ("destination-is-a-file", ["demo", "{W}/file.txt"], 2, r"exists and is not a directory"),
+    ("destination-not-ours", ["demo", "{W}/llama", "--overwrite"], 2, r"not written by hf-mcore-bridge"),
+]
+
 GRPO = ["train", "grpo", "--config"]
 DTENSOR = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
 TRAIN_GRPO: list[Case] = [
@@ -297,6 +305,7 @@ MATRIX = {
     "verify": VERIFY,
     "inspect": INSPECT,
     "export": EXPORT,
+    "demo": DEMO,
     "train-grpo": _expand(TRAIN_GRPO),
 }
 

@@ -57,15 +57,22 @@ def real_path(path: Path | str) -> Path:
     return Path(path).expanduser().resolve()
 
 
-def linked_targets(source: Path) -> Iterator[tuple[Path, Path]]:
-    """(link, real target) of every symlink inside the directory `source` (not descending into linked
-    directories): what the source reads lives there too, e.g. an HF hub cache's snapshot, whose files are links
-    into the repository's `blobs/`."""
+LINK_DEPTH = 4
+"""How deep below a source its symlinks are looked for: the files this tool reads lie at most this deep (a run's
+`checkpoints/iter_XXXXXXX/model_optim/` file), and a source given too broadly (a home directory) stays quick."""
+
+
+def linked_targets(source: Path, depth: int = LINK_DEPTH) -> Iterator[tuple[Path, Path]]:
+    """(link, real target) of every symlink up to `depth` levels inside the directory `source` (not descending
+    into linked directories): what the source reads lives there too, e.g. an HF hub cache's snapshot, whose files
+    are links into the repository's `blobs/`."""
     for root, dirs, files in os.walk(source):
         for name in (*dirs, *files):
             link = Path(root, name)
             if link.is_symlink():
                 yield link, link.resolve()
+        if len(Path(root).relative_to(source).parts) + 1 >= depth:
+            dirs.clear()  # the entries of this level were looked at; nothing deeper
 
 
 def _overlap(dst: Path, src: Path) -> str | None:

@@ -298,7 +298,7 @@ def convert(
             if hf_config is not None:
                 validate.hf_config_option(hf_config)
             if tokenizer is not None:
-                validate.existing_dir(tokenizer, "--tokenizer")
+                validate.tokenizer_dir(tokenizer)
         validate.writable_destination(destination)
         return validate.shard_size(max_shard_size or "5GB")
 
@@ -431,15 +431,17 @@ def inspect(
 ) -> None:
     """Show architecture, layout, dtype, parameter count and tensors of a checkpoint.
 
-    Reads HF safetensors directories and Megatron checkpoints in both formats this tool writes (torch_dist and
-    the legacy per-rank torch files, at any TP/PP/VPP/EP).
+    Reads HF safetensors directories, Megatron checkpoints in both formats this tool writes (torch_dist, also in
+    the Megatron-Bridge layout, and the legacy per-rank torch files, at any TP/PP/VPP/EP) and the DTensor
+    trainer's checkpoints (through their HF copy of the policy).
     """
     _check(lambda: validate.existing_dir(path, "checkpoint"))
 
     def action() -> None:
         from hf_mcore_bridge.convert.inspect import inspect_path
+        from hf_mcore_bridge.grpo.dtensor_checkpoint import inspection_of
 
-        report = inspect_path(path)
+        report = inspection_of(path) or inspect_path(path)
         if as_json:
             typer.echo(json.dumps(report.to_dict(), indent=2))
             return

@@ -5,6 +5,9 @@ is generated in seconds (on a GPU when there is one) and streamed to disk with b
 shapes come from the project's own mapping tables (every HF tensor the converter expects), shapes from the
 config by the role of each tensor.
 
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
     python scripts/random_checkpoint.py llama3-8b OUT_DIR
 """
 

@@ -89,6 +89,17 @@ def local_name(mcore_template: str, local_layer: int | None, spec: str, local_ex
     return name
 
 
+def check_legacy_layout(layout: Layout, num_experts: int | None, spec: str) -> None:
+    """Refuse what the legacy format is not written for (called before any output exists): a mixture-of-experts
+    model needs expert TP equal to TP and the local spec."""
+    if num_experts and layout.expert_tp != layout.tp:
+        raise LayoutError("the legacy format is written with expert tensor parallelism equal to tp; use torch_dist")
+    if num_experts and spec != "local":
+        raise LayoutError(
+            "legacy MoE checkpoints are written for the local spec (--spec local); TE uses grouped experts"
+        )
+
+
 def write_legacy(
     checkpoint_dir: Path,
     placed: list[Placed],
@@ -107,12 +118,7 @@ def write_legacy(
     Experts are numbered locally on their expert-parallel rank and sharded like the rest over TP (expert tensor
     parallelism other than TP is not written in this format).
     """
-    if num_experts and layout.expert_tp != layout.tp:
-        raise LayoutError("the legacy format is written with expert tensor parallelism equal to tp; use torch_dist")
-    if num_experts and spec != "local":
-        raise LayoutError(
-            "legacy MoE checkpoints are written for the local spec (--spec local); TE uses grouped experts"
-        )
+    check_legacy_layout(layout, num_experts, spec)
     chunks = model_chunks(layout, num_layers)
     per_rank = (num_experts or 0) // layout.ep
     files = 0

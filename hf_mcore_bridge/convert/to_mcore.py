@@ -35,7 +35,7 @@ from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.convert.input_checks import check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.legacy_format import write_legacy
+from hf_mcore_bridge.convert.legacy_format import check_legacy_layout, write_legacy
 from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.parallel_style import Parallel
@@ -201,6 +201,8 @@ def convert_hf_to_mcore(
     arch = get_architecture(hf.architecture)
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
+    if checkpoint_format == "torch":
+        check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
     placed = placed_entries(arch, model)
     if arch.fused_experts:
         hf.add_fused_aliases(

@@ -85,7 +85,7 @@ from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
-from hf_mcore_bridge.grpo.stop_tokens import with_stop_token_ids
+from hf_mcore_bridge.grpo.stop_tokens import model_assets_dir, with_stop_token_ids
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -146,16 +146,18 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     from hf_mcore_bridge.mappings import get_architecture
 
     log_dir = Path(config.logger.log_dir)
+    # the tokenizer (the HF directory's, or the HF assets a Megatron checkpoint keeps) is found before the policy
+    # is converted either way or a log directory is made, so that a missing one costs nothing
+    found_assets = model_assets_dir(Path(config.policy.model_path))
+    tokenizer_file = _tokenizer_file(config, [found_assets] if found_assets else [])
     if config.policy.dtensor_cfg.enabled:
         log_dir.mkdir(parents=True, exist_ok=True)
-        return _prepare_hf_run(config, log_dir)
+        return _prepare_hf_run(config, log_dir, tokenizer_file)
     layout = layout_of(config.policy.megatron_cfg)
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
-    tokenizer_file: Path | None = None
     if _is_hf_dir(source):
         hf_dir = source
-        tokenizer_file = _tokenizer_file(config, [hf_dir])  # a missing tokenizer is reported before converting
         source = log_dir / "initial_policy_mcore"
     log_dir.mkdir(parents=True, exist_ok=True)
     if hf_dir is not None:
@@ -185,14 +187,15 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         checkpoint_dir=checkpoint_dir,
         model_cfg=model_cfg,
         hf_config=hf_config,
-        tokenizer_file=tokenizer_file or _tokenizer_file(config, [assets] if assets else []),
+        tokenizer_file=tokenizer_file,
         padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
         log_dir=log_dir,
     )
 
 
-def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
-    """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first)."""
+def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
+    """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first); the
+    tokenizer was found beforehand (in the HF directory, or in the checkpoint's HF assets the export copies)."""
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
     from hf_mcore_bridge.mappings import get_architecture
@@ -204,7 +207,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
         checkpoint_dir=hf_dir,
         model_cfg=model_cfg,
         hf_config=hf_config,
-        tokenizer_file=_tokenizer_file(config, [hf_dir]),
+        tokenizer_file=tokenizer_file,
         padded_vocab=model_cfg.vocab_size,
         log_dir=log_dir,
     )

@@ -335,6 +335,12 @@ class RewardConfig:
     microsecond-cheap `number` and `exact` rewards, 4 for the others (`math` and functions of your own)."""
     timeout_s: float = 5.0
     """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
+    overlap: bool = True
+    """Score each completion while the rest are generating: the embedded engine hands every sample to the reward
+    workers as it finishes, so after generation only the last ones' scores are waited for (`reward_wait_s`). The
+    rewards, their order and the metrics are those of scoring after generation (false), which vLLM's engine
+    always amounts to (it returns a batch at once). No gain with `num_workers: 0`: there the engine's own process
+    scores each sample as it arrives."""
 
 
 @dataclass(frozen=True)

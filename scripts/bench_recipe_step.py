@@ -99,7 +99,9 @@ def one_gpu_config(
         "kv_cache_memory_bytes": samples * (args.prompt_tokens + max_new + 64) * kv_layer_bytes * layers + (256 << 20),
     }
     generation.pop("tensor_parallel_size", None)
+    # no validation (its prompts would also size the engine's batch slots: `max_num_seqs`)
     config["grpo"] |= {"num_prompts_per_step": share, "max_num_steps": args.steps, "val_period": 0}
+    config["grpo"] |= {"val_num_prompts": 0, "val_num_generations": 1}
     config["data"] = {"train_jsonl": str(prompts), "apply_chat_template": False}
     config["reward"] = {"name": "number", "num_workers": 0}
     config["checkpointing"] = {"enabled": False}

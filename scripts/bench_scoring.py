@@ -212,7 +212,7 @@ def rollout_rounds(args: argparse.Namespace, model_dir: Path, prompts: list[str]
     ids = [tokenizer.encode(p).ids for p in prompts[: args.prompts]]
     answers = ["0"] * samples
     out: dict[str, Any] = {
-        mode: {"generation_s": [], "engine_s": [], "reward_wait_s": [], "rewards": []} for mode in MODES
+        mode: {"generation_s": [], "engine_s": [], "reward_wait_s": [], "rewards": [], "tokens": []} for mode in MODES
     }
     with RewardScorer(reward, args.workers, args.timeout_s) as scorer:
         scorer.score(["warm"] * max(1, args.workers), ["0"] * max(1, args.workers))  # workers up and warm
@@ -229,13 +229,14 @@ def rollout_rounds(args: argparse.Namespace, model_dir: Path, prompts: list[str]
                     n=args.generations, max_tokens=args.max_new_tokens, stop_token_ids=(0,), seed=round_
                 )
                 started = time.perf_counter()
-                _, scored, wait_s = _generate_scored(ctx, ids, params, answers)  # type: ignore[arg-type]
+                outputs, scored, wait_s = _generate_scored(ctx, ids, params, answers)  # type: ignore[arg-type]
                 seconds = time.perf_counter() - started
                 if round_:
                     out[mode]["generation_s"].append(seconds)
                     out[mode]["engine_s"].append(seconds - wait_s)
                     out[mode]["reward_wait_s"].append(wait_s)
                     out[mode]["rewards"].append(scored.rewards)
+                    out[mode]["tokens"] += [len(s.token_ids) for o in outputs for s in o.samples]
     return out
 
 
@@ -311,6 +312,9 @@ def main() -> None:
         f"{args.threads} engine thread(s), {args.rounds} rounds a mode"
     )
     record["rollout_phase"] = print_table(title, rounds, phase_keys)
+    tokens = rounds["after"]["tokens"]
+    record["completion_tokens"] = {"mean": statistics.mean(tokens), "max": max(tokens)}
+    print(f"  completions: {statistics.mean(tokens):.1f} tokens on average, at most {max(tokens)}")
     print(f"  rewards equal in both modes, round by round: {'yes' if same else 'NO'}")
     if args.control:
         mean = statistics.mean(cost)

@@ -331,8 +331,9 @@ class RewardConfig:
     """A built-in reward (`math`: math-verify's symbolic check; `number`; `exact`) or a `module:function` taking
     `(completion_text, answer)` (see `grpo.rewards`)."""
     num_workers: int | None = None
-    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`. None: 0 for the
-    microsecond-cheap `number` and `exact` rewards, 4 for the others (`math` and functions of your own)."""
+    """Processes that score completions, per engine replica (started by its first rank; 0: in that rank's own
+    process), see `grpo.scoring`. None: 0 for the microsecond-cheap `number` and `exact` rewards, 4 for the others
+    (`math` and functions of your own)."""
     timeout_s: float = 5.0
     """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
     overlap: bool = True

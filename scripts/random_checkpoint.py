@@ -73,6 +73,23 @@ SHAPES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 8192,
         },
     },
+    "qwen3-8b": {  # Qwen/Qwen3-8B's config.json
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
     "qwen3-moe": {  # Qwen3-30B-A3B's layer shape, 8 layers
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -98,6 +115,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False,
     },
 }
+SHAPES["qwen3-30b-a3b"] = {**SHAPES["qwen3-moe"], "num_hidden_layers": 48}  # Qwen/Qwen3-30B-A3B's config.json
 
 _ROLES = [  # (pattern on the HF name, shape from the model config)
     (r"(embed_tokens|lm_head)\.weight", lambda m, x: (m.vocab_size, m.hidden_size)),

@@ -22,6 +22,9 @@ with no further communication: continuous batching, preemption, prefix sharing, 
 as on one device. The collectives are ordinary `torch.distributed` calls, so on NCCL they can be captured in the
 decode CUDA graphs (not tested: no multi-GPU test here).
 
+A caller can take each sample the moment its tokens are final (`generate(..., on_sample=...)`), e.g. to score
+it while the others are still generating; the call still returns every output at the end.
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
@@ -260,6 +263,15 @@ class _Launched:
     """ids of sequences that stopped at the step before: their result here is discarded."""
 
 
+@dataclass
+class _Finished:
+    """The samples of the `generate` call in progress whose tokens are final, by `id` of their sequence."""
+
+    on_sample: Callable[[int, SampleOutput], None] | None
+    first_index: int
+    outputs: dict[int, SampleOutput] = field(default_factory=dict)
+
+
 def _finish_reason(seq: Sequence) -> str | None:
     """Why `seq` ends after its latest token (a stop token, or its length), setting it; None if it goes on."""
     if seq.token_ids[-1] in seq.params.stop_token_ids:
@@ -366,6 +378,7 @@ class Engine:
         ]
         self._host_slot = 0
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
+        self._finished = _Finished(None, 0)
         if weights_dir is not None:
             self.load_weights(iter_safetensors(weights_dir))
 
@@ -467,6 +480,7 @@ class Engine:
         prompts: Seq[str] | Seq[Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         first_index: int = 0,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt (text, with a tokenizer, or token ids); one `RequestOutput` per prompt, in order.
 
@@ -475,6 +489,9 @@ class Engine:
         that batch (a seeded request's samples depend on its seed and that index, not on how the batch is split).
         Each sample's `logprobs` are those of
         its sampled tokens under log_softmax(logits / temperature), taken BEFORE top-k / top-p truncation.
+        `on_sample(i, sample)` is called once per sample, during the call, as soon as its tokens are final (in the
+        order samples finish), with its prompt's position `i` in `prompts` and the `SampleOutput` the result will
+        hold for it; an exception it raises ends the call.
         """
         if self._sleep_level:
             raise EngineAsleepError(f"the engine is asleep (level {self._sleep_level}); call wake_up() first")
@@ -499,20 +516,30 @@ class Engine:
         for group in groups:
             scheduler.add(group)
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
-        with torch.inference_mode():
-            while scheduler.has_work():
-                step = scheduler.schedule()
-                if isinstance(step, PrefillStep):
-                    self._prefill(scheduler, step)
-                else:
-                    self._decode(scheduler, step)
+        self._finished = _Finished(on_sample, first_index)
+        try:
+            with torch.inference_mode():
+                while scheduler.has_work():
+                    step = scheduler.schedule()
+                    if isinstance(step, PrefillStep):
+                        self._prefill(scheduler, step)
+                    else:
+                        self._decode(scheduler, step)
+            for group in groups:  # every sample once, also any a step did not hand over
+                self._report(group.sequences)
+            outputs = self._finished.outputs
+        finally:
+            self._finished = _Finished(None, 0)
         self.last_stats = EngineStats(
             **vars(scheduler.stats),
             blocks_allocated=allocator.total_allocations,
             num_blocks=self.num_blocks,
             **self._pipeline_counts,
         )
-        return [self._output(ids, group) for ids, group in zip(prompt_ids, groups, strict=True)]
+        return [
+            RequestOutput(prompt_token_ids=ids, samples=[outputs[id(seq)] for seq in group.sequences])
+            for ids, group in zip(prompt_ids, groups, strict=True)
+        ]
 
     def _params_per_prompt(
         self, params: SamplingParams | Seq[SamplingParams] | None, count: int
@@ -585,6 +612,7 @@ class Engine:
             if _finish_reason(seq) is not None:
                 finished.append(seq)
         scheduler.finish(finished)
+        self._report(finished)
 
     def _decode(self, scheduler: Scheduler, step: DecodeStep) -> None:
         """Decode steps, pipelined: step t+1 is scheduled and launched before step t's tokens reach the host, so
@@ -669,6 +697,8 @@ class Engine:
                     following.dropped.add(id(seq))
                     self._pipeline_counts["discarded_tokens"] += 1
         scheduler.finish(stopped)
+        # final now: those that stopped here and those that reached their length with this step's token
+        self._report([seq for seq in launched.sequences if seq.finish_reason is not None])
 
     def _sampling_batch(self, sequences: list[Sequence]) -> SamplingBatch:
         first = sequences[0].params
@@ -745,20 +775,22 @@ class Engine:
         assert self.kv_cache is not None
         return self.model(ids, positions, self.kv_cache, meta)
 
-    def _output(self, prompt_ids: list[int], group: Group) -> RequestOutput:
-        samples = []
-        for seq in group.sequences:
+    def _report(self, sequences: list[Sequence]) -> None:
+        """The output of each finished sequence (its tokens final), made once; handed to `on_sample` if given."""
+        finished = self._finished
+        for seq in sequences:
+            if id(seq) in finished.outputs:
+                continue
             generated = seq.token_ids[seq.prompt_len :]
-            samples.append(
-                SampleOutput(
-                    index=seq.sample_index,
-                    token_ids=generated,
-                    text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
-                    finish_reason=seq.finish_reason or "length",
-                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-                )
+            output = finished.outputs[id(seq)] = SampleOutput(
+                index=seq.sample_index,
+                token_ids=generated,
+                text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
+                finish_reason=seq.finish_reason or "length",
+                logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             )
-        return RequestOutput(prompt_token_ids=prompt_ids, samples=samples)
+            if finished.on_sample is not None:
+                finished.on_sample(seq.request_index - finished.first_index, output)
 
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config

@@ -337,10 +337,17 @@ class RewardConfig:
     """A built-in reward (`math`: math-verify's symbolic check; `number`; `exact`) or a `module:function` taking
     `(completion_text, answer)` (see `grpo.rewards`)."""
     num_workers: int | None = None
-    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`. None: 0 for the
-    microsecond-cheap `number` and `exact` rewards, 4 for the others (`math` and functions of your own)."""
+    """Processes that score completions, per engine replica (started by its first rank; 0: in that rank's own
+    process), see `grpo.scoring`. None: 0 for the microsecond-cheap `number` and `exact` rewards, 4 for the others
+    (`math` and functions of your own)."""
     timeout_s: float = 5.0
     """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
+    overlap: bool = True
+    """Score each completion while the rest are generating: the embedded engine hands every sample to the reward
+    workers as it finishes, so after generation only the last ones' scores are waited for (`reward_wait_s`). The
+    rewards, their order and the metrics are those of scoring after generation (false), which vLLM's engine
+    always amounts to (it returns a batch at once). No gain with `num_workers: 0`: there the engine's own process
+    scores each sample as it arrives."""
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class MoeConfig:
     """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
     a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
     shared_expert_size: int | None = None
-    """FFN width of the shared expert (Qwen2-MoE), if any."""
+    """FFN width of the shared expert (Qwen2-MoE; GLM-4.5's `n_shared_experts` experts fused into one), if any."""
     shared_expert_gate: bool = False
     """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
     score_function: str = "softmax"

@@ -213,6 +213,13 @@ class ModelConfig:
         _refuse_unsupported(hf)
         heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        rope = read_rope(hf)
+        if rope.rotary_dim(head_dim) % 2 or not rope.rotary_dim(head_dim):
+            raise ValueError(
+                f"partial_rotary_factor={rope.partial_rotary_factor:g} rotates {rope.rotary_dim(head_dim)} of the "
+                f"{head_dim} dimensions of a head: the rotate_half layout needs an even, positive number"
+            )
         return cls(
             arch=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -221,9 +228,9 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=read_rope(hf),
+            rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=_resolve_bias(arch.engine.qkv_bias, hf),
             o_bias=_resolve_bias(arch.engine.o_bias, hf),

@@ -248,6 +248,13 @@ def convert(
         ),
     ] = False,
     ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
+    drop_mtp: Annotated[
+        bool,
+        typer.Option(
+            help="Drop multi-token-prediction layers (num_nextn_predict_layers) with a note; --no-drop-mtp refuses"
+            " such a checkpoint instead (--to mcore; megatron-core 0.16 computes no logits with them)."
+        ),
+    ] = True,
     allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -276,6 +283,7 @@ def convert(
                 "--layout": directory_layout is not DirectoryLayout.megatron_lm,
                 "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
                 "--allow-pickle": allow_pickle,
+                "--no-drop-mtp": not drop_mtp,
             }
             if to is Target.hf
             else {
@@ -318,6 +326,7 @@ def convert(
                 overwrite=overwrite,
                 overwrite_foreign=overwrite_foreign,
                 ignore_unknown=ignore_unknown,
+                drop_mtp=drop_mtp,
                 allow_pickle=allow_pickle,
                 show_progress=progress,
                 checkpoint_format=fmt.value,

@@ -103,8 +103,9 @@ def _hf_reference(hf_dir, tp: int) -> tuple[int, str]:
         ("llama_tied", Layout(pp=4)),
         ("qwen3", Layout(tp=2)),
         ("mixtral", Layout(tp=2, ep=2)),
+        ("glm4_moe", Layout(tp=2, pp=2, ep=2)),
     ],
-    ids=["llama-tp2-pp2-vpp2", "tied-pp4", "qwen3-tp2", "mixtral-tp2-ep2"],
+    ids=["llama-tp2-pp2-vpp2", "tied-pp4", "qwen3-tp2", "mixtral-tp2-ep2", "glm4_moe-tp2-pp2-ep2"],
 )
 def test_inspect_reads_the_legacy_torch_format(variant, layout, tiny_models, tiny_moe_models, tmp_path):
     hf_dir = {**tiny_models, **tiny_moe_models}[variant]

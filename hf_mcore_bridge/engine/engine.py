@@ -295,7 +295,8 @@ def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 class Engine:
-    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE decoders.
+    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5
+    decoders.
 
     Args:
         hf_config: a transformers `PretrainedConfig` or a config.json dict.

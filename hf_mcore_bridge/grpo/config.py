@@ -106,6 +106,12 @@ class MegatronConfig:
     """Row length budget of a packed micro-batch."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding rule (times TP), as Megatron-LM; padded logits are masked out of every softmax."""
+    moe_router_bias_update_rate: float = 0.0
+    """Routers with an expert score bias (GLM-4.5, DeepSeek-V3): how far megatron-core moves each expert's bias
+    after every optimizer step, towards balanced expert loads (its `moe_router_bias_update_rate`, whose own default
+    is 1e-3). 0, the default here as in NeMo-RL's GRPO recipes: the bias stays as the checkpoint has it, so routing
+    changes only through the loss's gradients; a positive rate changes the model beyond what the objective asks
+    (the KL reference keeps the initial biases)."""
     transformer: Mapping[str, Any] = field(default_factory=dict)
     """Extra `TransformerConfig` keys, forwarded as given (e.g. `recompute_granularity`)."""
     optimizer: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-6, "weight_decay": 0.01, "clip_grad": 1.0})
@@ -607,6 +613,9 @@ _DERIVED_TRANSFORMER_KEYS = frozenset(
 )
 """TransformerConfig keys the trainer sets from the model and the parallel sizes."""
 
+_EXPLICIT_TRANSFORMER_KEYS = {"moe_router_bias_update_rate": "policy.megatron_cfg.moe_router_bias_update_rate"}
+"""TransformerConfig keys that have a key of their own (documented default) instead of `transformer.<key>`."""
+
 
 def megatron_config_classes() -> dict[str, type]:
     """The megatron-core classes that `megatron_cfg.transformer/optimizer/ddp` are forwarded to."""
@@ -623,6 +632,11 @@ def _validate_forwarded(megatron: MegatronConfig) -> None:
         for key in getattr(megatron, section):
             if key not in valid:
                 raise _unknown(key, valid, f"policy.megatron_cfg.{section}.")
+            if section == "transformer" and key in _EXPLICIT_TRANSFORMER_KEYS:
+                raise GRPOConfigError(
+                    f"policy.megatron_cfg.transformer.{key} is set by {_EXPLICIT_TRANSFORMER_KEYS[key]}; "
+                    "set that instead"
+                )
             if section == "transformer" and key in _DERIVED_TRANSFORMER_KEYS:
                 raise GRPOConfigError(
                     f"policy.megatron_cfg.transformer.{key} is set by the trainer (from the model or the parallel "
@@ -923,6 +937,9 @@ def _validate(config: GRPOConfig) -> None:
     _validate_forwarded(mcfg)
     if mcfg.enabled:
         _validate_optimizer(mcfg)
+        where = "policy.megatron_cfg.moe_router_bias_update_rate"
+        rate = _number(mcfg.moe_router_bias_update_rate, where)
+        _require(rate >= 0, f"{where}={rate:g} must be >= 0")
         lr = mcfg.optimizer.get("lr")
         _validate_schedule(mcfg.scheduler, None if lr is None else float(lr), "policy.megatron_cfg.scheduler")
     from hf_mcore_bridge.grpo.stop_tokens import stop_token_ids

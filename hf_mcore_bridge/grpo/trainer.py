@@ -164,9 +164,11 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         source = log_dir / "initial_policy_mcore"
     log_dir.mkdir(parents=True, exist_ok=True)
     if hf_dir is not None:
-        convert_hf_to_mcore(
+        converted = convert_hf_to_mcore(
             hf_dir, source, layout=layout, dtype=config.policy.dtype, overwrite=True, show_progress=False
         )
+        for note in converted.notes:  # e.g. multi-token-prediction layers dropped (`convert.mtp`)
+            print(f"note: {note}", flush=True)
     root, checkpoint_dir = resolve_checkpoint(source)
     model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
     model_cfg.validate(layout)
@@ -683,7 +685,8 @@ def _stream_into_engine(
             if bucket is not None:
                 names.extend(name for name, _ in bucket)
                 parts = [engine_part(ctx.engine, name, tensor) for name, tensor in bucket]
-                sums.append(tensor_checksums([part.to(ctx.engine_dtype) for part in parts]))
+                dtypes = [_engine_dtype(ctx, name) for name, _ in bucket]
+                sums.append(tensor_checksums([part.to(dtype) for part, dtype in zip(parts, dtypes, strict=True)]))
         if bucket is None:
             break
         with times.phase("load"):
@@ -693,6 +696,13 @@ def _stream_into_engine(
                 ctx.engine.load_weights(bucket)
     values = torch.cat(sums) if sums else torch.zeros((0, 2), dtype=torch.int64)
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
+
+
+def _engine_dtype(ctx: _RankContext, name: str) -> torch.dtype:
+    """The dtype the engine holds an HF tensor in: the policy's, or float32 for tensors kept so (the routers'
+    expert score biases), where the engine says."""
+    held = readable_tensor(ctx.engine, name)
+    return ctx.engine_dtype if held is None else held.dtype
 
 
 def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:

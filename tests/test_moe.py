@@ -23,6 +23,7 @@ from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.verify import VerifyJob, _hf_logits, verify
 from hf_mcore_bridge.megatron.world import run_world
@@ -327,6 +328,7 @@ _GLM45 = {
     "rope_theta": 1000000,
     "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
     "use_qk_norm": True,
     "vocab_size": 151552,
 }
@@ -448,7 +450,11 @@ def test_glm_megatron_args_round_trip(name):
     del args.hf_architecture
     assert config_bridge.from_megatron_args(args).architecture == "Glm4MoeForCausalLM"
     args.moe_router_score_function = "softmax"
-    assert config_bridge.from_megatron_args(args).architecture == "Qwen2MoeForCausalLM"
+    if model.qk_norm:  # no softmax-routed shared-expert architecture normalises q and k
+        with pytest.raises(UnsupportedArchitectureError, match="qk_norm=True, qkv_bias=True, softmax router"):
+            config_bridge.from_megatron_args(args)
+    else:
+        assert config_bridge.from_megatron_args(args).architecture == "Qwen2MoeForCausalLM"
     with pytest.raises(ConfigError, match="routes with softmax scores; this model's router uses sigmoid"):
         config_bridge.to_hf(model, get_architecture("Qwen2MoeForCausalLM"))
 

@@ -264,6 +264,13 @@ def convert(
         ),
     ] = False,
     ignore_unknown: Annotated[bool, typer.Option(help="Skip tensors the architecture does not know.")] = False,
+    drop_mtp: Annotated[
+        bool,
+        typer.Option(
+            help="Drop multi-token-prediction layers (num_nextn_predict_layers) with a note; --no-drop-mtp refuses"
+            " such a checkpoint instead (--to mcore; megatron-core 0.16 computes no logits with them)."
+        ),
+    ] = True,
     allow_pickle: Annotated[bool, typer.Option(help="Read .bin (pickle) HF weights, weights-only.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
@@ -292,6 +299,7 @@ def convert(
                 "--layout": directory_layout is not DirectoryLayout.megatron_lm,
                 "--make-vocab-size-divisible-by": make_vocab_size_divisible_by != 128,
                 "--allow-pickle": allow_pickle,
+                "--no-drop-mtp": not drop_mtp,
             }
             if to is Target.hf
             else {
@@ -314,7 +322,7 @@ def convert(
             if hf_config is not None:
                 validate.hf_config_option(hf_config)
             if tokenizer is not None:
-                validate.existing_dir(tokenizer, "--tokenizer")
+                validate.tokenizer_dir(tokenizer)
         validate.writable_destination(destination)
         return validate.shard_size(max_shard_size or "5GB")
 
@@ -334,6 +342,7 @@ def convert(
                 overwrite=overwrite,
                 overwrite_foreign=overwrite_foreign,
                 ignore_unknown=ignore_unknown,
+                drop_mtp=drop_mtp,
                 allow_pickle=allow_pickle,
                 show_progress=progress,
                 checkpoint_format=fmt.value,
@@ -448,15 +457,17 @@ def inspect(
 ) -> None:
     """Show architecture, layout, dtype, parameter count and tensors of a checkpoint.
 
-    Reads HF safetensors directories and Megatron checkpoints in both formats this tool writes (torch_dist and
-    the legacy per-rank torch files, at any TP/PP/VPP/EP).
+    Reads HF safetensors directories, Megatron checkpoints in both formats this tool writes (torch_dist, also in
+    the Megatron-Bridge layout, and the legacy per-rank torch files, at any TP/PP/VPP/EP) and the DTensor
+    trainer's checkpoints (through their HF copy of the policy).
     """
     _check(lambda: validate.existing_dir(path, "checkpoint"))
 
     def action() -> None:
         from hf_mcore_bridge.convert.inspect import inspect_path
+        from hf_mcore_bridge.grpo.dtensor_checkpoint import inspection_of
 
-        report = inspect_path(path)
+        report = inspection_of(path) or inspect_path(path)
         if as_json:
             typer.echo(json.dumps(report.to_dict(), indent=2))
             return

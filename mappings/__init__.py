@@ -1,13 +1,18 @@
-"""Per-architecture mapping tables, looked up by the HF `architectures` entry from an explicit registry.
+"""One file per architecture, looked up by the HF `architectures` entry from an explicit registry.
 
-Adding an architecture: one file here declaring an `Architecture`, and one line in `REGISTRY`.
+Each file declares an `Architecture` (`convert.architecture`): its mapping table, its config translation hooks,
+its engine options and its tiny test model. Conversion, export, verify, the engine, the DTensor path and the
+trainer all look architectures up here. Adding an architecture: one file here, and one line in `REGISTRY`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hf_mcore_bridge.mappings import glm4_moe, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch
@@ -19,6 +24,7 @@ REGISTRY: dict[str, Architecture] = {
         mixtral.ARCHITECTURE,
         qwen3_moe.ARCHITECTURE,
         qwen2_moe.ARCHITECTURE,
+        glm4_moe.ARCHITECTURE,
     )
 }
 
@@ -36,3 +42,42 @@ def get_architecture(hf_name: str) -> Architecture:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {hf_name!r}; supported: {', '.join(supported())}"
         ) from None
+
+
+def for_config(config: Mapping[str, Any]) -> Architecture:
+    """The architecture of an HF config (dict): by its `architectures` entry, else (no such list) its
+    `model_type`."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in REGISTRY:
+            return REGISTRY[name]
+    by_type = {arch.model_type: arch for arch in REGISTRY.values()}
+    if not names and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {names or config.get('model_type')!r}; supported: {', '.join(supported())}"
+    )
+
+
+def with_features(
+    *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax"
+) -> Architecture:
+    """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
+    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral. A feature an architecture switches per config
+    (`Switch`, GLM-4.5's q/k norms) matches either value."""
+
+    def matches(switch: bool | str, wanted: bool) -> bool:
+        return isinstance(switch, str) or switch == wanted
+
+    for arch in REGISTRY.values():
+        if (
+            (arch.is_moe, arch.has_shared_expert) == (moe, shared_expert)
+            and matches(arch.qk_norm, qk_norm)
+            and matches(arch.qkv_bias, qkv_bias)
+            and (not moe or arch.score_function == score_function)
+        ):
+            return arch
+    raise UnsupportedArchitectureError(
+        f"no supported architecture has moe={moe}, shared expert={shared_expert}, qk_norm={qk_norm}, "
+        f"qkv_bias={qkv_bias}" + (f", {score_function} router" if moe else "") + "; pass --hf-config"
+    )

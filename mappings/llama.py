@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_errors import refuse_if
 from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, FusedQKV, Size
 from hf_mcore_bridge.convert.parallel_style import Parallel
@@ -65,4 +65,22 @@ def check(config: Mapping[str, Any]) -> None:
     refuse_if(config, "mlp_bias", True)
 
 
-ARCHITECTURE = Architecture(hf_name="LlamaForCausalLM", model_type="llama", table=TABLE, check=check)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+"""Llama 3.1's RoPE scaling, as published (and as megatron-core hard-codes it)."""
+
+ARCHITECTURE = Architecture(
+    hf_name="LlamaForCausalLM",
+    model_type="llama",
+    table=TABLE,
+    check=check,
+    hf_defaults={"attention_bias": False, "mlp_bias": False},
+    # conversion refuses `attention_bias`; the engine also runs checkpoints that have it
+    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG),
+    tiny={"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE},
+)

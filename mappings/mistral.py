@@ -21,4 +21,5 @@ ARCHITECTURE = Architecture(
     table=TABLE,
     check=check,
     hf_defaults={"sliding_window": None},
+    tiny={"sliding_window": None, "head_dim": 16},
 )

@@ -63,4 +63,12 @@ ARCHITECTURE = Architecture(
         f"{HF_MOE}.experts.{{expert}}.w2.weight": (f"{HF_LAYER}.mlp.experts.down_proj", "all"),
         f"{HF_MOE}.gate.weight": (f"{HF_LAYER}.mlp.gate.weight", "all"),
     },
+    tiny={
+        "num_hidden_layers": 4,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "sliding_window": None,
+        "rope_theta": 1000000.0,
+    },
 )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_bridge import MoeConfig
 from hf_mcore_bridge.convert.config_errors import refuse_if, require
 from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, LayerKind, Size
@@ -71,4 +71,14 @@ ARCHITECTURE = Architecture(
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
+    engine=EngineOptions(qkv_bias=Bias.FROM_QKV_BIAS, round_routing_weights=True),
+    tiny={
+        "num_hidden_layers": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False,
+        "rope_theta": 1000000.0,
+    },
 )

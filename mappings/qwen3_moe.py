@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_bridge import MoeConfig
 from hf_mcore_bridge.convert.config_errors import require
 from hf_mcore_bridge.convert.moe_tables import dense_only, layer_pattern_to_hf, moe_layer_pattern, routed_experts, topk
@@ -67,4 +67,15 @@ ARCHITECTURE = Architecture(
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
+    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, round_routing_weights=True),
+    tiny={
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+        "head_dim": 16,
+        "rope_theta": 1000000.0,
+    },
 )

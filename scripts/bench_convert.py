@@ -60,7 +60,7 @@ import torch
 from random_checkpoint import write_random_checkpoint
 from safetensors import safe_open
 
-from hf_mcore_bridge.tiny_models import LLAMA3_ROPE
+from hf_mcore_bridge.mappings.llama import LLAMA3_ROPE
 
 MB = 10**6
 GB = 10**9

@@ -1,12 +1,15 @@
-"""Speed and peak memory of converting a Qwen3-MoE-shaped checkpoint (128 experts) to TP2 EP4 and back.
+"""Speed and peak memory of converting a MoE-shaped checkpoint (128 experts) to TP2 EP4 and back.
 
 A random bf16 checkpoint of Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of width 768, top-8; 8 layers,
-about 10 GB) is written with `scripts/random_checkpoint.py`; then, side by side in one run: `cp -r` of it, `bridge
-convert --to mcore --tp 2 --ep 4` and `bridge convert --to hf` back, each a child process timed with its peak RSS
-(`/usr/bin/time -v`); the export is checked bit-identical to the source. Experts are streamed one (layer, expert)
-at a time, so peak memory should not depend on the number of experts (goal: <= 2 GB).
+about 10 GB), or with `--shape glm4.5-air` of GLM-4.5-Air's (hidden 4096, a dense first layer, then 128 experts of
+width 1408 and a shared expert, float32 router biases beside bf16 weights; `--layers 2`: about 7 GB), is written
+with `scripts/random_checkpoint.py`; then, side by side in one run: `cp -r` of it, `bridge convert --to mcore --tp
+2 --ep 4` and `bridge convert --to hf` back, each a child process timed with its peak RSS (`/usr/bin/time -v`); the
+export is checked bit-identical to the source. Experts are streamed one (layer, expert) at a time, so peak memory
+should not depend on the number of experts (goal: <= 2 GB).
 
     python scripts/bench_moe_convert.py --out bench_moe.json
+    python scripts/bench_moe_convert.py --shape glm4.5-air --layers 2 --out bench_moe_glm.json
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from random_checkpoint import SHAPES, write_random_checkpoint
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["qwen3-moe", "glm4.5-air"], default="qwen3-moe")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--out", type=Path, default=Path("bench_moe.json"))
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-moe-"))
-    config = {**SHAPES["qwen3-moe"], "num_hidden_layers": args.layers}
+    config = {**SHAPES[args.shape], "num_hidden_layers": args.layers}
     source, copy, mcore, back = (work / name for name in ("hf", "copy", "mcore", "hf-back"))
     size = write_random_checkpoint(source, config)
     bridge = bridge_command()
@@ -75,7 +79,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     base = rows[0]["seconds"]
     print(
-        f"Qwen3-MoE shape, {args.layers} layers, 128 experts: {size / 1e9:.2f} GB; "
+        f"{args.shape} shape, {args.layers} layers, 128 experts: {size / 1e9:.2f} GB; "
         f"export bit-identical ({tensors} tensors)"
     )
     print(f"{'operation':<18} {'seconds':>8} {'x cp -r':>8} {'CPU s':>7} {'peak RSS MB':>12}")
@@ -85,7 +89,8 @@ def main() -> None:
             f"{row['operation']:<18} {row['seconds']:8.1f} {row['ratio_to_cp']:8.2f} {row['cpu_s']:7.1f} "
             f"{row['peak_rss_mb']:12.0f}"
         )
-    args.out.write_text(json.dumps({"bytes": size, "layers": args.layers, "tensors": tensors, "rows": rows}, indent=2))
+    summary = {"shape": args.shape, "bytes": size, "layers": args.layers, "tensors": tensors, "rows": rows}
+    args.out.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB) or Qwen3-MoE-shaped checkpoint
 is generated in seconds (on a GPU when there is one) and streamed to disk with bounded memory. Tensor names and
-shapes come from the project's own mapping tables (every HF tensor the converter expects), shapes from the
-config by the role of each tensor.
+shapes come from the project's own mapping tables (every HF tensor the converter expects, its shape in model
+dimensions resolved from the config); tensors the table keeps in float32 (a router's expert bias) are float32.
+
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
 
     python scripts/random_checkpoint.py llama3-8b OUT_DIR
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ import torch
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
+from hf_mcore_bridge.convert.mapping_types import keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.mappings import get_architecture
 
@@ -70,6 +74,51 @@ SHAPES: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 8192,
         },
     },
+    "qwen3-8b": {  # Qwen/Qwen3-8B's config.json
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    "glm4.5-air": {  # GLM-4.5-Air's layer shape (layer 0 dense, then 128 experts of width 1408, top-8), 4 layers
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "vocab_size": 151552,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
     "qwen3-moe": {  # Qwen3-30B-A3B's layer shape, 8 layers
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -95,26 +144,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False,
     },
 }
-
-_ROLES = [  # (pattern on the HF name, shape from the model config)
-    (r"(embed_tokens|lm_head)\.weight", lambda m, x: (m.vocab_size, m.hidden_size)),
-    (r"q_proj\.weight", lambda m, x: (m.num_attention_heads * m.head_dim, m.hidden_size)),
-    (r"[kv]_proj\.weight", lambda m, x: (m.num_query_groups * m.head_dim, m.hidden_size)),
-    (r"q_proj\.bias", lambda m, x: (m.num_attention_heads * m.head_dim,)),
-    (r"[kv]_proj\.bias", lambda m, x: (m.num_query_groups * m.head_dim,)),
-    (r"o_proj\.weight", lambda m, x: (m.hidden_size, m.num_attention_heads * m.head_dim)),
-    (r"[qk]_norm\.weight", lambda m, x: (m.head_dim,)),
-    (r"(layernorm|norm)\.weight", lambda m, x: (m.hidden_size,)),
-    (r"shared_expert_gate\.weight", lambda m, x: (1, m.hidden_size)),
-    (r"shared_expert\.(gate|up)_proj\.weight", lambda m, x: (m.moe.shared_expert_size, m.hidden_size)),
-    (r"shared_expert\.down_proj\.weight", lambda m, x: (m.hidden_size, m.moe.shared_expert_size)),
-    (r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight", lambda m, x: (m.moe.ffn_hidden_size, m.hidden_size)),
-    (r"experts\.\d+\.(down_proj|w2)\.weight", lambda m, x: (m.hidden_size, m.moe.ffn_hidden_size)),
-    (r"(mlp|block_sparse_moe)\.gate\.weight", lambda m, x: (m.moe.num_experts, m.hidden_size)),
-    (r"mlp\.(gate|up)_proj\.weight", lambda m, x: (m.ffn_hidden_size, m.hidden_size)),
-    (r"mlp\.down_proj\.weight", lambda m, x: (m.hidden_size, m.ffn_hidden_size)),
-]
-
+SHAPES["qwen3-30b-a3b"] = {**SHAPES["qwen3-moe"], "num_hidden_layers": 48}  # Qwen/Qwen3-30B-A3B's config.json
 
 TINY_SHAPE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -133,18 +163,17 @@ TINY_SHAPE: dict[str, Any] = {
 """A tiny Llama-like shape for the benchmarks' `--tiny` smoke runs: GQA, an odd vocabulary that Megatron pads."""
 
 
-def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every HF tensor (in table order) of a model with this config, with its shape."""
+def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Every HF tensor (in table order) of a model with this config: its shape (the table's, in model dimensions,
+    resolved from the config) and whether it is kept in float32 whatever the checkpoint's dtype."""
     arch = get_architecture(config["architectures"][0])
     model: ModelConfig = config_bridge.from_hf(config, arch)
-    out = []
-    for placed in placed_entries(arch, model):
-        for name in placed.hf_names():
-            shape = next((fn(model, None) for pattern, fn in _ROLES if re.search(pattern, name)), None)
-            if shape is None:
-                raise ValueError(f"no shape rule for {name}")
-            out.append((name, shape))
-    return out
+    sizes = hf_sizes(model, config)
+    return [
+        (name, concrete(shape, sizes), keeps_float32(placed.template))
+        for placed in placed_entries(arch, model)
+        for name, shape in placed.entry.hf_expected().items()
+    ]
 
 
 def write_random_checkpoint(
@@ -157,29 +186,29 @@ def write_random_checkpoint(
 ) -> int:
     """Write a random checkpoint (normal, std 0.02; norms near 1) with `config`; returns the bytes written."""
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensor_shapes(config)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    tensors = [(n, shape, torch.float32 if fp32 else dtype) for n, shape, fp32 in hf_tensor_shapes(config)]
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
-    for name, shape in tensors:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+    for name, shape, tensor_dtype in tensors:
+        nbytes = torch.Size(shape).numel() * tensor_dtype.itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append((name, shape, tensor_dtype))
         size += nbytes
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(seed)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = SafetensorsStreamWriter(directory / file, [(n, s, dtype) for n, s in shard])
-        for name, shape in shard:
+        writer = SafetensorsStreamWriter(directory / file, shard)
+        for name, shape, tensor_dtype in shard:
             value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
             if name.endswith("norm.weight") or "layernorm" in name:
                 value = value + 1.0
-            writer.write(name, value.to(dtype).cpu())
+            writer.write(name, value.to(tensor_dtype).cpu())
             weight_map[name] = file
-            total += value.numel() * dtype.itemsize
+            total += value.numel() * tensor_dtype.itemsize
         writer.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -80,6 +80,9 @@ MOE_VARIANTS = {
     "mixtral": ("MixtralForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeForCausalLM", {}),  # layer 1 dense (mlp_only_layers): a heterogeneous stack
     "qwen2_moe": ("Qwen2MoeForCausalLM", {}),  # shared expert with its gate, no top-k renormalisation
+    # sigmoid router with score bias, 2 of 4 groups, scaling 2.5; ungated shared expert; layer 0 dense; partial
+    # rotary (half of each head); q/k norms and q/k/v biases
+    "glm4_moe": ("Glm4MoeForCausalLM", {}),
 }
 
 

@@ -373,6 +373,42 @@ def test_full_disk_to_hf(dcp, small_disk):
     assert os.listdir(small_disk) == []
 
 
+def test_full_disk_while_copying_is_a_write_error_naming_the_target(llama, small_disk):
+    """`shutil.copy2` names its source first when the write fails: still a write error, naming what was written."""
+    from hf_mcore_bridge.checkpoint.write_errors import WriteError, device_of, reported_write_errors
+
+    staging = small_disk / ".out.partial-0123abcd"
+    staging.mkdir()
+    with pytest.raises(WriteError) as caught, reported_write_errors(staging, small_disk / "out"):
+        shutil.copy2(llama / "model.safetensors", staging / "model.safetensors")  # 1.1 MB onto 512 KiB
+    expected = f"no space left on {device_of(staging)} while writing {small_disk / 'out' / 'model.safetensors'}"
+    assert str(caught.value) == expected
+
+
+def test_full_disk_export_of_a_dtensor_run(llama, small_disk, tmp_path):
+    """A DTensor run's checkpoint holds its policy as an HF directory, which export copies: a full disk there is
+    one line and exit 2, not an internal error."""
+    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(llama, checkpoints / "iter_0000001" / HF_DIR)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("1")
+    before = snapshot(tmp_path / "run")
+    result = run("export", tmp_path / "run", small_disk / "out")
+    line = assert_refused(result, small_disk, tmp_path / "run", before, f"no space left on {small_disk} (tmpfs)")
+    assert line.endswith(f"while writing {small_disk / 'out' / 'model.safetensors'}"), line
+    assert os.listdir(small_disk) == []
+
+
+def test_full_disk_demo(small_disk):
+    """The demo's first write (the tiny model's `save_pretrained`, whose serializer reports `(os error 28)`)."""
+    result = run("demo", small_disk / "demo", "--tp", "1", "--pp", "1")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: no space left on {small_disk} (tmpfs) while writing")
+    assert os.listdir(small_disk) == []
+
+
 def test_read_only_destination(llama, read_only_disk, tmp_path):
     """The CLI refuses a read-only destination up front; the library, called directly, reports the failed write."""
     before = snapshot(llama)

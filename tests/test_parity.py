@@ -1,7 +1,8 @@
 """Logit parity through real megatron-core: every architecture at TP1PP1, TP2PP1, TP1PP2, TP2PP2, CP2, TP2CP2.
 
 One gloo world per layout verifies all tiny models (GQA, odd vocabulary padded for TP, tied embeddings with PP>1,
-Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling). Also: checkpoints written by megatron-core itself.
+Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling), and at TP2 and PP2 also GLM-4.5 (a MoE model without
+expert parallelism; its EP layouts are in `test_moe`). Also: checkpoints written by megatron-core itself.
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ LAYOUTS = {
 }
 
 
+MOE_HERE = {"tp2pp1": ("glm4_moe",), "tp1pp2": ("glm4_moe",)}
+"""Mixture-of-experts models verified in these worlds too (layouts without expert parallelism)."""
+
+
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_logit_parity_through_megatron_core(layout_name, tiny_models, tmp_path):
+def test_logit_parity_through_megatron_core(layout_name, tiny_models, tiny_moe_models, tmp_path):
     layout = LAYOUTS[layout_name]
     jobs = []
-    for name, hf_dir in tiny_models.items():
+    models = {**tiny_models, **{name: tiny_moe_models[name] for name in MOE_HERE.get(layout_name, ())}}
+    for name, hf_dir in models.items():
         convert_hf_to_mcore(hf_dir, tmp_path / name, layout=layout, show_progress=False)
         jobs.append(VerifyJob(hf_dir, tmp_path / name))
     for result in verify(jobs, layout, seq_len=24):

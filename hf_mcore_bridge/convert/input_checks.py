@@ -7,7 +7,9 @@ against `config.json`, and the global megatron-core tensors of a Megatron checkp
 by the entry's own `mcore_shape`) against the config the checkpoint is exported with (its HF assets or `args`).
 
 Dtypes: weights must be floating point; a checkpoint whose floating tensors mix dtypes is refused unless a
-target dtype is given, in which case everything is cast to it and a one-line note says so.
+target dtype is given, in which case everything is cast to it and a one-line note says so. Tensors that both sides
+hold in float32 whatever the model's dtype (`Direct.float32`: the router's expert bias) are left out of that
+choice and stay float32.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def _sizes(model: ModelConfig) -> dict[Size, int | None]:
     }
 
 
-def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
-    """Model dimensions labelled with the HF `config.json` fields they come from."""
+def hf_sizes(model: ModelConfig, config: Mapping[str, Any], fields: Mapping[Size, str] | None = None) -> Resolved:
+    """Model dimensions labelled with the HF `config.json` fields they come from (`fields`: the architecture's own
+    names, `Architecture.hf_size_fields`)."""
     labels = {
         Size.HIDDEN: "hidden_size",
         Size.Q: "num_attention_heads * head_dim",
@@ -57,6 +60,7 @@ def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
         Size.VOCAB: "vocab_size",
         Size.EXPERTS: "num_experts" if config.get("num_experts") else "num_local_experts",
         Size.ONE: "1",
+        **(fields or {}),
     }
     return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
 
@@ -166,12 +170,7 @@ def choose_dtype(
     `dtypes` maps each tensor (in table order) to its dtype, `where(name)` names its file, `flag` is how the
     user asks for a dtype (`--dtype`).
     """
-    for name, dtype in dtypes.items():
-        if not dtype.is_floating_point:
-            raise CheckpointError(
-                f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
-                "(bfloat16, float16 or float32)"
-            )
+    check_floating(dtypes, where)
     counts = Counter(dtypes.values())
     if len(counts) <= 1:
         return DtypeChoice(requested or next(iter(counts), torch.float32))
@@ -186,6 +185,16 @@ def choose_dtype(
     return DtypeChoice(
         requested, f"the checkpoint mixes dtypes ({summary} tensors); all cast to {_name(requested)} ({flag})"
     )
+
+
+def check_floating(dtypes: Mapping[str, torch.dtype], where: Callable[[str], str]) -> None:
+    """Refuse a tensor that is not floating point, naming it and its file."""
+    for name, dtype in dtypes.items():
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
+                "(bfloat16, float16 or float32)"
+            )
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -38,6 +38,16 @@ class LayerKind(enum.Enum):
     """Layers with a routed mixture of experts."""
 
 
+class Feature(enum.Enum):
+    """An optional part of an architecture that its HF config switches on or off (`Architecture.qk_norm` /
+    `qkv_bias` name the switch); an entry that `requires` one is present only in models that have it."""
+
+    QK_NORM = "q/k norm"
+    """RMSNorm on each head of q and k (megatron `qk_layernorm`)."""
+    QKV_BIAS = "q/k/v bias"
+    """Biases on the q, k and v projections (megatron `add_qkv_bias`)."""
+
+
 class Size(enum.Enum):
     """A model dimension that HF tensor shapes are written in; resolved from the model config when checking."""
 
@@ -80,6 +90,11 @@ class Direct:
     """Present only when the output layer is not tied to the word embeddings."""
     layers: LayerKind = LayerKind.ALL
     """Which decoder layers have this tensor (dense-MLP or MoE layers, or all)."""
+    requires: Feature | None = None
+    """Present only in models with this optional feature (None: always)."""
+    float32: bool = False
+    """Held in float32 whatever the model's dtype, on both sides (the router's expert score bias: transformers keeps
+    `e_score_correction_bias` in float32, megatron-core its `expert_bias`); left out of the mixed-dtype check."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -126,6 +141,7 @@ class FusedQKV:
     """The dimensions after the output rows: the input width for weights, none for biases."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
+    requires: Feature | None = None
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -171,6 +187,7 @@ class FusedGateUp:
     """The MLP width (rows of gate and of up): dense, routed expert or shared expert."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
+    requires: Feature | None = None
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -198,6 +215,11 @@ class FusedGateUp:
 
 
 Entry = Direct | FusedQKV | FusedGateUp
+
+
+def keeps_float32(entry: Entry) -> bool:
+    """Whether an entry's tensor is held in float32 whatever the model's dtype (`Direct.float32`)."""
+    return isinstance(entry, Direct) and entry.float32
 
 
 def _expect(name: str, actual: int, expected: int, what: str) -> None:

@@ -37,8 +37,9 @@ from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridg
 from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
 from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
-from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
+from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement, keeps_float32
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.mtp import without_mtp
 from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.to_mcore import ConversionResult
 from hf_mcore_bridge.errors import CheckpointError
@@ -177,6 +178,7 @@ def convert_mcore_to_hf(
     args = checkpoint_args(checkpoint_dir)
     config = _hf_config(root, checkpoint_dir, args, hf_config)
     arch = get_architecture(str((config.get("architectures") or ["?"])[0]))
+    config, mtp_note = without_mtp(arch, config)  # conversion never writes MTP layers (`convert.mtp`)
     model = config_bridge.from_hf(config, arch)
     mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
@@ -190,9 +192,13 @@ def convert_mcore_to_hf(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
     out_dtype = DTYPES[dtype] if dtype else None
-    keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan}
+    keys = {p.where.key: mcore.dtype(p.where.key) for p in plan if not keeps_float32(p.placed.template)}
     choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
-    specs = {name: (shape, choice.dtype) for planned in plan for name, shape in planned.hf_shapes.items()}
+    specs = {
+        name: (shape, torch.float32 if keeps_float32(planned.placed.template) else choice.dtype)
+        for planned in plan
+        for name, shape in planned.hf_shapes.items()
+    }
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
         {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
@@ -231,7 +237,7 @@ def convert_mcore_to_hf(
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
     from hf_mcore_bridge.convert.layout import Layout
 
-    notes = (choice.note,) if choice.note else ()
+    notes = tuple(note for note in (mtp_note, choice.note) if note)
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
 
 

@@ -39,11 +39,12 @@ from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
-from hf_mcore_bridge.convert.input_checks import check_hf_shapes, choose_dtype, hf_sizes
+from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.legacy_format import write_legacy
-from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
+from hf_mcore_bridge.convert.legacy_format import check_legacy_layout, write_legacy
+from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
+from hf_mcore_bridge.convert.mtp import drop_or_refuse, mtp_tensors
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
@@ -68,16 +69,24 @@ class ConversionResult:
 def check_hf_tensors(
     hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
 ) -> tuple[torch.dtype, str | None]:
-    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts)."""
+    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts);
+    tensors kept in float32 (`Direct.float32`) stay out of that choice."""
     expected = {name: shape for p in placed for name, shape in p.entry.hf_expected().items()}
+    float32 = {name for p in placed if keeps_float32(p.template) for name in p.hf_names()}
 
     def info(name: str) -> tuple[tuple[int, ...], str]:
         return hf.info(name).shape, hf.info(name).file.name
 
-    check_hf_shapes(expected, hf_sizes(model, hf.config), info, hf.fused_source)
+    fields = get_architecture(model.architecture).hf_size_fields
+    check_hf_shapes(expected, hf_sizes(model, hf.config, fields), info, hf.fused_source)
+
+    def where(name: str) -> str:
+        return hf.info(name).file.name
+
+    check_floating({name: hf.info(name).dtype for name in float32}, where)
     choice = choose_dtype(
-        {name: hf.info(name).dtype for name in expected},
-        lambda name: hf.info(name).file.name,
+        {name: hf.info(name).dtype for name in expected if name not in float32},
+        where,
         DTYPES[dtype] if dtype else None,
         "--dtype",
     )
@@ -98,8 +107,8 @@ class Producer:
     ) -> tuple[Piece, ...] | None:
         """A chunk (`box` of the megatron-core tensor of `shape`) as byte pieces of the HF files, or None when its
         bytes are not rows of them as stored (another dtype, a slice of a fused expert tensor, a computed value)."""
-        names = placed.hf_names()
-        if len(shape) not in (1, 2) or any(self.hf.info(n).dtype != self.dtype for n in names):
+        names, dtype = placed.hf_names(), self.dtype_of(placed)
+        if len(shape) not in (1, 2) or any(self.hf.info(n).dtype != dtype for n in names):
             return None
         locations = [self.hf.location(n) for n in names]
         sources = tuple(self.hf.info(n).shape for n in names)
@@ -109,7 +118,7 @@ class Producer:
         if runs is None or sum(run.count for run in runs) != shape[0]:
             return None
         cols = shape[1] if len(shape) == 2 else 1  # a vector is a matrix of one column
-        itemsize = self.dtype.itemsize
+        itemsize = dtype.itemsize
         blocks = {  # each HF tensor is one block, whole, where its safetensors file holds its bytes
             template: [Block(path, offset, 0, source[0], 0, cols)]
             for template, (path, offset), source in zip(placed.template.hf_sources, locations, sources, strict=True)
@@ -142,6 +151,10 @@ class Producer:
         traced = self._traces[key]
         return None if traced is None else traced["out"]
 
+    def dtype_of(self, placed: Placed) -> torch.dtype:
+        """The dtype a placed entry is written in: the conversion's, or float32 for `Direct.float32` entries."""
+        return torch.float32 if keeps_float32(placed.template) else self.dtype
+
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         if isinstance(placed.entry, Direct):
             return self._direct_chunk(placed, box)
@@ -154,7 +167,7 @@ class Producer:
         if cached is None or cached[0] != name:
             self._local.cached = cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._local.cached = cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype))
+            self._local.cached = cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed)))
         return cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
@@ -165,10 +178,11 @@ class Producer:
         rows = self.hf.read(name, (start, real_stop)) if real_stop > start else None
         if rows is not None and len(offsets) > 1:
             rows = rows[(slice(None), *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)))]
-        rows = rows.to(self.dtype) if rows is not None else None
+        dtype = self.dtype_of(placed)
+        rows = rows.to(dtype) if rows is not None else None
         if real_stop == stop:
             return rows.contiguous()
-        pad = torch.zeros(stop - max(real_stop, start), *sizes[1:], dtype=self.dtype)
+        pad = torch.zeros(stop - max(real_stop, start), *sizes[1:], dtype=dtype)
         return pad if rows is None else torch.cat((rows, pad))
 
 
@@ -199,7 +213,7 @@ def plan_chunks(
             produce = _bind(producer, p, box, leading=len(where.leading))
             pieces = producer.pieces(p, box, shape)
             offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
-            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype, produce, pieces))
+            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype_of(p), produce, pieces))
         module = extra_state_module(p.template)
         if module is not None:
             module_where = placement(
@@ -234,6 +248,7 @@ def convert_hf_to_mcore(
     overwrite: bool = False,
     overwrite_foreign: bool = False,
     ignore_unknown: bool = False,
+    drop_mtp: bool = True,
     allow_pickle: bool = False,
     show_progress: bool = True,
     checkpoint_format: str = "torch_dist",
@@ -248,7 +263,8 @@ def convert_hf_to_mcore(
     `directory_layout` is `megatron-lm` (`release/`, `args` in the common state) or `megatron-bridge`
     (`iter_0000000/` with `run_config.yaml` and train state instead of `args`: `bridge_layout`). The
     destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
-    output of this tool, `overwrite_foreign` anything.
+    output of this tool, `overwrite_foreign` anything. Multi-token-prediction layers are dropped with a note, or
+    refused with `drop_mtp=False` (`convert.mtp` says why they are not converted).
     """
     if directory_layout not in ("megatron-lm", "megatron-bridge"):
         raise ValueError(f"unknown directory layout {directory_layout!r}")
@@ -261,12 +277,17 @@ def convert_hf_to_mcore(
     arch = get_architecture(hf.architecture)
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
+    if checkpoint_format == "torch":
+        check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
     placed = placed_entries(arch, model)
     if arch.fused_experts:
         hf.add_fused_aliases(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
         )
-    check_hf_names(placed, hf.names(), model, ignore_unknown=ignore_unknown)
+    names = hf.names()
+    mtp = mtp_tensors(arch, hf.config, model.num_layers, names)
+    notes = [drop_or_refuse(arch, mtp, model.num_layers, drop=drop_mtp)] if mtp else []
+    check_hf_names(placed, names - set(mtp), model, ignore_unknown=ignore_unknown)
     target_dtype, note = check_hf_tensors(hf, placed, model, dtype)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
@@ -321,5 +342,5 @@ def convert_hf_to_mcore(
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
-    notes = (note,) if note else ()
-    return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)
+    notes += [note] if note else []
+    return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, tuple(notes))

@@ -1,31 +1,38 @@
-"""Per-architecture data for the engine's one shared decoder, and the HF weight-name table it loads from.
+"""The engine's view of an architecture: the config its shared decoder is built from, and where each HF tensor goes.
 
-Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads,
-SiLU-gated MLP or a mixture of SiLU-gated experts); what differs is data on an `ArchSpec`: which projections carry
-a bias, whether q and k get a per-head RMSNorm, and for a mixture-of-experts model a `MoeSpec` (HF names of the
-block and its experts, how routing weights are normalised, whether a gated shared expert runs beside the routed
-ones). `ModelConfig.from_hf` reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig`
-the decoder is built from, refusing values the decoder would silently get wrong.
+Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads, SiLU-
+gated MLP or a mixture of SiLU-gated experts). What differs lives in the architecture's file in `mappings/`
+(`convert.architecture.Architecture`): its mapping table, its mixture-of-experts reading (`moe_from_hf`, the same
+one conversion uses, so the engine routes exactly as the converted megatron-core model does and refuses what
+conversion refuses), its optional parts (`qk_norm`, `qkv_bias` switches) and the few decoder options the table does
+not say (`EngineOptions`: biases that HF configs switch on, how routing weights are rounded). `ModelConfig.from_hf`
+reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig` the decoder is built from,
+refusing values the decoder would get wrong.
 
-`weight_table` lists, once, every HF tensor name (with `{layer}` and `{expert}` placeholders) of a layer with a
-given MLP kind and the engine parameter it fills: `Direct` entries copy a whole tensor, `FusedQKV` / `FusedGateUp`
-entries name the HF sources that are stacked, in row order, into the engine's fused `qkv_proj` / `gate_up_proj`
-parameters, and `ExpertSlice` / `ExpertGateUp` entries fill slice `[expert]` of a parameter stacked on a leading
-expert axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows, HF's own fused layout).
-Each entry also names its tensor-parallel style (`parallel_style.Parallel`: fused q/k/v and gate/up are column
-parallel by construction; `Direct` and `ExpertSlice` say ROW, VOCAB or REPLICATED).
+`weight_table` is derived from the architecture's mapping table, not written again: each entry's HF names are
+the names the engine loads, and its megatron-core name says which engine parameter they fill, through one
+architecture-independent map (`ENGINE_PARAMS`: megatron-core's `linear_qkv` is the engine's `qkv_proj`, and so
+on). The derived records: `Direct` copies a whole tensor, `FusedQKV` / `FusedGateUp` stack HF sources in row
+order into the engine's fused `qkv_proj` / `gate_up_proj` (HF's own q, k, v order, unlike megatron-core's
+interleaving), `ExpertSlice` / `ExpertGateUp` fill slice `[expert]` of a parameter stacked on a leading expert
+axis (`experts.w2` [E, H, F]; `experts.w13` [E, 2F, H], gate rows then up rows). Each keeps the entry's
+tensor-parallel style (`parallel_style.Parallel`). Biases an HF config switches on where the table has none
+(Llama's `attention_bias`) get names derived from their weights'.
 
 Simplifications and how to extend:
-- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE). Layer
-  placement follows the Qwen keys (`mlp_only_layers`, `decoder_sparse_step`); a config without them (Mixtral) has
-  experts in every layer. Another architecture with this routing is one more `ArchSpec` with a `MoeSpec`; grouped
-  or sigmoid routing with expert score biases (DeepSeek-V3) would need a new routing function and is not
-  implemented. `router_jitter_noise` and the auxiliary load-balancing loss are training-only and ignored.
+- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE), or sigmoid
+  scores with a per-expert score bias, group-limited top-k and a scaling factor (GLM-4.5, DeepSeek-V3): one routing
+  function, `model.route`, driven by `MoeConfig`. `router_jitter_noise` and the auxiliary load-balancing loss are
+  training-only and ignored.
+- Multi-token-prediction layers (`num_nextn_predict_layers`) are not used: their tensors are skipped on load
+  (`ignored_prefixes`), as conversion drops them (`convert.mtp`).
 - Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
   transformers-5 model (`mlp.experts.gate_up_proj` [E, 2F, H], gate rows then up rows; `mlp.experts.down_proj`
   [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
-  with the conversion's own rules (`Architecture.fused_experts` in `mappings/`), so there is one name table.
-- RoPE types: default, linear and llama3. Others (yarn, dynamic, longrope) are refused, not approximated.
+  with the conversion's own rules (`Architecture.fused_experts`), so there is one name table.
+- RoPE types: default, linear and llama3, each also partial (`partial_rotary_factor`: the first
+  `int(head_dim * factor)` dimensions of each head rotate). Others (yarn, dynamic, longrope) are refused, not
+  approximated.
 - Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused.
 """
 
@@ -33,21 +40,21 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from hf_mcore_bridge.checkpoint.names import fill
+from hf_mcore_bridge.convert import mapping_types as mt
+from hf_mcore_bridge.convert.architecture import Architecture, Bias
+from hf_mcore_bridge.convert.config_errors import ConfigError
+from hf_mcore_bridge.convert.mapping_types import LayerKind, Size
+from hf_mcore_bridge.convert.mtp import mtp_layer_count, mtp_prefixes
 from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.errors import UnsupportedArchitectureError
+from hf_mcore_bridge.mappings import REGISTRY, for_config
 
-
-class Bias(enum.Enum):
-    """Whether a projection carries a bias."""
-
-    NEVER = "never"
-    ALWAYS = "always"
-    FROM_CONFIG = "from_config"
-    """Follows the HF config's `attention_bias` flag."""
-    FROM_QKV_BIAS = "from_qkv_bias"
-    """Follows the HF config's `qkv_bias` flag, true when absent (Qwen2-MoE)."""
+ARCHITECTURES: Mapping[str, Architecture] = REGISTRY
+"""The registry the engine serves: every architecture in `mappings/`."""
 
 
 class MlpKind(enum.Enum):
@@ -59,100 +66,12 @@ class MlpKind(enum.Enum):
     """A router, routed experts stacked on a leading expert axis, and optionally a gated shared expert."""
 
 
-@dataclass(frozen=True)
-class MoeSpec:
-    """How one mixture-of-experts architecture names and routes its experts."""
-
-    block: str
-    """The HF module of the MoE block inside a layer: `block_sparse_moe` (Mixtral) or `mlp` (Qwen)."""
-    gate_proj: str
-    """HF name of an expert's gate projection (`w1` in Mixtral)."""
-    up_proj: str
-    """HF name of an expert's up projection (`w3` in Mixtral)."""
-    down_proj: str
-    """HF name of an expert's down projection (`w2` in Mixtral)."""
-    width_key: str
-    """The config key of an expert's width: `intermediate_size` (Mixtral) or `moe_intermediate_size` (Qwen)."""
-    renormalize: bool | None
-    """Renormalise the top-k routing weights to sum to 1; None follows the config's `norm_topk_prob` (default
-    false)."""
-    round_routing_weights: bool
-    """Routing weights are rounded to the activation dtype before they scale the expert outputs (Qwen); Mixtral
-    scales in float32 and rounds the product. Identical in float32."""
-    shared_expert: bool = False
-    """A SiLU-gated shared expert on every token, scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """The few ways one HF decoder architecture differs from the shared decoder."""
-
-    hf_architecture: str
-    """The HF `architectures` entry, e.g. `LlamaForCausalLM`."""
-    model_type: str
-    """The HF `model_type`, used when a config carries no `architectures` list."""
-    qkv_bias: Bias = Bias.NEVER
-    """Bias on the q, k and v projections (Qwen2: always)."""
-    o_bias: Bias = Bias.NEVER
-    """Bias on the output projection."""
-    qk_norm: bool = False
-    """Per-head RMSNorm on q and k before rotary embedding (Qwen3)."""
-    moe: MoeSpec | None = None
-    """The mixture of experts, for a MoE architecture; None: every layer has a dense MLP."""
-
-
-_QWEN_MOE = MoeSpec(
-    block="mlp",
-    gate_proj="gate_proj",
-    up_proj="up_proj",
-    down_proj="down_proj",
-    width_key="moe_intermediate_size",
-    renormalize=None,
-    round_routing_weights=True,
-)
-
-LLAMA = ArchSpec("LlamaForCausalLM", "llama", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG)
-MISTRAL = ArchSpec("MistralForCausalLM", "mistral")
-QWEN2 = ArchSpec("Qwen2ForCausalLM", "qwen2", qkv_bias=Bias.ALWAYS)
-QWEN3 = ArchSpec("Qwen3ForCausalLM", "qwen3", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, qk_norm=True)
-MIXTRAL = ArchSpec(
-    "MixtralForCausalLM",
-    "mixtral",
-    moe=MoeSpec(
-        block="block_sparse_moe",
-        gate_proj="w1",
-        up_proj="w3",
-        down_proj="w2",
-        width_key="intermediate_size",
-        renormalize=True,
-        round_routing_weights=False,
-    ),
-)
-QWEN2_MOE = ArchSpec(
-    "Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=Bias.FROM_QKV_BIAS, moe=replace(_QWEN_MOE, shared_expert=True)
-)
-QWEN3_MOE = ArchSpec(
-    "Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, qk_norm=True, moe=_QWEN_MOE
-)
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    spec.hf_architecture: spec for spec in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-}
-"""The explicit registry, keyed by the HF `architectures` entry."""
-
-
-def find_arch(hf: Mapping[str, Any]) -> ArchSpec:
-    """The spec for an HF config: by its `architectures` entry, else by its `model_type`."""
-    names = hf.get("architectures") or []
-    for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    by_type = {spec.model_type: spec for spec in ARCHITECTURES.values()}
-    if not names and hf.get("model_type") in by_type:
-        return by_type[hf["model_type"]]
-    raise NotImplementedError(
-        f"unsupported architecture {names or hf.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}"
-    )
+def find_arch(hf: Mapping[str, Any]) -> Architecture:
+    """The architecture of an HF config: by its `architectures` entry, else by its `model_type`."""
+    try:
+        return for_config(hf)
+    except UnsupportedArchitectureError as err:
+        raise NotImplementedError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -171,6 +90,12 @@ class RopeConfig:
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
     """llama3: the context length the model was pre-trained with."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dimensions that rotate (the first `int(head_dim * factor)`; GLM-4.5: 0.5)."""
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The rotated dimensions of a head: the first `int(head_dim * partial_rotary_factor)`."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -188,41 +113,60 @@ class MoeConfig:
     round_routing_weights: bool
     """Routing weights are rounded to the activation dtype before scaling the expert outputs."""
     shared_expert_width: int | None
-    """Intermediate width of the gated shared expert; None when there is none."""
+    """Intermediate width of the shared expert; None when there is none."""
     layers: frozenset[int]
     """The layers with a MoE block; the others have a dense MLP of width `intermediate_size`."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE); False: added as it is (GLM-4.5)."""
+    score_function: str = "softmax"
+    """`softmax` over all experts, or an independent `sigmoid` per expert (GLM-4.5, DeepSeek-V3)."""
+    expert_bias: bool = False
+    """A float32 score bias per expert (`e_score_correction_bias`), added to the scores to choose the experts only."""
+    num_groups: int | None = None
+    """Group-limited routing: experts in this many groups, each token choosing within its `group_topk` best ones
+    (ranked by the sum of their 2 largest biased scores); None: no groups."""
+    group_topk: int | None = None
+    """Group-limited routing: the groups each token may choose from."""
+    scaling_factor: float = 1.0
+    """The chosen experts' weights are multiplied by this (`routed_scaling_factor`)."""
+    router_fp32: bool = False
+    """Router logits from float32 copies of the input and weight (HF GLM-4.5 and DeepSeek-V3 route so)."""
 
     @classmethod
-    def from_hf(cls, spec: MoeSpec, hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        top_k = int(hf["num_experts_per_tok"])
-        if not 0 < top_k <= experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({experts})")
-        renormalize = spec.renormalize if spec.renormalize is not None else bool(hf.get("norm_topk_prob", False))
+    def from_hf(cls, arch: Architecture, hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
+        """Read with the architecture's own `moe_from_hf` (the one conversion uses); its refusals are
+        `ValueError`s here."""
+        assert arch.moe_from_hf is not None
+        try:
+            moe = arch.moe_from_hf(hf, num_layers)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        sigmoid = moe.score_function == "sigmoid"
         return cls(
-            num_experts=experts,
-            top_k=top_k,
-            expert_width=int(hf[spec.width_key]),
-            renormalize=renormalize,
-            round_routing_weights=spec.round_routing_weights,
-            shared_expert_width=int(hf["shared_expert_intermediate_size"]) if spec.shared_expert else None,
-            layers=moe_layers(hf, num_layers),
+            num_experts=moe.num_experts,
+            top_k=moe.topk,
+            expert_width=moe.ffn_hidden_size,
+            # megatron-core renormalises sigmoid scores exactly when top-k > 1 (conversion refuses the rest)
+            renormalize=moe.topk > 1 if sigmoid else not moe.pre_softmax,
+            round_routing_weights=arch.engine.round_routing_weights,
+            shared_expert_width=moe.shared_expert_size,
+            layers=frozenset(i for i, routed in enumerate(moe.moe_layers) if routed),
+            shared_expert_gate=moe.shared_expert_gate,
+            score_function=moe.score_function,
+            expert_bias=moe.expert_bias,
+            num_groups=moe.num_groups,
+            group_topk=moe.group_topk,
+            scaling_factor=moe.topk_scaling_factor or 1.0,
+            router_fp32=moe.router_fp32,
         )
-
-
-def moe_layers(hf: Mapping[str, Any], num_layers: int) -> frozenset[int]:
-    """Layers with experts: every `decoder_sparse_step`-th layer (1-based) that is not in `mlp_only_layers`."""
-    step = int(hf.get("decoder_sparse_step") or 1)
-    dense = {int(layer) for layer in hf.get("mlp_only_layers") or ()}
-    return frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the shared decoder needs, read from an HF config."""
 
-    arch: ArchSpec
-    """The architecture's differences from the shared decoder."""
+    arch: Architecture
+    """The architecture (its file in `mappings/`)."""
     vocab_size: int
     """Rows of the embedding and of the output layer."""
     hidden_size: int
@@ -244,13 +188,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     """The output layer reuses the embedding matrix."""
     qkv_bias: bool
-    """Resolved from `arch.qkv_bias` and the config."""
+    """Resolved from `arch.engine.qkv_bias` and the config."""
     o_bias: bool
-    """Resolved from `arch.o_bias` and the config."""
+    """Resolved from `arch.engine.o_bias` and the config."""
     sliding_window: int | None
     """The attention window if the config declares one (checked against max_model_len, never applied)."""
     moe: MoeConfig | None = None
     """The mixture of experts; None for a dense model."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (resolved from `arch.qk_norm` and the config)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint stores after the decoder layers (skipped on load)."""
 
     def mlp_kind(self, layer: int) -> MlpKind:
         """The MLP block of one decoder layer."""
@@ -261,9 +209,17 @@ class ModelConfig:
         """Reads a transformers `PretrainedConfig` or a config.json dict."""
         hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         arch = find_arch(hf)
+        hf = arch.with_absent(hf)
         _refuse_unsupported(hf)
         heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        rope = read_rope(hf)
+        if rope.rotary_dim(head_dim) % 2 or not rope.rotary_dim(head_dim):
+            raise ValueError(
+                f"partial_rotary_factor={rope.partial_rotary_factor:g} rotates {rope.rotary_dim(head_dim)} of the "
+                f"{head_dim} dimensions of a head: the rotate_half layout needs an even, positive number"
+            )
         return cls(
             arch=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -272,15 +228,24 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=read_rope(hf),
+            rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=_resolve_bias(arch.qkv_bias, hf),
-            o_bias=_resolve_bias(arch.o_bias, hf),
+            qkv_bias=_resolve_bias(arch.engine.qkv_bias, hf),
+            o_bias=_resolve_bias(arch.engine.o_bias, hf),
             sliding_window=_sliding_window(hf),
-            moe=MoeConfig.from_hf(arch.moe, hf, num_layers) if arch.moe is not None else None,
+            moe=MoeConfig.from_hf(arch, hf, num_layers) if arch.is_moe else None,
+            qk_norm=arch.switched_on(arch.qk_norm, hf),
+            mtp_layers=_mtp_layers(arch, hf),
         )
+
+
+def _mtp_layers(arch: Architecture, hf: Mapping[str, Any]) -> int:
+    try:
+        return mtp_layer_count(arch, hf)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 def _resolve_bias(rule: Bias, hf: Mapping[str, Any]) -> bool:
@@ -325,12 +290,19 @@ def read_rope(hf: Mapping[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise NotImplementedError(f"rope_type={rope_type!r}: only default, linear and llama3 are implemented")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not implemented")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = float(partial if partial is not None else 1.0)
+    if not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor={partial:g} must be in (0, 1]")
     if rope_type == "default":
-        return RopeConfig(theta=float(params["rope_theta"]))
+        return RopeConfig(theta=float(params["rope_theta"]), partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig(theta=float(params["rope_theta"]), rope_type="linear", factor=float(params["factor"]))
+        return RopeConfig(
+            theta=float(params["rope_theta"]),
+            rope_type="linear",
+            factor=float(params["factor"]),
+            partial_rotary_factor=partial,
+        )
     return RopeConfig(
         theta=float(params["rope_theta"]),
         rope_type="llama3",
@@ -338,16 +310,55 @@ def read_rope(hf: Mapping[str, Any]) -> RopeConfig:
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        partial_rotary_factor=partial,
     )
 
 
 LAYER = "model.layers.{layer}"
 EXPERT = "{expert}"
+MC_LAYER = "decoder.layers.{layer}."
+
+ENGINE_PARAMS: dict[str, str] = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.experts.local_experts.{expert}.linear_fc1.weight": "mlp.experts.w13",
+    "mlp.experts.local_experts.{expert}.linear_fc2.weight": "mlp.experts.w2",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+"""megatron-core tensor name (after `decoder.layers.{layer}.` for a layer's) -> the engine parameter it is, for
+every architecture: the engine's modules are megatron-core's, under HF-style names."""
+
+
+def engine_param(mcore: str) -> str:
+    """The engine parameter of a mapping-table entry's megatron-core name (with its placeholders)."""
+    if mcore.startswith(MC_LAYER):
+        inner = mcore.removeprefix(MC_LAYER)
+        if inner in ENGINE_PARAMS:
+            return f"{LAYER}.{ENGINE_PARAMS[inner]}"
+    elif mcore in ENGINE_PARAMS:
+        return ENGINE_PARAMS[mcore]
+    raise NotImplementedError(f"the engine has no parameter for megatron-core's {mcore!r}")
 
 
 @dataclass(frozen=True)
 class Direct:
-    """An HF tensor that is one whole engine parameter."""
+    """An HF tensor that is one whole engine parameter (derived from the mapping table, as are the records
+    below)."""
 
     name: str
     target: str | None = None
@@ -405,32 +416,66 @@ Entry = Direct | FusedQKV | FusedGateUp | ExpertSlice | ExpertGateUp
 
 
 def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
-    """Every HF tensor of a model whose layers have `mlp` blocks, and where it goes.
+    """Every HF tensor of a model whose layers have `mlp` blocks, and where it goes, derived from the
+    architecture's mapping table.
 
     `{layer}` stands for the layer index, `{expert}` for the expert index; entries without `{layer}` are the
     model's own (embedding, final norm, output layer).
     """
-    table: list[Entry] = [
-        Direct("model.embed_tokens.weight", parallel=Parallel.VOCAB),
-        Direct("model.norm.weight"),
-        Direct(f"{LAYER}.input_layernorm.weight"),
-        Direct(f"{LAYER}.post_attention_layernorm.weight"),
-        Direct(f"{LAYER}.self_attn.o_proj.weight", parallel=Parallel.ROW),
-        _qkv("weight"),
-    ]
-    if cfg.qkv_bias:
-        table.append(_qkv("bias"))
+    kind = LayerKind.MOE if mlp is MlpKind.MOE else LayerKind.DENSE
+    features = {mt.Feature.QK_NORM: cfg.qk_norm, mt.Feature.QKV_BIAS: cfg.qkv_bias}
+    table: list[Entry] = []
+    for entry in cfg.arch.table:
+        if entry.layers not in (LayerKind.ALL, kind) or (entry.untied_only and cfg.tie_word_embeddings):
+            continue
+        if entry.requires is not None and not features[entry.requires]:
+            continue  # an optional part the config switches off (Qwen2-MoE's `qkv_bias: false`, GLM's q/k norms)
+        table.append(_derived(cfg, entry))
+    qkv = next(e for e in table if isinstance(e, FusedQKV))
+    if cfg.qkv_bias and not any(isinstance(e, FusedQKV) and e.target.endswith(".bias") for e in table):
+        table.append(FusedQKV(*(_bias_of(name) for name in (qkv.target, qkv.q, qkv.k, qkv.v))))
     if cfg.o_bias:
-        table.append(Direct(f"{LAYER}.self_attn.o_proj.bias"))
-    if cfg.arch.qk_norm:
-        table += [Direct(f"{LAYER}.self_attn.q_norm.weight"), Direct(f"{LAYER}.self_attn.k_norm.weight")]
-    if not cfg.tie_word_embeddings:
-        table.append(Direct("lm_head.weight", parallel=Parallel.VOCAB))
-    if mlp is MlpKind.DENSE:
-        table += _gated_mlp(f"{LAYER}.mlp", cfg.intermediate_size)
-    else:
-        table += _moe(cfg)
+        o_proj = engine_param(f"{MC_LAYER}self_attention.linear_proj.weight")
+        table.append(Direct(_bias_of(_hf_name(table, o_proj))))
     return tuple(table)
+
+
+def _derived(cfg: ModelConfig, entry: mt.Entry) -> Entry:
+    """The engine record of one mapping-table entry."""
+    target = engine_param(entry.mcore)
+    if isinstance(entry, mt.FusedQKV):
+        return FusedQKV(target, q=entry.q, k=entry.k, v=entry.v)
+    if isinstance(entry, mt.FusedGateUp):
+        width = _width(cfg, entry.width)
+        if EXPERT in entry.gate:
+            return ExpertGateUp(target, gate=entry.gate, up=entry.up, width=width)
+        return FusedGateUp(target, gate=entry.gate, up=entry.up, width=width)
+    if EXPERT in entry.hf:
+        return ExpertSlice(target, source=entry.hf, parallel=entry.parallel)
+    return Direct(entry.hf, target=None if target == entry.hf else target, parallel=entry.parallel)
+
+
+def _width(cfg: ModelConfig, size: Size) -> int:
+    widths = {Size.FFN: cfg.intermediate_size}
+    if cfg.moe is not None:
+        widths[Size.EXPERT_FFN] = cfg.moe.expert_width
+        if cfg.moe.shared_expert_width is not None:
+            widths[Size.SHARED_FFN] = cfg.moe.shared_expert_width
+    return widths[size]
+
+
+def _bias_of(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".bias"
+
+
+def _hf_name(table: list[Entry], param: str) -> str:
+    """The HF name of the table record that fills `param`."""
+    return next(e.name for e in table if isinstance(e, Direct) and (e.target or e.name) == param)
+
+
+def ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """HF name prefixes accepted and dropped: the multi-token-prediction layers after the decoder layers."""
+    return mtp_prefixes(cfg.num_layers, cfg.mtp_layers)
 
 
 def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -439,50 +484,6 @@ def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:
     if cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     return tuple(names)
-
-
-def _qkv(leaf: str) -> FusedQKV:
-    return FusedQKV(
-        f"{LAYER}.self_attn.qkv_proj.{leaf}",
-        q=f"{LAYER}.self_attn.q_proj.{leaf}",
-        k=f"{LAYER}.self_attn.k_proj.{leaf}",
-        v=f"{LAYER}.self_attn.v_proj.{leaf}",
-    )
-
-
-def _gated_mlp(prefix: str, width: int) -> list[Entry]:
-    """A SiLU-gated MLP with HF's `gate_proj` / `up_proj` / `down_proj` names under `prefix`."""
-    return [
-        FusedGateUp(
-            f"{prefix}.gate_up_proj.weight",
-            gate=f"{prefix}.gate_proj.weight",
-            up=f"{prefix}.up_proj.weight",
-            width=width,
-        ),
-        Direct(f"{prefix}.down_proj.weight", parallel=Parallel.ROW),
-    ]
-
-
-def _moe(cfg: ModelConfig) -> list[Entry]:
-    """Router, stacked routed experts and (Qwen2-MoE) the gated shared expert; the engine's block is `mlp`."""
-    spec, moe = cfg.arch.moe, cfg.moe
-    assert spec is not None and moe is not None
-    hf_block, block = f"{LAYER}.{spec.block}", f"{LAYER}.mlp"
-    expert = f"{hf_block}.experts.{EXPERT}"
-    table: list[Entry] = [
-        Direct(f"{hf_block}.gate.weight", target=f"{block}.gate.weight"),
-        ExpertGateUp(
-            f"{block}.experts.w13",
-            gate=f"{expert}.{spec.gate_proj}.weight",
-            up=f"{expert}.{spec.up_proj}.weight",
-            width=moe.expert_width,
-        ),
-        ExpertSlice(f"{block}.experts.w2", source=f"{expert}.{spec.down_proj}.weight", parallel=Parallel.ROW),
-    ]
-    if moe.shared_expert_width is not None:
-        table += _gated_mlp(f"{block}.shared_expert", moe.shared_expert_width)
-        table.append(Direct(f"{block}.shared_expert_gate.weight"))
-    return table
 
 
 @dataclass(frozen=True)
@@ -505,10 +506,7 @@ def fused_expert_pieces(cfg: ModelConfig) -> dict[str, tuple[FusedPiece, ...]]:
     """
     if cfg.moe is None:
         return {}
-    from hf_mcore_bridge.convert.mapping_types import fill
-    from hf_mcore_bridge.mappings import get_architecture
-
-    rules = get_architecture(cfg.arch.hf_architecture).fused_experts or {}
+    rules = cfg.arch.fused_experts or {}
     pieces: dict[str, list[FusedPiece]] = {}
     for layer in sorted(cfg.moe.layers):
         for template, (fused_template, part) in rules.items():

@@ -207,7 +207,9 @@ class MegatronBackend:
 
         if dist.get_world_size() > 1 or not torch.cuda.is_available():
             return None
-        return list(self.policy.module.parameters())
+        from hf_mcore_bridge.grpo.refit import model_tensors
+
+        return list(model_tensors(self.policy.module).values())
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.checkpoint import save_checkpoint

@@ -5,9 +5,9 @@ it in place; `full_hf_tensors` streams the full (unsharded) tensors back under t
 clips gradients that live on more than one mesh.
 
 Assumptions, checked where cheap:
-- The model is a Llama-family transformers causal LM (Llama, Mistral, Qwen2, Qwen3): decoder layers in
-  `model.model.layers`, each with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`. The attention reshapes
-  its projections with `-1` heads, so it runs on the local heads of a TP shard unchanged; `tp` must divide the
+- The model is a dense Llama-family transformers causal LM of a registered architecture (`mappings/`): decoder layers in
+  `model.model.layers`; the TP plan comes from the architecture's mapping table (`layer_tp_plan`). The attention
+  reshapes its projections with `-1` heads, so it runs on the local heads of a TP shard unchanged; `tp` must divide the
   number of key/value heads and the MLP width.
 - Under TP only the attention and MLP projections are sharded (column-wise q/k/v/gate/up, row-wise o/down, the
   Megatron pattern); embeddings, norms and the LM head stay replicated over "tp" and are sharded by FSDP over
@@ -29,22 +29,29 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.mappings import for_config
 
-# One plan for every supported architecture: their decoder layers name their projections identically.
-_LAYER_TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel,
-    "self_attn.k_proj": ColwiseParallel,
-    "self_attn.v_proj": ColwiseParallel,
-    "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel,
-    "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel,
-}
+_STYLES = {Parallel.COLUMN: ColwiseParallel, Parallel.GATED_COLUMN: ColwiseParallel, Parallel.ROW: RowwiseParallel}
+_HF_LAYER = "model.layers.{layer}."
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+def layer_tp_plan(arch: Architecture) -> dict[str, type[ParallelStyle]]:
+    """Module (relative to a decoder layer) -> its DTensor style, from the architecture's mapping table: the
+    q/k/v and gate/up projections column-wise, o and down row-wise, as megatron-core shards them (the Megatron
+    pattern); norms stay replicated. Biases shard with their module."""
+    plan: dict[str, type[ParallelStyle]] = {}
+    for entry in arch.table:
+        if entry.parallel not in _STYLES:
+            continue
+        for name in entry.hf_sources:
+            if name.startswith(_HF_LAYER):
+                plan[name.removeprefix(_HF_LAYER).rsplit(".", 1)[0]] = _STYLES[entry.parallel]
+    return plan
 
 
 def make_mesh(dp_shard: int, tp: int, device_type: str) -> DeviceMesh:
@@ -60,22 +67,22 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _check_tp(model: torch.nn.Module, tp: int) -> None:
+def _architecture(model: torch.nn.Module, tp: int) -> Architecture:
     config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise BridgeError(
-            f"tensor parallelism over DTensor supports {', '.join(SUPPORTED_MODEL_TYPES)}, not {config.model_type!r}"
-        )
+    arch = for_config(config.to_dict())
+    if arch.is_moe:
+        raise BridgeError(f"tensor parallelism over DTensor is for dense models; {arch.hf_name} has routed experts")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(config, field) % tp:
             raise BridgeError(f"{field}={getattr(config, field)} is not divisible by tensor_parallel_size={tp}")
+    return arch
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard each decoder layer's projections over `tp_mesh` (column-wise in, row-wise out)."""
-    _check_tp(model, tp_mesh.size())
+    plan = layer_tp_plan(_architecture(model, tp_mesh.size()))
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in _LAYER_TP_PLAN.items()})
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in plan.items()})
 
 
 def parallelize_hf_model(

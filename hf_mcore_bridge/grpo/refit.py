@@ -132,12 +132,21 @@ def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
     return everyone
 
 
+def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and persistent buffers by local name: what the mapping table covers (megatron-core
+    keeps the router's `expert_bias` as a buffer)."""
+    saved = set(module.state_dict())
+    buffers = {name: buffer for name, buffer in module.named_buffers() if name in saved}
+    return {**dict(module.named_parameters()), **buffers}
+
+
 def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """Local parameter name -> (table template name, global layer index or None) for a `GPTModel` of either spec
-    (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer Engine's need none)."""
+    """Local parameter (or persistent buffer) name -> (table template name, global layer index or None) for a
+    `GPTModel` of either spec (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer
+    Engine's need none)."""
     names: dict[str, tuple[str, int | None]] = {}
     layers = module.decoder.layers if hasattr(module, "decoder") else []
-    for name, _ in module.named_parameters():
+    for name in model_tensors(module):
         if not name.startswith("decoder.layers."):
             names[name] = (name, None)
             continue
@@ -215,7 +224,7 @@ class _Step:
     """One local parameter's part of the stream: its table entry, and for a routed expert the entry of the expert
     of the same local index on each EP rank."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor
     entry: Entry
     communicates: bool
     """Whether producing it takes a collective (TP, expert-TP or EP gathers)."""
@@ -233,7 +242,7 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
     if cached is not None:
         return cached
     by_template: dict[tuple[str, int | None], str] = {v: k for k, v in table_names(module).items()}
-    params = dict(module.named_parameters())
+    params = model_tensors(module)
     ep = parallel_state.get_expert_model_parallel_world_size()
     per_rank = model_cfg.moe.num_experts // ep if model_cfg.moe else 0
     steps: list[_Step] = []

@@ -33,6 +33,19 @@ def existing_dir(path: Path, what: str) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+"""Files an HF tokenizer is loaded from (fast, SentencePiece, its config, BPE vocabulary): a directory holding none
+of them holds no tokenizer."""
+
+
+def tokenizer_dir(path: Path) -> Path:
+    """`--tokenizer`: an existing directory holding a tokenizer (not one whose files would be silently missing)."""
+    existing_dir(path, "--tokenizer")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise BridgeError(f"--tokenizer: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+    return path
+
+
 def existing_file(path: Path, what: str) -> Path:
     """`path` must be an existing regular file."""
     if not path.exists():

@@ -2,7 +2,8 @@
 
 The demo's directory is one output of this tool like any other (`atomic.atomic_directory`): built whole in a
 temporary sibling and renamed into place, refused when it is not empty unless `overwrite` (a directory an earlier
-demo wrote) or `overwrite_foreign` (anything) says to replace it.
+demo wrote) or `overwrite_foreign` (anything) says to replace it. A failure to write (a full disk) is one line
+naming the file and the cause (`write_errors`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,22 @@ import torch
 
 from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.checkpoint.destination import check_destination
-from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.checkpoint.write_errors import reported_write_errors
+from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
 from hf_mcore_bridge.errors import BridgeError
+
+ARCHITECTURE = "LlamaForCausalLM"
+"""The demo's model: `tiny_models.tiny_config` of this architecture."""
 
 
 def run_demo(
     workdir: Path, *, tp: int = 2, pp: int = 2, overwrite: bool = False, overwrite_foreign: bool = False
 ) -> Iterator[str]:
-    """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees."""
+    """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees; a layout the
+    tiny model cannot take or a destination that may not be written is refused before anything is built."""
+    from hf_mcore_bridge.tiny_models import tiny_config
+
+    validate_layout_for_hf_config(Layout(tp=tp, pp=pp), tiny_config(ARCHITECTURE))
     check_destination(workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     from safetensors.torch import load_file
 
@@ -30,16 +39,20 @@ def run_demo(
     from hf_mcore_bridge.megatron.verify import VerifyJob, verify
     from hf_mcore_bridge.tiny_models import build_tiny_model
 
-    with atomic_directory(
-        workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign, record={"command": "demo"}
-    ) as staging:
+    with (
+        reported_write_errors(None, workdir),
+        atomic_directory(
+            workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign, record={"command": "demo"}
+        ) as staging,
+    ):
         # Lines name where things will be once the directory is in place, not the temporary sibling.
         def shown(path: Path) -> Path:
             return workdir / path.relative_to(staging)
 
         hf_dir, mcore_dir, back_dir = staging / "hf", staging / "mcore", staging / "hf-back"
-        build_tiny_model(hf_dir, "LlamaForCausalLM")
-        yield f"built a tiny LlamaForCausalLM in {shown(hf_dir)}"
+        with reported_write_errors(staging, workdir):  # the conversions report their own write failures
+            build_tiny_model(hf_dir, ARCHITECTURE)
+        yield f"built a tiny {ARCHITECTURE} in {shown(hf_dir)}"
         result = convert_hf_to_mcore(hf_dir, mcore_dir, layout=Layout(tp=tp, pp=pp), show_progress=False)
         yield f"converted to {shown(mcore_dir)} for tp={tp} pp={pp}: {result.tensors} chunks in {result.seconds:.2f}s"
         (check,) = verify([VerifyJob(hf_dir, mcore_dir)], Layout(tp=tp, pp=pp))

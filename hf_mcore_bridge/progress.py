@@ -1,11 +1,12 @@
-"""Progress bars for long work (rich), off when not wanted or not on a terminal-like stream."""
+"""Progress bars for long work (rich), off when not wanted or not on a terminal-like stream.
+
+rich is imported only when a bar is shown: a run without one (`--no-progress`, scripts) does not pay for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 @contextmanager
@@ -14,6 +15,15 @@ def progress_bar(description: str, total: int, *, enabled: bool = True) -> Itera
     if not enabled:
         yield lambda: None
         return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -12,7 +12,17 @@ from typing import Any
 
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from hf_mcore_bridge.mappings import (
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch
@@ -24,6 +34,7 @@ REGISTRY: dict[str, Architecture] = {
         mixtral.ARCHITECTURE,
         qwen3_moe.ARCHITECTURE,
         qwen2_moe.ARCHITECTURE,
+        glm4_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
     )
 }
@@ -59,19 +70,28 @@ def for_config(config: Mapping[str, Any]) -> Architecture:
     )
 
 
-def with_features(*, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, mla: bool = False) -> Architecture:
+def with_features(
+    *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax", mla: bool = False
+) -> Architecture:
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
-    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3."""
+    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. A feature an
+    architecture switches per config (`Switch`, GLM-4.5's q/k norms) matches either value."""
+
+    def matches(switch: bool | str, wanted: bool) -> bool:
+        return isinstance(switch, str) or switch == wanted
+
     for arch in REGISTRY.values():
-        if (arch.is_moe, arch.has_shared_expert, arch.qk_norm, arch.qkv_bias, arch.multi_latent) == (
-            moe,
-            shared_expert,
-            qk_norm,
-            qkv_bias,
-            mla,
+        if (
+            (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
+            and matches(arch.qk_norm, qk_norm)
+            and matches(arch.qkv_bias, qkv_bias)
+            and (not moe or arch.score_function == score_function)
         ):
             return arch
     raise UnsupportedArchitectureError(
         f"no supported architecture has moe={moe}, shared expert={shared_expert}, qk_norm={qk_norm}, "
-        f"qkv_bias={qkv_bias}, multi-latent attention={mla}; pass --hf-config"
+        f"qkv_bias={qkv_bias}"
+        + (f", {score_function} router" if moe else "")
+        + (", multi-latent attention" if mla else "")
+        + "; pass --hf-config"
     )

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import FusedQKV
+from hf_mcore_bridge.convert.mapping_types import Feature, FusedQKV
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
 
 
@@ -22,6 +22,7 @@ QKV_BIAS = FusedQKV(
     k=f"{HF_LAYER}.self_attn.k_proj.bias",
     v=f"{HF_LAYER}.self_attn.v_proj.bias",
     tail=(),
+    requires=Feature.QKV_BIAS,
 )
 
 ARCHITECTURE = Architecture(

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
 from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Direct, Size
+from hf_mcore_bridge.convert.mapping_types import Direct, Feature, Size
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
 
@@ -24,12 +24,14 @@ QK_NORMS = (
         f"{HF_LAYER}.self_attn.q_norm.weight",
         Parallel.REPLICATED,
         (Size.HEAD_DIM,),
+        requires=Feature.QK_NORM,
     ),
     Direct(
         f"{MC_LAYER}.self_attention.k_layernorm.weight",
         f"{HF_LAYER}.self_attn.k_norm.weight",
         Parallel.REPLICATED,
         (Size.HEAD_DIM,),
+        requires=Feature.QK_NORM,
     ),
 )
 

@@ -1,16 +1,18 @@
 """Speed and peak memory of converting a mixture-of-experts checkpoint to TP2 EP4 and back.
 
 A random checkpoint is written with `scripts/random_checkpoint.py`: by default bf16 of Qwen3-30B-A3B's layer shape
-(hidden 2048, 128 experts of width 768, top-8; 8 layers, about 10 GB); `--shape deepseek-v3` takes DeepSeek-V3's
-(multi-latent attention, hidden 7168, 32 experts of width 2048, a dense first layer; vocabulary 129280), and `--fp8`
-writes its linear layers as DeepSeek's 128 x 128 FP8 blocks (dequantized to bf16 on import, exported with
-`--fp8-blockwise`). Then, side by side in one run: `cp -r` of it, `bridge convert --to mcore --tp 2 --ep 4` and
-`bridge convert --to hf` back, each a child process timed with its peak RSS (`/usr/bin/time -v`); the export is
-checked bit-identical to the source (FP8 weights: their dequantized values, `check_same_values`). Experts are
-streamed one (layer, expert) at a time, so peak memory should not depend on the number of experts or layers
-(goal: <= 2 GB; compare two `--layers`).
+(hidden 2048, 128 experts of width 768, top-8; 8 layers, about 10 GB); `--shape glm4.5-air` takes GLM-4.5-Air's
+(hidden 4096, a dense first layer, then 128 experts of width 1408 and a shared expert, float32 router biases beside
+bf16 weights; `--layers 2`: about 7 GB), `--shape deepseek-v3` DeepSeek-V3's (multi-latent attention, hidden 7168,
+32 experts of width 2048, a dense first layer; vocabulary 129280), and `--fp8` writes the linear layers as
+DeepSeek's 128 x 128 FP8 blocks (dequantized to bf16 on import, exported with `--fp8-blockwise`). Then, side by
+side in one run: `cp -r` of it, `bridge convert --to mcore --tp 2 --ep 4` and `bridge convert --to hf` back, each
+a child process timed with its peak RSS (`/usr/bin/time -v`); the export is checked bit-identical to the source
+(FP8 weights: their dequantized values, `check_same_values`). Experts are streamed one (layer, expert) at a time,
+so peak memory should not depend on the number of experts or layers (goal: <= 2 GB; compare two `--layers`).
 
     python scripts/bench_moe_convert.py --out bench_moe.json
+    python scripts/bench_moe_convert.py --shape glm4.5-air --layers 2 --out bench_moe_glm.json
     python scripts/bench_moe_convert.py --shape deepseek-v3 --fp8 --layers 2 --out bench_ds2.json
 """
 
@@ -48,7 +50,7 @@ def check_same_values(source: Path, exported: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=("qwen3-moe", "deepseek-v3"), default="qwen3-moe")
+    parser.add_argument("--shape", choices=("qwen3-moe", "glm4.5-air", "deepseek-v3"), default="qwen3-moe")
     parser.add_argument("--fp8", action="store_true", help="Source in FP8 blocks, exported with --fp8-blockwise.")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--workdir", type=Path)

@@ -5,7 +5,10 @@ side by side in one process, `tensor_checksums` over all of them (what every ref
 and a copy of the same bytes (the floor of reading them once and writing them once); medians of `--iters` runs
 with min-max, timed with CUDA events, and the bandwidth bound of one read (bytes / 4.3 TB/s on an H200).
 
-    python scripts/bench_refit_check.py                 # in the project's environment, on a GPU
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
+    python scripts/bench_refit_check.py                 # on a GPU
     python scripts/bench_refit_check.py --tiny          # CPU smoke run
 """
 

@@ -1,9 +1,13 @@
 """Random HF checkpoints of real model shapes, written shard by shard without building a transformers model.
 
-Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB), Qwen3-MoE-shaped or
+Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB), Qwen3-MoE-, GLM-4.5-Air- or
 DeepSeek-V3-shaped checkpoint is generated in seconds (on a GPU when there is one) and streamed to disk with bounded
 memory, optionally with DeepSeek's FP8 blocks (`--fp8`). Tensor names and shapes come from the project's own
-mapping tables (every HF tensor the converter expects, each with the shape its entry states in model dimensions).
+mapping tables (every HF tensor the converter expects, its shape in model dimensions resolved from the config);
+tensors the table keeps in float32 (a router's expert bias) are float32.
+
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
 
     python scripts/random_checkpoint.py llama3-8b OUT_DIR
     python scripts/random_checkpoint.py deepseek-v3 OUT_DIR --fp8
@@ -23,6 +27,7 @@ from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
+from hf_mcore_bridge.convert.mapping_types import keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.mappings import get_architecture
 
@@ -71,6 +76,51 @@ SHAPES: dict[str, dict[str, Any]] = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+    },
+    "qwen3-8b": {  # Qwen/Qwen3-8B's config.json
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    "glm4.5-air": {  # GLM-4.5-Air's layer shape (layer 0 dense, then 128 experts of width 1408, top-8), 4 layers
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "vocab_size": 151552,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
     },
     "qwen3-moe": {  # Qwen3-30B-A3B's layer shape, 8 layers
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -138,6 +188,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False,
     },
 }
+SHAPES["qwen3-30b-a3b"] = {**SHAPES["qwen3-moe"], "num_hidden_layers": 48}  # Qwen/Qwen3-30B-A3B's config.json
 
 TINY_SHAPE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -156,13 +207,14 @@ TINY_SHAPE: dict[str, Any] = {
 """A tiny Llama-like shape for the benchmarks' `--tiny` smoke runs: GQA, an odd vocabulary that Megatron pads."""
 
 
-def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every HF tensor (in table order) of a model with this config, with the shape its table entry states."""
+def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Every HF tensor (in table order) of a model with this config: its shape (the table's, in model dimensions,
+    resolved from the config) and whether it is kept in float32 whatever the checkpoint's dtype."""
     arch = get_architecture(config["architectures"][0])
     model: ModelConfig = config_bridge.from_hf(config, arch)
     sizes = hf_sizes(model, config)
     return [
-        (name, concrete(shape, sizes))
+        (name, concrete(shape, sizes), keeps_float32(placed.template))
         for placed in placed_entries(arch, model)
         for name, shape in placed.entry.hf_expected().items()
     ]
@@ -184,8 +236,12 @@ def write_random_checkpoint(
     blocks = Fp8Export(p.entry for p in placed_entries(arch, config_bridge.from_hf(config, arch))) if fp8 else None
     plan = [
         spec
-        for name, shape in hf_tensor_shapes(config)
-        for spec in (blocks.specs(name, shape, dtype) if blocks else [(name, shape, dtype)])
+        for name, shape, fp32 in hf_tensor_shapes(config)
+        for spec in (
+            blocks.specs(name, shape, dtype)
+            if blocks and not fp32
+            else [(name, shape, torch.float32 if fp32 else dtype)]
+        )
     ]
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
@@ -203,14 +259,14 @@ def write_random_checkpoint(
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         writer = SafetensorsStreamWriter(directory / file, shard)
-        for name, shape, _ in shard:
+        for name, shape, tensor_dtype in shard:
             value = pending.pop(name, None)
             if value is None:
                 value = torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * 0.02
                 if name.endswith("norm.weight") or "layernorm" in name:
                     value = value + 1.0
                 parts = blocks.tensors(name, value) if blocks else [(name, value)]
-                value = parts[0][1].to(dtype) if len(parts) == 1 else parts[0][1]
+                value = parts[0][1].to(tensor_dtype) if len(parts) == 1 else parts[0][1]
                 pending.update(parts[1:])
             writer.write(name, value.cpu())
             weight_map[name] = file

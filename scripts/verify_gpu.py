@@ -5,6 +5,9 @@ Generates a random bf16 checkpoint of a real shape (scripts/random_checkpoint.py
 (NCCL, one process per GPU) and compares logits with HF transformers on the GPU. Prints one line per layout and
 writes the results as JSON.
 
+In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its own torch
+`TORCH_SPEC= EXTRAS= bash scripts/setup.sh`, offline with `WHEELS=DIR`; then `. .venv/bin/activate`):
+
     python scripts/verify_gpu.py llama3-8b --write-tp 8 --layouts tp2 pp2 --dtypes bf16 fp32 --out results.json
 """
 

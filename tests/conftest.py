@@ -95,6 +95,9 @@ MOE_VARIANTS = {
     # multi-latent attention, YaRN, sigmoid router with expert bias and 4 groups of 4 experts, a dense layer 0
     "deepseek_v3": ("DeepseekV3ForCausalLM", {}),
     "moonlight": ("DeepseekV3ForCausalLM", MOONLIGHT_LIKE),
+    # sigmoid router with score bias, 2 of 4 groups, scaling 2.5; ungated shared expert; layer 0 dense; partial
+    # rotary (half of each head); q/k norms and q/k/v biases
+    "glm4_moe": ("Glm4MoeForCausalLM", {}),
 }
 
 

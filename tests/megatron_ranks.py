@@ -41,12 +41,24 @@ def resave_rank(source: str, destination: str, layout: Layout) -> None:
 
 def random_save_rank(model_cfg: ModelConfig, layout: Layout, destination: str, tokens: torch.Tensor, out: str):
     """A randomly initialised megatron-core GPTModel: saved by megatron-core, and its logits on `tokens`."""
+    random_save_ranks([(model_cfg, destination, out)], layout, tokens)
+
+
+def random_save_ranks(jobs: list[tuple[ModelConfig, str, str]], layout: Layout, tokens: torch.Tensor) -> None:
+    """`random_save_rank` for several (model, destination, logits file) in one world."""
+    for model_cfg, destination, out in jobs:
+        _random_save(model_cfg, layout, destination, tokens, out)
+
+
+def _random_save(model_cfg: ModelConfig, layout: Layout, destination: str, tokens: torch.Tensor, out: str) -> None:
     torch.manual_seed(1234)
     model = build_gpt_model(model_cfg, layout, torch.float32, padded_vocab(model_cfg, layout), device=device())
-    with torch.no_grad():  # norms start at 1: make them differ so that a misplaced norm shows in the logits
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.copy_(1 + 0.1 * torch.sin(torch.arange(param.numel()) + len(name)).to(param))
+    saved = set(model.state_dict())
+    with torch.no_grad():  # norms start at 1 and the router's expert bias at 0: make them differ so that a misplaced
+        # one shows in the logits
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if tensor.dim() == 1 and name in saved:
+                tensor.copy_(1 + 0.1 * torch.sin(torch.arange(tensor.numel()) + len(name)).to(tensor))
     model.eval()
     _save(model, Path(destination))
     logits = forward_stage(model, model_cfg, tokens, torch.float32)
@@ -60,6 +72,16 @@ def not_nan(value: float) -> bool:
 
 def legacy_load_rank(root: str, layout: Layout, tokens: torch.Tensor, out: str) -> None:
     """Load this rank's legacy file into megatron-core modules with strict=True; logits when not interleaved."""
+    legacy_load_ranks([(root, out)], layout, tokens)
+
+
+def legacy_load_ranks(jobs: list[tuple[str, str]], layout: Layout, tokens: torch.Tensor) -> None:
+    """`legacy_load_rank` for several (checkpoint root, logits file) in one world."""
+    for root, out in jobs:
+        _legacy_load(root, layout, tokens, out)
+
+
+def _legacy_load(root: str, layout: Layout, tokens: torch.Tensor, out: str) -> None:
     from megatron.core import parallel_state
 
     from hf_mcore_bridge.convert.legacy_format import FILE_NAME, rank_dirname

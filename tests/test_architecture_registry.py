@@ -83,8 +83,24 @@ def test_an_unknown_architecture_is_refused_with_the_supported_list() -> None:
         ({"moe": True, "shared_expert": False, "qk_norm": True, "qkv_bias": False}, "Qwen3MoeForCausalLM"),
         ({"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": True}, "Qwen2MoeForCausalLM"),
         (
-            {"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": False, "mla": True},
+            {
+                "moe": True,
+                "shared_expert": True,
+                "qk_norm": False,
+                "qkv_bias": False,
+                "mla": True,
+                "score_function": "sigmoid",
+            },
             "DeepseekV3ForCausalLM",
+        ),
+        # GLM-4.5 switches its q/k norms and biases per config: either value finds it
+        (
+            {"moe": True, "shared_expert": True, "qk_norm": True, "qkv_bias": True, "score_function": "sigmoid"},
+            "Glm4MoeForCausalLM",
+        ),
+        (
+            {"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": False, "score_function": "sigmoid"},
+            "Glm4MoeForCausalLM",
         ),
     ],
 )

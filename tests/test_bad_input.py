@@ -121,18 +121,18 @@ def test_non_empty_destination_needs_overwrite(llama, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(llama, tmp_path, monkeypatch):
-    from hf_mcore_bridge.convert import to_mcore
+    from hf_mcore_bridge.checkpoint import parallel_write
 
     calls = {"n": 0}
-    original = to_mcore.Producer.chunk
+    original = parallel_write.write_pieces
 
-    def interrupt_midway(self, placed, box):
+    def interrupt_midway(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 20:
             raise KeyboardInterrupt
-        return original(self, placed, box)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(to_mcore.Producer, "chunk", interrupt_midway)
+    monkeypatch.setattr(parallel_write, "write_pieces", interrupt_midway)
     with pytest.raises(KeyboardInterrupt):
         convert_hf_to_mcore(llama, tmp_path / "out", layout=Layout(tp=2), show_progress=False)
     assert list(tmp_path.iterdir()) == [llama]  # no destination, no staging directory

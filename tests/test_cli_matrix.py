@@ -128,6 +128,12 @@ CONVERT_TO_HF: list[Case] = [
     ("not-a-checkpoint", [*TO_HF, "{W}/empty", "{W}/out"], 2, r"not a Megatron checkpoint"),
     ("tokenizer-nowhere", [*TO_HF, "--tokenizer", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--tokenizer: no such"),
     ("tokenizer-is-a-file", [*TO_HF, "--tokenizer", "{W}/file.txt", "{W}/mcore", "{W}/out"], 2, r"not a directory"),
+    (
+        "tokenizer-without-tokenizer-files",
+        [*TO_HF, "--tokenizer", "{W}/empty", "{W}/mcore", "{W}/out"],
+        2,
+        r"--tokenizer: {W}/empty holds no tokenizer files \(none of tokenizer\.json, tokenizer\.model",
+    ),
     ("hf-config-nowhere", [*TO_HF, "--hf-config", "{W}/nowhere", "{W}/mcore", "{W}/out"], 2, r"--hf-config: no such"),
     (
         "hf-config-malformed",
@@ -184,7 +190,16 @@ EXPORT: list[Case] = [
     ("no-checkpoints", ["export", "{W}/empty", "{W}/out"], 2, r"holds no checkpoints"),
 ]
 
+DEMO: list[Case] = [
+    ("tp-0", ["demo", "{W}/demo", "--tp", "0"], 2, r"--tp=0 must be at least 1"),
+    ("tp-3", ["demo", "{W}/demo", "--tp", "3"], 2, r"num_attention_heads=8 is not divisible by tp=3"),
+    ("pp-3", ["demo", "{W}/demo", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),
+    ("destination-is-a-file", ["demo", "{W}/file.txt"], 2, r"exists and is not a directory"),
+    ("destination-not-ours", ["demo", "{W}/llama", "--overwrite"], 2, r"not written by hf-mcore-bridge"),
+]
+
 GRPO = ["train", "grpo", "--config"]
+DTENSOR = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
 TRAIN_GRPO: list[Case] = [
     ("config-missing", [*GRPO, "{W}/nowhere.yaml"], 2, r"--config: no such file: {W}/nowhere\.yaml$"),
     ("config-is-a-directory", [*GRPO, "{W}/empty"], 2, r"--config: .*empty is not a file"),
@@ -259,6 +274,20 @@ TRAIN_GRPO: list[Case] = [
     ),
     # the tiny HF model has no tokenizer.json: found before the model is converted (no run directory appears)
     ("tokenizer-not-found", [*GRPO, "{W}/run.yaml"], 2, r"no tokenizer\.json found .*; set policy\.tokenizer"),
+    # nor in a Megatron checkpoint's HF assets: found before the DTensor backend exports it to HF, or a log
+    # directory is made for the megatron-core backend
+    (
+        "tokenizer-not-in-checkpoint-assets",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/mcore"],
+        2,
+        r"no tokenizer\.json found \(looked at \['{W}/mcore/hf_assets'\]\)",
+    ),
+    (
+        "dtensor-tokenizer-not-in-checkpoint-assets",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/mcore", *DTENSOR],
+        2,
+        r"no tokenizer\.json found \(looked at \['{W}/mcore/hf_assets'\]\)",
+    ),
 ]
 
 
@@ -276,6 +305,7 @@ MATRIX = {
     "verify": VERIFY,
     "inspect": INSPECT,
     "export": EXPORT,
+    "demo": DEMO,
     "train-grpo": _expand(TRAIN_GRPO),
 }
 
@@ -290,6 +320,26 @@ MATRIX = {
 )
 def test_bad_input_is_one_line_and_changes_nothing(workspace, argv, code, message):
     assert_refused(workspace, argv, code, message)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--ep", "2"], r"legacy MoE checkpoints are written for the local spec \(--spec local\)"),
+        (["--tp", "2", "--etp", "1", "--spec", "local"], r"expert tensor parallelism equal to tp; use torch_dist"),
+    ],
+    ids=["te-spec", "etp-not-tp"],
+)
+def test_legacy_format_of_a_moe_model_is_refused_before_anything_is_written(tiny_moe_models, tmp_path, extra, message):
+    """What the legacy format cannot hold is one line before the output's staging directory (or a progress bar)
+    exists, not an error from inside the writer."""
+    source = tiny_moe_models["qwen3_moe"]
+    before = snapshot(source.parent, tmp_path)
+    argv = ["convert", "--to", "mcore", "--format", "torch", *extra, str(source), str(tmp_path / "out")]
+    result = runner.invoke(app, argv)  # with the progress bar on: it must not have started
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and re.search(message, lines[0]), result.output
+    assert_unchanged(before, source.parent, tmp_path)
 
 
 # --- read-only destination --------------------------------------------------------------------------------------
@@ -389,6 +439,20 @@ def test_short_help_with_an_example(command):
     assert short.exit_code == 0 and short.output == long.output
     examples = short.output.split("Examples:")[1]
     assert f"bridge {' '.join(command)} " in examples, short.output
+
+
+def test_tokenizer_option_puts_its_files_in_the_export(workspace, tmp_path):
+    """The accepted neighbour of `tokenizer-without-tokenizer-files`: a directory with tokenizer files is copied."""
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tokenizer / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    result = runner.invoke(
+        app, [*TO_HF, "--tokenizer", str(tokenizer), str(workspace / "mcore"), str(tmp_path / "out")]
+    )
+    assert result.exit_code == 0, result.output
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tokenizer / name).read_bytes()
 
 
 # --- the snapshot helper itself ------------------------------------------------------------------------------------

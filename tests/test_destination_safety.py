@@ -2,8 +2,8 @@
 
 Each refusal is checked three ways: exit status 2, one line naming the problem, and the whole test directory
 (sources, destination and everything beside them) byte-for-byte as before, by a snapshot of paths and sha256 taken
-here. Signals are real: a child process converts with a patched producer that pauses mid-write, and is sent SIGTERM,
-SIGINT or SIGKILL.
+here. Signals are real: a child process converts with its writes paused mid-way, and is sent SIGTERM, SIGINT or
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -147,6 +147,53 @@ def test_destination_overlapping_a_source_is_refused_even_with_overwrite(case, w
     assert snapshot(case.work) == before
 
 
+def test_destination_holding_what_the_source_links_to_is_refused(case):
+    """A source whose files are symlinks into another directory (an HF hub cache's snapshot and its `blobs/`):
+    that directory is what the source reads, so it may not be the destination, whatever the flags."""
+    blobs = case.work / "blobs"
+    blobs.mkdir()
+    for index, file in enumerate(sorted(p for p in case.source.rglob("*") if p.is_file())):
+        file.rename(blobs / f"{index:04d}")
+        file.symlink_to(blobs / f"{index:04d}")
+    before = snapshot(case.work)
+    result = invoke(case, case.source, blobs, "--overwrite", "--overwrite-foreign")
+    assert_refused(result, f"destination {blobs} contains {blobs}/", ", which the source links to (")
+    assert snapshot(case.work) == before
+    assert invoke(case, case.source, case.work / "out").exit_code == 0  # the linked source itself is fine
+
+
+@pytest.fixture
+def mount_point(tmp_path) -> Path:
+    """An empty tmpfs mounted at `tmp_path/mnt` (skipped where mounting is not permitted)."""
+    target = tmp_path / "mnt"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(target)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip() or mounted.returncode}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_mount_point_as_destination_is_refused_before_any_work(case, mount_point, monkeypatch):
+    """The output is renamed into place, which a mount point cannot take: refused up front, not after the work."""
+    from hf_mcore_bridge.convert import to_mcore
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a tensor was produced")
+
+    monkeypatch.setattr(to_mcore.Producer, "chunk", no_work)
+    monkeypatch.setattr(to_mcore.Producer, "full", no_work)
+    before = snapshot(case.work)
+    result = invoke(case, case.source, mount_point, "--overwrite-foreign")
+    assert_refused(result, f"destination {mount_point} is a mount point", f"{mount_point / 'model'}")
+    assert snapshot(case.work) == before and list(mount_point.iterdir()) == []
+    monkeypatch.undo()
+    result = invoke(case, case.source, mount_point / "model")
+    assert result.exit_code == 0 and (mount_point / "model" / MARKER).exists(), result.output
+
+
 # --- requirement 1: --overwrite replaces only what this tool wrote ---
 
 
@@ -269,12 +316,14 @@ CHILD = """
 import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in an interactive shell, even if started ignoring it
-from hf_mcore_bridge.convert import to_mcore
+from hf_mcore_bridge.checkpoint import byte_copy
 flag, source, destination = sys.argv[1:]
-def paused(self, placed, box):
+def paused(self):  # every write into the output waits here, as if the disk never answered, until stopped
     Path(flag).touch()  # the staging directory exists and is being written
-    time.sleep(120)
-to_mcore.Producer.chunk = paused
+    while not self.stop.is_set():
+        time.sleep(0.05)
+    raise byte_copy.Stopped
+byte_copy._Output.check = paused
 from hf_mcore_bridge.cli.main import app
 sys.argv = ["bridge", "convert", "--to", "mcore", "--no-progress", source, destination]
 app()
@@ -456,6 +505,35 @@ def test_model_card_names_the_exported_step(run_dir, tmp_path, step, expected):
     assert f"exported from step {expected}." in card
     rows = [line for line in card.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(row.split("|")[1]) for row in rows] == list(range(1, expected + 1))
+
+
+def test_model_card_shows_this_runs_logs_only(converted, tmp_path):
+    """Logs are looked for in the run directory, or beside the checkpoint directory when that is what was given;
+    never in other runs: a run without logs gets a card without a reward curve, not another run's."""
+    runs = tmp_path / "runs"
+    other = make_run(converted, runs / "b")
+    (other / "logs" / "grpo_config.yaml").write_text("policy: {model_path: the-other-run}\n")
+    bare = runs / "a"
+    shutil.copytree(other / "checkpoints", bare / "checkpoints")  # checkpoints only, no logs
+    for given, out in ((bare, "card_a"), (bare / "checkpoints", "card_a_ckpt")):
+        result = run_export(given, tmp_path / out)
+        assert result.exit_code == 0, result.output
+        card = (tmp_path / out / "README.md").read_text()
+        assert "## Reward" not in card and "the-other-run" not in card, card
+        assert not (tmp_path / out / "metrics.jsonl").exists()
+    result = run_export(other / "checkpoints", tmp_path / "card_b")  # its own logs, beside its checkpoints
+    assert result.exit_code == 0, result.output
+    card = (tmp_path / "card_b" / "README.md").read_text()
+    assert "## Reward" in card and "the-other-run" in card
+    # what the export reads beside the checkpoint directory is a source: the destination may not replace it
+    before = snapshot(tmp_path)
+    refused = run_export(other / "checkpoints", other / "logs", "--overwrite-foreign")
+    assert_refused(refused, f"destination {other / 'logs'} is the source {other / 'logs'}")
+    assert snapshot(tmp_path) == before
+
+
+def run_export(*args: object):
+    return run("export", *args)
 
 
 def test_export_writes_generation_config(run_dir, tmp_path):

@@ -314,18 +314,18 @@ def test_megatron_mixed_and_integer_dtypes(legacy, tmp_path):
 
 
 def test_interrupted_export_exits_130_and_leaves_nothing(dcp, tmp_path, monkeypatch):
-    from hf_mcore_bridge.checkpoint.mcore_source import DCPSource
+    from hf_mcore_bridge.checkpoint import parallel_write
 
     calls = {"n": 0}
-    original = DCPSource.read
+    original = parallel_write.write_pieces
 
-    def interrupt_midway(self, key, leading):
+    def interrupt_midway(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 10:
             raise KeyboardInterrupt
-        return original(self, key, leading)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(DCPSource, "read", interrupt_midway)
+    monkeypatch.setattr(parallel_write, "write_pieces", interrupt_midway)
     assert_refused(_to_hf(dcp, tmp_path / "out"), tmp_path, dcp, snapshot(dcp), "interrupted", status=130)
 
 
@@ -360,8 +360,8 @@ def test_full_disk_to_mcore(fmt, llama, small_disk):
     before = snapshot(llama)
     result = _to_mcore(llama, small_disk / "out", "--format", fmt)
     line = assert_refused(result, small_disk, llama, before, f"no space left on {small_disk} (tmpfs) while writing")
-    written = "__0_0.distcp" if fmt == "torch_dist" else "mp_rank_00/model_optim_rng.pt"
-    assert f"{small_disk / 'out' / 'release' / written}" in line
+    written = ("__0_0.distcp", "__0_1.distcp") if fmt == "torch_dist" else ("mp_rank_00/model_optim_rng.pt",)
+    assert any(f"{small_disk / 'out' / 'release' / name}" in line for name in written), line  # the data files
     assert os.listdir(small_disk) == []
 
 
@@ -370,6 +370,42 @@ def test_full_disk_to_hf(dcp, small_disk):
     result = _to_hf(dcp, small_disk / "out")
     line = assert_refused(result, small_disk, dcp, before, f"no space left on {small_disk} (tmpfs) while writing")
     assert f"{small_disk / 'out' / 'model.safetensors'}" in line or "model-0000" in line, line
+    assert os.listdir(small_disk) == []
+
+
+def test_full_disk_while_copying_is_a_write_error_naming_the_target(llama, small_disk):
+    """`shutil.copy2` names its source first when the write fails: still a write error, naming what was written."""
+    from hf_mcore_bridge.checkpoint.write_errors import WriteError, device_of, reported_write_errors
+
+    staging = small_disk / ".out.partial-0123abcd"
+    staging.mkdir()
+    with pytest.raises(WriteError) as caught, reported_write_errors(staging, small_disk / "out"):
+        shutil.copy2(llama / "model.safetensors", staging / "model.safetensors")  # 1.1 MB onto 512 KiB
+    expected = f"no space left on {device_of(staging)} while writing {small_disk / 'out' / 'model.safetensors'}"
+    assert str(caught.value) == expected
+
+
+def test_full_disk_export_of_a_dtensor_run(llama, small_disk, tmp_path):
+    """A DTensor run's checkpoint holds its policy as an HF directory, which export copies: a full disk there is
+    one line and exit 2, not an internal error."""
+    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(llama, checkpoints / "iter_0000001" / HF_DIR)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("1")
+    before = snapshot(tmp_path / "run")
+    result = run("export", tmp_path / "run", small_disk / "out")
+    line = assert_refused(result, small_disk, tmp_path / "run", before, f"no space left on {small_disk} (tmpfs)")
+    assert line.endswith(f"while writing {small_disk / 'out' / 'model.safetensors'}"), line
+    assert os.listdir(small_disk) == []
+
+
+def test_full_disk_demo(small_disk):
+    """The demo's first write (the tiny model's `save_pretrained`, whose serializer reports `(os error 28)`)."""
+    result = run("demo", small_disk / "demo", "--tp", "1", "--pp", "1")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: no space left on {small_disk} (tmpfs) while writing")
     assert os.listdir(small_disk) == []
 
 

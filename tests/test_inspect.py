@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -39,6 +40,44 @@ def test_inspect_megatron_checkpoint(tiny_models, tmp_path):
     assert table.exit_code == 0 and "linear_qkv" in table.output and "tp=2 pp=2" in table.output
 
 
+def test_inspect_megatron_bridge_layout(tiny_models, tmp_path):
+    """No `args` in its common state: the layout comes from `run_config.yaml`, the architecture from the HF
+    assets, and the tensors are those of the same model in the Megatron-LM layout (read by the same DCP reader)."""
+    for name, directory_layout in (("bridge", "megatron-bridge"), ("lm", "megatron-lm")):
+        convert_hf_to_mcore(
+            tiny_models["qwen3"],
+            tmp_path / name,
+            layout=Layout(tp=2),
+            directory_layout=directory_layout,
+            show_progress=False,
+        )
+    bridge = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "bridge"), "--json"]).output)
+    lm = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "lm"), "--json"]).output)
+    assert bridge["format"] == "megatron-core torch_dist, Megatron-Bridge layout (iteration 0)"
+    assert bridge["architecture"] == "Qwen3ForCausalLM" and bridge["layout"]["tp"] == 2
+    assert not any("records no args" in note for note in bridge["notes"])
+    assert bridge["tensors"] == lm["tensors"] and bridge["parameters"] == lm["parameters"]
+
+
+def test_inspect_dtensor_checkpoint(tiny_models, tmp_path):
+    """A DTensor GRPO checkpoint (laid out as `grpo.dtensor_checkpoint` writes it) is read through its HF copy,
+    given as the checkpoint root or as the iteration directory."""
+    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(tiny_models["qwen2"], root / "iter_0000004" / HF_DIR)
+    (root / "iter_0000004" / "trainer_state.json").write_text("{}")
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    tensors = load_file(tiny_models["qwen2"] / "model.safetensors")
+    for given in (root, root / "iter_0000004"):
+        result = runner.invoke(app, ["inspect", str(given), "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["format"] == "DTensor GRPO checkpoint (step 4); the tensors of its HF copy, hf/"
+        assert report["path"] == str(root / "iter_0000004") and report["architecture"] == "Qwen2ForCausalLM"
+        assert {row["name"] for row in report["tensors"]} == set(tensors)
+
+
 def test_inspect_not_a_checkpoint(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ")
@@ -64,8 +103,9 @@ def _hf_reference(hf_dir, tp: int) -> tuple[int, str]:
         ("llama_tied", Layout(pp=4)),
         ("qwen3", Layout(tp=2)),
         ("mixtral", Layout(tp=2, ep=2)),
+        ("glm4_moe", Layout(tp=2, pp=2, ep=2)),
     ],
-    ids=["llama-tp2-pp2-vpp2", "tied-pp4", "qwen3-tp2", "mixtral-tp2-ep2"],
+    ids=["llama-tp2-pp2-vpp2", "tied-pp4", "qwen3-tp2", "mixtral-tp2-ep2", "glm4_moe-tp2-pp2-ep2"],
 )
 def test_inspect_reads_the_legacy_torch_format(variant, layout, tiny_models, tiny_moe_models, tmp_path):
     hf_dir = {**tiny_models, **tiny_moe_models}[variant]

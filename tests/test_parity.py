@@ -1,8 +1,9 @@
 """Logit parity through real megatron-core: every architecture at TP1PP1, TP2PP1, TP1PP2, TP2PP2, CP2, TP2CP2.
 
 One gloo world per layout verifies all tiny models (GQA, odd vocabulary padded for TP, tied embeddings with PP>1,
-Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling; DeepSeek-V3's multi-latent attention at TP2 and PP2). Also:
-checkpoints written by megatron-core itself.
+Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling), and MoE models without expert parallelism in some worlds:
+GLM-4.5 at TP2 and PP2, DeepSeek-V3's multi-latent attention at TP2, PP2 and CP2 (their EP layouts are in
+`test_moe`). Also: checkpoints written by megatron-core itself.
 """
 
 from __future__ import annotations
@@ -33,18 +34,16 @@ LAYOUTS = {
 }
 
 
-MLA_LAYOUTS = ("tp2pp1", "tp1pp2", "tp1cp2")
-"""Layouts whose world also verifies the tiny DeepSeek-V3 (multi-latent attention: keys and values of different
-widths under CP; `test_moe` has it at EP2, TP2 x EP2 and PP2 x EP2)."""
+MOE_HERE = {"tp2pp1": ("glm4_moe", "deepseek_v3"), "tp1pp2": ("glm4_moe", "deepseek_v3"), "tp1cp2": ("deepseek_v3",)}
+"""Mixture-of-experts models verified in these worlds too (layouts without expert parallelism; DeepSeek-V3's
+multi-latent attention has keys and values of different widths under CP)."""
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_logit_parity_through_megatron_core(layout_name, tiny_models, tiny_moe_models, tmp_path):
     layout = LAYOUTS[layout_name]
     jobs = []
-    models = dict(tiny_models)
-    if layout_name in MLA_LAYOUTS:
-        models["deepseek_v3"] = tiny_moe_models["deepseek_v3"]
+    models = {**tiny_models, **{name: tiny_moe_models[name] for name in MOE_HERE.get(layout_name, ())}}
     for name, hf_dir in models.items():
         convert_hf_to_mcore(hf_dir, tmp_path / name, layout=layout, show_progress=False)
         jobs.append(VerifyJob(hf_dir, tmp_path / name))

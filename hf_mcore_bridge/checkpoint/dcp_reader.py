@@ -1,14 +1,17 @@
 """Reading torch.distributed.checkpoint (DCP) directories without a process group and without trusting pickles.
 
 The `.metadata` file is a pickle: it is read with an unpickler that resolves only DCP's own metadata classes,
-`torch.Size`, dtypes and `PosixPath`; anything else is refused. Data items are `torch.save` payloads, read with
-`torch.load(weights_only=True)`. A region of a global tensor is assembled from the chunks that overlap it, so a
-checkpoint written at any layout can be read at any granularity, one chunk at a time.
+`torch.Size`, dtypes and `PosixPath`; anything else is refused. `DCPCheckpoint` reads it into stand-ins for
+those classes (`dcp_metadata`), so that reading a checkpoint does not import torch.distributed.checkpoint (most of
+a second); `read_metadata` gives DCP's own classes, for handing to DCP's loader. Data items are `torch.save`
+payloads, read with `torch.load(weights_only=True)`. A region of a global tensor is assembled from the chunks
+that overlap it, so a checkpoint written at any layout can be read at any granularity, one chunk at a time.
 
 A tensor item is a `torch.save` zip archive (stored, not compressed) at an offset of a `.distcp` file. When its
 `data.pkl` describes one contiguous little-endian storage holding exactly the chunk (read with an unpickler that
 resolves nothing but the names a tensor's pickle uses), the chunk's bytes are read straight into the destination
 tensor (`readinto`), without the intermediate copies of `torch.load`; any other item goes through `torch.load`.
+`raw_chunks` gives where those bytes are, for copying them without reading them (`byte_copy`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
+
+from hf_mcore_bridge.checkpoint.dcp_metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
+    MetadataUnpickler,
     TensorStorageMetadata,
 )
-
 from hf_mcore_bridge.errors import CheckpointError
 
 _ALLOWED = {
@@ -76,19 +80,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata")
 
 
-def read_metadata(directory: Path) -> Metadata:
-    """The DCP metadata of a checkpoint directory, unpickled with an allow-list."""
+def read_metadata(directory: Path) -> Any:
+    """The DCP metadata of a checkpoint directory as DCP's own `Metadata`, unpickled with an allow-list."""
+    from torch.distributed.checkpoint.metadata import Metadata as DCPMetadata
+
+    return _read(directory, _MetadataUnpickler, DCPMetadata)
+
+
+def _read(directory: Path, unpickler: type[pickle.Unpickler], expected: type) -> Any:
     path = directory / ".metadata"
     if not path.exists():
         raise CheckpointError(f"{directory} is not a distributed checkpoint (no .metadata)")
     try:
         with path.open("rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+            metadata = unpickler(handle).load()
     except CheckpointError:
         raise
     except Exception as err:
         raise CheckpointError(f"{path} is unreadable: {err}") from None
-    if not isinstance(metadata, Metadata):
+    if not isinstance(metadata, expected):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata
 
@@ -108,7 +118,8 @@ class DCPCheckpoint:
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
-        self.metadata = read_metadata(self.directory)
+        self.metadata: Metadata = _read(self.directory, MetadataUnpickler, Metadata)
+        self._meta: dict[str, TensorMeta] = {}
         self._check_files()
 
     def _check_files(self) -> None:
@@ -132,11 +143,14 @@ class DCPCheckpoint:
         return [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
 
     def tensor_meta(self, key: str) -> TensorMeta:
-        entry = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"tensor {key} is missing from {self.directory}")
-        chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
-        return TensorMeta(key, tuple(entry.size), entry.properties.dtype, chunks)
+        meta = self._meta.get(key)
+        if meta is None:
+            entry = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"tensor {key} is missing from {self.directory}")
+            chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            meta = self._meta[key] = TensorMeta(key, tuple(entry.size), entry.properties.dtype, chunks)
+        return meta
 
     def location(self, key: str) -> Path:
         """The data file holding a tensor's first chunk (or the metadata file when it has none)."""
@@ -195,6 +209,24 @@ class DCPCheckpoint:
             raise CheckpointError(f"{index.fqn} in {info.relative_path} is not a tensor of shape {sizes}")
         return data
 
+    def raw_chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...], Path, int]] | None:
+        """Each chunk of a tensor as (offsets, sizes, data file, where its raw bytes start), when every chunk is
+        stored as plain row-major little-endian bytes; None otherwise."""
+        meta = self.tensor_meta(key)
+        found = []
+        for offsets, sizes in meta.chunks:
+            info = self.metadata.storage_data[MetadataIndex(key, offsets)]
+            path = self.directory / info.relative_path
+            try:
+                with path.open("rb") as handle:
+                    start = _plain_tensor_data(handle, info.offset, info.length, sizes, meta.dtype)
+            except OSError as err:
+                raise CheckpointError(f"reading {key} from {path} failed: {err.strerror or err}") from None
+            if start is None:
+                return None
+            found.append((offsets, sizes, path, info.offset + start))
+        return found
+
     def read_object(self, key: str) -> Any:
         """A non-tensor item (megatron ShardedObject payload)."""
         return self._load_item(MetadataIndex(key))
@@ -212,7 +244,7 @@ class DCPCheckpoint:
                 continue
             src = tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(overlap, chunk_offsets, strict=True))
             dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(overlap, offsets, strict=True))
-            index = MetadataIndex(key, torch.Size(chunk_offsets))
+            index = MetadataIndex(key, chunk_offsets)
             target = out[dst]
             if _volume(overlap) == _numel(chunk_sizes) and target.is_contiguous():
                 # the whole chunk lands in one contiguous block of `out` (chunks split on leading axes)

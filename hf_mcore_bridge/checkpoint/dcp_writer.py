@@ -1,28 +1,38 @@
 """Streaming writer of torch.distributed.checkpoint (DCP) directories, the storage under megatron-core's `torch_dist`.
 
-torch's own `FileSystemWriter` does the file format; a custom save planner supplies the plan (every chunk's key,
-global shape, offsets and dtype, known up front from the model config) and produces each chunk's data lazily,
-one at a time, when the writer asks for it, and freed once written. So a whole model is written from one process,
-without a process group, holding at most the tensor being produced. With one writer thread the chunks are written
-in plan order, which lets a producer reuse one fused tensor for its tensor-parallel chunks.
+A DCP directory is data files (`__0_0.distcp`, `__0_1.distcp`, ...) holding one item after another, plus a pickled
+`.metadata` naming, per key, the global shape and chunks and, per item, its file, offset and length. A tensor
+item is the archive `torch.save` writes for the chunk; a bytes item (megatron's ShardedObject) is the `torch.save`
+of its payload. This writer lays out the same files as DCP's `FileSystemWriter` (checked against it and against
+megatron-core's loader in the tests) without running DCP, whose import alone costs most of a second:
+
+- every item's size is known before anything is written (the archive around a tensor is `torch_archive`'s), so
+  the items are split into one queue per data file and the files are written in parallel (`parallel_write`);
+- a chunk whose bytes exist unchanged in an input file is given as byte pieces (`byte_copy`) and copied in the
+  kernel, framed by the archive's head and tail; any other chunk is produced as a tensor when its turn comes,
+  so memory holds at most one tensor per writer thread;
+- a chunk the archive cannot frame (4 GiB or more, or an unusual dtype) is appended afterwards with `torch.save`.
+
+Items are written in plan order within each file, bytes items first, as DCP writes them.
 """
 
 from __future__ import annotations
 
 import io
-import warnings
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint import save as dcp_save
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, length_of
+from hf_mcore_bridge.checkpoint.dcp_metadata import StoredItem, StoredTensor, metadata_pickle
+from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
+from hf_mcore_bridge.checkpoint.torch_archive import TensorArchive, supported
+
+DATA_FILES = 2
+"""Data files (and writer threads) of a checkpoint: two cores on the smallest machines we run on."""
 
 
 @dataclass(frozen=True)
@@ -33,9 +43,24 @@ class TensorChunk:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
+    dtype: Any
+    """A `torch.dtype`."""
+    produce: Callable[[], Any]
     """Returns the chunk's data: a CPU tensor of shape `sizes` and dtype `dtype`."""
+    pieces: tuple[Piece, ...] | None = None
+    """The chunk's bytes (row-major, little-endian) as pieces of input files, when they are stored unchanged there;
+    then `produce` is not called."""
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        count = self.dtype.itemsize
+        for size in self.sizes:
+            count *= size
+        return count
 
 
 @dataclass(frozen=True)
@@ -46,78 +71,75 @@ class ObjectItem:
     payload: object
 
 
-class _StreamingPlanner(SavePlanner):
-    """A save planner whose plan is given and whose data is produced lazily per write item."""
-
-    def __init__(self, chunks: Sequence[TensorChunk], objects: Sequence[ObjectItem], on_write: Callable[[], None]):
-        self._items: list[WriteItem] = []
-        self._written: torch.Tensor | None = None
-        """The last tensor handed to the writer."""
-        self._producers: dict[tuple[str, tuple[int, ...]], Callable[[], torch.Tensor | io.BytesIO]] = {}
-        self._on_write = on_write
-        for obj in objects:
-            self._items.append(WriteItem(index=MetadataIndex(obj.key), type=WriteItemType.BYTE_IO))
-            self._producers[(obj.key, ())] = _bytes_of(obj.payload)
-        for chunk in chunks:
-            offsets = torch.Size(chunk.offsets)
-            self._items.append(
-                WriteItem(
-                    index=MetadataIndex(chunk.key, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.sizes)),
-                        properties=TensorProperties(dtype=chunk.dtype),
-                        size=torch.Size(chunk.global_shape),
-                    ),
-                )
-            )
-            self._producers[(chunk.key, tuple(chunk.offsets))] = _checked(chunk)
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = True) -> None:  # type: ignore[override]
-        del state_dict, storage_meta, is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        return SavePlan(self._items)
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        return create_default_global_save_plan(all_plans)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        offsets = tuple(write_item.index.offset) if write_item.index.offset is not None else ()
-        data = self._producers.pop((write_item.index.fqn, offsets))()
-        if isinstance(data, torch.Tensor):
-            # torch's writer keeps every tensor it wrote to a file, by key, until the file is closed (for its
-            # safetensors format): one chunk per key, so memory would grow with the keys of a heterogeneous stack.
-            # Its serial loader asks for the next tensor only after writing the last: that one's storage is freed.
-            # (Tensors read straight from safetensors files are memory-mapped, not resizable, and cost page cache.)
-            if self._written is not None and self._written.untyped_storage().resizable():
-                self._written.untyped_storage().resize_(0)
-            self._written = data
-        self._on_write()
-        return data
+@dataclass
+class _Placed:
+    key: str
+    offsets: tuple[int, ...] | None
+    file: int
+    offset: int
+    length: int
 
 
-def _bytes_of(payload: object) -> Callable[[], io.BytesIO]:
-    def produce() -> io.BytesIO:
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        return buffer
+def write_dcp(
+    directory: Path,
+    chunks: Sequence[TensorChunk],
+    objects: Sequence[ObjectItem] = (),
+    on_write: Callable[[], None] = lambda: None,
+    files: int = DATA_FILES,
+) -> None:
+    """Write a DCP checkpoint of `chunks` and `objects` into `directory` (created if missing), in `files` data
+    files written in parallel.
 
-    return produce
+    `on_write` is called once per item written (for progress reporting).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    frameable = [supported(c.dtype_name, c.nbytes) and sys.byteorder == "little" for c in chunks]
+    framed = [c for c, ok in zip(chunks, frameable, strict=True) if ok]
+    late = [c for c, ok in zip(chunks, frameable, strict=True) if not ok]
+    queues: list[list[Job]] = [[] for _ in range(max(1, files))]
+    ends = [0] * len(queues)
+    placed: list[_Placed] = []
+
+    def add(file: int, key: str, offsets: tuple[int, ...] | None, pieces: tuple[Piece, ...]) -> None:
+        length = sum(length_of(p) for p in pieces)
+        queues[file].append(Job(directory / _file_name(file), ends[file], pieces))
+        placed.append(_Placed(key, offsets, file, ends[file], length))
+        ends[file] += length
+
+    for obj in objects:
+        add(0, obj.key, None, (_saved(obj.payload),))
+    total = sum(c.nbytes for c in framed)
+    done = 0
+    archives: dict[tuple[str, tuple[int, ...]], TensorArchive] = {}  # one serialization id each, as torch has per run
+    for chunk in framed:  # contiguous runs of the plan per file, of about equal size
+        file = min(done * len(queues) // total, len(queues) - 1) if total else 0
+        archive = archives.setdefault((chunk.dtype_name, chunk.sizes), TensorArchive(chunk.dtype_name, chunk.sizes))
+        data = chunk.pieces if chunk.pieces is not None else (Produced(chunk.nbytes, _tensor_bytes(chunk)),)
+        add(file, chunk.key, chunk.offsets, (archive.head, *data, archive.tail))
+        done += chunk.nbytes
+    for index in range(len(queues)):
+        (directory / _file_name(index)).touch()
+    run_jobs(queues, on_done=on_write)
+    if late:
+        _append_saved(directory, late, placed, ends[0], on_write)
+    _write_metadata(directory, chunks, objects, placed)
 
 
-def _checked(chunk: TensorChunk) -> Callable[[], torch.Tensor]:
-    def produce() -> torch.Tensor:
+def _file_name(index: int) -> str:
+    return f"__0_{index}.distcp"
+
+
+def _tensor_bytes(chunk: TensorChunk) -> Callable[[], Any]:
+    def produce() -> Any:
+        import torch
+
         tensor = chunk.produce()
         if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
             raise AssertionError(
                 f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                 f"planned {chunk.sizes} {chunk.dtype}"
             )
-        return tensor.contiguous()
+        return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
     return produce
 
@@ -125,6 +147,8 @@ def _checked(chunk: TensorChunk) -> Callable[[], torch.Tensor]:
 @contextmanager
 def _without_crc32() -> Iterator[None]:
     """Skip the per-record CRC32 of `torch.save` (a fifth of the writing time); readers do not check it."""
+    import torch
+
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -133,27 +157,43 @@ def _without_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def write_dcp(
-    directory: Path,
-    chunks: Sequence[TensorChunk],
-    objects: Sequence[ObjectItem] = (),
-    on_write: Callable[[], None] = lambda: None,
-) -> None:
-    """Write a DCP checkpoint of `chunks` and `objects` into `directory` (created if missing).
+def _saved(payload: object) -> bytes:
+    import torch
 
-    `on_write` is called once per item written (for progress reporting).
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    planner = _StreamingPlanner(chunks, objects, on_write)
-    # no copy-ahead: the serial loader (see `_StreamingPlanner.resolve_data`), as torch uses without CUDA anyway
-    writer = FileSystemWriter(
-        str(directory), single_file_per_rank=True, thread_count=1, sync_files=False, per_thread_copy_ahead=0
-    )
-    with warnings.catch_warnings(), _without_crc32():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
-        except CheckpointException as err:
-            # DCP wraps whatever a producer raised (a read error, Ctrl-C); surface the original
-            original = next(iter(err.failures.values()))[0]
-            raise original from None
+    buffer = io.BytesIO()
+    with _without_crc32():
+        torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _append_saved(
+    directory: Path, chunks: Sequence[TensorChunk], placed: list[_Placed], offset: int, on_write: Callable[[], None]
+) -> None:
+    """`torch.save` each chunk at the end of the first data file (for chunks the archive cannot frame)."""
+    import torch
+
+    with (directory / _file_name(0)).open("r+b") as handle, _without_crc32():
+        handle.seek(offset)
+        for chunk in chunks:
+            tensor = chunk.produce()
+            if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
+                raise AssertionError(f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}")
+            start = handle.tell()
+            torch.save(tensor.detach().contiguous().clone(), handle)
+            placed.append(_Placed(chunk.key, chunk.offsets, 0, start, handle.tell() - start))
+            del tensor
+            on_write()
+
+
+def _write_metadata(
+    directory: Path, chunks: Sequence[TensorChunk], objects: Sequence[ObjectItem], placed: list[_Placed]
+) -> None:
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    first: dict[str, TensorChunk] = {}
+    for chunk in chunks:
+        first.setdefault(chunk.key, chunk)
+        boxes.setdefault(chunk.key, []).append((chunk.offsets, chunk.sizes))
+    tensors = [StoredTensor(k, c.dtype_name, c.global_shape, tuple(boxes[k])) for k, c in first.items()]
+    order = [obj.key for obj in objects] + list(first)
+    items = [StoredItem(p.key, p.offsets, _file_name(p.file), p.offset, p.length) for p in placed]
+    (directory / ".metadata").write_bytes(metadata_pickle(order, tensors, items, directory))

@@ -4,7 +4,9 @@
 `export`, `demo`) before any work, and again under the lock when the output is created (`atomic.atomic_directory`):
 
 - real paths (symlinks followed) of the destination and every source: a destination equal to, inside, or containing
-  a source is refused;
+  a source is refused, and so is one overlapping what a symlink inside a source leads to (an HF hub cache's
+  snapshot links its files into `blobs/`: replacing `blobs/` would delete the source's weights);
+- an existing destination that is a mount point is refused (the final rename cannot replace it), before any work;
 - an absent or empty destination is fine; a non-empty one is replaced only with `--overwrite` and only when this tool
   wrote it (its marker file, `MARKER_NAME`, is inside), unless `--overwrite-foreign` says to replace anything.
 
@@ -55,22 +57,54 @@ def real_path(path: Path | str) -> Path:
     return Path(path).expanduser().resolve()
 
 
+LINK_DEPTH = 4
+"""How deep below a source its symlinks are looked for: the files this tool reads lie at most this deep (a run's
+`checkpoints/iter_XXXXXXX/model_optim/` file), and a source given too broadly (a home directory) stays quick."""
+
+
+def linked_targets(source: Path, depth: int = LINK_DEPTH) -> Iterator[tuple[Path, Path]]:
+    """(link, real target) of every symlink up to `depth` levels inside the directory `source` (not descending
+    into linked directories): what the source reads lives there too, e.g. an HF hub cache's snapshot, whose files
+    are links into the repository's `blobs/`."""
+    for root, dirs, files in os.walk(source):
+        for name in (*dirs, *files):
+            link = Path(root, name)
+            if link.is_symlink():
+                yield link, link.resolve()
+        if len(Path(root).relative_to(source).parts) + 1 >= depth:
+            dirs.clear()  # the entries of this level were looked at; nothing deeper
+
+
+def _overlap(dst: Path, src: Path) -> str | None:
+    if dst == src:
+        return "is"
+    if dst.is_relative_to(src):
+        return "is inside"
+    if src.is_relative_to(dst):
+        return "contains"
+    return None
+
+
 def check_overlap(destination: Path | str, sources: Iterable[Path | str | None]) -> Path:
-    """Refuse a destination equal to, inside, or containing any source; return the destination's real path."""
+    """Refuse a destination equal to, inside, or containing any source, or anything a symlink inside a source
+    leads to; return the destination's real path."""
     dst = real_path(destination)
     for source in sources:
         if source is None:
             continue
         src = real_path(source)
-        if dst == src:
-            problem = "is the source"
-        elif dst.is_relative_to(src):
-            problem = "is inside the source"
-        elif src.is_relative_to(dst):
-            problem = "contains the source"
-        else:
+        if problem := _overlap(dst, src):
+            raise DestinationError(
+                f"destination {destination} {problem} the source {source}; choose a directory apart from it"
+            )
+        if not src.is_dir():
             continue
-        raise DestinationError(f"destination {destination} {problem} {source}; choose a directory apart from it")
+        for link, target in linked_targets(src):
+            if problem := _overlap(dst, target):
+                raise DestinationError(
+                    f"destination {destination} {problem} {target}, which the source links to ({link}); choose a"
+                    " directory apart from it"
+                )
     return dst
 
 
@@ -95,6 +129,11 @@ def check_existing(dst: Path, shown: Path | str, *, overwrite: bool, overwrite_f
         return
     if not dst.is_dir():
         raise DestinationError(f"destination {shown} exists and is not a directory")
+    if os.path.ismount(dst):
+        raise DestinationError(
+            f"destination {shown} is a mount point: the output is built beside it and renamed into place, which a"
+            f" mount point cannot take; write into a directory inside it (e.g. {Path(shown) / 'model'})"
+        )
     if not any(dst.iterdir()) or overwrite_foreign:
         return
     if read_marker(dst) is None:

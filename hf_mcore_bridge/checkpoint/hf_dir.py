@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    data_offset: int | None = None
+    """Where the tensor's bytes (row-major, little-endian) start in `file`; None when not stored as such there."""
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -69,6 +72,19 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
+
+
+def _data_offsets(file: Path) -> dict[str, int]:
+    """Each tensor's data offset in a safetensors file (already validated by `safe_open`), from its header: an
+    8-byte little-endian length, then that many bytes of JSON whose `data_offsets` count from the header's end."""
+    with file.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return {
+        name: 8 + length + int(entry["data_offsets"][0])
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict)
+    }
 
 
 class HFCheckpoint:
@@ -122,12 +138,13 @@ class HFCheckpoint:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 names = list(handle.keys())
+                offsets = _data_offsets(file)
                 for name in names:
                     view = handle.get_slice(name)
                     dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
                     if dtype is None:
                         raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {view.get_dtype()}")
-                    self._tensors[name] = TensorInfo(file, tuple(view.get_shape()), dtype)
+                    self._tensors[name] = TensorInfo(file, tuple(view.get_shape()), dtype, offsets.get(name))
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{file} is not a readable safetensors file (corrupt or truncated): {err}") from None
         if expected is not None:
@@ -166,6 +183,14 @@ class HFCheckpoint:
                 shape = (shape[0] // 2, *shape[1:])
             self._aliases[name] = (fused, expert, part)
             self._tensors[name] = TensorInfo(info.file, shape, info.dtype)
+
+    def location(self, name: str) -> tuple[Path, int] | None:
+        """The file and offset where a tensor's bytes are stored as they are (row-major, little-endian); None for
+        tensors served otherwise (a slice of a fused tensor, a pickle)."""
+        if name in self._aliases or self._pickled is not None:
+            return None
+        info = self.info(name)
+        return None if info.data_offset is None else (info.file, info.data_offset)
 
     def fused_source(self, name: str) -> tuple[str, bool, str] | None:
         """For a per-expert name read from a fused tensor: (fused name, has an expert axis, part); else None."""

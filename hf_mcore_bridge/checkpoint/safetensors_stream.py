@@ -3,8 +3,9 @@
 The `safetensors` library writes a file from a dict of tensors held in memory; exporting a large model that way
 would hold a whole shard (gigabytes). The format is simple (an 8-byte little-endian header length, a JSON header
 of names, dtypes, shapes and byte ranges, then the raw bytes), so when every tensor's name, shape and dtype are
-known up front the header can be written first and the data streamed after it. Files are read back with the
-`safetensors` library in the tests.
+known up front the header can be written first and the data streamed after it (`SafetensorsStreamWriter`), or
+every tensor's bytes written at its place by whoever has them (`SafetensorsLayout` gives the header and the
+places). Files are read back with the `safetensors` library in the tests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,32 @@ _DTYPE_CODES = {
 }
 
 
+class SafetensorsLayout:
+    """The header of a safetensors file holding tensors of the given names, shapes and dtypes in this order, and
+    where in the file each tensor's bytes go."""
+
+    def __init__(self, plan: list[tuple[str, tuple[int, ...], torch.dtype]], metadata=None):
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        ranges: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, shape, dtype in plan:
+            size = dtype.itemsize
+            for dim in shape:
+                size *= dim
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            ranges[name] = (offset, size)
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as the library writes it
+        self.header = struct.pack("<Q", len(encoded)) + encoded
+        """The file's first bytes: the header's length and the header."""
+        self._ranges = {name: (len(self.header) + start, size) for name, (start, size) in ranges.items()}
+
+    def place(self, name: str) -> tuple[int, int]:
+        """(offset in the file, length) of a tensor's bytes."""
+        return self._ranges[name]
+
+
 class SafetensorsStreamWriter:
     """One safetensors file whose tensors are declared up front and then written in the declared order."""
 
@@ -37,19 +64,8 @@ class SafetensorsStreamWriter:
         self.path = path
         self._order = [name for name, _, _ in plan]
         self._specs = {name: (shape, dtype) for name, shape, dtype in plan}
-        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        for name, shape, dtype in plan:
-            size = dtype.itemsize
-            for dim in shape:
-                size *= dim
-            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as the library writes it
         self._handle: BinaryIO = path.open("wb")
-        self._handle.write(struct.pack("<Q", len(encoded)))
-        self._handle.write(encoded)
+        self._handle.write(SafetensorsLayout(plan, metadata).header)
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:

@@ -4,7 +4,10 @@ Writers fail in ways that hide the cause: `torch.save` (used by DCP, the legacy 
 full disk into `unexpected pos 704 vs 598`, and a Python `write()` on a full disk raises an `OSError` without a
 file name. Inside `reported_write_errors` an `OSError` becomes a `WriteError` naming the file (as it will be
 named under the destination) and the mount it is on; a torch serialization failure is traced to its cause by
-writing a probe file next to the failed one, which fails with the errno the serializer swallowed.
+writing a probe file next to the failed one, which fails with the errno the serializer swallowed; safetensors'
+serializer (`save_pretrained`) keeps the errno in its message (`(os error 28)`), which is read. A copy that fails
+names its source first: an error only a write raises (full disk, quota, read-only) is a write error whatever file
+it names first.
 `written_atomically` is `atomic.atomic_directory` with both kinds of failure reported so: those while writing into
 the temporary sibling, and those around it (creating it on a read-only mount, renaming it into place).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +27,9 @@ from hf_mcore_bridge.errors import BridgeError, CheckpointError
 
 _TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")
 """Substrings of the RuntimeError torch's zip writer raises when a write to its file fails."""
+
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How an I/O error of a Rust library (safetensors' serializer) ends its message: `... (os error 28)`."""
 
 _PROBE_BYTES = 1 << 20
 
@@ -123,20 +130,30 @@ def reported_write_errors(staging: Path | None, destination: Path) -> Iterator[N
         yield
     except BridgeError:
         raise
-    except (OSError, RuntimeError) as err:
-        if isinstance(err, RuntimeError) and not any(marker in str(err) for marker in _TORCH_WRITE_FAILURES):
+    except Exception as err:
+        rust = _RUST_IO_ERROR.search(str(err))  # safetensors' writer (save_pretrained) reports the OS error so
+        torch = isinstance(err, RuntimeError) and any(marker in str(err) for marker in _TORCH_WRITE_FAILURES)
+        if not (isinstance(err, OSError) or rust or torch):
             raise
-        raise _reported(err, staging, destination) from err
+        raise _reported(err, staging, destination, int(rust.group(1)) if rust else None) from err
 
 
-def _reported(err: OSError | RuntimeError, staging: Path | None, destination: Path) -> BridgeError:
+_WRITE_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+"""Errors only a write raises: whatever file an `OSError` names first, the write failed."""
+
+
+def _reported(err: Exception, staging: Path | None, destination: Path, code: int | None = None) -> BridgeError:
     output = staging if staging is not None else destination.absolute().parent
     if isinstance(err, OSError):
-        file = Path(err.filename) if err.filename else _newest_file(output)
-        if err.filename and not file.absolute().is_relative_to(output.absolute()):
-            return CheckpointError(f"{(err.strerror or str(err)).lower()} while reading {file}")
+        # a copy (`shutil.copy2`) names its source first and its target second, whichever of the two failed
+        named = [Path(name) for name in (err.filename, err.filename2) if name]
+        inside = [file for file in named if file.absolute().is_relative_to(output.absolute())]
+        if named and not inside and err.errno not in _WRITE_ONLY_ERRNOS:
+            return CheckpointError(f"{(err.strerror or str(err)).lower()} while reading {named[0]}")
+        file = inside[0] if inside else _newest_file(output)
         return WriteError(describe(err.errno, _shown(file, staging, destination), device_of(output), str(err)))
     file = _newest_file(output) if staging is not None else destination
-    code = probe_errno(file.parent if file.is_file() or staging is None else file)
+    if code is None:
+        code = probe_errno(file.parent if file.is_file() or staging is None else file)
     first_line = str(err).strip().splitlines()[0]
     return WriteError(describe(code, _shown(file, staging, destination), device_of(output), first_line))

@@ -5,6 +5,9 @@ style), the hooks of the HF config <-> megatron-core translation (refusals, mixt
 written back on export), the few options of the engine's shared decoder that are not in the table (`EngineOptions`)
 and its tiny test configuration. Conversion, export, verify, the engine, the DTensor path and the trainer all read
 it from one registry (`hf_mcore_bridge.mappings`); nothing else branches on an architecture's name.
+
+Optional parts that an HF config switches on per checkpoint (GLM-4.5's q/k norms and q/k/v biases) are a
+`Switch`: the name of the config field; table entries of such a part say so (`mapping_types.Feature`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from hf_mcore_bridge.convert.mapping_types import Entry, Size
+from hf_mcore_bridge.convert.mapping_types import Entry, LayerKind, Size
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.convert.config_bridge import MoeConfig
+
+Switch = bool | str
+"""Whether an architecture has an optional part: always (True), never (False), or where the HF config field of
+this name is true (absent: false, unless `Architecture.hf_absent` says otherwise)."""
 
 
 class Bias(enum.Enum):
@@ -56,14 +63,24 @@ class Architecture:
     """The HF `model_type`, e.g. `llama`."""
     table: tuple[Entry, ...]
     """The mapping table: every tensor of the model, in both naming schemes."""
-    qkv_bias: bool = False
-    """Biases on q/k/v (megatron `add_qkv_bias`), as in Qwen2."""
-    qk_norm: bool = False
-    """RMSNorm on each head of q and k (megatron `qk_layernorm`), as in Qwen3."""
+    qkv_bias: Switch = False
+    """Biases on q/k/v (megatron `add_qkv_bias`), as in Qwen2; GLM-4.5 switches them with `attention_bias`."""
+    qk_norm: Switch = False
+    """RMSNorm on each head of q and k (megatron `qk_layernorm`), as in Qwen3; GLM-4.5 switches it with
+    `use_qk_norm`."""
     check: Callable[[Mapping[str, Any]], None] | None = None
     """Refuses HF config values this architecture has but megatron-core cannot represent (raises `ConfigError`)."""
     hf_defaults: Mapping[str, Any] | None = None
     """Architecture-specific HF config fields written on export (e.g. Mistral's `sliding_window: null`)."""
+    hf_absent: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """The values transformers gives fields a `config.json` lacks, where they matter to the conversion (GLM-4.5:
+    `partial_rotary_factor` 0.5, `first_k_dense_replace` 1): read configs as transformers would run them."""
+    hf_size_fields: Mapping[Size, str] = field(default_factory=lambda: MappingProxyType({}))
+    """The HF config fields a model dimension comes from, where they are not the usual ones (`input_checks`
+    names them in its messages)."""
+    score_function: str = "softmax"
+    """The router score function its MoE layers use (`MoeConfig.score_function`): how Megatron `args` that name
+    no architecture find it (`mappings.with_features`), and what export refuses to write otherwise."""
     moe_from_hf: Callable[[Mapping[str, Any], int], MoeConfig] | None = None
     """Reads the mixture-of-experts fields of an HF config (given the layer count); None for dense models."""
     moe_to_hf: Callable[[MoeConfig], dict[str, Any]] | None = None
@@ -73,22 +90,33 @@ class Architecture:
     part: `gate` / `up` half of dim 1, or `all`). Export always writes the per-expert names."""
     mtp_copies: Mapping[str, str] | None = None
     """A multi-token-prediction layer's own copies of model tensors that megatron-core's MTP shares: HF name
-    template (with `{layer}`) -> the HF name of the shared tensor (DeepSeek-V3's `embed_tokens` and
-    `shared_head.head` of its MTP layer). Checked equal on import, written again on export."""
-    own_dtype: tuple[str, ...] = ()
-    """HF name templates of tensors that keep the dtype they are stored in, outside `--dtype` and the one-dtype
-    check: what HF keeps in float32 whatever the model's dtype (`_keep_in_fp32_modules_strict`, e.g. DeepSeek-V3's
-    router and its expert-score correction bias, float32 in its bfloat16 checkpoints)."""
+    template (with `{layer}`) -> the HF name of the shared tensor (`embed_tokens` and `shared_head.head` of
+    DeepSeek-V3's and GLM-4.5's MTP layers). Checked equal on import, written again on export."""
     engine: EngineOptions = EngineOptions()
     """The engine decoder's options beyond the table."""
     tiny: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """The tiny test model: HF config fields over `tiny_models.TINY_BASE` (small, but exercising what conversions
     get wrong: grouped KV heads, an odd vocabulary, this architecture's own features)."""
 
+    def with_absent(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The HF config with `hf_absent`'s values where it lacks the field."""
+        return {**self.hf_absent, **config}
+
+    def switched_on(self, switch: Switch, config: Mapping[str, Any]) -> bool:
+        """Whether an optional part (`qkv_bias`, `qk_norm`) is on in this HF config."""
+        if isinstance(switch, bool):
+            return switch
+        return bool(self.with_absent(config).get(switch) or False)
+
     @property
     def is_moe(self) -> bool:
         """Whether the architecture has routed experts."""
         return self.moe_from_hf is not None
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether it has multi-token-prediction layers (table entries of `LayerKind.MTP`)."""
+        return any(entry.layers is LayerKind.MTP for entry in self.table)
 
     @property
     def multi_latent(self) -> bool:

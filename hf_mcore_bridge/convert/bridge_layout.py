@@ -115,7 +115,7 @@ def run_config(
         "attention_dropout": 0.0,
         "position_embedding_type": "rope",
         "rotary_base": model.rope_theta,
-        "rotary_percent": 1.0,
+        "rotary_percent": model.rotary_percent,
         "rope_scaling": model.rope_scaling_factor is not None,
         "rope_scaling_factor": model.rope_scaling_factor or 1.0,
         "seq_length": model.max_position_embeddings,
@@ -145,6 +145,12 @@ def run_config(
             "moe_aux_loss_coeff": moe.aux_loss_coeff,
             "moe_shared_expert_intermediate_size": moe.shared_expert_size,
             "moe_shared_expert_gate": moe.shared_expert_gate,
+            "moe_router_score_function": moe.score_function,
+            "moe_router_enable_expert_bias": moe.expert_bias,
+            "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
+            "moe_router_num_groups": moe.num_groups,
+            "moe_router_group_topk": moe.group_topk,
+            "moe_router_dtype": "fp32" if moe.router_fp32 else None,
         }
     return {"model": section, "checkpoint": {"ckpt_format": "torch_dist", "fully_parallel_save": True}}
 

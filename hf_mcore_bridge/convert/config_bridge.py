@@ -6,13 +6,19 @@
 
 Anything megatron-core cannot represent is refused naming the field; nothing is approximated. In particular:
 RoPE must be plain or Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4) and
-original length 8192, and a missing rope theta is an error rather than a default.
+original length 8192, and a missing rope theta is an error rather than a default. Partial rotary embeddings
+(`partial_rotary_factor`, GLM-4.5) are megatron-core's `rotary_percent`: both rotate the first
+`int(head_dim * factor)` dimensions of each head in the `rotate_half` layout and pass the rest through.
 
 Multi-latent attention (a config with `kv_lora_rank`, DeepSeek-V2/V3 style) is a property of the config, not of
 an architecture name: its dimensions go to megatron-core's `MLATransformerConfig`, with plain RoPE or DeepSeek's
 YaRN (`rope_type: yarn` with `factor`, `original_max_position_embeddings`, `beta_fast`/`beta_slow`, `mscale` and
 `mscale_all_dim`, which megatron-core's `YarnRotaryEmbedding` computes as HF does). YaRN options HF has and
 megatron-core lacks (`attention_factor`, `truncate: false`, `mscale_all_dim` without `mscale`) are refused.
+
+Training-time behaviour that an HF config implies but that would change a trainer's objective is off here and
+left to the trainer to switch on: the auxiliary load-balancing loss (`moe_aux_loss_coeff` 0) and the updates of
+the router's expert bias (`moe_router_bias_update_rate` 0; GRPO: `policy.megatron_cfg.moe_router_bias_update_rate`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from hf_mcore_bridge.checkpoint.megatron_lm_args import loader_defaults
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_errors import ConfigError, require
 from hf_mcore_bridge.convert.layout import Layout, validate_layout
-from hf_mcore_bridge.convert.mapping_types import Dims, Requires
+from hf_mcore_bridge.convert.mapping_types import Dims, Feature
 from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size
 from hf_mcore_bridge.convert.transformer_impl import default_transformer_impl
 from hf_mcore_bridge.errors import LayoutError
@@ -58,7 +64,7 @@ class MoeConfig:
     """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
     a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
     shared_expert_size: int | None = None
-    """FFN width of the shared expert (Qwen2-MoE), if any."""
+    """FFN width of the shared expert (Qwen2-MoE; GLM-4.5's `n_shared_experts` experts fused into one), if any."""
     shared_expert_gate: bool = False
     """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
     score_function: str = "softmax"
@@ -75,9 +81,9 @@ class MoeConfig:
     group_topk: int | None = None
     """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
     `topk / group_topk` scores (megatron-core's rule)."""
-    router_dtype: str | None = None
-    """megatron-core's `moe_router_dtype`: `fp32` computes the router logits in float32 whatever the model's dtype
-    (as HF's DeepSeek-V3 router does); None: in the activations' dtype."""
+    router_fp32: bool = False
+    """The router's logits are computed in float32 from float32 copies of its input and weight, whatever the
+    model's dtype (HF GLM-4.5 and DeepSeek-V3; megatron-core's `moe_router_dtype='fp32'`)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,17 @@ class ModelConfig:
     mtp_layers: int = 0
     """Multi-token-prediction layers after the decoder (HF `num_nextn_predict_layers` where the checkpoint holds
     their tensors; megatron-core's `mtp_num_layers`)."""
+    rotary_percent: float = 1.0
+    """The fraction of each head's dimensions that RoPE rotates (HF `partial_rotary_factor`, megatron-core's
+    `rotary_percent`): the first `int(head_dim * rotary_percent)`; the rest pass through unrotated."""
+
+    def has(self, feature: Feature) -> bool:
+        """Whether the model has an optional part (a table entry that `requires` it is then present)."""
+        if feature is Feature.Q_LORA:
+            return self.mla is not None and self.mla.q_lora_rank is not None
+        if feature is Feature.FULL_RANK_Q:
+            return self.mla is not None and self.mla.q_lora_rank is None
+        return {Feature.QK_NORM: self.qk_norm, Feature.QKV_BIAS: self.qkv_bias}[feature]
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.moe_layers[layer]
@@ -171,14 +188,6 @@ class ModelConfig:
             padded_vocab_size=padded_vocab,
             **(_mla_dims(self.mla) if self.mla else {}),
         )
-
-    def has(self, part: Requires) -> bool:
-        """Whether the model has an optional part that table entries may require."""
-        if part is Requires.Q_LORA:
-            return self.mla is not None and self.mla.q_lora_rank is not None
-        if part is Requires.FULL_RANK_Q:
-            return self.mla is not None and self.mla.q_lora_rank is None
-        return True
 
     def validate(self, layout: Layout) -> None:
         """Refuse a layout megatron-core cannot build for this model."""
@@ -309,6 +318,22 @@ def _mla(config: Mapping[str, Any], heads: int) -> MlaConfig | None:
     )
 
 
+def _rotary_percent(config: Mapping[str, Any], head_dim: int) -> float:
+    """HF's `partial_rotary_factor` (in `rope_parameters` or at top level; 1 when absent), refused unless it
+    rotates an even number of dimensions of each head."""
+    params = config.get("rope_parameters")
+    nested = params.get("partial_rotary_factor") if isinstance(params, Mapping) else None
+    factor = nested if nested is not None else config.get("partial_rotary_factor", 1.0)
+    factor = float(factor if factor is not None else 1.0)
+    rotated = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotated % 2 or rotated == 0:
+        raise ConfigError(
+            f"config field partial_rotary_factor={factor:g} cannot be represented (it must rotate an even, "
+            f"positive number of the {head_dim} dimensions of a head; it rotates {rotated})"
+        )
+    return factor
+
+
 def _layer_types_are_full(config: Mapping[str, Any]) -> None:
     layer_types = config.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
@@ -317,6 +342,7 @@ def _layer_types_are_full(config: Mapping[str, Any]) -> None:
 
 def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
     """Read an HF `config.json` (as a dict) of the given architecture, refusing what megatron-core cannot do."""
+    config = arch.with_absent(config)
     if arch.check is not None:
         arch.check(config)
     _layer_types_are_full(config)
@@ -351,13 +377,14 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
         rope_theta=theta,
         rope_scaling_factor=factor,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=arch.qkv_bias,
-        qk_norm=arch.qk_norm,
+        qkv_bias=arch.switched_on(arch.qkv_bias, config),
+        qk_norm=arch.switched_on(arch.qk_norm, config),
         torch_dtype=str(dtype) if dtype is not None else None,
         moe=moe,
         mla=mla,
         yarn=yarn,
         mtp_layers=mtp,
+        rotary_percent=_rotary_percent(config, head_dim),
     )
 
 
@@ -386,7 +413,19 @@ def to_hf(model: ModelConfig, arch: Architecture, extra: Mapping[str, Any] | Non
     if model.mla is not None:
         config.update(_mla_to_hf(model))
     config.update(arch.hf_defaults or {})
+    for switch, on in ((arch.qkv_bias, model.qkv_bias), (arch.qk_norm, model.qk_norm)):
+        if isinstance(switch, str):
+            config[switch] = on
+    if model.rotary_percent != 1.0 or "partial_rotary_factor" in arch.hf_absent:
+        config["partial_rotary_factor"] = model.rotary_percent
+    if arch.has_mtp:
+        config["num_nextn_predict_layers"] = model.mtp_layers
     if model.moe is not None and arch.moe_to_hf is not None:
+        if model.moe.score_function != arch.score_function:
+            raise ConfigError(
+                f"{arch.hf_name} routes with {arch.score_function} scores; this model's router uses "
+                f"{model.moe.score_function} (moe_router_score_function): pass --hf-config of the right architecture"
+            )
         config.update(arch.moe_to_hf(model.moe))
     if model.torch_dtype is not None:
         config["torch_dtype"] = model.torch_dtype
@@ -407,7 +446,6 @@ def _mla_to_hf(model: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "head_dim": mla.qk_rope_head_dim,
         "rope_interleave": not mla.rotate_half,
-        "num_nextn_predict_layers": model.mtp_layers,
     }
     if model.yarn is not None:
         yarn = model.yarn
@@ -470,10 +508,11 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
         "moe_router_topk_scaling_factor": moe.topk_scaling_factor,
         "moe_router_num_groups": moe.num_groups,
         "moe_router_group_topk": moe.group_topk,
-        # megatron-core would move the expert bias towards balanced loads after every step (DeepSeek's
-        # pre-training rule); the HF model, and so fine-tuning here, keeps it fixed
-        **({"moe_router_bias_update_rate": 0.0} if moe.expert_bias else {}),
-        **({"moe_router_dtype": moe.router_dtype} if moe.router_dtype else {}),
+        "moe_router_dtype": "fp32" if moe.router_fp32 else None,
+        # megatron-core moves the expert bias towards balanced loads after every optimizer step (default rate
+        # 1e-3): a change to the model no loss asks for. A trainer that wants it sets the rate itself (GRPO:
+        # policy.megatron_cfg.moe_router_bias_update_rate).
+        "moe_router_bias_update_rate": 0.0,
         "moe_grouped_gemm": False,
         "moe_token_dispatcher_type": "allgather",
         "expert_tensor_parallel_size": layout.etp,
@@ -485,9 +524,10 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
     `transformer_impl` from `transformer_impl.default_transformer_impl`).
 
     MoE layers use the `allgather` token dispatcher, which also runs on CPU; override it for GPU training. The
-    auxiliary load-balancing loss is off (`moe_aux_loss_coeff` 0, whatever the HF `router_aux_loss_coef`).
-    Multi-token-prediction layers are left out (`mtp_num_layers` unset): megatron-core's GPTModel then computes
-    their loss on every forward and needs labels; `megatron.model.build_gpt_model(mtp=True)` builds them.
+    auxiliary load-balancing loss is off (`moe_aux_loss_coeff` 0, whatever the HF `router_aux_loss_coef`), and so
+    are the expert-bias updates (`moe_router_bias_update_rate` 0). Multi-token-prediction layers are left out
+    (`mtp_num_layers` unset): megatron-core's GPTModel then computes their loss on every forward and needs labels;
+    `megatron.model.build_gpt_model(mtp=True)` builds them.
     """
     return (
         _moe_kwargs(model.moe, layout)
@@ -530,7 +570,7 @@ def gpt_model_kwargs(model: ModelConfig, padded_vocab: int) -> dict[str, Any]:
         "vocab_size": padded_vocab,
         "max_sequence_length": model.max_position_embeddings,
         "position_embedding_type": "rope",
-        "rotary_percent": 1.0,
+        "rotary_percent": model.rotary_percent,
         "rotary_base": model.rope_theta,
         "rope_scaling": model.rope_scaling_factor is not None,
         "rope_scaling_factor": model.rope_scaling_factor or 8.0,
@@ -572,7 +612,7 @@ def megatron_args(
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=model.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=model.rotary_percent,
         rotary_interleaved=False,
         use_rope_scaling=model.rope_scaling_factor is not None,
         rope_scaling_factor=model.rope_scaling_factor or 8.0,
@@ -623,6 +663,7 @@ def _moe_args(moe: MoeConfig | None) -> dict[str, Any]:
     args = _moe_kwargs(moe, Layout())
     args["num_experts"] = args.pop("num_moe_experts")
     del args["expert_tensor_parallel_size"]  # recorded with the layout
+    del args["moe_router_bias_update_rate"]  # a training setting, not the model's
     # the args describe the model as its HF config does (export writes `router_aux_loss_coef` back from them)
     return args | {"moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_load_balancing_type": "aux_loss"}
 
@@ -647,7 +688,7 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeConfig | Non
         topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
         num_groups=getattr(args, "moe_router_num_groups", None),
         group_topk=getattr(args, "moe_router_group_topk", None),
-        router_dtype=getattr(args, "moe_router_dtype", None),
+        router_fp32=getattr(args, "moe_router_dtype", None) == "fp32",
     )
 
 
@@ -704,6 +745,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         shared = moe is not None and bool(moe.shared_expert_size)
         features = {"moe": moe is not None, "shared_expert": shared, "qk_norm": qk_norm, "qkv_bias": qkv_bias}
         features["mla"] = mla is not None
+        if moe is not None:
+            features["score_function"] = moe.score_function
         architecture = with_features(**features).hf_name
     return ModelConfig(
         architecture=architecture,
@@ -727,4 +770,5 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         mla=mla,
         yarn=yarn,
         mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+        rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
     )

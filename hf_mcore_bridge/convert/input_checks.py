@@ -7,7 +7,9 @@ against `config.json`, and the global megatron-core tensors of a Megatron checkp
 by the entry's own `mcore_shape`) against the config the checkpoint is exported with (its HF assets or `args`).
 
 Dtypes: weights must be floating point; a checkpoint whose floating tensors mix dtypes is refused unless a
-target dtype is given, in which case everything is cast to it and a one-line note says so.
+target dtype is given, in which case everything is cast to it and a one-line note says so. Tensors that both sides
+hold in float32 whatever the model's dtype (`Direct.float32`: the router's expert bias) are left out of that
+choice and stay float32.
 """
 
 from __future__ import annotations
@@ -58,15 +60,6 @@ def _mla_sizes(model: ModelConfig) -> dict[Size, int | None]:
     }
 
 
-_MLA_HF_LABELS = {
-    Size.MLA_Q: "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)",
-    Size.Q_LORA: "q_lora_rank",
-    Size.KV_LORA: "kv_lora_rank",
-    Size.KV_DOWN: "kv_lora_rank + qk_rope_head_dim",
-    Size.KV_UP: "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
-    Size.MLA_V: "num_attention_heads * v_head_dim",
-    Size.TWO_HIDDEN: "2 * hidden_size",
-}
 _MLA_MEGATRON_LABELS = {
     Size.MLA_Q: "num_attention_heads * (qk_head_dim + qk_pos_emb_head_dim)",
     Size.Q_LORA: "q_lora_rank",
@@ -78,8 +71,9 @@ _MLA_MEGATRON_LABELS = {
 }
 
 
-def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
-    """Model dimensions labelled with the HF `config.json` fields they come from."""
+def hf_sizes(model: ModelConfig, config: Mapping[str, Any], fields: Mapping[Size, str] | None = None) -> Resolved:
+    """Model dimensions labelled with the HF `config.json` fields they come from (`fields`: the architecture's own
+    names, `Architecture.hf_size_fields`)."""
     labels = {
         Size.HIDDEN: "hidden_size",
         Size.Q: "num_attention_heads * head_dim",
@@ -88,17 +82,12 @@ def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
         Size.FFN: "intermediate_size",
         # Mixtral keeps the expert width in intermediate_size and the expert count in num_local_experts
         Size.EXPERT_FFN: "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size",
-        Size.SHARED_FFN: (
-            "moe_intermediate_size * n_shared_experts"
-            if "n_shared_experts" in config
-            else "shared_expert_intermediate_size"
-        ),
+        Size.SHARED_FFN: "shared_expert_intermediate_size",
         Size.VOCAB: "vocab_size",
-        Size.EXPERTS: next(
-            (key for key in ("num_experts", "n_routed_experts") if config.get(key)), "num_local_experts"
-        ),
+        Size.EXPERTS: "num_experts" if config.get("num_experts") else "num_local_experts",
         Size.ONE: "1",
-        **_MLA_HF_LABELS,
+        Size.TWO_HIDDEN: "2 * hidden_size",
+        **(fields or {}),
     }
     return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
 
@@ -209,12 +198,7 @@ def choose_dtype(
     `dtypes` maps each tensor (in table order) to its dtype, `where(name)` names its file, `flag` is how the
     user asks for a dtype (`--dtype`).
     """
-    for name, dtype in dtypes.items():
-        if not dtype.is_floating_point:
-            raise CheckpointError(
-                f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
-                "(bfloat16, float16 or float32)"
-            )
+    check_floating(dtypes, where)
     counts = Counter(dtypes.values())
     if len(counts) <= 1:
         return DtypeChoice(requested or next(iter(counts), torch.float32))
@@ -229,6 +213,16 @@ def choose_dtype(
     return DtypeChoice(
         requested, f"the checkpoint mixes dtypes ({summary} tensors); all cast to {_name(requested)} ({flag})"
     )
+
+
+def check_floating(dtypes: Mapping[str, torch.dtype], where: Callable[[str], str]) -> None:
+    """Refuse a tensor that is not floating point, naming it and its file."""
+    for name, dtype in dtypes.items():
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
+                "(bfloat16, float16 or float32)"
+            )
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,14 +1,16 @@
 """`bridge inspect`: what an HF directory or a Megatron checkpoint holds, for people (a table) and machines (JSON).
 
-Reads every format the tool writes: HF safetensors, megatron-core `torch_dist` (tensor metadata only) and the
-legacy per-rank `torch` files (each rank's file opened weights-only, memory-mapped). Legacy tensors are reported in
-the distributed checkpoint's stacked, global form, so both Megatron formats of one model read the same; that needs
-the architecture recorded in `args.hf_architecture` (this tool records it) to know how tensors were split over TP
-ranks. Without it the shapes are those of tensor-parallel rank 0, and a note says so.
+Reads every format the tool writes: HF safetensors, megatron-core `torch_dist` (tensor metadata only; in the
+Megatron-Bridge layout the model and its layout are read from `run_config.yaml`, the architecture from the HF
+assets) and the legacy per-rank `torch` files (each rank's file opened weights-only, memory-mapped). Legacy
+tensors are reported in the distributed checkpoint's stacked, global form, so both Megatron formats of one model
+read the same; that needs the architecture recorded in `args.hf_architecture` (this tool records it) to know how
+tensors were split over TP ranks. Without it the shapes are those of tensor-parallel rank 0, and a note says so.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ import torch
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
-from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
 from hf_mcore_bridge.errors import CheckpointError
 
 
@@ -92,14 +95,31 @@ def _inspect_hf(path: Path) -> Inspection:
 
 
 def _inspect_mcore(path: Path) -> Inspection:
-    _, checkpoint_dir = resolve_checkpoint(path)
+    root, checkpoint_dir = resolve_checkpoint(path)
     if not (checkpoint_dir / ".metadata").exists() and any(checkpoint_dir.glob("mp_rank_*")):
         return _inspect_legacy(checkpoint_dir)
     common = read_common(checkpoint_dir)
-    args = common.get("args")
+    args, fmt = common.get("args"), "torch_dist"
+    if args is None and is_bridge_checkpoint(checkpoint_dir):  # Megatron-Bridge keeps the model in run_config.yaml
+        args, fmt = args_from_run_config(read_run_config(checkpoint_dir)), "torch_dist, Megatron-Bridge layout"
     dcp = DCPCheckpoint(checkpoint_dir)
     rows = [_row(key, dcp.tensor_meta(key).shape, dcp.tensor_meta(key).dtype) for key in sorted(dcp.tensor_keys())]
-    return _megatron_inspection(checkpoint_dir, "torch_dist", common.get("iteration", "?"), args, rows, [])
+    inspection = _megatron_inspection(checkpoint_dir, fmt, common.get("iteration", "?"), args, rows, [])
+    if inspection.architecture is None:  # args without it (a Megatron-Bridge save): the HF assets name it
+        inspection.architecture = _assets_architecture(root, checkpoint_dir)
+    return inspection
+
+
+def _assets_architecture(root: Path, checkpoint_dir: Path) -> str | None:
+    """The `architectures` entry of the HF config kept beside a checkpoint (`hf_assets/`), if any."""
+    assets = hf_assets_dir(root, checkpoint_dir)
+    if assets is None:
+        return None
+    try:
+        architectures = json.loads((assets / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(architectures[0]) if isinstance(architectures, list) and architectures else None
 
 
 def _inspect_legacy(checkpoint_dir: Path) -> Inspection:

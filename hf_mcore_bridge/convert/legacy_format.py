@@ -99,6 +99,17 @@ def local_name(
     return name
 
 
+def check_legacy_layout(layout: Layout, num_experts: int | None, spec: str) -> None:
+    """Refuse what the legacy format is not written for (called before any output exists): a mixture-of-experts
+    model needs expert TP equal to TP and the local spec."""
+    if num_experts and layout.expert_tp != layout.tp:
+        raise LayoutError("the legacy format is written with expert tensor parallelism equal to tp; use torch_dist")
+    if num_experts and spec != "local":
+        raise LayoutError(
+            "legacy MoE checkpoints are written for the local spec (--spec local); TE uses grouped experts"
+        )
+
+
 def write_legacy(
     checkpoint_dir: Path,
     placed: list[Placed],
@@ -118,12 +129,7 @@ def write_legacy(
     Experts are numbered locally on their expert-parallel rank and sharded like the rest over TP (expert tensor
     parallelism other than TP is not written in this format).
     """
-    if num_experts and layout.expert_tp != layout.tp:
-        raise LayoutError("the legacy format is written with expert tensor parallelism equal to tp; use torch_dist")
-    if num_experts and spec != "local":
-        raise LayoutError(
-            "legacy MoE checkpoints are written for the local spec (--spec local); TE uses grouped experts"
-        )
+    check_legacy_layout(layout, num_experts, spec)
     chunks = model_chunks(layout, num_layers)
     per_rank = (num_experts or 0) // layout.ep
     files = 0
@@ -180,16 +186,17 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, t
 
 
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
 
 
 class LegacySource:
     """Model tensors of a legacy checkpoint directory, reassembled from the per-rank files on demand.
 
-    Keys are given in the stacked distributed-checkpoint form with Transformer-Engine names, addressed by
-    (layer, expert) leading indices, whatever spec the files were written for.
+    Keys are given in the distributed-checkpoint form with Transformer-Engine names, whatever spec the files were
+    written for: stacked over layers (addressed by (layer, expert) leading indices) where every decoder layer holds
+    the same tensors, else per layer (`decoder.layers.{i}.*`, addressed by the expert index), as megatron-core saves
+    a heterogeneous stack (dense and MoE layers mixed).
     """
-
-    stacked = True
 
     def __init__(self, checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool):
         self.directory = checkpoint_dir
@@ -293,9 +300,35 @@ class LegacySource:
             first_layer += len(layers)
             max_layers = first_layer
         self.num_layers = max_layers
+        self.stacked = self._homogeneous()
+        """Whether every decoder layer holds the same tensors (else the keys are per layer)."""
+        if not self.stacked:
+            self._per_layer_keys()
         for key, by_leading in self._index.items():
             leading_shape = self._leading_shape(by_leading)
             self._shapes[key] = (*leading_shape, *self._shapes[key])
+
+    def _layered(self) -> dict[str, set[int]]:
+        """Stacked key -> the decoder layers holding it (keys of decoder layers only)."""
+        return {
+            key: {leading[0] for leading in by_leading}
+            for key, by_leading in self._index.items()
+            if key.startswith("decoder.layers.") and next(iter(by_leading))
+        }
+
+    def _homogeneous(self) -> bool:
+        everywhere = set(range(self.num_layers))
+        return all(layers == everywhere for layers in self._layered().values())
+
+    def _per_layer_keys(self) -> None:
+        """Re-key every decoder-layer tensor as `decoder.layers.{i}.<name>`, addressed by its expert index."""
+        for key in self._layered():
+            by_leading = self._index.pop(key)
+            shape, dtype = self._shapes.pop(key), self._dtypes.pop(key)
+            for leading, where in by_leading.items():
+                own = key.replace("decoder.layers.", f"decoder.layers.{leading[0]}.", 1)
+                self._index.setdefault(own, {})[leading[1:]] = where
+                self._shapes[own], self._dtypes[own] = shape, dtype
 
     @staticmethod
     def _local_experts(module_state: dict[str, Any]) -> set[str]:
@@ -305,6 +338,8 @@ class LegacySource:
         some = next(iter(by_leading))
         if not some:
             return ()
+        if not self.stacked:  # per-layer keys: only experts lead
+            return (1 + max(index[0] for index in by_leading),)
         shape = [self.num_layers]
         if len(some) == 2:
             shape.append(1 + max(index[1] for index in by_leading))
@@ -363,4 +398,4 @@ class LegacySource:
         return merge_rank_shards(shards, self._style(key))
 
     def _style(self, key: str) -> Parallel:
-        return self._parallel.get(key, Parallel.REPLICATED)
+        return self._parallel.get(_PER_LAYER.sub("decoder.layers.", key, count=1), Parallel.REPLICATED)

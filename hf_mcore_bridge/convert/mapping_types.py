@@ -43,13 +43,18 @@ class LayerKind(enum.Enum):
     is the MTP layer's index in megatron-core names and its HF layer index in HF names."""
 
 
-class Requires(enum.Enum):
-    """An optional part of the model an entry belongs to (besides the layer kinds); the model says which it has."""
+class Feature(enum.Enum):
+    """An optional part of a model that its HF config switches on or off (`Architecture.qk_norm` / `qkv_bias` name
+    the switch; `q_lora_rank` the query's form under multi-latent attention); an entry that `requires` one is
+    present only in models that have it (`ModelConfig.has`)."""
 
-    NOTHING = "nothing"
-    Q_LORA = "q_lora"
+    QK_NORM = "q/k norm"
+    """RMSNorm on each head of q and k (megatron `qk_layernorm`)."""
+    QKV_BIAS = "q/k/v bias"
+    """Biases on the q, k and v projections (megatron `add_qkv_bias`)."""
+    Q_LORA = "low-rank query"
     """Multi-latent attention with a low-rank query (`q_lora_rank` set): query down/up projections and norm."""
-    FULL_RANK_Q = "full_rank_q"
+    FULL_RANK_Q = "full-rank query"
     """Multi-latent attention without one (`q_lora_rank` null, Moonlight): one query projection."""
 
 
@@ -111,8 +116,11 @@ class Direct:
     """Present only when the output layer is not tied to the word embeddings."""
     layers: LayerKind = LayerKind.ALL
     """Which decoder layers have this tensor (dense-MLP or MoE layers, or all)."""
-    requires: Requires = Requires.NOTHING
-    """The optional part of the model this tensor belongs to."""
+    requires: Feature | None = None
+    """Present only in models with this optional feature (None: always)."""
+    float32: bool = False
+    """Held in float32 whatever the model's dtype, on both sides (the router's expert score bias: transformers keeps
+    `e_score_correction_bias` in float32, megatron-core its `expert_bias`); left out of the mixed-dtype check."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -159,7 +167,7 @@ class FusedQKV:
     """The dimensions after the output rows: the input width for weights, none for biases."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
-    requires: Requires = Requires.NOTHING
+    requires: Feature | None = None
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -205,7 +213,7 @@ class FusedGateUp:
     """The MLP width (rows of gate and of up): dense, routed expert or shared expert."""
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
-    requires: Requires = Requires.NOTHING
+    requires: Feature | None = None
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -252,7 +260,7 @@ class RotaryRows:
     parallel: Parallel = Parallel.COLUMN
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
-    requires: Requires = Requires.NOTHING
+    requires: Feature | None = None
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -284,6 +292,11 @@ class RotaryRows:
 
 
 Entry = Direct | FusedQKV | FusedGateUp | RotaryRows
+
+
+def keeps_float32(entry: Entry) -> bool:
+    """Whether an entry's tensor is held in float32 whatever the model's dtype (`Direct.float32`)."""
+    return isinstance(entry, Direct) and entry.float32
 
 
 def _expect(name: str, actual: int, expected: int, what: str) -> None:

@@ -76,7 +76,11 @@ def _applies(entry: Entry, model: ModelConfig, layer: int) -> bool:
 def placed_entries(arch: Architecture, model: ModelConfig) -> list[Placed]:
     """Every tensor of the model in table order, layer by layer, expert by expert; then its multi-token-prediction
     layers (HF numbers them after the decoder's layers, megatron-core from 0)."""
-    entries = [e for e in arch.table if not (e.untied_only and model.tie_word_embeddings) and model.has(e.requires)]
+    entries = [
+        e
+        for e in arch.table
+        if not (e.untied_only and model.tie_word_embeddings) and (e.requires is None or model.has(e.requires))
+    ]
     placed = [Placed(e, None) for e in entries if not is_layered(e.mcore) and e.mcore.startswith("embedding")]
     experts = range(model.moe.num_experts) if model.moe else range(0)
 

@@ -1,8 +1,8 @@
 """Multi-token-prediction (MTP) layers: how many a checkpoint holds, and when conversion leaves them out.
 
-DeepSeek-V3 publishes its `num_nextn_predict_layers` MTP layers as HF layers numbered after the decoder's
-(`model.layers.61.*`); transformers neither builds nor saves them, yet its DeepSeek-V3 config declares one by
-default. So the layers converted are those the checkpoint holds:
+DeepSeek-V3 and GLM-4.5 publish their `num_nextn_predict_layers` MTP layers as HF layers numbered after the
+decoder's (`model.layers.61.*`, `model.layers.92.*`); transformers neither builds nor saves them, yet its
+DeepSeek-V3 config declares one by default. So the layers converted are those the checkpoint holds:
 
 - import (`resolve_import`): declared layers of which the checkpoint holds no tensor are noted and not converted;
   layers it holds become megatron-core's MTP (`mtp.layers.{i}`, `mtp_num_layers`). megatron-core's MTP shares the
@@ -11,6 +11,10 @@ default. So the layers converted are those the checkpoint holds:
   layers. Layers megatron-core cannot hold so are dropped with a one-line notice, or refused with `strict`.
 - export (`resolve_export`): the checkpoint's `mtp.layers.{i}` say how many; the copies are written again from
   the shared tensors (`copies`).
+
+megatron-core's `GPTModel` with `mtp_num_layers` set computes the MTP loss on every forward and needs labels for it, so
+what needs logits builds the model without them: `bridge verify` checks the decoder's logits, and the GRPO trainer
+builds, refits and saves its policy without them (its exports say so in a note).
 """
 
 from __future__ import annotations

@@ -3,24 +3,34 @@
 The HF config comes from the checkpoint's stored HF assets, an explicit `--hf-config`, or is rebuilt from the
 checkpoint's `args`. Every expected tensor's global shape and dtype is checked against that config before
 anything is written, so an `args` that contradicts the tensors is refused up front; a failure while writing
-names the file and its cause. Safetensors shards are planned with
-`huggingface_hub` (sizes only) and written with their headers first, so memory holds one layer tensor at a time.
+names the file and its cause. Safetensors shards are planned with `huggingface_hub` (sizes only), so every
+tensor's place in its file is known before anything is written. A tensor whose rows are stored unchanged in a
+`torch_dist` checkpoint (the output dtype; splitting QKV or gate/up and joining tensor-parallel chunks only
+regroups rows and columns) is copied from the data files in the kernel (`checkpoint.byte_copy`); which rows, is
+found by running the entry's own transform on row tags (`row_trace`). Any other tensor is read and transformed
+when its turn comes, so memory holds at most one layer tensor per writer thread. Shards are written in parallel
+by two writer threads (`checkpoint.parallel_write`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros, length_of
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
-from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
+from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
+from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
+from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
@@ -28,10 +38,11 @@ from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES, DTYPES, ModelConf
 from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export, is_fp8_config
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
 from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
-from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement
+from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement, keeps_float32
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
+from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.to_mcore import ConversionResult
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.mappings import get_architecture
@@ -165,7 +176,7 @@ def convert_mcore_to_hf(
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
-    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
     started = time.perf_counter()
     root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
@@ -187,24 +198,16 @@ def convert_mcore_to_hf(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
     out_dtype = DTYPES[dtype] if dtype else None
-    kept = {planned.where.key for planned in plan if planned.placed.template.hf_sources[0] in arch.own_dtype}
-    keys = {planned.where.key: mcore.dtype(planned.where.key) for planned in plan if planned.where.key not in kept}
+    keys = {p.where.key: mcore.dtype(p.where.key) for p in plan if not keeps_float32(p.placed.template)}
     choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
 
     def dtype_of(planned: _Planned) -> torch.dtype:
-        key = planned.where.key
-        return mcore.dtype(key) if key in kept else choice.dtype
+        return torch.float32 if keeps_float32(planned.placed.template) else choice.dtype
 
     fp8 = Fp8Export(p.entry for p in placed) if fp8_blockwise else None
-    copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it, written after it
+    copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it
     for copy, original in mtp_copies(arch, model).items():
         copied.setdefault(original, []).append(copy)
-
-    def written(name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The tensors one exported HF tensor is written as: itself (or its FP8 blocks), then its copies."""
-        own = fp8.tensors(name, value) if fp8 else [(name, value)]
-        return own + [(copy, value) for copy in copied.get(name, [])]
-
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for planned in plan:
         for name, shape in planned.hf_shapes.items():
@@ -212,8 +215,9 @@ def convert_mcore_to_hf(
             own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
             for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
                 specs[spec_name] = (spec_shape, spec_dtype)
-    split = split_torch_state_dict_into_shards(
-        {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in specs.items()},
+    split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
+        {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
+        get_storage_size=lambda nbytes: nbytes,
         max_shard_size=max_shard_size,
         filename_pattern="model{suffix}.safetensors",
     )
@@ -225,28 +229,23 @@ def convert_mcore_to_hf(
         overwrite_foreign=overwrite_foreign,
         record={"command": "convert --to hf", "sources": [str(real_path(s)) for s in sources if s is not None]},
     ) as staging:
-        writers: dict[str, SafetensorsStreamWriter] = {}
-        try:
-            for file, names in split.filename_to_tensors.items():
-                writers[file] = SafetensorsStreamWriter(staging / file, [(n, *specs[n]) for n in names])
-            with progress_bar("export to hf", total=len(plan), enabled=show_progress) as advance:
-                for planned in plan:
-                    tensor = mcore.read(planned.where.key, planned.where.leading)
-                    for name, value in planned.placed.entry.to_hf(tensor, dims).items():
-                        for out_name, part in written(name, value.to(dtype_of(planned))):
-                            writers[split.tensor_to_filename[out_name]].write(out_name, part)
-                    advance()
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()  # the failure above is the one to report, not the files it left short
-            raise
-        for writer in writers.values():
-            writer.close()
+        layouts = {
+            file: SafetensorsLayout([(n, *specs[n]) for n in names])
+            for file, names in split.filename_to_tensors.items()
+        }
+        queues = {file: [Job(staging / file, 0, (layout.header,))] for file, layout in layouts.items()}
+        tensors = _Tensors(mcore, dims, specs, dtype_of, fp8, copied)
+        for planned in plan:
+            for name, pieces in tensors.pieces(planned).items():
+                file = split.tensor_to_filename[name]
+                queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
+        with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
+            run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
             index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
             (staging / INDEX_NAME).write_text(_json(index))
-        elif SINGLE_NAME not in writers:
-            (staging / next(iter(writers))).rename(staging / SINGLE_NAME)
+        elif SINGLE_NAME not in queues:
+            (staging / next(iter(queues))).rename(staging / SINGLE_NAME)
         config = {k: v for k, v in config.items() if k != "quantization_config"}
         if fp8 is not None:
             config["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
@@ -261,6 +260,168 @@ def convert_mcore_to_hf(
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
+
+
+class _Tensors:
+    """The HF tensors of each planned entry, as byte pieces: of the checkpoint's data files where the entry's rows
+    are stored there unchanged (a `torch_dist` checkpoint of the output dtype), else produced from the tensor read
+    and transformed when its turn comes (one entry's tensors cached per writer thread). Tensors written as FP8
+    blocks (`fp8`) are always produced; the MTP layers' copies of a tensor (`copied`) are its pieces again."""
+
+    def __init__(
+        self,
+        source: McoreSource,
+        dims: Dims,
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        dtype_of: Callable[[_Planned], torch.dtype],
+        fp8: Fp8Export | None = None,
+        copied: dict[str, list[str]] | None = None,
+    ):
+        self.source, self.dims, self.specs, self.dtype_of = source, dims, specs, dtype_of
+        self.fp8, self.copied = fp8, copied or {}
+        self._local = threading.local()
+        self._raw: dict[tuple[str, int], dict[tuple[int, ...] | None, list[RawChunk]] | None] = {}
+        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+
+    def pieces(self, planned: _Planned) -> dict[str, tuple[Piece, ...]]:
+        quantized = self.fp8 is not None and any(name in self.fp8.names for name in planned.hf_shapes)
+        out = None if quantized else self._copied(planned)
+        if out is None:
+            names = [
+                spec[0]
+                for name, shape in planned.hf_shapes.items()
+                for spec in (self.fp8.specs(name, shape, self.specs[name][1]) if self.fp8 else [(name,)])
+            ]
+            out = {name: (Produced(_nbytes(*self.specs[name]), self._producer(planned, name)),) for name in names}
+        for name in list(out):
+            out |= {copy: out[name] for copy in self.copied.get(name, ())}
+        return out
+
+    def _copied(self, planned: _Planned) -> dict[str, tuple[Piece, ...]] | None:
+        if not isinstance(self.source, DCPSource) or len(planned.shape) not in (1, 2):
+            return None
+        key, dtype = planned.where.key, self.source.dtype(planned.where.key)
+        if any(self.specs[n][1] != dtype or shape[1:] != planned.shape[1:] for n, shape in planned.hf_shapes.items()):
+            return None
+        leading = planned.where.leading
+        if (key, len(leading)) not in self._raw:
+            self._raw[(key, len(leading))] = _by_leading(self.source.dcp.raw_chunks(key), len(leading))
+        raw = self._raw[(key, len(leading))]
+        candidates = None if raw is None else [*raw.get(leading, ()), *raw.get(None, ())]
+        blocks = None if candidates is None else _blocks(candidates, leading, len(planned.shape), dtype.itemsize)
+        runs = self._row_runs(planned)
+        if blocks is None or runs is None:
+            return None
+        cols = planned.shape[1] if len(planned.shape) == 2 else 1
+        template = planned.placed.template
+        out = {}
+        for template_name, name in zip(template.hf_sources, planned.placed.hf_names(), strict=True):
+            pieces: list[Piece] = []
+            if sum(run.count for run in runs[template_name]) != planned.hf_shapes[name][0]:
+                return None
+            for run in runs[template_name]:
+                if run.source is None:
+                    pieces.append(Zeros(run.count * cols * dtype.itemsize))
+                    continue
+                found = region(blocks, (run.source_row, run.source_row + run.count), (0, cols), dtype.itemsize)
+                if found is None:
+                    return None
+                pieces += found
+            out[name] = tuple(joined(pieces))
+        return out
+
+    def _row_runs(self, planned: _Planned) -> dict[str, tuple[RowRun, ...]] | None:
+        """Each HF tensor's rows as runs of the megatron-core tensor's rows (names as in the template)."""
+        template = planned.placed.template
+        key = (template, planned.shape)
+        if key not in self._traces:
+            self._traces[key] = trace(
+                lambda tensors: template.to_hf(tensors["mcore"], self.dims), {"mcore": planned.shape}
+            )
+        return self._traces[key]
+
+    def _producer(self, planned: _Planned, name: str) -> Callable[[], Any]:
+        def produce() -> Any:
+            cached = getattr(self._local, "cached", None)
+            if cached is None or cached[0] is not planned:
+                self._local.cached = cached = None  # drop the previous entry's tensors first
+                tensor = self.source.read(planned.where.key, planned.where.leading)
+                dtype = self.dtype_of(planned)
+                values = planned.placed.entry.to_hf(tensor, self.dims)
+                written = {
+                    out: part
+                    for hf_name, value in values.items()
+                    for out, part in (
+                        self.fp8.tensors(hf_name, value.to(dtype)) if self.fp8 else [(hf_name, value.to(dtype))]
+                    )
+                }
+                self._local.cached = cached = (planned, written)
+            shape, dtype = self.specs[name]
+            value = cached[1][name]
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise AssertionError(f"{name}: got {tuple(value.shape)} {value.dtype}, declared {shape} {dtype}")
+            return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+        return produce
+
+
+RawChunk = tuple[tuple[int, ...], tuple[int, ...], Path, int]
+"""A stored chunk: (offsets, sizes, data file, where its raw bytes start), as `DCPCheckpoint.raw_chunks` gives it."""
+
+
+def _by_leading(raw: list[RawChunk] | None, leading: int) -> dict[tuple[int, ...] | None, list[RawChunk]] | None:
+    """Chunks by their leading (layer / expert) offsets where they hold one index of each leading axis (as
+    megatron-core and this tool save them), under None otherwise: each entry then looks only at its own."""
+    if raw is None:
+        return None
+    index: dict[tuple[int, ...] | None, list[RawChunk]] = {}
+    for chunk in raw:
+        offsets, sizes = chunk[0], chunk[1]
+        single = len(sizes) >= leading and all(size == 1 for size in sizes[:leading])
+        index.setdefault(tuple(offsets[:leading]) if single else None, []).append(chunk)
+    return index
+
+
+def _blocks(raw: list[RawChunk], leading: tuple[int, ...], rank: int, itemsize: int) -> list[Block] | None:
+    """The chunks holding the tensor at these leading (layer / expert) indices, as blocks of its matrix (a vector
+    as one column), or None when a chunk is not of that form."""
+    blocks = []
+    for offsets, sizes, path, start in raw:
+        if len(offsets) != len(leading) + rank:
+            return None
+        if not all(o <= i < o + n for i, o, n in zip(leading, offsets, sizes, strict=False)):
+            continue
+        flat, step = 0, 1
+        for index in reversed(range(len(sizes))):
+            if index < len(leading):
+                flat += (leading[index] - offsets[index]) * step
+            step *= sizes[index]
+        row, nrows = offsets[len(leading)], sizes[len(leading)]
+        col, ncols = (offsets[-1], sizes[-1]) if rank == 2 else (0, 1)
+        blocks.append(Block(path, start + flat * itemsize, row, nrows, col, ncols))
+    return blocks
+
+
+WRITERS = 2
+"""Writer threads of an export, each writing whole shards (the writes into one file serialize on its inode lock)."""
+
+
+def _in_turns(queues: list[list[Job]], writers: int) -> list[list[Job]]:
+    """The shards' queues dealt to `writers` threads, consecutive shards of about equal size to each."""
+    sizes = [sum(sum(length_of(p) for p in job.pieces) for job in queue) for queue in queues]
+    total, done = sum(sizes), 0
+    turns: list[list[Job]] = [[] for _ in range(writers)]
+    for queue, size in zip(queues, sizes, strict=True):
+        turns[min(done * writers // total, writers - 1) if total else 0].extend(queue)
+        done += size
+    return [turn for turn in turns if turn]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = dtype.itemsize
+    for dim in shape:
+        count *= dim
+    return count
 
 
 def _padded_vocab(source: McoreSource, embedding_key: str, model: ModelConfig) -> int:

@@ -2,14 +2,18 @@
 
 Assumes the HF directory holds safetensors. Every tensor's shape and dtype is checked against the config (from
 the safetensors headers) before the destination is created; a failure while writing names the file and its
-cause. Each megatron-core tensor is produced when the writer asks for it and dropped once written: plain tensors
-are read chunk by chunk (row ranges straight from the safetensors file), fused ones (QKV, gate/up) are built once
-per layer and reused for their tensor-parallel chunks. Peak memory is therefore about one fused layer tensor,
-whatever the model size.
+cause. A chunk whose bytes are rows of the HF tensors unchanged (same dtype; fused QKV and gate/up only regroup
+rows, tensor parallelism cuts rows or columns) is written as byte pieces of the safetensors files, copied in the
+kernel (`checkpoint.byte_copy`); which rows, is found by running the entry's own transform on row tags
+(`row_trace`). Any other chunk (a cast, a fused expert tensor) is produced when the writer gets to it and dropped
+once written: plain tensors are read chunk by chunk (row ranges straight from the safetensors file), fused ones
+are built once per layer and reused for their tensor-parallel chunks. Peak memory is therefore at most about one
+fused layer tensor per writer thread, whatever the model size.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hf_mcore_bridge.checkpoint.byte_copy import Piece, Zeros
 from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
@@ -29,19 +34,21 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import (
     write_common,
     write_tracker,
 )
+from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
 from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Checkpoint, open_hf_checkpoint
-from hf_mcore_bridge.convert.input_checks import check_hf_shapes, choose_dtype, hf_sizes
+from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.legacy_format import write_legacy
-from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, placement
+from hf_mcore_bridge.convert.legacy_format import check_legacy_layout, write_legacy
+from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
 from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.row_trace import RowRun, trace
 from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.progress import progress_bar
@@ -62,39 +69,93 @@ class ConversionResult:
 
 
 def check_hf_tensors(
-    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None, own_dtype: tuple[str, ...] = ()
-) -> tuple[torch.dtype, str | None, dict[str, torch.dtype]]:
-    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts), and
-    the megatron-core tensors that keep their stored dtype (`Architecture.own_dtype`), by name."""
+    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
+) -> tuple[torch.dtype, str | None]:
+    """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts);
+    tensors kept in float32 (`Direct.float32`) stay out of that choice."""
     expected = {name: shape for p in placed for name, shape in p.entry.hf_expected().items()}
+    float32 = {name for p in placed if keeps_float32(p.template) for name in p.hf_names()}
 
     def info(name: str) -> tuple[tuple[int, ...], str]:
         return hf.info(name).shape, hf.info(name).file.name
 
-    check_hf_shapes(expected, hf_sizes(model, hf.config), info, hf.fused_source)
-    kept = {p.mcore_name: hf.info(p.hf_names()[0]).dtype for p in placed if p.template.hf_sources[0] in own_dtype}
-    kept_hf = {name for p in placed if p.mcore_name in kept for name in p.hf_names()}
+    fields = get_architecture(model.architecture).hf_size_fields
+    check_hf_shapes(expected, hf_sizes(model, hf.config, fields), info, hf.fused_source)
+
+    def where(name: str) -> str:
+        return hf.info(name).file.name
+
+    check_floating({name: hf.info(name).dtype for name in float32}, where)
     choice = choose_dtype(
-        {name: hf.info(name).dtype for name in expected if name not in kept_hf},
-        lambda name: hf.info(name).file.name,
+        {name: hf.info(name).dtype for name in expected if name not in float32},
+        where,
         DTYPES[dtype] if dtype else None,
         "--dtype",
     )
-    return choice.dtype, choice.note, kept
+    return choice.dtype, choice.note
 
 
 class Producer:
-    """Produces megatron-core tensors and chunks from the HF checkpoint, caching the last fused tensor."""
+    """Produces megatron-core chunks from the HF checkpoint: as byte pieces of its files where the bytes are
+    unchanged, else as tensors, caching the last fused tensor (one per writer thread)."""
 
-    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype, kept: dict[str, torch.dtype] | None = None):
+    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
         self.hf, self.dims, self.dtype = hf, dims, dtype
-        self.kept = kept or {}
-        """megatron-core tensors written in their own dtype rather than `dtype`."""
-        self._cached: tuple[str, torch.Tensor] | None = None
+        self._local = threading.local()
+        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+
+    def pieces(
+        self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]], shape: tuple[int, ...]
+    ) -> tuple[Piece, ...] | None:
+        """A chunk (`box` of the megatron-core tensor of `shape`) as byte pieces of the HF files, or None when its
+        bytes are not rows of them as stored (another dtype, a slice of a fused expert tensor, a computed value)."""
+        names, dtype = placed.hf_names(), self.dtype_of(placed)
+        if len(shape) not in (1, 2) or any(self.hf.info(n).dtype != dtype for n in names):
+            return None
+        locations = [self.hf.location(n) for n in names]
+        sources = tuple(self.hf.info(n).shape for n in names)
+        if any(loc is None for loc in locations) or any(s[1:] != shape[1:] for s in sources):
+            return None
+        runs = self._row_runs(placed, sources)
+        if runs is None or sum(run.count for run in runs) != shape[0]:
+            return None
+        cols = shape[1] if len(shape) == 2 else 1  # a vector is a matrix of one column
+        itemsize = dtype.itemsize
+        blocks = {  # each HF tensor is one block, whole, where its safetensors file holds its bytes
+            template: [Block(path, offset, 0, source[0], 0, cols)]
+            for template, (path, offset), source in zip(placed.template.hf_sources, locations, sources, strict=True)
+        }
+        (r0, *c_off), (nrows, *c_size) = box
+        c0, c1 = (c_off[0], c_off[0] + c_size[0]) if c_off else (0, 1)
+        pieces: list[Piece] = []
+        for run in runs:
+            lo, hi = max(run.start, r0), min(run.start + run.count, r0 + nrows)
+            if lo >= hi:
+                continue
+            if run.source is None:
+                pieces.append(Zeros((hi - lo) * (c1 - c0) * itemsize))
+                continue
+            first = run.source_row + lo - run.start
+            found = region(blocks[run.source], (first, first + hi - lo), (c0, c1), itemsize)
+            if found is None:
+                return None
+            pieces += found
+        return tuple(joined(pieces))
+
+    def _row_runs(self, placed: Placed, sources: tuple[tuple[int, ...], ...]) -> tuple[RowRun, ...] | None:
+        """The megatron-core tensor's rows as runs of HF rows (names as in the template), traced once per entry."""
+        template = placed.template
+        key = (template, sources)
+        if key not in self._traces:
+            shapes = dict(zip(template.hf_sources, sources, strict=True))
+            traced = trace(lambda tensors: {"out": template.to_mcore(tensors, self.dims)}, shapes)
+            self._traces[key] = traced
+        traced = self._traces[key]
+        return None if traced is None else traced["out"]
 
     def dtype_of(self, placed: Placed) -> torch.dtype:
-        """The dtype a placed entry is written in."""
-        return self.kept.get(placed.mcore_name, self.dtype)
+        """The dtype a placed entry is written in: the conversion's, or float32 for `Direct.float32` entries."""
+        return torch.float32 if keeps_float32(placed.template) else self.dtype
 
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         if isinstance(placed.entry, Direct):
@@ -102,13 +163,14 @@ class Producer:
         return take_box(self.full(placed), box).clone()
 
     def full(self, placed: Placed) -> torch.Tensor:
-        """The whole megatron-core tensor of one placed entry (kept until the next entry is asked for)."""
+        """The whole megatron-core tensor of one placed entry (kept until this thread asks for the next entry)."""
         name = placed.mcore_name
-        if self._cached is None or self._cached[0] != name:
-            self._cached = None  # drop the previous tensor before building the next
+        cached = getattr(self._local, "cached", None)
+        if cached is None or cached[0] != name:
+            self._local.cached = cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed)))
-        return self._cached[1]
+            self._local.cached = cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed)))
+        return cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         (name,) = placed.hf_names()
@@ -151,8 +213,9 @@ def plan_chunks(
         for box in shard_boxes(shape, p.entry.parallel, tp):
             offsets, sizes = box
             produce = _bind(producer, p, box, leading=len(where.leading))
+            pieces = producer.pieces(p, box, shape)
             offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
-            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype_of(p), produce))
+            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype_of(p), produce, pieces))
         module = extra_state_module(p.template)
         if module is not None:
             module_where = placement(
@@ -216,6 +279,8 @@ def convert_hf_to_mcore(
     arch = get_architecture(hf.architecture)
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
+    if checkpoint_format == "torch":
+        check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
     if directory_layout == "megatron-bridge" and model.mla is not None:
         raise ConfigError(
             "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"
@@ -229,10 +294,10 @@ def convert_hf_to_mcore(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]
         )
     check_hf_names(placed, hf.names() - mtp.accepted, model, ignore_unknown=ignore_unknown)
-    target_dtype, note, kept = check_hf_tensors(hf, placed, model, dtype, arch.own_dtype)
+    target_dtype, note = check_hf_tensors(hf, placed, model, dtype)
     padded = config_bridge.padded_vocab(model, layout, make_vocab_size_divisible_by)
     dims = model.dims(padded)
-    producer = Producer(hf, dims, target_dtype, kept)
+    producer = Producer(hf, dims, target_dtype)
     chunks, objects = plan_chunks(placed, hf, model, dims, layout, producer, spec)
     args = config_bridge.megatron_args(
         model,
@@ -284,5 +349,6 @@ def convert_hf_to_mcore(
         hf.copy_assets(staging / HF_ASSETS_DIR)
     bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
+
     notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, mtp.note, note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

@@ -1,11 +1,13 @@
 """The engine's view of an architecture: the config its shared decoder is built from, and where each HF tensor goes.
 
-Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads,
-SiLU-gated MLP or a mixture of SiLU-gated experts). What differs lives in the architecture's file in `mappings/`
+Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads, SiLU-
+gated MLP or a mixture of SiLU-gated experts). What differs lives in the architecture's file in `mappings/`
 (`convert.architecture.Architecture`): its mapping table, its mixture-of-experts reading (`moe_from_hf`, the same
-one conversion uses) and the few decoder options the table does not say (`EngineOptions`: biases that HF configs
-switch on, how routing weights are rounded). `ModelConfig.from_hf` reads an HF config (a `PretrainedConfig` or
-its dict) into the frozen `ModelConfig` the decoder is built from, refusing values the decoder would get wrong.
+one conversion uses, so the engine routes exactly as the converted megatron-core model does and refuses what
+conversion refuses), its optional parts (`qk_norm`, `qkv_bias` switches) and the few decoder options the table does
+not say (`EngineOptions`: biases that HF configs switch on, how routing weights are rounded). `ModelConfig.from_hf`
+reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig` the decoder is built from,
+refusing values the decoder would get wrong.
 
 `weight_table` is derived from the architecture's mapping table, not written again: each entry's HF names are
 the names the engine loads, and its megatron-core name says which engine parameter they fill, through one
@@ -18,14 +20,19 @@ tensor-parallel style (`parallel_style.Parallel`). Biases an HF config switches 
 (Llama's `attention_bias`) get names derived from their weights'.
 
 Simplifications and how to extend:
-- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE); grouped or
-  sigmoid routing with expert score biases (DeepSeek-V3) needs a routing function of its own.
-  `router_jitter_noise` and the auxiliary load-balancing loss are training-only and ignored.
+- Mixture of experts: softmax routing over all experts, then top-k (Mixtral, Qwen2-MoE, Qwen3-MoE), or sigmoid
+  scores with a per-expert score bias, group-limited top-k and a scaling factor (GLM-4.5, DeepSeek-V3): one routing
+  function, `model.route`, driven by `MoeConfig`. `router_jitter_noise` and the auxiliary load-balancing loss are
+  training-only and ignored.
+- Multi-token-prediction layers (`num_nextn_predict_layers`) are not used: their tensors are skipped on load
+  (`ignored_prefixes`), as conversion drops them (`convert.mtp`).
 - Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
   transformers-5 model (`mlp.experts.gate_up_proj` [E, 2F, H], gate rows then up rows; `mlp.experts.down_proj`
   [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
   with the conversion's own rules (`Architecture.fused_experts`), so there is one name table.
-- RoPE types: default, linear and llama3. Others (yarn, dynamic, longrope) are refused, not approximated.
+- RoPE types: default, linear and llama3, each also partial (`partial_rotary_factor`: the first
+  `int(head_dim * factor)` dimensions of each head rotate). Others (yarn, dynamic, longrope) are refused, not
+  approximated.
 - Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused.
 """
 
@@ -41,6 +48,7 @@ from hf_mcore_bridge.convert import mapping_types as mt
 from hf_mcore_bridge.convert.architecture import Architecture, Bias
 from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.mapping_types import LayerKind, Size
+from hf_mcore_bridge.convert.mtp import mtp_layer_count, mtp_prefixes
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import REGISTRY, for_config
@@ -82,6 +90,12 @@ class RopeConfig:
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
     """llama3: the context length the model was pre-trained with."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dimensions that rotate (the first `int(head_dim * factor)`; GLM-4.5: 0.5)."""
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The rotated dimensions of a head: the first `int(head_dim * partial_rotary_factor)`."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -99,9 +113,24 @@ class MoeConfig:
     round_routing_weights: bool
     """Routing weights are rounded to the activation dtype before scaling the expert outputs."""
     shared_expert_width: int | None
-    """Intermediate width of the gated shared expert; None when there is none."""
+    """Intermediate width of the shared expert; None when there is none."""
     layers: frozenset[int]
     """The layers with a MoE block; the others have a dense MLP of width `intermediate_size`."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by sigmoid(x . w_gate) (Qwen2-MoE); False: added as it is (GLM-4.5)."""
+    score_function: str = "softmax"
+    """`softmax` over all experts, or an independent `sigmoid` per expert (GLM-4.5, DeepSeek-V3)."""
+    expert_bias: bool = False
+    """A float32 score bias per expert (`e_score_correction_bias`), added to the scores to choose the experts only."""
+    num_groups: int | None = None
+    """Group-limited routing: experts in this many groups, each token choosing within its `group_topk` best ones
+    (ranked by the sum of their 2 largest biased scores); None: no groups."""
+    group_topk: int | None = None
+    """Group-limited routing: the groups each token may choose from."""
+    scaling_factor: float = 1.0
+    """The chosen experts' weights are multiplied by this (`routed_scaling_factor`)."""
+    router_fp32: bool = False
+    """Router logits from float32 copies of the input and weight (HF GLM-4.5 and DeepSeek-V3 route so)."""
 
     @classmethod
     def from_hf(cls, arch: Architecture, hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
@@ -112,14 +141,23 @@ class MoeConfig:
             moe = arch.moe_from_hf(hf, num_layers)
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        sigmoid = moe.score_function == "sigmoid"
         return cls(
             num_experts=moe.num_experts,
             top_k=moe.topk,
             expert_width=moe.ffn_hidden_size,
-            renormalize=not moe.pre_softmax,
+            # megatron-core renormalises sigmoid scores exactly when top-k > 1 (conversion refuses the rest)
+            renormalize=moe.topk > 1 if sigmoid else not moe.pre_softmax,
             round_routing_weights=arch.engine.round_routing_weights,
             shared_expert_width=moe.shared_expert_size,
             layers=frozenset(i for i, routed in enumerate(moe.moe_layers) if routed),
+            shared_expert_gate=moe.shared_expert_gate,
+            score_function=moe.score_function,
+            expert_bias=moe.expert_bias,
+            num_groups=moe.num_groups,
+            group_topk=moe.group_topk,
+            scaling_factor=moe.topk_scaling_factor or 1.0,
+            router_fp32=moe.router_fp32,
         )
 
 
@@ -150,13 +188,17 @@ class ModelConfig:
     tie_word_embeddings: bool
     """The output layer reuses the embedding matrix."""
     qkv_bias: bool
-    """Resolved from `arch.qkv_bias` and the config."""
+    """Resolved from `arch.engine.qkv_bias` and the config."""
     o_bias: bool
-    """Resolved from `arch.o_bias` and the config."""
+    """Resolved from `arch.engine.o_bias` and the config."""
     sliding_window: int | None
     """The attention window if the config declares one (checked against max_model_len, never applied)."""
     moe: MoeConfig | None = None
     """The mixture of experts; None for a dense model."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (resolved from `arch.qk_norm` and the config)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint stores after the decoder layers (skipped on load)."""
 
     def mlp_kind(self, layer: int) -> MlpKind:
         """The MLP block of one decoder layer."""
@@ -167,9 +209,17 @@ class ModelConfig:
         """Reads a transformers `PretrainedConfig` or a config.json dict."""
         hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         arch = find_arch(hf)
+        hf = arch.with_absent(hf)
         _refuse_unsupported(hf)
         heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+        rope = read_rope(hf)
+        if rope.rotary_dim(head_dim) % 2 or not rope.rotary_dim(head_dim):
+            raise ValueError(
+                f"partial_rotary_factor={rope.partial_rotary_factor:g} rotates {rope.rotary_dim(head_dim)} of the "
+                f"{head_dim} dimensions of a head: the rotate_half layout needs an even, positive number"
+            )
         return cls(
             arch=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -178,15 +228,24 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=read_rope(hf),
+            rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=_resolve_bias(arch.engine.qkv_bias, hf),
             o_bias=_resolve_bias(arch.engine.o_bias, hf),
             sliding_window=_sliding_window(hf),
             moe=MoeConfig.from_hf(arch, hf, num_layers) if arch.is_moe else None,
+            qk_norm=arch.switched_on(arch.qk_norm, hf),
+            mtp_layers=_mtp_layers(arch, hf),
         )
+
+
+def _mtp_layers(arch: Architecture, hf: Mapping[str, Any]) -> int:
+    try:
+        return mtp_layer_count(arch, hf)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 def _resolve_bias(rule: Bias, hf: Mapping[str, Any]) -> bool:
@@ -233,12 +292,19 @@ def read_rope(hf: Mapping[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise NotImplementedError(f"rope_type={rope_type!r}: only default, linear and llama3 are implemented")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not implemented")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = float(partial if partial is not None else 1.0)
+    if not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor={partial:g} must be in (0, 1]")
     if rope_type == "default":
-        return RopeConfig(theta=float(params["rope_theta"]))
+        return RopeConfig(theta=float(params["rope_theta"]), partial_rotary_factor=partial)
     if rope_type == "linear":
-        return RopeConfig(theta=float(params["rope_theta"]), rope_type="linear", factor=float(params["factor"]))
+        return RopeConfig(
+            theta=float(params["rope_theta"]),
+            rope_type="linear",
+            factor=float(params["factor"]),
+            partial_rotary_factor=partial,
+        )
     return RopeConfig(
         theta=float(params["rope_theta"]),
         rope_type="llama3",
@@ -246,6 +312,7 @@ def read_rope(hf: Mapping[str, Any]) -> RopeConfig:
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        partial_rotary_factor=partial,
     )
 
 
@@ -268,6 +335,7 @@ ENGINE_PARAMS: dict[str, str] = {
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.experts.local_experts.{expert}.linear_fc1.weight": "mlp.experts.w13",
     "mlp.experts.local_experts.{expert}.linear_fc2.weight": "mlp.experts.w2",
     "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
@@ -357,12 +425,13 @@ def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
     model's own (embedding, final norm, output layer).
     """
     kind = LayerKind.MOE if mlp is MlpKind.MOE else LayerKind.DENSE
+    features = {mt.Feature.QK_NORM: cfg.qk_norm, mt.Feature.QKV_BIAS: cfg.qkv_bias}
     table: list[Entry] = []
     for entry in cfg.arch.table:
         if entry.layers not in (LayerKind.ALL, kind) or (entry.untied_only and cfg.tie_word_embeddings):
             continue
-        if isinstance(entry, mt.FusedQKV) and not entry.tail and not cfg.qkv_bias:
-            continue  # a q/k/v bias the config switches off (Qwen2-MoE's `qkv_bias: false`)
+        if entry.requires is not None and not features[entry.requires]:
+            continue  # an optional part the config switches off (Qwen2-MoE's `qkv_bias: false`, GLM's q/k norms)
         table.append(_derived(cfg, entry))
     qkv = next(e for e in table if isinstance(e, FusedQKV))
     if cfg.qkv_bias and not any(isinstance(e, FusedQKV) and e.target.endswith(".bias") for e in table):
@@ -404,6 +473,11 @@ def _bias_of(weight_name: str) -> str:
 def _hf_name(table: list[Entry], param: str) -> str:
     """The HF name of the table record that fills `param`."""
     return next(e.name for e in table if isinstance(e, Direct) and (e.target or e.name) == param)
+
+
+def ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """HF name prefixes accepted and dropped: the multi-token-prediction layers after the decoder layers."""
+    return mtp_prefixes(cfg.num_layers, cfg.mtp_layers)
 
 
 def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:

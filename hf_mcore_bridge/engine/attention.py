@@ -23,6 +23,14 @@ Two attention shapes:
     block_size, head_dim]` and masked past its length, then SDPA (plain torch, any device). Grouped-query
     attention folds a KV head's query heads into the query-length axis, exact because decode has no causal mask.
 Every shape depends only on (batch, n_blocks), so the decode step can be captured in a CUDA graph.
+
+FP8 cache (`EngineConfig.kv_cache_dtype: fp8`): the cache holds e4m3 keys and values, each stored as
+`value / kv_scale` (one per-tensor scale, `EngineConfig.kv_cache_scale`, the same for keys and values of every
+layer: vLLM's uncalibrated default is 1), rounded to nearest and clamped to +-448. Prefill attends over its fresh
+keys and values (unrounded); decode reads the rounded ones: the Triton kernel converts each tile to the query's
+dtype, folds `kv_scale` into the score scale and multiplies its output by it, and `gather` converts what it
+gathered. The cache is written, gathered and copied through uint8 views of the same bytes (torch has no
+`index_copy_` for float8 on CPU). FlexAttention does not read an FP8 cache (refused by the engine).
 """
 
 from __future__ import annotations
@@ -34,10 +42,44 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hf_mcore_bridge.engine.compiled import CompiledOrEager
 from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
 
 DECODE_KERNELS = ("triton", "flex", "gather")
 """Decode attention kernels (see the module docstring)."""
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_CACHE_DTYPE).max)
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's bytes as uint8 (the same storage), for the indexed copies torch lacks for float8; any
+    other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_CACHE_DTYPE else cache
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Keys or values as the cache stores them: `x` itself, or in an FP8 cache `x / kv_scale` rounded to e4m3
+    (clamped to its finite range)."""
+    if cache_dtype != FP8_CACHE_DTYPE:
+        return x
+    return (x.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_CACHE_DTYPE)
+
+
+def _to_cache_pair(
+    k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype, kv_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return to_cache(k, cache_dtype, kv_scale), to_cache(v, cache_dtype, kv_scale)
+
+
+_TO_CACHE = CompiledOrEager(_to_cache_pair, "FP8 KV-cache quantization")
+"""`to_cache` of keys and values compiled (CUDA inputs only): one kernel for both instead of eight."""
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """What `to_cache` stored, in `dtype` (an FP8 entry times `kv_scale`)."""
+    if x.dtype != FP8_CACHE_DTYPE:
+        return x
+    return (x.float() * kv_scale).to(dtype)
 
 
 def allocate_kv_cache(
@@ -72,6 +114,8 @@ class PrefillMetadata:
     """[batch, max_len] bool: True where the padded position holds a real token."""
     batch_size: int
     max_len: int
+    kv_scale: float = 1.0
+    """Per-tensor scale of an FP8 cache's entries (`to_cache`); unused for a cache in the activations' dtype."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +136,10 @@ class DecodeMetadata:
     `with_block_mask`."""
     triton: bool = False
     """Decode through the Triton kernel (`triton`), which needs nothing beyond the block tables and lengths."""
+    kv_scale: float = 1.0
+    """Per-tensor scale of an FP8 cache's entries (`to_cache`); unused for a cache in the activations' dtype."""
+    fused_rope: bool = False
+    """Rotate q and k and write the cache in one kernel (`triton_rope`), with the Triton decode kernel only."""
 
 
 def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> DecodeMetadata:
@@ -164,16 +212,22 @@ def _flex_attention(compiled: bool) -> Callable[..., torch.Tensor]:
     return _FLEX[compiled]
 
 
-def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores keys/values `[T, kv_heads, head_dim]` at `slot_mapping` [T] of `layer_cache` [2, NB, BS, KVH, D]."""
+def write_kv(
+    layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: float = 1.0
+) -> None:
+    """Stores keys/values `[T, kv_heads, head_dim]` at `slot_mapping` [T] of `layer_cache` [2, NB, BS, KVH, D]
+    (an FP8 cache: as `to_cache` rounds them)."""
     kv_heads, head_dim = layer_cache.shape[-2:]
-    layer_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    layer_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    cache = _raw(layer_cache)
+    quantize = _TO_CACHE if k.is_cuda and layer_cache.dtype == FP8_CACHE_DTYPE else _to_cache_pair
+    for index, stored in enumerate(quantize(k, v, layer_cache.dtype, kv_scale)):
+        cache[index].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, _raw(stored))
 
 
 def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies blocks `src` [N] onto blocks `dst` [N] in every layer, keys and values (copy-on-write)."""
-    cache[:, :, dst] = cache[:, :, src]
+    raw = _raw(cache)
+    raw[:, :, dst] = raw[:, :, src]
 
 
 def _to_padded(x: torch.Tensor, meta: PrefillMetadata) -> torch.Tensor:
@@ -210,16 +264,27 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMet
     q: [B, heads, D]; layer_cache: [2, NB, BS, kv_heads, D]. Returns [B, heads, D].
     """
     if meta.triton:
-        return paged_decode_attention(q, layer_cache, meta.block_tables, meta.context_lens, scale)
+        return paged_decode_attention(
+            q, layer_cache, meta.block_tables, meta.context_lens, scale, kv_scale=meta.kv_scale
+        )
     if meta.block_mask is not None:
+        if layer_cache.dtype == FP8_CACHE_DTYPE:
+            raise ValueError(
+                "FlexAttention decode does not read an FP8 KV cache; use decode_attention triton or gather"
+            )
         return _flex_decode(q, layer_cache, meta, scale)
     batch, heads, head_dim = q.shape
     block_size, kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     n_blocks = meta.block_tables.shape[1]
     length = n_blocks * block_size
     flat_blocks = meta.block_tables.reshape(-1)
-    k = layer_cache[0].index_select(0, flat_blocks).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    v = layer_cache[1].index_select(0, flat_blocks).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    raw = _raw(layer_cache)
+    k, v = (
+        from_cache(raw[i].index_select(0, flat_blocks).view(layer_cache.dtype), q.dtype, meta.kv_scale)
+        .view(batch, length, kv_heads, head_dim)
+        .transpose(1, 2)
+        for i in (0, 1)
+    )
     if meta.key_bias is None:
         meta = with_key_bias(meta, block_size, q.dtype)
     grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim)

@@ -22,6 +22,9 @@ with no further communication: continuous batching, preemption, prefix sharing, 
 as on one device. The collectives are ordinary `torch.distributed` calls, so on NCCL they can be captured in the
 decode CUDA graphs (not tested: no multi-GPU test here).
 
+A caller can take each sample the moment its tokens are final (`generate(..., on_sample=...)`), e.g. to score
+it while the others are still generating; the call still returns every output at the end.
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
@@ -29,6 +32,7 @@ sharing within the n samples of one prompt; a preempted sequence is recomputed, 
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -43,6 +47,7 @@ import torch
 from hf_mcore_bridge.engine.arch import ModelConfig
 from hf_mcore_bridge.engine.attention import (
     DECODE_KERNELS,
+    FP8_CACHE_DTYPE,
     DecodeMetadata,
     PrefillMetadata,
     allocate_kv_cache,
@@ -66,6 +71,9 @@ from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""Values of `EngineConfig.kv_cache_dtype`."""
 
 
 class EngineAsleepError(RuntimeError):
@@ -120,6 +128,24 @@ class EngineConfig:
     """Multiply by per-block FP8 (e4m3, 128 x 128 blocks) copies of the attention and dense MLP weights
     (`engine.fp8`), requantized from the held weights at the start of every `generate` (so after every load or
     refit); the weights themselves, the KV cache and the other layers stay in `dtype`."""
+    kv_cache_dtype: str = "auto"
+    """`auto`: the KV cache holds keys and values in `dtype`; `fp8`: in float8_e4m3fn, each the value over
+    `kv_cache_scale` (`attention.to_cache`), so a block takes half the bytes of bf16 (twice the blocks for the same
+    `kv_cache_memory_bytes`) and decode attention reads half as many. Prefill attends over the unrounded keys and
+    values; decode reads the rounded ones. Needs `decode_attention` triton or gather (FlexAttention does not read
+    FP8)."""
+    kv_cache_scale: float = 1.0
+    """Per-tensor scale of an FP8 KV cache (`kv_cache_dtype: fp8`), one for keys and values of every layer: an
+    entry holds value / scale, rounded to e4m3 (3 mantissa bits) and clamped to +-448. 1.0 is vLLM's default
+    without calibrated scales: keys and values of magnitude 2^-6 to 448 keep a relative error of at most 2^-4."""
+    fused_rope: bool = False
+    """With the Triton decode kernel, rotate q and k and write k and v into the cache in one Triton kernel a layer
+    (`triton_rope`) instead of the compiled rotary kernel and two cache copies (models without per-head q/k
+    norms). Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
+    fused_sampler: bool | None = False
+    """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
+    (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed.
+    Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -138,6 +164,14 @@ class EngineConfig:
             raise ValueError(f"decode_attention must be one of {kernels}, got {self.decode_attention!r}")
         if self.flex_min_batch < 1:
             raise ValueError(f"flex_min_batch must be >= 1, got {self.flex_min_batch}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not (self.kv_cache_scale > 0 and math.isfinite(self.kv_cache_scale)):
+            raise ValueError(f"kv_cache_scale must be a positive finite number, got {self.kv_cache_scale}")
+
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is allocated in (`kv_cache_dtype`)."""
+        return FP8_CACHE_DTYPE if self.kv_cache_dtype == "fp8" else self.dtype
 
     def compiled(self) -> bool:
         """Whether `torch_compile` resolves to compiled steps on this config's device."""
@@ -229,6 +263,15 @@ class _Launched:
     """ids of sequences that stopped at the step before: their result here is discarded."""
 
 
+@dataclass
+class _Finished:
+    """The samples of the `generate` call in progress whose tokens are final, by `id` of their sequence."""
+
+    on_sample: Callable[[int, SampleOutput], None] | None
+    first_index: int
+    outputs: dict[int, SampleOutput] = field(default_factory=dict)
+
+
 def _finish_reason(seq: Sequence) -> str | None:
     """Why `seq` ends after its latest token (a stop token, or its length), setting it; None if it goes on."""
     if seq.token_ids[-1] in seq.params.stop_token_ids:
@@ -252,7 +295,8 @@ def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 class Engine:
-    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE decoders.
+    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5
+    decoders.
 
     Args:
         hf_config: a transformers `PretrainedConfig` or a config.json dict.
@@ -289,6 +333,8 @@ class Engine:
         kernel = cfg.decode_kernel(mc.head_dim)
         if kernel == "triton":
             triton_check(self.device, mc.head_dim, cfg.block_size)
+        if cfg.kv_cache_dtype == "fp8" and kernel == "flex":
+            raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")
         self.model = CausalLM(
             mc,
             cfg.dtype,
@@ -299,9 +345,11 @@ class Engine:
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
             tp=self.tp,
         )
+        self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
+        self.model.fused_rope = cfg.fused_rope
         self.num_kv_heads = self.model.sizes.num_kv_heads
         """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
-        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype)
+        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.cache_dtype())
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
         if self.num_blocks < self.max_blocks_per_seq + 2:
@@ -315,7 +363,10 @@ class Engine:
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
         flex_rows = cfg.flex_min_batch if kernel == "flex" and self.device.type == "cuda" else None
         self._flex_rows = flex_rows
-        self._sampler = Sampler(compile=cfg.compiled())
+        fused = cfg.fused_sampler
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_available()
+        self._sampler = Sampler(compile=cfg.compiled(), fused=fused)
         self._graphs = (
             self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None else None
         )
@@ -328,6 +379,7 @@ class Engine:
         ]
         self._host_slot = 0
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
+        self._finished = _Finished(None, 0)
         if weights_dir is not None:
             self.load_weights(iter_safetensors(weights_dir))
 
@@ -429,6 +481,7 @@ class Engine:
         prompts: Seq[str] | Seq[Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         first_index: int = 0,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Completes each prompt (text, with a tokenizer, or token ids); one `RequestOutput` per prompt, in order.
 
@@ -437,6 +490,9 @@ class Engine:
         that batch (a seeded request's samples depend on its seed and that index, not on how the batch is split).
         Each sample's `logprobs` are those of
         its sampled tokens under log_softmax(logits / temperature), taken BEFORE top-k / top-p truncation.
+        `on_sample(i, sample)` is called once per sample, during the call, as soon as its tokens are final (in the
+        order samples finish), with its prompt's position `i` in `prompts` and the `SampleOutput` the result will
+        hold for it; an exception it raises ends the call.
         """
         if self._sleep_level:
             raise EngineAsleepError(f"the engine is asleep (level {self._sleep_level}); call wake_up() first")
@@ -461,20 +517,30 @@ class Engine:
         for group in groups:
             scheduler.add(group)
         self._pipeline_counts = {"pipelined_steps": 0, "discarded_tokens": 0}
-        with torch.inference_mode():
-            while scheduler.has_work():
-                step = scheduler.schedule()
-                if isinstance(step, PrefillStep):
-                    self._prefill(scheduler, step)
-                else:
-                    self._decode(scheduler, step)
+        self._finished = _Finished(on_sample, first_index)
+        try:
+            with torch.inference_mode():
+                while scheduler.has_work():
+                    step = scheduler.schedule()
+                    if isinstance(step, PrefillStep):
+                        self._prefill(scheduler, step)
+                    else:
+                        self._decode(scheduler, step)
+            for group in groups:  # every sample once, also any a step did not hand over
+                self._report(group.sequences)
+            outputs = self._finished.outputs
+        finally:
+            self._finished = _Finished(None, 0)
         self.last_stats = EngineStats(
             **vars(scheduler.stats),
             blocks_allocated=allocator.total_allocations,
             num_blocks=self.num_blocks,
             **self._pipeline_counts,
         )
-        return [self._output(ids, group) for ids, group in zip(prompt_ids, groups, strict=True)]
+        return [
+            RequestOutput(prompt_token_ids=ids, samples=[outputs[id(seq)] for seq in group.sequences])
+            for ids, group in zip(prompt_ids, groups, strict=True)
+        ]
 
     def _params_per_prompt(
         self, params: SamplingParams | Seq[SamplingParams] | None, count: int
@@ -547,6 +613,7 @@ class Engine:
             if _finish_reason(seq) is not None:
                 finished.append(seq)
         scheduler.finish(finished)
+        self._report(finished)
 
     def _decode(self, scheduler: Scheduler, step: DecodeStep) -> None:
         """Decode steps, pipelined: step t+1 is scheduled and launched before step t's tokens reach the host, so
@@ -631,6 +698,8 @@ class Engine:
                     following.dropped.add(id(seq))
                     self._pipeline_counts["discarded_tokens"] += 1
         scheduler.finish(stopped)
+        # final now: those that stopped here and those that reached their length with this step's token
+        self._report([seq for seq in launched.sequences if seq.finish_reason is not None])
 
     def _sampling_batch(self, sequences: list[Sequence]) -> SamplingBatch:
         first = sequences[0].params
@@ -707,23 +776,31 @@ class Engine:
         assert self.kv_cache is not None
         return self.model(ids, positions, self.kv_cache, meta)
 
-    def _output(self, prompt_ids: list[int], group: Group) -> RequestOutput:
-        samples = []
-        for seq in group.sequences:
+    def _report(self, sequences: list[Sequence]) -> None:
+        """The output of each finished sequence (its tokens final), made once; handed to `on_sample` if given."""
+        finished = self._finished
+        for seq in sequences:
+            if id(seq) in finished.outputs:
+                continue
             generated = seq.token_ids[seq.prompt_len :]
-            samples.append(
-                SampleOutput(
-                    index=seq.sample_index,
-                    token_ids=generated,
-                    text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
-                    finish_reason=seq.finish_reason or "length",
-                    logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-                )
+            output = finished.outputs[id(seq)] = SampleOutput(
+                index=seq.sample_index,
+                token_ids=generated,
+                text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
+                finish_reason=seq.finish_reason or "length",
+                logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             )
-        return RequestOutput(prompt_token_ids=prompt_ids, samples=samples)
+            if finished.on_sample is not None:
+                finished.on_sample(seq.request_index - finished.first_index, output)
 
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config
         return allocate_kv_cache(
-            mc.num_layers, self.num_blocks, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.dtype, self.device
+            mc.num_layers,
+            self.num_blocks,
+            cfg.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+            cfg.cache_dtype(),
+            self.device,
         )

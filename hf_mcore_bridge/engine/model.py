@@ -1,4 +1,4 @@
-"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE) and its weight loader.
+"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) and its weight loader.
 
 Layout follows the inference convention: a batch is a flat run of tokens `[T]` with their positions, and the
 attention metadata says how tokens group into sequences and where they live in the paged KV cache
@@ -6,16 +6,19 @@ attention metadata says how tokens group into sequences and where they live in t
 to the activation dtype, float32 router softmax), so an fp32 engine reproduces an fp32 HF model to rounding; in
 bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwise steps (rotary embedding, SiLU
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
-eager, or compiled into fused kernels (the engine's choice on CUDA). Logits come out in the model's dtype.
+eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
+kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms;
+`fused_rope` off: the separate steps). Logits come out in the model's dtype.
 
-Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, top-k, optional renormalisation)
-and `routed_experts`, which sorts the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP
-on its own rows, adding the weighted outputs in transformers' order. This is the simple, exact path, not the fast
-one: each MoE layer syncs with the host once (the per-expert row counts) and launches a few kernels per active
-expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a grouped GEMM over the expert-sorted
-rows with on-device offsets (vLLM's fused-MoE Triton kernel, or `torch._grouped_mm`): sync-free, graph-capturable,
-and taking the same stacked `experts.w13` [E, 2F, H] / `experts.w2` [E, H, F] parameters, so only
-`routed_experts` would change.
+Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, or sigmoid scores with an expert
+score bias and group-limited top-k; top-k, optional renormalisation and scaling) and `routed_experts`, which sorts
+the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP on its own rows, adding the
+weighted outputs in transformers' order, then a shared expert (sigmoid-gated or not) where there is one. This is the
+simple, exact path, not the fast one: each MoE layer syncs with the host once (the per-expert row counts) and
+launches a few kernels per active expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a
+grouped GEMM over the expert-sorted rows with on-device offsets (vLLM's fused-MoE Triton kernel, or
+`torch._grouped_mm`): sync-free, graph-capturable, and taking the same stacked `experts.w13` [E, 2F, H] /
+`experts.w2` [E, H, F] parameters, so only `routed_experts` would change.
 
 Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
 single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
@@ -51,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_mcore_bridge.convert.moe_tables import HF_GROUP_SCORE_TOPK
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.engine.arch import (
     Direct,
@@ -66,6 +70,7 @@ from hf_mcore_bridge.engine.arch import (
     RopeConfig,
     fused_expert_pieces,
     ignored_names,
+    ignored_prefixes,
     weight_table,
 )
 from hf_mcore_bridge.engine.attention import (
@@ -78,7 +83,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
-from hf_mcore_bridge.engine.fp8 import fp8_linear, quantize_blockwise, scaled_mm_works
+from hf_mcore_bridge.engine.fp8 import fp8_linear, gemm_scales, quantize_blockwise, scaled_mm_works
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
@@ -91,6 +96,7 @@ from hf_mcore_bridge.engine.tp_shards import (
     local_sizes,
     vocab_shard,
 )
+from hf_mcore_bridge.engine.triton_rope import fused_rope_write
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -119,7 +125,8 @@ class UnknownWeightError(KeyError):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, computed with transformers' float32 op order."""
+    """[head_dim / 2] float32 inverse frequencies, computed with transformers' float32 op order. `head_dim` is the
+    rotated width (`RopeConfig.rotary_dim` of a partial rotary embedding)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
@@ -164,8 +171,9 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """A linear layer whose parameters start empty (they are always loaded, never initialised). `fp8`, once set by
-    `quantize_fp8`, holds the weight's per-block FP8 copy and its scales (`engine.fp8`), and the layer multiplies
-    by that copy instead of `weight` (which stays: loads and the refit's checks read it)."""
+    `quantize_fp8`, holds the weight's per-block FP8 copy, its scales (`engine.fp8`) and those scales in the FP8
+    GEMM's layout (`fp8.gemm_scales`), and the layer multiplies by that copy instead of `weight` (which stays:
+    loads and the refit's checks read it)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
@@ -173,22 +181,24 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def quantize_fp8(self) -> None:
         """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
         q, scale_inv = quantize_blockwise(self.weight.detach())
         scaled_mm_works(q.device)  # decided now, eagerly, not inside a graph capture
         if self.fp8 is None:
-            self.fp8 = (q, scale_inv)
+            self.fp8 = (q, scale_inv, gemm_scales(scale_inv))
         else:
             self.fp8[0].copy_(q)
             self.fp8[1].copy_(scale_inv)
+            self.fp8[2].copy_(gemm_scales(scale_inv))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is None:
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, *self.fp8, bias)
+        q, scale_inv, gemm_scale = self.fp8
+        return fp8_linear(x, q, scale_inv, bias, gemm_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -264,8 +274,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), cfg.qkv_bias, dtype, device)
         self.o_proj = RowLinear(q_rows, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.arch.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.arch.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -278,6 +288,10 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if isinstance(meta, DecodeMetadata) and meta.fused_rope and self.q_norm is None:
+            # one kernel rotates q and k and writes k and v into the cache (`triton_rope`)
+            q = fused_rope_write(qkv, cos, sin, layer_cache, meta.slot_mapping, heads, kv_heads, meta.kv_scale)
+            return self.o_proj(decode_attention(q, layer_cache, meta, self.scale).reshape(tokens, -1))
         v = qkv[:, self.split[0] + self.split[1] :].view(tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split(self.split, dim=-1)
@@ -288,7 +302,7 @@ class Attention(nn.Module):
             # Without per-head norms q and k are rotated together: half the kernels of the decode step's RoPE.
             qk = qkv[:, : self.split[0] + self.split[1]].view(tokens, heads + kv_heads, head_dim)
             q, k = self.ops.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
-        write_kv(layer_cache, k, v, meta.slot_mapping)
+        write_kv(layer_cache, k, v, meta.slot_mapping, meta.kv_scale)
         if isinstance(meta, PrefillMetadata):
             out = prefill_attention(q, k, v, meta, self.scale)
         else:
@@ -318,17 +332,59 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing: float32 weights [T, k] and expert ids [T, k] of each token's top-k experts.
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    score_function: str = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 weights [T, k] and expert ids [T, k] of each token's top-k experts. router_logits: [T, E].
 
-    router_logits: [T, E]. The softmax is over all experts in float32; with `renormalize` the k kept weights are
-    divided by their sum (Mixtral, Qwen-MoE with `norm_topk_prob`), else they keep their softmax values.
+    - `softmax` (Mixtral, Qwen-MoE): scores softmax(logits) over all experts in float32; the top-k scores, divided
+      by their sum with `renormalize` (`norm_topk_prob`), else kept as they are.
+    - `sigmoid` (GLM-4.5, DeepSeek-V3): scores s = sigmoid(logits) in float32, each expert on its own; the experts
+      are chosen by s + `expert_bias` (float32 [E], `e_score_correction_bias`; it never enters the weights); with
+      `num_groups`, only within each token's `group_topk` groups of largest group score, the sum of a group's
+      `HF_GROUP_SCORE_TOPK` (2) largest biased scores (transformers' rule; megatron-core's equals it wherever
+      conversion accepts the config); the weights are the chosen experts' s, divided by their sum + 1e-20 with
+      `renormalize`.
+    Then every weight is multiplied by `scaling_factor` (`routed_scaling_factor`).
     """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if score_function == "softmax":
+        if expert_bias is not None:
+            raise ValueError("an expert score bias needs sigmoid scores")
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        choice = scores
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(router_logits.float())
+        choice = scores if expert_bias is None else scores + expert_bias.float()
+    else:
+        raise ValueError(f"unknown router score function {score_function!r}")
+    if num_groups is not None and group_topk is not None:
+        choice = _within_best_groups(choice, num_groups, group_topk)
+    experts = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(-1, experts)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if score_function == "sigmoid" else total)
+    if scaling_factor != 1.0:
+        weights = weights * scaling_factor
     return weights, experts
+
+
+def _within_best_groups(choice: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """`choice` [T, E] with every expert outside each token's `group_topk` best groups set to -inf."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(HF_GROUP_SCORE_TOPK, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, group_topk, dim=-1, sorted=False)[1]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed[..., None], float("-inf")).view(tokens, experts)
 
 
 def routed_experts(
@@ -371,8 +427,28 @@ class Experts(nn.Module):
         return routed_experts(x, self.w13, self.w2, weights, experts)
 
 
+class Router(nn.Module):
+    """A MoE layer's router (HF `mlp.gate`): `weight` [E, H] in the model's dtype and, for biased routing,
+    `e_score_correction_bias` [E] in float32 (as transformers and megatron-core hold it). Logits in the model's
+    dtype, or in float32 from float32 copies of input and weight (`MoeConfig.router_fp32`)."""
+
+    def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _param(moe.num_experts, hidden, dtype=dtype, device=device)
+        self.e_score_correction_bias = (
+            _param(moe.num_experts, dtype=torch.float32, device=device) if moe.expert_bias else None
+        )
+        self.fp32 = moe.router_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+
 class SparseMoe(nn.Module):
-    """Router (`gate`), routed experts and, where the architecture has one, a sigmoid-gated shared expert.
+    """Router (`gate`), routed experts and, where the architecture has one, a shared expert (sigmoid-gated, as
+    Qwen2-MoE's, or added as it is, as GLM-4.5's).
 
     Under tensor parallelism the router and the shared expert's gate are whole on every rank (so every rank routes
     alike), the routed and shared experts hold this rank's slice of their widths, and the rank's partial output of
@@ -391,19 +467,34 @@ class SparseMoe(nn.Module):
         assert cfg.moe is not None and sizes.expert_width is not None
         self.moe = cfg.moe
         self.tp = tp
-        self.gate = Linear(cfg.hidden_size, cfg.moe.num_experts, False, dtype, device)
-        self.experts = Experts(cfg.moe, sizes.expert_width, cfg.hidden_size, dtype, device)
+        moe = cfg.moe
+        self.gate = Router(moe, cfg.hidden_size, dtype, device)
+        self.experts = Experts(moe, sizes.expert_width, cfg.hidden_size, dtype, device)
         shared = sizes.shared_expert_width
         self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device, ops) if shared is not None else None
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if shared is not None else None
+        gated = shared is not None and moe.shared_expert_gate
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        if self.moe.round_routing_weights:
+        moe = self.moe
+        weights, experts = route(
+            self.gate(x),
+            moe.top_k,
+            moe.renormalize,
+            score_function=moe.score_function,
+            expert_bias=self.gate.e_score_correction_bias,
+            num_groups=moe.num_groups,
+            group_topk=moe.group_topk,
+            scaling_factor=moe.scaling_factor,
+        )
+        if moe.round_routing_weights:
             weights = weights.to(x.dtype)
         out = self.experts(x, weights, experts)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -509,6 +600,12 @@ class CausalLM(nn.Module):
         """The pointwise steps (`pointwise.EAGER_OPS`, or `pointwise.compiled_ops()` for fused kernels)."""
         self.tp = tp
         """The tensor-parallel group's collectives; None: one device, no collective (`TensorParallel.of`)."""
+        self.fused_rope = True
+        """With the Triton decode kernel, rotate q and k and write the cache in one kernel (`triton_rope`); set by
+        the engine (`EngineConfig.fused_rope`)."""
+        self.kv_scale = 1.0
+        """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
+        attention of every layer through the pass's metadata."""
         place = tp.place if tp is not None else TPRank(1, 0)
         moe = cfg.moe
         self.sizes = local_sizes(
@@ -527,12 +624,14 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, self.sizes.vocab_rows, False, dtype, device)
         )
-        cos, sin = rope_tables(rope_inv_freq(cfg.rope, cfg.head_dim), max_positions)
+        cos, sin = rope_tables(rope_inv_freq(cfg.rope, cfg.rope.rotary_dim(cfg.head_dim)), max_positions)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         self.targets = _expand_targets(cfg, self.sizes, place, self._shapes)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
+        self.ignored_prefixes = ignored_prefixes(cfg)
+        """HF name prefixes skipped on load: multi-token-prediction layers (`arch.ignored_prefixes`)."""
         self.fused = {
             name: pieces
             for name, pieces in fused_expert_pieces(cfg).items()
@@ -565,9 +664,11 @@ class CausalLM(nn.Module):
         input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
         """
         h = self.model.embed_tokens(input_ids)
+        if self.kv_scale != meta.kv_scale:
+            meta = replace(meta, kv_scale=self.kv_scale)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
             if self.decode_kernel == "triton":
-                meta = replace(meta, triton=True)
+                meta = replace(meta, triton=True, fused_rope=self.fused_rope)
             elif self.decode_kernel == "flex" and meta.block_tables.shape[0] >= self.flex_min_batch:
                 meta = with_block_mask(meta, kv_cache.shape[3], kv_cache.shape[2])
             else:
@@ -610,7 +711,7 @@ class CausalLM(nn.Module):
         held = 0
         for name, tensor in self._split_fused(weights):
             if name not in self.targets:
-                if name in self.ignored:
+                if name in self.ignored or (self.ignored_prefixes and name.startswith(self.ignored_prefixes)):
                     continue
                 close = difflib.get_close_matches(name, list(self.targets), n=3)
                 raise UnknownWeightError(f"unknown weight {name!r}; closest known names: {close}")

@@ -17,6 +17,7 @@ def paged_decode_kernel(
     out_ptr,
     stats_ptr,
     scale_log2,
+    value_scale,
     blocks_per_split,
     q_stride_b,
     q_stride_h,
@@ -50,6 +51,7 @@ def paged_decode_kernel(
     q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    dtype = q.dtype  # of the products: an FP8 cache's tiles are converted to it
     length = tl.load(lens_ptr + seq).to(tl.int32)
     first = split * blocks_per_split * BLOCK_SIZE
     last = tl.minimum(first + blocks_per_split * BLOCK_SIZE, length)
@@ -65,21 +67,20 @@ def paged_decode_kernel(
         row += kv_head * cache_stride_head
         keys = tl.load(k_ptr + row[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         values = tl.load(v_ptr + row[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            keys = keys.to(tl.float32)
+        keys = keys.to(dtype)
         scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         correction = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         normaliser = normaliser * correction + tl.sum(probs, 1)
-        probs = probs.to(values.dtype)
-        if DOT_FP32:
-            probs = probs.to(tl.float32)
-            values = values.to(tl.float32)
+        probs = probs.to(q_ptr.dtype.element_ty)  # rounded as the activations are, then to the products' dtype
+        probs = probs.to(dtype)
+        values = values.to(dtype)
         acc = acc * correction[:, None] + tl.dot(probs, values, input_precision=PRECISION)
         running_max = new_max
 
+    acc = acc * value_scale
     out = out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + split * out_stride_s + dims[None, :]
     if NORMALISE:
         safe = tl.where(normaliser > 0, normaliser, 1.0)  # a padding row of length 0 reads nothing

@@ -19,7 +19,11 @@ from hf_mcore_bridge.engine.compiled import CompiledOrEager
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the `rotate_half` layout. x: [T, heads, D]; cos, sin: [T, D] in x's dtype."""
+    """Rotary embedding in the `rotate_half` layout. x: [T, heads, D]; cos, sin: [T, R] in x's dtype, R <= D: a
+    partial rotary embedding rotates the first R dimensions and passes the others through (transformers' order)."""
+    rotated_dims = cos.shape[-1]
+    if rotated_dims < x.shape[-1]:
+        return torch.cat((rope(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

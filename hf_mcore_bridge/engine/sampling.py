@@ -15,6 +15,7 @@ Truncation follows transformers' order: temperature, then top-k, then top-p on t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -235,20 +236,37 @@ def sample_untruncated(
 
 
 class Sampler:
-    """`sample`, with `sample_untruncated` compiled by `torch.compile` when `compile` is set (for CUDA: its
-    reductions fuse into a few kernels that read the logits without writing [B, V] intermediates). If compilation
-    fails, a warning names the error once and eager sampling is used from then on (`CompiledOrEager`)."""
+    """`sample`, with `sample_untruncated` run by the fused Triton kernel when `fused` is set
+    (`triton_sampling`: one read of the logits, CUDA or Triton's interpreter), else compiled by `torch.compile`
+    when `compile` is set (for CUDA: its reductions fuse into a few kernels that read the logits without writing
+    [B, V] intermediates). If compilation fails, a warning names the error once and eager sampling is used from
+    then on (`CompiledOrEager`); so, likewise, if the fused kernel fails (the torch path then). Truncated batches
+    (top-k / top-p) always take `sample`."""
 
-    def __init__(self, compile: bool) -> None:
+    def __init__(self, compile: bool, fused: bool = False) -> None:
         self._untruncated = CompiledOrEager(sample_untruncated, "sampling") if compile else None
+        self.fused = fused
 
     @property
     def compiled(self) -> bool:
         return self._untruncated is not None and self._untruncated.compiled
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._untruncated is None or (batch.any_random and batch.any_truncation):
+        if batch.any_random and batch.any_truncation:
             return sample(logits, batch)
-        return self._untruncated(
-            logits, batch.temperature, batch.uniforms, batch.any_random, batch.any_greedy, batch.any_scaled
-        )
+        args = (logits, batch.temperature, batch.uniforms, batch.any_random, batch.any_greedy, batch.any_scaled)
+        if self.fused:
+            from hf_mcore_bridge.engine.triton_sampling import fused_sample_untruncated
+
+            try:
+                return fused_sample_untruncated(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # a Triton compiler error: the torch path from now on
+                warnings.warn(
+                    f"fused sampler failed, using the torch sampler: {type(err).__name__}: {err}", stacklevel=2
+                )
+                self.fused = False
+        if self._untruncated is None:
+            return sample(logits, batch)
+        return self._untruncated(*args)

@@ -106,6 +106,12 @@ class MegatronConfig:
     """Row length budget of a packed micro-batch."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding rule (times TP), as Megatron-LM; padded logits are masked out of every softmax."""
+    moe_router_bias_update_rate: float = 0.0
+    """Routers with an expert score bias (GLM-4.5, DeepSeek-V3): how far megatron-core moves each expert's bias
+    after every optimizer step, towards balanced expert loads (its `moe_router_bias_update_rate`, whose own default
+    is 1e-3). 0, the default here as in NeMo-RL's GRPO recipes: the bias stays as the checkpoint has it, so routing
+    changes only through the loss's gradients; a positive rate changes the model beyond what the objective asks
+    (the KL reference keeps the initial biases)."""
     transformer: Mapping[str, Any] = field(default_factory=dict)
     """Extra `TransformerConfig` keys, forwarded as given (e.g. `recompute_granularity`)."""
     optimizer: Mapping[str, Any] = field(default_factory=lambda: {"lr": 1e-6, "weight_decay": 0.01, "clip_grad": 1.0})
@@ -237,6 +243,12 @@ class GenerationConfig:
     projections multiply by per-block e4m3 copies of the weights, requantized after every refit; see
     `engine.fp8`). The log-prob mismatch this causes is logged as `token_mult_prob_error` and can be corrected by
     `loss_fn.is_correction`; the gate's default limit is then `logprob_gate.FP8_MAX_TOKEN_MULT_PROB_ERROR`."""
+    kv_cache_dtype: str = "auto"
+    """`auto` (the KV cache in the engine's dtype) or `fp8` (embedded engine: keys and values stored as e4m3 over
+    `kv_cache_scale`, half the bytes of bf16 for decode to read and twice the blocks in the same memory; see
+    `EngineConfig.kv_cache_dtype`). Its log-prob mismatch shows in `token_mult_prob_error` like `precision`'s."""
+    kv_cache_scale: float = 1.0
+    """Per-tensor scale of the FP8 KV cache (`kv_cache_dtype: fp8`): an entry holds value / scale."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
@@ -331,10 +343,17 @@ class RewardConfig:
     """A built-in reward (`math`: math-verify's symbolic check; `number`; `exact`) or a `module:function` taking
     `(completion_text, answer)` (see `grpo.rewards`)."""
     num_workers: int | None = None
-    """Processes that score completions (0: in rank 0's process), see `grpo.scoring`. None: 0 for the
-    microsecond-cheap `number` and `exact` rewards, 4 for the others (`math` and functions of your own)."""
+    """Processes that score completions, per engine replica (started by its first rank; 0: in that rank's own
+    process), see `grpo.scoring`. None: 0 for the microsecond-cheap `number` and `exact` rewards, 4 for the others
+    (`math` and functions of your own)."""
     timeout_s: float = 5.0
     """Seconds one sample's reward may take; past it the sample scores 0 (`reward_timeouts` counts them)."""
+    overlap: bool = True
+    """Score each completion while the rest are generating: the embedded engine hands every sample to the reward
+    workers as it finishes, so after generation only the last ones' scores are waited for (`reward_wait_s`). The
+    rewards, their order and the metrics are those of scoring after generation (false), which vLLM's engine
+    always amounts to (it returns a batch at once). No gain with `num_workers: 0`: there the engine's own process
+    scores each sample as it arrives."""
 
 
 @dataclass(frozen=True)
@@ -594,6 +613,9 @@ _DERIVED_TRANSFORMER_KEYS = frozenset(
 )
 """TransformerConfig keys the trainer sets from the model and the parallel sizes."""
 
+_EXPLICIT_TRANSFORMER_KEYS = {"moe_router_bias_update_rate": "policy.megatron_cfg.moe_router_bias_update_rate"}
+"""TransformerConfig keys that have a key of their own (documented default) instead of `transformer.<key>`."""
+
 
 def megatron_config_classes() -> dict[str, type]:
     """The megatron-core classes that `megatron_cfg.transformer/optimizer/ddp` are forwarded to."""
@@ -610,6 +632,11 @@ def _validate_forwarded(megatron: MegatronConfig) -> None:
         for key in getattr(megatron, section):
             if key not in valid:
                 raise _unknown(key, valid, f"policy.megatron_cfg.{section}.")
+            if section == "transformer" and key in _EXPLICIT_TRANSFORMER_KEYS:
+                raise GRPOConfigError(
+                    f"policy.megatron_cfg.transformer.{key} is set by {_EXPLICIT_TRANSFORMER_KEYS[key]}; "
+                    "set that instead"
+                )
             if section == "transformer" and key in _DERIVED_TRANSFORMER_KEYS:
                 raise GRPOConfigError(
                     f"policy.megatron_cfg.transformer.{key} is set by the trainer (from the model or the parallel "
@@ -868,6 +895,12 @@ def _validate(config: GRPOConfig) -> None:
         gen.precision != "fp8" or gen.backend == "embedded",
         "generation.precision=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
     )
+    _require(gen.kv_cache_dtype in ("auto", "fp8"), f"generation.kv_cache_dtype={gen.kv_cache_dtype!r}: auto or fp8")
+    _require(
+        gen.kv_cache_dtype != "fp8" or gen.backend == "embedded",
+        "generation.kv_cache_dtype=fp8 is implemented for the embedded engine only (generation.backend=embedded)",
+    )
+    _require(gen.kv_cache_scale > 0, f"generation.kv_cache_scale={gen.kv_cache_scale} must be positive")
     _require(
         gen.top_p == 1.0 and gen.top_k == 0,
         f"generation.top_p={gen.top_p} / top_k={gen.top_k}: truncated sampling is refused for training (the trainer"
@@ -904,6 +937,9 @@ def _validate(config: GRPOConfig) -> None:
     _validate_forwarded(mcfg)
     if mcfg.enabled:
         _validate_optimizer(mcfg)
+        where = "policy.megatron_cfg.moe_router_bias_update_rate"
+        rate = _number(mcfg.moe_router_bias_update_rate, where)
+        _require(rate >= 0, f"{where}={rate:g} must be >= 0")
         lr = mcfg.optimizer.get("lr")
         _validate_schedule(mcfg.scheduler, None if lr is None else float(lr), "policy.megatron_cfg.scheduler")
     from hf_mcore_bridge.grpo.stop_tokens import stop_token_ids

@@ -31,9 +31,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname, publish_iteration
 
 if TYPE_CHECKING:
+    from hf_mcore_bridge.convert.inspect import Inspection
     from hf_mcore_bridge.grpo.dtensor_policy import DTensorPolicy
 
-__all__ = ["HF_DIR", "hf_policy_of", "load_dtensor_checkpoint", "save_dtensor_checkpoint"]
+__all__ = ["HF_DIR", "hf_policy_of", "inspection_of", "load_dtensor_checkpoint", "save_dtensor_checkpoint"]
 
 HF_DIR = "hf"
 """The checkpoint's HF copy of the policy."""
@@ -46,6 +47,28 @@ def hf_policy_of(checkpoint_dir: Path) -> Path | None:
     """The HF copy inside a DTensor checkpoint directory (`iter_XXXXXXX`), or None for other checkpoints."""
     hf = checkpoint_dir / HF_DIR
     return hf if (hf / SAFETENSORS_NAME).is_file() else None
+
+
+def inspection_of(path: Path) -> Inspection | None:
+    """`bridge inspect` of a DTensor checkpoint (its root or an `iter_XXXXXXX`): the tensors of its HF copy of the
+    policy, reported as the checkpoint's; None for any other directory."""
+    from hf_mcore_bridge.checkpoint.megatron_dirs import resolve_checkpoint
+    from hf_mcore_bridge.convert.inspect import inspect_path
+    from hf_mcore_bridge.errors import BridgeError
+
+    try:
+        _, checkpoint_dir = resolve_checkpoint(path)
+    except BridgeError:
+        return None
+    hf = hf_policy_of(checkpoint_dir)
+    if hf is None:
+        return None
+    report = inspect_path(hf)
+    name = checkpoint_dir.name
+    step = f"step {int(name[5:])}" if name.startswith("iter_") and name[5:].isdigit() else name
+    report.path = str(checkpoint_dir)
+    report.format = f"DTensor GRPO checkpoint ({step}); the tensors of its HF copy, {HF_DIR}/"
+    return report
 
 
 class _AllowListReader(FileSystemReader):

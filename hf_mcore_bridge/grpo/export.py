@@ -13,18 +13,21 @@ never a directory this tool did not write), then the Hub is reached (`create_rep
 credentials may write there), then the local copy is assembled in a temporary sibling and renamed into place, and
 only then uploaded. A retry after a failed upload finds the local copy of the same run and step (its marker says
 so) and uploads it as it is. The card names the step that was exported; a `generation_config.json` is always
-written (the run's own, else one built from the model config's and tokenizer's special token ids).
+written (the run's own, else one built from the model config's and tokenizer's special token ids). The reward
+curve and the config come from the run directory, or, given its checkpoint directory, from beside it when exactly
+one is there (`_find`): never from another run's logs. What the export reads there is a source like the run
+itself: the destination may not overlap it.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.checkpoint.destination import (
     MARKER_NAME,
     check_destination,
@@ -34,6 +37,7 @@ from hf_mcore_bridge.checkpoint.destination import (
     real_path,
 )
 from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, resolve_checkpoint
+from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.dtensor_checkpoint import hf_policy_of
@@ -61,14 +65,24 @@ def find_checkpoints(run_dir: Path) -> Path:
     raise BridgeError(f"{run_dir} holds no checkpoints (no {TRACKER_NAME} in it or in checkpoints/)")
 
 
+def _not_exported(paths: Iterable[Path]) -> list[Path]:
+    """Without copies inside an earlier export (which may sit beside the checkpoints and holds a filtered copy)."""
+    return sorted(p for p in paths if (read_marker(p.parent) or {}).get("command") != _EXPORT_COMMAND)
+
+
 def _find(run_dir: Path, name: str) -> Path | None:
-    """`name` under the run directory or, when given the checkpoint directory itself, under its parent; never a
-    copy inside an earlier export (which may sit beside the checkpoints and holds a filtered copy)."""
-    for root in (run_dir, run_dir.parent):
-        found = sorted(p for p in root.rglob(name) if (read_marker(p.parent) or {}).get("command") != _EXPORT_COMMAND)
-        if found:
-            return found[0]
-    return None
+    """The run's `name` (its metrics or saved config): under the run directory; or, when given the checkpoint
+    directory itself (`RUN/checkpoints`, or `checkpoints/` beside `logs/`), in its parent or one of the parent's
+    subdirectories, when exactly one is there. Never a recursive search of the parent: that holds other runs, whose
+    reward curve and config the card would show as this run's."""
+    found = _not_exported(run_dir.rglob(name))
+    if found or not (run_dir / TRACKER_NAME).exists():
+        return found[0] if found else None
+    parent = run_dir.parent
+    beside = _not_exported(p for p in (parent / name, *parent.glob(f"*/{name}")) if p.is_file())
+    if len(beside) > 1:
+        notice(f"{len(beside)} {name} files beside {run_dir} ({', '.join(map(str, beside))}); none is used")
+    return beside[0] if len(beside) == 1 else None
 
 
 def find_metrics(run_dir: Path) -> Path | None:
@@ -126,9 +140,12 @@ def export_run(
     run_dir, destination = Path(run_dir), Path(destination)
     if push_to_hub is not None:
         check_repo_id(push_to_hub)
-    sources = [run_dir, config_path]
-    check_overlap(destination, sources)
+    check_overlap(destination, [run_dir, config_path])
     checkpoints = find_checkpoints(run_dir)
+    log_dir = find_metrics(run_dir)
+    saved_config = config_path or _find(run_dir, CONFIG_FILE)
+    sources = [run_dir, log_dir, saved_config]  # what the export reads, which may lie beside the run directory
+    check_overlap(destination, sources)
     _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
     exported_step = step_of(checkpoint_dir)
     # What makes two exports the same (a retry may reuse the first): the run, the step, the card's base model.
@@ -147,10 +164,9 @@ def export_run(
     else:
         _write_export(
             checkpoint_dir,
-            run_dir,
             destination,
             record,
-            config_path=config_path,
+            sources=sources,
             overwrite=overwrite,
             overwrite_foreign=overwrite_foreign,
         )
@@ -160,25 +176,25 @@ def export_run(
 
 def _write_export(
     checkpoint_dir: Path,
-    run_dir: Path,
     destination: Path,
     record: dict[str, Any],
     *,
-    config_path: Path | None,
+    sources: list[Path | None],
     overwrite: bool,
     overwrite_foreign: bool,
 ) -> None:
-    """Assemble the HF directory, metrics, plot, config and card of one export (`record` names step and base model)."""
+    """Assemble the HF directory, metrics, plot, config and card of one export (`record` names step and base
+    model; `sources` are the run directory, its log directory and its config, the last two None where absent)."""
     step, base_model = record["step"], record["base_model"]
-    log_dir = find_metrics(run_dir)
+    _, log_dir, config_file = sources
     records = read_metrics(log_dir) if log_dir else []
     if step is not None:
         records = [r for r in records if r["step"] <= step]
-    config_text = Path(config_path).read_text() if config_path else _saved_config(run_dir)
+    config_text = Path(config_file).read_text() if config_file else None
     hf_copy = hf_policy_of(checkpoint_dir)
-    with atomic_directory(
+    with written_atomically(
         destination,
-        sources=[run_dir, config_path],
+        sources=sources,
         overwrite=overwrite,
         overwrite_foreign=overwrite_foreign,
         record=record,
@@ -234,11 +250,6 @@ def write_generation_config(directory: Path) -> None:
             if getattr(generation, name) is None and getattr(tokenizer, name, None) is not None:
                 setattr(generation, name, getattr(tokenizer, name))
     generation.save_pretrained(directory)
-
-
-def _saved_config(run_dir: Path) -> str | None:
-    found = _find(run_dir, CONFIG_FILE)
-    return found.read_text() if found else None
 
 
 def check_repo_id(repo_id: str) -> None:

@@ -5,8 +5,9 @@
 DTensor mesh's) tensor-parallel group where that is the same set of ranks, else over a group made for it. Each
 replica generates the rollouts of its share of the step's prompts (`prompt_share`: whole prompts, so whole
 groups); a prompt's samples draw the random numbers of its index in the whole step (`first_index`), so rollouts do
-not depend on the number of replicas. Both take text prompts, return `RequestOutput`s with each sample's text, take
-refits through `load_weights` (HF names, full tensors) and are checked after each refit.
+not depend on the number of replicas. Both take text prompts, return `RequestOutput`s with each sample's text, hand
+each sample to an `on_sample` callback (the embedded engine as soon as the sample is finished, vLLM when its batch
+is), take refits through `load_weights` (HF names, full tensors) and are checked after each refit.
 
 - `embedded`: `hf_mcore_bridge.engine.Engine`, with the run's tokenizer; its weights come only from refits.
 - `vllm`: one `VllmEngine` per replica (needs vLLM and a GPU; in a world of several ranks through vLLM's
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,24 +62,33 @@ class VllmGeneration:
         self.engine, self.tokenizer = engine, tokenizer
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: Any, first_index: int | None = None
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: Any,
+        first_index: int | None = None,
+        on_sample: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
         """As `Engine.generate`. vLLM draws per request from the request's own seed, so with `first_index` given a
         seeded `params` becomes one seed per prompt from (seed, `first_index + i`): the same samples however the
-        prompts are split over replicas."""
+        prompts are split over replicas. `on_sample` sees every sample, in prompt order, once vLLM's `generate` has
+        returned them all (it returns a batch at once: nothing to overlap)."""
         ids = [list(self.tokenizer.encode(p).ids) if isinstance(p, str) else list(p) for p in prompts]
         if first_index is not None and getattr(params, "seed", None) is not None:
             params = [
                 dataclasses.replace(params, seed=request_seed(params.seed, first_index + i)) for i in range(len(ids))
             ]
-        outputs = self.engine.generate(ids, params)
-        return [
+        outputs = [
             dataclasses.replace(
                 out,
                 samples=[dataclasses.replace(s, text=self.tokenizer.decode(list(s.token_ids))) for s in out.samples],
             )
-            for out in outputs
+            for out in self.engine.generate(ids, params)
         ]
+        if on_sample is not None:
+            for i, out in enumerate(outputs):
+                for sample in out.samples:
+                    on_sample(i, sample)
+        return outputs
 
     def load_weights(self, weights: Any) -> Any:
         return self.engine.load_weights(weights)

@@ -23,9 +23,12 @@ gathers the log-probs back in sequence order, and the loss is computed whole on 
 gradient taken on the rank that holds it; megatron-core's schedule and DDP sum the CP ranks' gradients). At CP 1
 nothing of this runs.
 
-Simplifications: the reference policy for the KL term is the initial weights, kept as a copy on this rank and
-swapped in for a forward pass; with PP > 1 log-probs and metrics live on the last stage and are broadcast from
-there.
+The expert score biases of sigmoid routers (megatron-core's `router.expert_bias` buffers) move only at
+`policy.megatron_cfg.moe_router_bias_update_rate` (0 by default: the objective alone changes the model).
+
+Simplifications: the reference policy for the KL term is the initial weights (and persistent buffers, the expert
+biases), kept as a copy on this rank and swapped in for a forward pass; with PP > 1 log-probs and metrics live on
+the last stage and are broadcast from there.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Policy:
     padded_vocab: int
     dtype: torch.dtype
     reference: list[torch.Tensor] | None = None
-    """Initial parameter values (the KL reference), or None when no KL term is used."""
+    """Initial values of `model_state(module)` (the KL reference), or None when no KL term is used."""
     optimizer_steps: int = field(default=0)
 
     @property
@@ -104,6 +107,8 @@ def _transformer_config(
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
     # weights loaded from a checkpoint are built on the CPU first; random ones are initialised where they live
     kwargs.update(use_cpu_initialization=not on_device_init, sequence_parallel=megatron.sequence_parallel)
+    if model_cfg.moe is not None:  # 0 unless asked: megatron-core's default (1e-3) changes the model on its own
+        kwargs["moe_router_bias_update_rate"] = megatron.moe_router_bias_update_rate
     if torch.cuda.is_available():  # megatron-core's torch-compiled SwiGLU: no Transformer Engine needed
         kwargs["bias_activation_fusion"] = True
     if layout.pp > 1:  # micro-batches are padded to their own longest row
@@ -178,7 +183,7 @@ def build_policy(
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
-    reference = [p.detach().clone() for p in gpt.parameters()] if keep_reference else None
+    reference = [t.detach().clone() for t in model_state(gpt)] if keep_reference else None
     return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference)
 
 
@@ -448,11 +453,17 @@ def _padded_like(
     return move_predicted(values.to(device), places, batch.seq_len)
 
 
+def model_state(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What training changes in a model: its parameters, then its persistent buffers (the routers' expert biases)."""
+    saved = set(module.state_dict())
+    return [*module.parameters(), *(b for name, b in module.named_buffers() if name in saved)]
+
+
 class _SwappedIn:
-    """Context manager: the given parameter values in place of the current ones (None: no swap)."""
+    """Context manager: the given values of `model_state` in place of the current ones (None: no swap)."""
 
     def __init__(self, policy: Policy, values: list[torch.Tensor] | None) -> None:
-        self.params = list(policy.module.parameters())
+        self.params = model_state(policy.module)
         self.values = values
         self.saved: list[torch.Tensor] = []
 

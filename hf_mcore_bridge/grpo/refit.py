@@ -133,17 +133,17 @@ def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
 
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a refit streams from: the parameters and the saved buffers (a router's expert bias, DeepSeek-V3's
-    `e_score_correction_bias`), by local name."""
-    saved = module.state_dict(keep_vars=True).keys()
+    """A module's parameters and persistent buffers by local name: what the mapping table covers (megatron-core
+    keeps the router's `expert_bias` as a buffer)."""
+    saved = set(module.state_dict())
     buffers = {name: buffer for name, buffer in module.named_buffers() if name in saved}
-    return dict(module.named_parameters()) | buffers
+    return {**dict(module.named_parameters()), **buffers}
 
 
 def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """Local parameter (or saved buffer) name -> (table template name, global layer index or None) for a `GPTModel`
-    of either spec (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer Engine's
-    need none)."""
+    """Local parameter (or persistent buffer) name -> (table template name, global layer index or None) for a
+    `GPTModel` of either spec (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer
+    Engine's need none)."""
     names: dict[str, tuple[str, int | None]] = {}
     layers = module.decoder.layers if hasattr(module, "decoder") else []
     for name in model_tensors(module):
@@ -225,7 +225,6 @@ class _Step:
     of the same local index on each EP rank."""
 
     param: torch.Tensor
-    """A parameter, or a saved buffer (`model_tensors`)."""
     entry: Entry
     communicates: bool
     """Whether producing it takes a collective (TP, expert-TP or EP gathers)."""

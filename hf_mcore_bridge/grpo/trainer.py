@@ -17,7 +17,9 @@ FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same fo
 1. rollouts: every rank draws the same `num_prompts_per_step` prompts; each engine replica (`grpo.generation`:
    `generation.tensor_parallel_size` ranks, the embedded engine or vLLM) samples `num_generations_per_prompt`
    completions for its share of them (whole prompts), scores them and computes their group advantages; the
-   replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order;
+   replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order. Each replica's
+   first rank scores its share in reward worker processes (`grpo.scoring`), every sample handed to them as the
+   engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
    (`grpo.num_minibatches: 1`) the "old" log-probs are the training forward's own, detached, and only the
@@ -43,11 +45,11 @@ generates its share of the prompts (above) and each data-parallel replica trains
 mini-batch (megatron-core's DDP averages the gradients; the loss is normalised by the global token count).
 Gathering the rollouts keeps that split independent of which engine drew a rollout, so the rollouts and loss of a
 run's first step are the same at any number of replicas. Each engine runs on its rank's device with the policy's
-dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one) and completions
-scored in reward worker processes (`grpo.scoring`). Simplifications: generation and training alternate (no
-overlap); validation samples `val_num_generations` a prompt (greedy when one) on the first replica, scored by the
-same reward (`grpo.validation`); policy+optimizer checkpoints every `save_period`
-steps (`grpo.checkpoint`) and resume from the newest one.
+dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one).
+Simplifications: generation and training alternate (no overlap; only scoring overlaps generation); validation
+samples `val_num_generations` a prompt (greedy when one) on the first replica, scored by the same reward
+(`grpo.validation`); policy+optimizer checkpoints every `save_period` steps (`grpo.checkpoint`) and resume from the
+newest one.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
-from hf_mcore_bridge.grpo.stop_tokens import with_stop_token_ids
+from hf_mcore_bridge.grpo.scoring import ScoreResult
+from hf_mcore_bridge.grpo.stop_tokens import model_assets_dir, with_stop_token_ids
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -146,22 +149,26 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     from hf_mcore_bridge.mappings import get_architecture
 
     log_dir = Path(config.logger.log_dir)
+    # the tokenizer (the HF directory's, or the HF assets a Megatron checkpoint keeps) is found before the policy
+    # is converted either way or a log directory is made, so that a missing one costs nothing
+    found_assets = model_assets_dir(Path(config.policy.model_path))
+    tokenizer_file = _tokenizer_file(config, [found_assets] if found_assets else [])
     if config.policy.dtensor_cfg.enabled:
         log_dir.mkdir(parents=True, exist_ok=True)
-        return _prepare_hf_run(config, log_dir)
+        return _prepare_hf_run(config, log_dir, tokenizer_file)
     layout = layout_of(config.policy.megatron_cfg)
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
-    tokenizer_file: Path | None = None
     if _is_hf_dir(source):
         hf_dir = source
-        tokenizer_file = _tokenizer_file(config, [hf_dir])  # a missing tokenizer is reported before converting
         source = log_dir / "initial_policy_mcore"
     log_dir.mkdir(parents=True, exist_ok=True)
     if hf_dir is not None:
-        convert_hf_to_mcore(
+        converted = convert_hf_to_mcore(
             hf_dir, source, layout=layout, dtype=config.policy.dtype, overwrite=True, show_progress=False
         )
+        for note in converted.notes:  # e.g. multi-token-prediction layers dropped (`convert.mtp`)
+            print(f"note: {note}", flush=True)
     root, checkpoint_dir = resolve_checkpoint(source)
     # multi-token-prediction layers are not trained (megatron-core computes them only with labels, for their own
     # loss): the policy is built, refit, saved and exported without them
@@ -187,14 +194,15 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         checkpoint_dir=checkpoint_dir,
         model_cfg=model_cfg,
         hf_config=hf_config,
-        tokenizer_file=tokenizer_file or _tokenizer_file(config, [assets] if assets else []),
+        tokenizer_file=tokenizer_file,
         padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
         log_dir=log_dir,
     )
 
 
-def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
-    """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first)."""
+def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
+    """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first); the
+    tokenizer was found beforehand (in the HF directory, or in the checkpoint's HF assets the export copies)."""
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
     from hf_mcore_bridge.mappings import get_architecture
@@ -206,7 +214,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path) -> PreparedRun:
         checkpoint_dir=hf_dir,
         model_cfg=model_cfg,
         hf_config=hf_config,
-        tokenizer_file=_tokenizer_file(config, [hf_dir]),
+        tokenizer_file=tokenizer_file,
         padded_vocab=model_cfg.vocab_size,
         log_dir=log_dir,
     )
@@ -365,6 +373,8 @@ class _RankContext:
             flex_min_batch=gen.flex_min_batch,
             torch_compile=gen.torch_compile,
             fp8_weights=gen.precision == "fp8",
+            kv_cache_dtype=gen.kv_cache_dtype,
+            kv_cache_scale=gen.kv_cache_scale,
         )
         self.engine = build_engine(
             gen.backend,
@@ -437,14 +447,14 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
     records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)  # the same draw on every rank
     first, end = prompt_share(len(records), replicas.size, replicas.replica)
     started = time.perf_counter()
-    mine, timeouts = _replica_rollouts(ctx, step, records[first:end], first) if end > first else ([], 0)
+    mine, timeouts, wait_s = _replica_rollouts(ctx, step, records[first:end], first) if end > first else ([], 0, 0.0)
     seconds = time.perf_counter() - started
-    parts: list[tuple[list[Rollout], float, int] | None] = [(mine, seconds, timeouts)]
+    parts: list[tuple[list[Rollout], float, int, float] | None] = [(mine, seconds, timeouts, wait_s)]
     if dist.get_world_size() > 1:  # one rank (one GPU): nothing to gather
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (mine, seconds, timeouts) if replicas.tp_rank == 0 else None)
+        dist.all_gather_object(parts, (mine, seconds, timeouts, wait_s) if replicas.tp_rank == 0 else None)
     gathered = [part for part in parts if part is not None]  # one per replica, in replica (= prompt) order
-    rollouts = [rollout for part, _, _ in gathered for rollout in part]
+    rollouts = [rollout for part, *_ in gathered for rollout in part]
     rewards = torch.tensor([r.reward for r in rollouts])
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
     stats = {
@@ -452,24 +462,29 @@ def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dic
         "reward_std": float(rewards.std()),
         "completion_len_mean": float(lengths.mean()),
         "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
-        "reward_timeouts": float(sum(t for _, _, t in gathered)),
+        "reward_timeouts": float(sum(part[2] for part in gathered)),
+        # the slowest replica's wait for its last scores after its engine returned (the gather waits for it)
+        "reward_wait_s": max(part[3] for part in gathered),
         "generation_replicas": float(replicas.size),
     }
     if replicas.size > 1:
-        stats |= {f"generation_replica{i}_s": s for i, (_, s, _) in enumerate(gathered)}
+        stats |= {f"generation_replica{i}_s": part[1] for i, part in enumerate(gathered)}
     return rollouts, stats
 
 
-def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: int) -> tuple[list[Rollout], int]:
+def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: int) -> tuple[list[Rollout], int, float]:
     """This replica's rollouts of `records`, prompts `first...` of the step: each prompt's samples are seeded by
-    (seed, step, its index in the step), whichever replica draws them; and how many rewards ran out of time."""
+    (seed, step, its index in the step), whichever replica draws them; how many rewards ran out of time; and the
+    seconds waited for scores after generation (`_generate_scored`). On a replica's other tensor-parallel ranks
+    (their rollouts are not gathered) nothing is scored and none are returned."""
     config, group = ctx.config, ctx.config.grpo.num_generations_per_prompt
     prompts = [ctx.renderer.token_ids(r["prompt"]) for r in records]
-    outputs = ctx.engine.generate(prompts, _sampling_params(config, group, _seed(config, step)), first_index=first)
-    samples = [(out.prompt_token_ids, s) for out in outputs for s in out.samples]
-    texts = [s.text or "" for _, s in samples]
     answers = [r["answer"] for r in records for _ in range(group)]
-    scored = ctx.scorer.score(texts, answers)
+    params = _sampling_params(config, group, _seed(config, step))
+    outputs, scored, wait_s = _generate_scored(ctx, prompts, params, answers, first_index=first)
+    if scored is None:
+        return [], 0, 0.0
+    samples = [(out.prompt_token_ids, s) for out in outputs for s in out.samples]
     rewards = torch.tensor(scored.rewards)
     advantage_config = AdvantageConfig(
         normalize_std=config.grpo.normalize_rewards,
@@ -482,7 +497,36 @@ def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: i
         Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
         for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
-    return rollouts, scored.timeouts
+    return rollouts, scored.timeouts, wait_s
+
+
+def _generate_scored(
+    ctx: _RankContext, prompts: list[list[int]], params: Any, answers: list[str], first_index: int | None = None
+) -> tuple[list[Any], ScoreResult | None, float]:
+    """The engine's outputs of `prompts` (`params.n` samples each; `first_index` passed on when given), their
+    samples' scores in output order against `answers` (one per sample), and the seconds spent waiting for scores
+    after the engine returned. With `reward.overlap` every sample goes to the reward workers the moment the engine
+    finishes it (`Engine.generate`'s `on_sample`), so that wait is for the last samples only; without, the whole
+    batch is scored after generation. Only a replica's first tensor-parallel rank scores (its rollouts are the ones
+    gathered): elsewhere the scores are None."""
+    where = {} if first_index is None else {"first_index": first_index}
+    if ctx.replicas.tp_rank != 0:
+        return ctx.engine.generate(prompts, params, **where), None, 0.0
+    if not ctx.config.reward.overlap:
+        outputs = ctx.engine.generate(prompts, params, **where)
+        started = time.perf_counter()
+        scored = ctx.scorer.score([s.text or "" for out in outputs for s in out.samples], answers)
+        return outputs, scored, time.perf_counter() - started
+    with ctx.scorer.start(len(answers)) as batch:
+
+        def hand_over(i: int, sample: Any) -> None:  # prompt i's sample: flat index i * n + its index
+            index = i * params.n + sample.index
+            batch.submit(index, sample.text or "", answers[index])
+
+        outputs = ctx.engine.generate(prompts, params, on_sample=hand_over, **where)
+        started = time.perf_counter()
+        scored = batch.result()
+    return outputs, scored, time.perf_counter() - started
 
 
 def _seed(config: GRPOConfig, step: int) -> int:
@@ -643,7 +687,8 @@ def _stream_into_engine(
             if bucket is not None:
                 names.extend(name for name, _ in bucket)
                 parts = [engine_part(ctx.engine, name, tensor) for name, tensor in bucket]
-                sums.append(tensor_checksums([part.to(ctx.engine_dtype) for part in parts]))
+                dtypes = [_engine_dtype(ctx, name) for name, _ in bucket]
+                sums.append(tensor_checksums([part.to(dtype) for part, dtype in zip(parts, dtypes, strict=True)]))
         if bucket is None:
             break
         with times.phase("load"):
@@ -653,6 +698,13 @@ def _stream_into_engine(
                 ctx.engine.load_weights(bucket)
     values = torch.cat(sums) if sums else torch.zeros((0, 2), dtype=torch.int64)
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
+
+
+def _engine_dtype(ctx: _RankContext, name: str) -> torch.dtype:
+    """The dtype the engine holds an HF tensor in: the policy's, or float32 for tensors kept so (the routers'
+    expert score biases), where the engine says."""
+    held = readable_tensor(ctx.engine, name)
+    return ctx.engine_dtype if held is None else held.dtype
 
 
 def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:
@@ -722,10 +774,12 @@ def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
         return {}
     questions = [r["prompt"] for r in ctx.val_records]
     prompts = [ctx.renderer.token_ids(q) for q in questions]
-    outputs = ctx.engine.generate(prompts, _sampling_params(config, n, config.grpo.seed, greedy=n == 1))
-    texts = [[s.text or "" for s in out.samples] for out in outputs]
     answers = [r["answer"] for r in ctx.val_records]
-    scored = ctx.scorer.score([t for group in texts for t in group], [a for a in answers for _ in range(n)])
+    params = _sampling_params(config, n, config.grpo.seed, greedy=n == 1)
+    outputs, scored, _ = _generate_scored(ctx, prompts, params, [a for a in answers for _ in range(n)])
+    if scored is None:  # another tensor-parallel rank of the first replica: rank 0 reports
+        return {}
+    texts = [[s.text or "" for s in out.samples] for out in outputs]
     rewards = [scored.rewards[i * n : (i + 1) * n] for i in range(len(questions))]
     if ctx.logger is not None:
         shown = range(min(config.logger.num_val_samples_to_print, len(questions)))

@@ -1,6 +1,7 @@
 """Shared helpers of the engine tests.
 
-Tiny HF models (2-3 layers, hidden 64, 4 heads, 2 KV heads, vocab 211; the MoE ones with 4-8 experts, top-2)
+Tiny HF models (2-3 layers, hidden 64, 4 heads, 2 KV heads, vocab 211; the MoE ones with 4-8 experts, top-2;
+GLM-4.5's top-4 of 8 in 4 groups, sigmoid scores with a score bias, partial rotary, an ungated shared expert)
 built from configs in code, and the transformers references the engine tests compare against (greedy `generate`,
 log-probs of a forward pass). Weights reach the engine as transformers saves them (`hub_weights`): for the MoE
 models that is one tensor per expert, not the fused expert tensors of their in-memory state dict.
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -85,6 +87,33 @@ MOE_CONFIGS: dict[str, Callable[[], object]] = {
         **COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
     ),
 }
+GLM4_MOE = dict(
+    COMMON,
+    num_hidden_layers=3,
+    head_dim=32,
+    partial_rotary_factor=0.5,  # 16 of each head's 32 dimensions rotate
+    attention_bias=True,
+    first_k_dense_replace=1,  # layer 0 dense, layers 1 and 2 routed
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=4,
+    n_shared_experts=2,
+    num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+)
+
+MOE_CONFIGS.update(
+    {
+        # GLM-4.5: q/k norms, groups that restrict the choice (2 of 4), a scaling factor
+        "glm4_moe": lambda: Glm4MoeConfig(
+            **GLM4_MOE, use_qk_norm=True, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True
+        ),
+        # GLM-4.5-Air's switches: no q/k norm, one group, no scaling
+        "glm4_moe_air": lambda: Glm4MoeConfig(
+            **GLM4_MOE, use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True
+        ),
+    }
+)
 MOE_ARCH_NAMES = tuple(MOE_CONFIGS)
 
 
@@ -94,12 +123,13 @@ def build_hf_model(arch: str, seed: int) -> PreTrainedModel:
 
 
 def build_hf_from_config(config: object, seed: int) -> PreTrainedModel:
-    """`build_hf_model` for a config built by the caller."""
+    """`build_hf_model` for a config built by the caller (persistent buffers, such as GLM's router score bias, are
+    random too)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in (*model.named_parameters(), *persistent_buffers(model)):
             noise = torch.randn(p.shape, generator=generator)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * noise)
@@ -108,6 +138,12 @@ def build_hf_from_config(config: object, seed: int) -> PreTrainedModel:
             else:
                 p.copy_(0.08 * noise)
     return model
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a model saves with its weights (GLM's `e_score_correction_bias`; none for the others)."""
+    saved = set(model.state_dict())
+    return [(name, buffer) for name, buffer in model.named_buffers() if name in saved]
 
 
 def tiny_engine_config(**overrides: object) -> EngineConfig:

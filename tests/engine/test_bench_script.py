@@ -59,3 +59,21 @@ def test_bench_decode_attention_runs_on_cpu_in_the_interpreter(tmp_path):
     assert (1, "triton tile=2(auto) w=4 s=2 splits=4(auto)") in kernels
     assert (1, "triton tile=2(auto) w=4 s=2 splits=2") in kernels
     assert all(row["max_abs_error"] < 2e-2 for row in rows)
+
+
+def test_bench_fp8_decode_tiny_runs_on_cpu(tmp_path, run_script):
+    """The FP8 levers' benchmark end to end on the tiny shape (one variant; the GEMMs on the dequantize path, the
+    attention section skipped outside Triton's interpreter): every section recorded, none failed, each time beside
+    its bound."""
+    result = run_script(
+        "bench_fp8_decode.py", ["--tiny", "--device", "cpu", "--variants", "fp8-both", "--out", str(tmp_path)], 300
+    )
+    assert "blockwise FP8 scaled_mm taken: False (not a CUDA device)" in result.stdout
+    records = json.loads((tmp_path / "fp8_decode.json").read_text())
+    assert not [name for name, value in records.items() if isinstance(value, str) and value.startswith("error")]
+    assert {row["path"] for row in records["gemm"]} == {"bf16 F.linear", "fp8_linear (dequantize)"}
+    assert all(row["relative_error"] < 0.05 for row in records["gemm"] if row["relative_error"] is not None)
+    steps, _ = records["decode_step fp8-both"]
+    assert [s["context"] for s in steps] == [8, 24] and all(s["bound_ms"] > 0 for s in steps)
+    run = records["generate fp8-both"]
+    assert run["tokens"] == 4 * 4 * 16 and run["bound_s"] > 0 and run["token_mult_prob_error"] >= 1.0

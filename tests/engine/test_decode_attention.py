@@ -1,7 +1,8 @@
 """Decode attention kernels against a dense reference: the Triton kernel (here in Triton's interpreter), FlexAttention
 over the paged cache (blocks read in place through a block mask) and SDPA over gathered blocks, with shared prompt
 blocks, partly filled last blocks, and rows padded with the scratch block as the CUDA-graph buckets pad them; the
-Triton kernel also split over the KV length, in bf16, and with the strided queries the decoder hands it."""
+Triton kernel also split over the KV length, in bf16, and with the strided queries the decoder hands it; an FP8
+cache written, copied and read (Triton and gather) against a reference over its dequantized entries."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import pytest
 import torch
 
 from hf_mcore_bridge.engine import triton_decode
-from hf_mcore_bridge.engine.attention import DecodeMetadata, decode_attention, with_block_mask
+from hf_mcore_bridge.engine.attention import (
+    DecodeMetadata,
+    copy_blocks,
+    decode_attention,
+    from_cache,
+    to_cache,
+    with_block_mask,
+    write_kv,
+)
 from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
 from hf_mcore_bridge.engine.triton_decode import num_splits, paged_decode_attention, tile_blocks
 
@@ -159,3 +168,50 @@ def test_triton_kernel_refuses_head_dims_it_cannot_take(monkeypatch):
         cache = torch.zeros(2, 3, block_size, 2, head_dim, device=TRITON_DEVICE)
         with pytest.raises(ValueError, match="power-of-two head_dim >= 16"):
             paged_decode_attention(q, cache, tables.to(TRITON_DEVICE), lengths.to(TRITON_DEVICE), 1.0)
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_fp8_cache_write_and_block_copy_store_the_rounded_scaled_values():
+    """`write_kv` into an FP8 cache stores value / scale rounded to e4m3 and clamped to +-448 (the reference: torch's
+    own float32 -> e4m3 conversion, written here); `copy_blocks` copies those bytes."""
+    torch.manual_seed(5)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=E4M3)
+    k, v = torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
+    k[0, 0, 0], v[1, 1, 1] = 1000.0, -1000.0  # past 448 * 0.5: clamped
+    slots = torch.tensor([5, 9, 30])
+    write_kv(cache, k, v, slots, kv_scale=0.5)
+    for index, x in enumerate((k, v)):
+        stored = cache[index].view(-1, KV_HEADS, HEAD_DIM)[slots]
+        want = (x / 0.5).clamp(-448, 448).to(E4M3)
+        assert torch.equal(stored.view(torch.uint8), want.view(torch.uint8))
+    assert cache[0].view(-1, KV_HEADS, HEAD_DIM)[5, 0, 0].float() == 448.0
+    assert cache[0].view(-1, KV_HEADS, HEAD_DIM)[0].float().abs().sum() == 0  # other slots untouched
+    copy_blocks(cache[None], torch.tensor([2]), torch.tensor([11]))  # slots 8..11 (slot 9 written) onto block 11
+    assert torch.equal(cache[:, 11].view(torch.uint8), cache[:, 2].view(torch.uint8))
+    assert torch.equal(from_cache(cache[:, 2], torch.float32, 0.5), cache[:, 2].float() * 0.5)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "triton"])
+def test_fp8_cache_decode_matches_a_reference_over_its_dequantized_entries(kernel):
+    torch.manual_seed(6)
+    scale = 0.25
+    cache = to_cache(torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM), E4M3, scale)
+    tables = torch.tensor([[3, 7, 9, 11, 2], [3, 7, 12, SCRATCH_BLOCK, SCRATCH_BLOCK], [5, 6, 8, 10, 13]])
+    lengths = torch.tensor([18, 9, 20])
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM)
+    on = TRITON_DEVICE if kernel == "triton" else "cpu"
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.long, device=on),
+        block_tables=tables.to(on),
+        context_lens=lengths.to(on),
+        triton=kernel == "triton",
+        kv_scale=scale,
+    )
+    out = decode_attention(q.to(on), cache.to(on), meta, scale=0.3).cpu()
+    expected = _dense_reference(q, from_cache(cache, torch.float32, scale), tables, lengths, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the scale matters: read as if unscaled, the output is not the reference's
+    unscaled = decode_attention(q.to(on), cache.to(on), replace(meta, kv_scale=1.0), scale=0.3).cpu()
+    assert not torch.allclose(unscaled, expected, atol=1e-2)

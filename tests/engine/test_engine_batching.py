@@ -104,3 +104,34 @@ def test_pipelined_decode_discards_the_step_after_a_stop(get_hf_model, kernel):
             assert sb.logprobs == pytest.approx(sa.logprobs[:cut], abs=1e-6)
             finished.append(sb.finish_reason)
     assert "stop" in finished and "length" in finished
+
+
+def test_on_sample_hands_over_each_sample_as_it_finishes(get_hf_model):
+    """`generate(on_sample=...)`: every sample once, as the very output returned for it, with its prompt's
+    position; all admitted together, so they finish (and are handed over) in order of length, which the prompt
+    order is not (the check could fail). Under queueing and preemption every sample is still handed over once
+    and the outputs are those of a call without the callback."""
+    model = get_hf_model("llama")
+    prompts = random_prompts([5, 8, 3], seed=11)
+    # a third of the vocabulary stops a sample: lengths from 1 to max_tokens
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=3, stop_token_ids=list(range(0, 211, 3)))
+    engine = engine_from_hf(model, max_num_seqs=16)
+    handed: list[tuple[int, object]] = []
+    outputs = engine.generate(prompts, params, on_sample=lambda i, sample: handed.append((i, sample)))
+    assert engine.last_stats.joins_while_running == 0  # one admission: finishing order is length order
+    assert sorted((i, s.index) for i, s in handed) == [(i, s) for i in range(3) for s in range(4)]
+    assert all(sample is outputs[i].samples[sample.index] for i, sample in handed)
+    lengths = [len(sample.token_ids) for _, sample in handed]
+    assert lengths == sorted(lengths)
+    in_prompt_order = [len(s.token_ids) for out in outputs for s in out.samples]
+    assert in_prompt_order != sorted(in_prompt_order) and len(set(lengths)) > 2
+
+    params = dataclasses.replace(params, stop_token_ids=list(range(0, 211, 7)))  # longer: blocks run short
+    tight = engine_from_hf(model, max_num_seqs=8, max_model_len=32, kv_cache_memory_bytes=_budget(14))
+    handed.clear()
+    queued = tight.generate(prompts, params, first_index=5, on_sample=lambda i, sample: handed.append((i, sample)))
+    assert tight.last_stats.joins_while_running > 0 and tight.last_stats.preemptions > 0
+    assert sorted((i, s.index) for i, s in handed) == [(i, s) for i in range(3) for s in range(4)]
+    assert all(sample is queued[i].samples[sample.index] for i, sample in handed)
+    plain = engine_from_hf(model, max_num_seqs=16).generate(prompts, params, first_index=5)
+    assert [[s.token_ids for s in out.samples] for out in queued] == [[s.token_ids for s in o.samples] for o in plain]

@@ -117,3 +117,15 @@ def test_triton_kernel_off_cuda_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="runs on CUDA devices"):
         Engine(CONFIGS["llama"](), EngineConfig(device="cpu", dtype=torch.float32, decode_attention="triton"))
+
+
+def test_partial_rotary_factor_is_read_in_either_spelling_and_an_odd_rotation_refused():
+    from engine_helpers import MOE_CONFIGS
+
+    config = MOE_CONFIGS["glm4_moe"]().to_dict()  # head_dim 32, rope_parameters' partial_rotary_factor 0.5
+    assert ModelConfig.from_hf(config).rope.rotary_dim(32) == 16
+    older = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 1e6}
+    assert ModelConfig.from_hf({**older, "partial_rotary_factor": 0.25}).rope.rotary_dim(32) == 8
+    assert ModelConfig.from_hf(older).rope.partial_rotary_factor == 0.5  # absent: transformers' GLM default
+    with pytest.raises(ValueError, match="rotates 3 of the 32 dimensions"):
+        ModelConfig.from_hf({**older, "partial_rotary_factor": 0.1})

@@ -3,7 +3,9 @@
 transformers 5 holds a mixture-of-experts model's experts fused (`mlp.experts.gate_up_proj` [E, 2F, H],
 `mlp.experts.down_proj` [E, H, F]) and Mixtral's router as `mlp.gate.weight`; the saved checkpoint has per-expert
 names instead. The engine's parameters are zeroed first, then filled from the live model's parameters only; the
-reference is transformers itself: greedy `generate` tokens and the log-probs of a forward pass."""
+reference is transformers itself: greedy `generate` tokens and the log-probs of a forward pass. GLM-4.5's router
+score bias is a buffer in transformers, not a parameter: its parameters leave exactly that missing (named by the
+engine), and its persistent buffers complete it."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from engine_helpers import (
     MOE_ARCH_NAMES,
     hf_greedy,
     hf_token_logprobs,
+    persistent_buffers,
     random_prompts,
     tiny_engine_config,
 )
 
-from hf_mcore_bridge.engine import Engine
+from hf_mcore_bridge.engine import Engine, MissingWeightsError
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES + MOE_ARCH_NAMES)
@@ -30,6 +33,12 @@ def test_named_parameters_of_a_live_model_load(arch, get_hf_model):
         for param in engine.model.parameters():
             param.zero_()
     engine.load_weights(model.named_parameters())
+    buffers = persistent_buffers(model)
+    if buffers:
+        assert engine.model.missing_weights() == sorted(name for name, _ in buffers)
+        with pytest.raises(MissingWeightsError, match="e_score_correction_bias"):
+            engine.check_loaded()
+        engine.load_weights(buffers)
     engine.check_loaded()
     prompts = random_prompts([6, 15], seed=31)
     for prompt, output in zip(prompts, engine.generate(prompts, GREEDY), strict=True):

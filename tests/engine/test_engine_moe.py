@@ -1,11 +1,13 @@
-"""Mixture-of-experts architectures (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers.
+"""Mixture-of-experts architectures (Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5 and GLM-4.5-Air's switches) against
+transformers.
 
 Weights reach the engine only through `load_weights`, with the per-expert names transformers saves. Checked: greedy
 tokens identical to `generate` and per-token log-probs within 1e-5 of a transformers forward pass (prompts of
 different lengths, n > 1), `norm_topk_prob` on and off, a refit to other weights, a bit-exact read-back of every
-saved tensor, the routing and expert pieces alone against transformers' own modules, which layers get experts,
-config keys (expert count, Qwen2-MoE's `qkv_bias`), and the errors for missing, unknown or misshapen expert
-tensors."""
+saved tensor, the routing and expert pieces alone against transformers' own modules (softmax routers, GLM's sigmoid
+router with score bias and groups), which layers get experts, config keys (expert count, Qwen2-MoE's `qkv_bias`),
+the errors for missing, unknown or misshapen expert tensors, and GLM checkpoints with multi-token-prediction layers
+(skipped)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from engine_helpers import (
     MOE_ARCH_NAMES,
     MOE_CONFIGS,
     QWEN3_MOE,
+    build_hf_from_config,
     engine_from_hf,
     engine_greedy,
     hf_greedy,
@@ -26,7 +29,8 @@ from engine_helpers import (
     random_prompts,
     tiny_engine_config,
 )
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, Qwen3MoeConfig
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
@@ -189,3 +193,58 @@ def test_qwen2_moe_attention_bias_follows_its_qkv_bias_flag(qkv_bias):
     config.qkv_bias = qkv_bias
     attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
     assert (attention.q_proj.bias is not None) == qkv_bias == ModelConfig.from_hf(config).qkv_bias
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_air"])
+def test_sigmoid_routing_equals_transformers_router(arch):
+    """Sigmoid scores, score bias for the choice only, group-limited top-k, renormalisation and scaling: the same
+    experts and the same float32 weights as transformers' `Glm4MoeTopkRouter`."""
+    config = MOE_CONFIGS[arch]()
+    router = Glm4MoeTopkRouter(config)
+    generator = torch.Generator().manual_seed(3)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=generator)
+    router.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=generator))
+    x = torch.randn(40, 64, generator=generator)
+    with torch.no_grad():
+        logits, hf_weights, hf_experts = router(x)
+    moe = ModelConfig.from_hf(config).moe
+    assert moe is not None and moe.score_function == "sigmoid" and moe.renormalize
+    weights, experts = route(
+        logits,
+        moe.top_k,
+        moe.renormalize,
+        score_function=moe.score_function,
+        expert_bias=router.e_score_correction_bias,
+        num_groups=moe.num_groups,
+        group_topk=moe.group_topk,
+        scaling_factor=moe.scaling_factor,
+    )
+    order, hf_order = experts.argsort(-1), hf_experts.argsort(-1)  # transformers' top-k is unsorted
+    assert torch.equal(experts.gather(-1, order), hf_experts.gather(-1, hf_order))
+    # equal up to the order of the renormalising sum (transformers adds in its unsorted top-k order)
+    assert torch.allclose(weights.gather(-1, order), hf_weights.gather(-1, hf_order), rtol=0, atol=1e-6)
+    unbiased = route(logits, moe.top_k, True, score_function="sigmoid", num_groups=moe.num_groups, group_topk=2)[1]
+    assert not torch.equal(unbiased.sort(-1)[0], hf_experts.sort(-1)[0])  # the bias changes choices here
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path):
+    """A GLM-4.5 directory with an MTP layer after the decoder layers (`num_nextn_predict_layers`): the engine
+    serves the decoder, as transformers' model does, and skips the MTP tensors."""
+    config = MOE_CONFIGS["glm4_moe"]()
+    model = build_hf_from_config(config, seed=4)
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    extra = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    extra["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **extra}, file, metadata={"format": "pt"})
+    saved = Glm4MoeConfig.from_pretrained(tmp_path)
+    saved.num_nextn_predict_layers = 1
+    saved.save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, tiny_engine_config())
+    prompts = random_prompts([9], seed=25)
+    assert engine_greedy(engine, prompts) == [hf_greedy(model, prompts[0], 10)]
+    with pytest.raises(UnknownWeightError, match=r"model\.layers\.4\.eh_proj"):  # only the declared MTP layer
+        engine.load_weights([("model.layers.4.eh_proj.weight", torch.zeros(64, 128))])

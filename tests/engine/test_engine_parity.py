@@ -25,13 +25,16 @@ LENGTHS = [5, 11, 23]  # different lengths; with block_size 4 the last blocks ar
 @pytest.mark.parametrize(
     ("arch", "kernel"),
     [(arch, kernel) for kernel in ("gather", "flex") for arch in ARCH_NAMES]
-    + [("llama", "triton"), ("qwen3", "triton")],  # the kernel is architecture-blind; the interpreter is slow
+    # the kernel is architecture-blind and the interpreter slow: Llama through the fused RoPE / cache write (opt-in),
+    # Qwen3 (per-head q/k norms) through the separate steps
+    + [("llama", "triton+fused_rope"), ("qwen3", "triton")],
 )
 def test_greedy_matches_transformers_generate(arch, kernel, get_hf_model):
     """Every decode attention kernel; FlexAttention runs eagerly here and the Triton kernel in Triton's interpreter
     (the CUDA tests run both compiled)."""
     model = get_hf_model(arch)
-    engine = engine_from_hf(model, decode_attention=kernel, flex_min_batch=1)
+    kernel, _, fused = kernel.partition("+")
+    engine = engine_from_hf(model, decode_attention=kernel, flex_min_batch=1, fused_rope=fused == "fused_rope")
     prompts = random_prompts(LENGTHS, seed=1)
     outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_tokens=12))
     for prompt, output in zip(prompts, outputs, strict=True):

@@ -177,11 +177,16 @@ def _rank_model(hf_config: object, tp: int, rank: int) -> CausalLM:
     return CausalLM(ModelConfig.from_hf(hf_config), torch.float32, "cpu", max_positions=16, tp=place)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+SHARED_NAMES = ("shared_expert", "shared_experts")
+"""HF names of a shared expert: Qwen2-MoE's and GLM-4.5's."""
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "glm4_moe"])
 def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_model):
     """Every parameter of a TP2 rank equals megatron-core's shard of the full HF tensor (`tensor_ops.rank_shard`;
     the vocabulary padded by Megatron-LM's rule): attention with biases and q/k norms, dense and shared-expert
-    MLPs, routed experts, router, embedding and output layer."""
+    MLPs (Qwen2-MoE's `shared_expert`, GLM's `shared_experts`: the engine's `shared_expert`), routed experts, router
+    and its score bias (whole, float32), embedding and output layer."""
     model = get_hf_model(arch)
     weights = dict(hub_weights(model))
     tp = 2
@@ -209,15 +214,19 @@ def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_mod
             for norm in ("q_norm", "k_norm"):
                 if f"{attn}.{norm}.weight" in weights:
                     assert torch.equal(params[f"{attn}.{norm}.weight"], weights[f"{attn}.{norm}.weight"])
-            for prefix in (mlp, f"{mlp}.shared_expert"):
+            for prefix, held in ((mlp, mlp), *((f"{mlp}.{s}", f"{mlp}.shared_expert") for s in SHARED_NAMES)):
                 if f"{prefix}.gate_proj.weight" in weights:  # a dense MLP or the shared expert
                     gate_up = fused(f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
-                    assert torch.equal(params[f"{prefix}.gate_up_proj.weight"], gate_up)
+                    assert torch.equal(params[f"{held}.gate_up_proj.weight"], gate_up)
                     assert torch.equal(
-                        params[f"{prefix}.down_proj.weight"], shard(f"{prefix}.down_proj.weight", Parallel.ROW)
+                        params[f"{held}.down_proj.weight"], shard(f"{prefix}.down_proj.weight", Parallel.ROW)
                     )
                     checked += 1
-            for expert in range(getattr(model.config, "num_experts", 0) if f"{mlp}.gate.weight" in weights else 0):
+            bias = f"{mlp}.gate.e_score_correction_bias"
+            if bias in weights:
+                assert params[bias].dtype == torch.float32 and torch.equal(params[bias], weights[bias])
+            experts = getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", 0)
+            for expert in range(experts if f"{mlp}.gate.weight" in weights else 0):
                 source = f"{mlp}.experts.{expert}"
                 w13 = fused(f"{source}.gate_proj.weight", f"{source}.up_proj.weight")
                 assert torch.equal(params[f"{mlp}.experts.w13"][expert], w13)

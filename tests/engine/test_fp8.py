@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
+from hf_mcore_bridge.engine import fp8
 from hf_mcore_bridge.engine.fp8 import (
     dequantize_blockwise,
     fp8_linear,
     gemm_agrees,
+    gemm_scales,
+    quantize_activations,
     quantize_blockwise,
+    scaled_mm_failure,
     scaled_mm_works,
 )
 
@@ -99,6 +104,7 @@ def test_fp8_linear_on_cpu_is_the_dequantized_linear() -> None:
     q, scale_inv = quantize_blockwise(weight)
     _, _, dequantized = _reference(weight)
     assert not scaled_mm_works(torch.device("cpu"))
+    assert scaled_mm_failure(torch.device("cpu")) == "not a CUDA device"
     torch.testing.assert_close(fp8_linear(x, q, scale_inv, bias), x @ dequantized.t() + bias, rtol=1e-6, atol=1e-6)
 
 
@@ -113,7 +119,7 @@ def test_fp8_linear_on_cuda_agrees_with_the_dequantized_matmul() -> None:
     q, scale_inv = quantize_blockwise(torch.randn(2048, 1024, device=device, generator=generator) * 0.02)
     expected = x.float() @ dequantize_blockwise(q, scale_inv, torch.float32).t()
     got = fp8_linear(x, q, scale_inv).float()
-    print(f"blockwise scaled_mm used: {scaled_mm_works(device)}")
+    print(f"blockwise scaled_mm used: {scaled_mm_works(device)} ({scaled_mm_failure(device) or 'agrees'})")
     assert ((got - expected).norm() / expected.norm()).item() < 0.05
 
 
@@ -145,3 +151,76 @@ def _reference_dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Te
         for j in range(scale_inv.shape[1]):
             out[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= scale_inv[i, j]
     return out
+
+
+def test_activation_scales_are_per_row_group_and_m_contiguous() -> None:
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)) * 3
+    x[2, 128:] = 0.0  # a group of zeros gets scale 1
+    q, scale = quantize_activations(x.to(torch.bfloat16))
+    assert scale.shape == (5, 2) and scale.stride() == (1, 5)
+    for row in range(5):
+        for group in range(2):
+            part = x[row, group * 128 : (group + 1) * 128].to(torch.bfloat16).float()
+            amax = part.abs().max().item()
+            want = torch.tensor(amax / 448 if amax > 0 else 1.0)
+            assert scale[row, group] == want
+            back = q[row, group * 128 : (group + 1) * 128].float() * want
+            torch.testing.assert_close(back, (part / want).clamp(-448, 448).to(E4M3).float() * want)
+
+
+def test_gemm_scales_are_the_transposed_scales_padded_to_four_k_blocks() -> None:
+    scale_inv = torch.arange(1, 16, dtype=torch.float32).view(3, 5)  # N = 384, K = 640: 5 K-blocks, L4 = 8
+    out = gemm_scales(scale_inv)
+    assert out.shape == (8, 3) and out.stride() == (1, 8)
+    assert torch.equal(out[:5], scale_inv.t())
+
+
+def _fake_cuda(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CUDA tensor of `tensor`'s shape, strides and dtype."""
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return FakeTensor(mode, meta, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(512, 2048, 3072), (16, 384, 256), (48, 8192, 2048)])
+def test_scaled_mm_operands_pass_torchs_own_layout_check(
+    monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int
+) -> None:
+    """torch's checks of `scaled_mm` (its meta function, the mirror of ATen's CUDA checks) run on fake CUDA
+    tensors: the operands `_scaled_mm` builds pass them; the weight scales as stored (`[N/128, K/128]`,
+    row-major), which the first H200 run passed, are refused. The activation scales are laid out by the real
+    quantizer, run on CPU (fake CUDA tensors cannot run its broadcasts on a machine without CUDA)."""
+    mode = FakeTensorMode()
+
+    def quantize_on_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with unset_fake_temporarily():
+            q, scale = quantize_activations(torch.ones(tuple(x.shape), dtype=x.dtype))
+        return _fake_cuda(mode, q), _fake_cuda(mode, scale)
+
+    monkeypatch.setattr(fp8, "_QUANTIZE", quantize_on_cpu)
+    with mode:
+        x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+        q = torch.empty(n, k, dtype=E4M3, device="cuda")
+        scale_inv = torch.empty(n // 128, -(-k // 128), device="cuda")
+        out = fp8._scaled_mm(x, q, scale_inv)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="blockwise scaling"):
+            fp8._scaled_mm(x, q, scale_inv, gemm_scale=scale_inv)
+
+
+def test_fp8_linear_pads_rows_to_16_for_the_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the FP8 GEMM runs, a row count that is not a multiple of 16 is padded with zero rows and cut back; a
+    stand-in GEMM (the dequantized product) shows the rows it is given and that the padding does not leak."""
+    seen: list[int] = []
+
+    def stand_in(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, gemm_scale: object = None) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return (x.float() @ _reference_dequantized(q, scale_inv).t()).to(x.dtype)
+
+    monkeypatch.setattr(fp8, "_scaled_mm", stand_in)
+    monkeypatch.setattr(fp8, "scaled_mm_works", lambda device: True)
+    generator = torch.Generator().manual_seed(5)
+    q, scale_inv = quantize_blockwise(torch.randn(256, 128, generator=generator) * 0.05)
+    x = torch.randn(3, 7, 128, generator=generator)
+    out = fp8_linear(x, q, scale_inv)
+    assert seen == [32] and out.shape == (3, 7, 256)
+    torch.testing.assert_close(out, x @ _reference_dequantized(q, scale_inv).t(), rtol=1e-5, atol=1e-5)

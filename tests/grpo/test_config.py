@@ -76,6 +76,13 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("generation.decode_attention=paged", "one of auto, triton, flex, gather"),
         ("generation.flex_min_batch=0", "flex_min_batch must be >= 1"),
         ("generation.torch_compile=maybe", "torch_compile must be bool"),
+        ("generation.kv_cache_dtype=int8", "kv_cache_dtype='int8': auto or fp8"),
+        ("generation.kv_cache_scale=0", "kv_cache_scale=0.0 must be positive"),
+        (
+            "policy.megatron_cfg.transformer.moe_router_bias_update_rate=0.001",
+            r"is set by policy\.megatron_cfg\.moe_router_bias_update_rate; set that instead",
+        ),
+        ("policy.megatron_cfg.moe_router_bias_update_rate=-0.1", "moe_router_bias_update_rate=-0.1 must be >= 0"),
     ],
 )
 def test_invalid_values_are_refused_before_any_work(override: str, message: str) -> None:

@@ -325,3 +325,30 @@ def test_dtensor_world_follows_the_config(tmp_path: Path) -> None:
         config_from_dict(base, ["policy.dtensor_cfg.scheduler.lr_decay_style=WSD"])
     with pytest.raises(GRPOConfigError, match="fp16"):
         config_from_dict(base, ["policy.dtype=fp16"])
+
+
+def test_dtensor_run_from_a_megatron_checkpoint_takes_the_tokenizer_of_its_assets(tmp_path: Path) -> None:
+    """The tokenizer is found in the checkpoint's HF assets before the checkpoint is exported to HF; the export
+    is the HF directory the backend starts from."""
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.trainer import prepare_run
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    convert_hf_to_mcore(policy, tmp_path / "mcore", show_progress=False)
+    config = config_from_dict(
+        {
+            "policy": {
+                "model_path": str(tmp_path / "mcore"),
+                "megatron_cfg": {"enabled": False},
+                "dtensor_cfg": {"enabled": True},
+            },
+            "data": {"task": "repeat_digit"},
+            "logger": {"log_dir": str(tmp_path / "logs")},
+        }
+    )
+    prepared = prepare_run(config)
+    assert prepared.tokenizer_file == tmp_path / "mcore" / "hf_assets" / "tokenizer.json"
+    assert prepared.tokenizer_file.read_bytes() == (policy / "tokenizer.json").read_bytes()
+    assert prepared.checkpoint_dir == tmp_path / "logs" / "initial_policy_hf"
+    assert (prepared.checkpoint_dir / "model.safetensors").exists()

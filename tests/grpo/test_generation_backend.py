@@ -38,7 +38,12 @@ def test_vllm_wrapper_tokenizes_and_decodes_as_the_embedded_engine_does(tmp_path
     prompts = ["Repeat the digit 3 . Answer :", "Say 7 ."]
     params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=5, logprobs=True)
     expected = _engine(policy, tokenizer).generate(prompts, params)
-    got = VllmGeneration(_engine(policy, None), tokenizer).generate(prompts, params)
+    handed: list[tuple[int, Any]] = []
+    got = VllmGeneration(_engine(policy, None), tokenizer).generate(
+        prompts, params, on_sample=lambda i, sample: handed.append((i, sample))
+    )
+    # every sample handed over once, as returned (vLLM's batch returns at once: in prompt order, after it)
+    assert handed == [(i, sample) for i, out in enumerate(got) for sample in out.samples]
     for want, have in zip(expected, got, strict=True):
         assert have.prompt_token_ids == want.prompt_token_ids
         assert [s.token_ids for s in have.samples] == [s.token_ids for s in want.samples]

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_mcore_bridge.grpo.config import config_from_dict
 from hf_mcore_bridge.grpo.trainer import train_grpo
@@ -56,6 +57,7 @@ def _run(
     cp: int = 1,
     steps: int = 1,
     checkpoint_dir: Path | None = None,
+    bias_update_rate: float = 0.0,
 ) -> dict[str, float]:
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": f"Repeat the digit {d}. Answer:", "answer": str(d)} for d in range(10)]
@@ -74,6 +76,7 @@ def _run(
                     "sequence_packing": packing,
                     "max_tokens_per_microbatch": 96,
                     "optimizer": {"lr": 1e-2},
+                    **({"moe_router_bias_update_rate": bias_update_rate} if bias_update_rate else {}),
                 },
             },
             "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": steps},
@@ -153,6 +156,32 @@ def test_moe_first_step_matches_hf_reference(tmp_path: Path) -> None:
     reference = _hf_reference(policy, tmp_path / "ep2" / "rollouts.jsonl")
     assert steps["ep2"]["reward_std"] > 0
     _check_against_reference(steps, reference)
+
+
+def test_glm_first_step_matches_hf_reference(tmp_path: Path) -> None:
+    """GLM-4.5 at EP2 (sigmoid router with score bias choosing 4 of 8 experts in 2 of 4 groups, scaled by 2.5; an
+    ungated shared expert; half-rotary attention with q/k norms and q/k/v biases; a dense first layer): step one's
+    loss and gradient norm equal HF + autograd's. The router's expert bias stays as the checkpoint has it
+    (`policy.megatron_cfg.moe_router_bias_update_rate` 0); asked for a rate, megatron-core moves each expert's bias
+    by it after the step (towards balanced loads), and step one is the same."""
+    from safetensors.torch import load_file
+
+    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+
+    policy = build_tiny_policy(tmp_path / "policy", seed=2, architecture="Glm4MoeForCausalLM")
+    rate = 0.01
+    steps, saved = {}, {}
+    for name, bias_rate in (("ep2", 0.0), ("ep2_bias_updates", rate)):
+        ckpt = tmp_path / f"{name}_ckpt"
+        steps[name] = _run(tmp_path, name, policy, ep=2, checkpoint_dir=ckpt, bias_update_rate=bias_rate)
+        saved[name] = DCPCheckpoint(ckpt / "iter_0000001").read("decoder.layers.1.mlp.router.expert_bias")
+    reference = _hf_reference(policy, tmp_path / "ep2" / "rollouts.jsonl")
+    assert steps["ep2"]["reward_std"] > 0
+    _check_against_reference(steps, reference)
+    initial = load_file(policy / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(saved["ep2"], initial)
+    moved = (saved["ep2_bias_updates"] - initial).abs()
+    assert ((moved - rate).abs() < 1e-6).sum() >= 4 and bool(((moved < 1e-6) | ((moved - rate).abs() < 1e-6)).all())
 
 
 CP_LAYOUTS = {

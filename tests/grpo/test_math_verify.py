@@ -63,15 +63,24 @@ def test_number_reward_is_not_symbolic() -> None:
 
 
 def test_scorer_pool_matches_in_process_and_limits_pathological_answer() -> None:
-    """Two workers score the table as the reward does in-process; `9^{9^{9^{9}}}` (an integer power in C that no
-    signal interrupts) runs out of its 1 s, its worker is replaced, and it scores 0 without holding the batch."""
+    """Two workers score the table as the reward does in-process, the samples handed over last first while the
+    caller is busy (a batch's feeding thread at work); `9^{9^{9^{9}}}` (an integer power in C that no signal
+    interrupts), handed over first, runs out of its 1 s while the caller is still busy: its worker is killed then
+    and replaced once `result()` takes over, and it scores 0 without holding the batch."""
     completions = [c for c, _, _ in TRICKY] + [r"\boxed{9^{9^{9^{9}}}}"]
     answers = [a for _, a, _ in TRICKY] + ["1"]
     with RewardScorer(math_verify_reward, num_workers=2, timeout_s=1.0, grace_s=1.0) as scorer:
         scorer.score(["1"], ["1"])  # workers started and warm
         started = time.perf_counter()
-        result = scorer.score(completions, answers)
+        with scorer.start(len(completions)) as batch:
+            for index in reversed(range(len(completions))):
+                batch.submit(index, completions[index], answers[index])
+                if index == len(completions) - 1:
+                    time.sleep(2.5)  # past its limit and the grace
+                    assert len(scorer._workers) == 1  # killed by the feeding thread, not yet replaced
+            result = batch.result()
         elapsed = time.perf_counter() - started
+        assert len(scorer._workers) == 2
     assert result.rewards == [e for _, _, e in TRICKY] + [0.0]
     assert result.timeouts == 1
     assert elapsed < 20, elapsed
@@ -107,3 +116,21 @@ def test_scorer_refuses_bad_values_and_lengths() -> None:
         scorer.score(["a"], ["b"])
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         scorer.score(["a", "b"], ["c"])
+
+
+def test_a_batch_takes_each_sample_once() -> None:
+    scorer = RewardScorer(math_reward, num_workers=0)
+    with scorer.start(3) as batch:
+        batch.submit(2, "7", "7")
+        with pytest.raises(ValueError, match="sample 2 was submitted twice"):
+            batch.submit(2, "7", "7")
+        with pytest.raises(IndexError, match="sample 3 is outside"):
+            batch.submit(3, "7", "7")
+        with pytest.raises(RuntimeError, match="a scoring batch is open"):
+            scorer.start(1)
+        with pytest.raises(ValueError, match="2 of the batch's 3 samples were never submitted"):
+            batch.result()
+    with scorer.start(2) as batch:
+        batch.submit(1, "7", "7")
+        batch.submit(0, "8", "7")
+        assert batch.result() == ScoreResult([0.0, 1.0], 0)

@@ -1,6 +1,9 @@
 """The HF config's `router_aux_loss_coef` (a pre-training setting) does not become a load-balancing loss in the
 GRPO trainer's megatron-core `TransformerConfig`; `policy.megatron_cfg.transformer.moe_aux_loss_coeff` turns it on.
-Conversion still records the HF value in the checkpoint's `args`, from which export writes it back."""
+Conversion still records the HF value in the checkpoint's `args`, from which export writes it back. Likewise
+megatron-core's updates of a sigmoid router's expert bias (GLM-4.5) are off unless
+`policy.megatron_cfg.moe_router_bias_update_rate` asks for them (the effect on a trained model:
+`tests/grpo/test_layouts.py::test_glm_first_step_matches_hf_reference`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.policy import _transformer_config, layout_of
 from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.tiny_models import tiny_config
 
 TINY_MOE = {
     "MixtralForCausalLM": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 32},
@@ -65,3 +69,19 @@ def test_conversion_args_keep_the_hf_coefficient_for_export() -> None:
     assert args.moe_aux_loss_coeff == 0.01
     back = config_bridge.from_megatron_args(args)
     assert config_bridge.to_hf(back, arch)["router_aux_loss_coef"] == 0.01
+
+
+def test_expert_bias_updates_are_off_unless_asked() -> None:
+    from megatron.core.transformer import TransformerConfig
+
+    model = config_bridge.from_hf(tiny_config("Glm4MoeForCausalLM"), get_architecture("Glm4MoeForCausalLM"))
+    default = MegatronConfig()
+    config = _transformer_config(model, layout_of(default), torch.float32, default)
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
+    asked = MegatronConfig(moe_router_bias_update_rate=1e-3)
+    assert _transformer_config(model, layout_of(asked), torch.float32, asked).moe_router_bias_update_rate == 1e-3
+    # what megatron-core would do on its own: move the biases after every step
+    assert TransformerConfig.__dataclass_fields__["moe_router_bias_update_rate"].default == 1e-3
+    # the conversion's args record the router, not a training rate
+    args = config_bridge.megatron_args(model, config_bridge.Layout(), torch.float32)
+    assert args.moe_router_enable_expert_bias and not hasattr(args, "moe_router_bias_update_rate")

@@ -2,8 +2,9 @@
 DTensor, fp32 on CPU).
 
 Each replica's engine draws the rollouts of its half of the step's prompts, seeded by (seed, step, prompt index),
-and the rollouts are gathered before the training split: so the first step's rollouts must be the same tokens as
-the single-replica run's, its loss the same up to the reduction order of the data-parallel gradient average, and
+and scores them as its engine finishes each (`reward.overlap`, off in the single-replica run), and the rollouts are
+gathered before the training split: so the first step's rollouts must be the same tokens and rewards as the
+single-replica run's, its loss the same up to the reduction order of the data-parallel gradient average, and
 the later steps must track it within rounding. The fast tests check the pieces the claim rests on against
 independent references: the engine's samples of a batch split in two against the whole batch's, and the
 prompt shares against a plain split.
@@ -83,7 +84,7 @@ def test_vllm_requests_are_seeded_by_their_index_in_the_step() -> None:
     assert dataclasses.replace(params).seed == 77  # the caller's params are not changed
 
 
-def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool):
+def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool, overlap: bool):
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": f"Repeat the digit {d}. Answer:", "answer": str(d)} for d in range(10)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
@@ -101,7 +102,8 @@ def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool):
             "loss_fn": {"kl_coef": 0.01},
             "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
             "data": {"train_jsonl": str(prompts)},
-            "reward": {"name": "grpo.refit_ranks:varied_reward"},  # rewards that differ within a group
+            # rewards that differ within a group, scored in worker processes
+            "reward": {"name": "grpo.refit_ranks:varied_reward", "overlap": overlap},
             "logger": {"log_dir": str(root / name), "print_progress": False},
             "cluster": {"gpus_per_node": replicas},
         }
@@ -119,8 +121,9 @@ def test_two_replicas_generate_and_train_as_one(tmp_path: Path, backend: str) ->
 
     policy = build_tiny_policy(tmp_path / "policy")
     dtensor = backend == "dtensor"
-    one = train_grpo(_config(tmp_path, policy, "dp1", 1, dtensor))
-    two = train_grpo(_config(tmp_path, policy, "dp2", 2, dtensor))
+    # one replica scoring after generation, two each scoring its share as its engine finishes each sample
+    one = train_grpo(_config(tmp_path, policy, "dp1", 1, dtensor, overlap=False))
+    two = train_grpo(_config(tmp_path, policy, "dp2", 2, dtensor, overlap=True))
     assert one.steps == two.steps == STEPS
 
     # both replicas generated (each its half of the prompts), and the rollouts are the single engine's
@@ -139,8 +142,10 @@ def test_two_replicas_generate_and_train_as_one(tmp_path: Path, backend: str) ->
     # step one: the same loss and gradient up to the order of the data-parallel reduction
     for key in ("loss", "grad_norm", "reward_mean", "kl_ref", "token_mult_prob_error"):
         assert two.metrics[0][key] == pytest.approx(one.metrics[0][key], rel=1e-6, abs=1e-9), key
-    # every step: the single-replica run's rewards and losses within rounding
-    assert two.series("reward_mean") == one.series("reward_mean")
+    # every step: the single-replica run's rewards (scored with and without overlap alike) and losses within rounding
+    for key in ("reward_mean", "reward_std", "reward_timeouts"):
+        assert two.series(key) == one.series(key), key
+    assert all(m["reward_wait_s"] >= 0 for m in one.metrics + two.metrics)
     assert two.series("loss") == pytest.approx(one.series("loss"), rel=1e-4, abs=1e-5)
     assert any(r["advantage"] != 0 for r in single)  # the steps moved the weights
     assert one.series("kl_ref")[-1] > 1e-4  # the policy moved away from the reference: later steps are not step one

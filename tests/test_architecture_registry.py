@@ -113,8 +113,8 @@ def test_megatron_args_without_an_hf_name_map_to_the_architecture_with_their_fea
 def test_features_no_architecture_has_are_refused() -> None:
     with pytest.raises(UnsupportedArchitectureError, match="--hf-config"):
         with_features(moe=False, shared_expert=False, qk_norm=True, qkv_bias=True)
-    with pytest.raises(UnsupportedArchitectureError, match="multi-latent attention=False"):
-        with_features(moe=True, shared_expert=True, qk_norm=False, qkv_bias=False)  # DeepSeek-V3 without MLA
+    with pytest.raises(UnsupportedArchitectureError, match="multi-latent attention; pass"):
+        with_features(moe=True, shared_expert=False, qk_norm=False, qkv_bias=False, mla=True, score_function="sigmoid")
 
 
 MEGATRON_PATTERN = {

@@ -232,7 +232,7 @@ def test_what_megatron_core_computes_otherwise_is_refused_by_name(changes, field
 
 def test_trivial_groups_and_one_unnormalised_expert_are_represented():
     assert config_bridge.from_hf(_with(topk_group=8), ARCH).moe.num_groups is None  # every group chosen
-    one = config_bridge.from_hf(_with(num_experts_per_tok=1, n_group=1, norm_topk_prob=False), ARCH)
+    one = config_bridge.from_hf(_with(num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False), ARCH)
     assert one.moe.topk == 1 and one.moe.num_groups is None
     assert config_bridge.from_hf(_with(num_experts_per_tok=9), ARCH).moe.group_topk == 4  # 9 // 4 == 2 as well
 

@@ -113,6 +113,10 @@ class Fp8Checkpoint(HFCheckpoint):
         info = super().info(name)
         return replace(info, dtype=DEQUANTIZED_DTYPE) if name in self.scales else info
 
+    def location(self, name: str) -> tuple[Path, int] | None:
+        """As `HFCheckpoint.location`; None for an FP8 weight, whose stored bytes are not its bfloat16 values."""
+        return None if name in self.scales else super().location(name)
+
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """As `HFCheckpoint.read`; an FP8 weight is dequantized `SPAN_ROWS` rows at a time into its output."""
         if name not in self.scales:

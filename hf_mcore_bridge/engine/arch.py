@@ -25,7 +25,7 @@ Simplifications and how to extend:
   function, `model.route`, driven by `MoeConfig`. `router_jitter_noise` and the auxiliary load-balancing loss are
   training-only and ignored.
 - Multi-token-prediction layers (`num_nextn_predict_layers`) are not used: their tensors are skipped on load
-  (`ignored_prefixes`), as conversion drops them (`convert.mtp`).
+  (`ignored_prefixes`); the trainer's policy is built without them too (`convert.mtp`).
 - Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
   transformers-5 model (`mlp.experts.gate_up_proj` [E, 2F, H], gate rows then up rows; `mlp.experts.down_proj`
   [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
@@ -48,7 +48,6 @@ from hf_mcore_bridge.convert import mapping_types as mt
 from hf_mcore_bridge.convert.architecture import Architecture, Bias
 from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.mapping_types import LayerKind, Size
-from hf_mcore_bridge.convert.mtp import mtp_layer_count, mtp_prefixes
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import REGISTRY, for_config
@@ -242,10 +241,11 @@ class ModelConfig:
 
 
 def _mtp_layers(arch: Architecture, hf: Mapping[str, Any]) -> int:
-    try:
-        return mtp_layer_count(arch, hf)
-    except ConfigError as err:
-        raise ValueError(str(err)) from None
+    """`num_nextn_predict_layers` of an architecture with MTP layers (0 for one without)."""
+    count = hf.get("num_nextn_predict_layers") or 0 if arch.has_mtp else 0
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"config field num_nextn_predict_layers={count!r} must be a non-negative integer")
+    return count
 
 
 def _resolve_bias(rule: Bias, hf: Mapping[str, Any]) -> bool:
@@ -477,7 +477,7 @@ def _hf_name(table: list[Entry], param: str) -> str:
 
 def ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
     """HF name prefixes accepted and dropped: the multi-token-prediction layers after the decoder layers."""
-    return mtp_prefixes(cfg.num_layers, cfg.mtp_layers)
+    return tuple(f"model.layers.{cfg.num_layers + k}." for k in range(cfg.mtp_layers))
 
 
 def ignored_names(cfg: ModelConfig) -> tuple[str, ...]:

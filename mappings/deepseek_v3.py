@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
+from hf_mcore_bridge.convert.architecture import Architecture, EngineOptions
 from hf_mcore_bridge.convert.config_bridge import MoeConfig
 from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
 from hf_mcore_bridge.convert.mapping_types import Direct, Feature, RotaryRows, Size
@@ -200,6 +200,7 @@ ARCHITECTURE = Architecture(
         Size.SHARED_FFN: "n_shared_experts * moe_intermediate_size",
     },
     mtp_copies=MTP_COPIES,
+    engine=EngineOptions(latent_norm_eps=LATENT_NORM_EPS),
     tiny={
         "rms_norm_eps": LATENT_NORM_EPS,
         "num_hidden_layers": 4,

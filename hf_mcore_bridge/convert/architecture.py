@@ -51,6 +51,9 @@ class EngineOptions:
     round_routing_weights: bool = False
     """Routing weights are rounded to the activation dtype before they scale the expert outputs (Qwen); Mixtral
     scales in float32 and rounds the product. Identical in float32."""
+    latent_norm_eps: float | None = None
+    """Multi-latent attention: the epsilon of the query and key/value latents' RMSNorms (`q_a_layernorm`,
+    `kv_a_layernorm`); None: `rms_norm_eps`. HF's DeepSeek-V3 hard-codes 1e-6."""
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
 """The engine's view of an architecture: the config its shared decoder is built from, and where each HF tensor goes.
 
-Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads, SiLU-
-gated MLP or a mixture of SiLU-gated experts). What differs lives in the architecture's file in `mappings/`
-(`convert.architecture.Architecture`): its mapping table, its mixture-of-experts reading (`moe_from_hf`, the same
-one conversion uses, so the engine routes exactly as the converted megatron-core model does and refuses what
-conversion refuses), its optional parts (`qk_norm`, `qkv_bias` switches) and the few decoder options the table does
-not say (`EngineOptions`: biases that HF configs switch on, how routing weights are rounded). `ModelConfig.from_hf`
-reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig` the decoder is built from,
-refusing values the decoder would get wrong.
+Every supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads or
+multi-latent attention, SiLU-gated MLP or a mixture of SiLU-gated experts). What differs lives in the
+architecture's file in `mappings/` (`convert.architecture.Architecture`): its mapping table, its mixture-of-experts
+reading (`moe_from_hf`, the same one conversion uses, so the engine routes exactly as the converted megatron-core
+model does and refuses what conversion refuses), its optional parts (`qk_norm`, `qkv_bias` switches) and the few
+decoder options the table does not say (`EngineOptions`: biases that HF configs switch on, how routing weights are
+rounded, the latent norms' epsilon). Multi-latent attention is an architecture whose table has the key/value latent
+(`Architecture.multi_latent`); its dimensions, YaRN and refusals come from conversion's own reading
+(`config_bridge.from_hf`), and its tensors keep their HF names (`q_a_proj`, `kv_b_proj`, ...; `engine/mla.py`).
+`ModelConfig.from_hf` reads an HF config (a `PretrainedConfig` or its dict) into the frozen `ModelConfig` the
+decoder is built from, refusing values the decoder would get wrong.
 
 `weight_table` is derived from the architecture's mapping table, not written again: each entry's HF names are
 the names the engine loads, and its megatron-core name says which engine parameter they fill, through one
@@ -31,19 +34,21 @@ Simplifications and how to extend:
   [E, H, F]; Mixtral's router as `mlp.gate.weight`): `fused_expert_pieces` splits those into the per-expert names
   with the conversion's own rules (`Architecture.fused_experts`), so there is one name table.
 - RoPE types: default, linear and llama3, each also partial (`partial_rotary_factor`: the first
-  `int(head_dim * factor)` dimensions of each head rotate). Others (yarn, dynamic, longrope) are refused, not
-  approximated.
+  `int(head_dim * factor)` dimensions of each head rotate); DeepSeek's YaRN with multi-latent attention only (as
+  conversion). Others (dynamic, longrope) are refused, not approximated.
 - Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hf_mcore_bridge.checkpoint.names import fill
+from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert import mapping_types as mt
 from hf_mcore_bridge.convert.architecture import Architecture, Bias
 from hf_mcore_bridge.convert.config_errors import ConfigError
@@ -80,15 +85,22 @@ class RopeConfig:
     theta: float
     """The base wavelength (`rope_theta`)."""
     rope_type: str = "default"
-    """`default`, `linear` or `llama3`."""
+    """`default`, `linear`, `llama3`, or `yarn` (multi-latent attention only, as conversion reads it)."""
     factor: float = 1.0
-    """The scaling factor (`linear`, `llama3`)."""
+    """The scaling factor (`linear`, `llama3`, `yarn`)."""
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by `factor`."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
-    """llama3: the context length the model was pre-trained with."""
+    """llama3, yarn: the context length the model was pre-trained with."""
+    beta_fast: float = 32.0
+    """yarn: frequencies of more than this many rotations over the original context are kept."""
+    beta_slow: float = 1.0
+    """yarn: frequencies of fewer than this many rotations are divided by `factor` (a linear ramp between)."""
+    attention_factor: float = 1.0
+    """yarn: the rotary concentration, mscale(factor, mscale) / mscale(factor, mscale_all_dim), multiplying the
+    cos and sin tables (transformers' `attention_scaling`)."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dimensions that rotate (the first `int(head_dim * factor)`; GLM-4.5: 0.5)."""
 
@@ -160,6 +172,77 @@ class MoeConfig:
         )
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN magnitude scale: 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-latent attention (DeepSeek-V3): queries and keys/values through low-rank latents, read as conversion
+    reads them (`config_bridge.MlaConfig`, its refusals included)."""
+
+    q_lora_rank: int | None
+    """Rank of the query's down-projection (`q_a_proj`, `q_a_layernorm`, `q_b_proj`); None: one `q_proj`."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent c_kv, which the KV cache holds (normed) per token and layer."""
+    qk_nope_head_dim: int
+    """Query/key dims per head without RoPE (the key's from `kv_b_proj`)."""
+    qk_rope_head_dim: int
+    """Query/key dims per head with RoPE; the key's are one head shared by all (`kv_a_proj_with_mqa`'s last rows),
+    cached beside the latent."""
+    v_head_dim: int
+    """Value dims per head (from `kv_b_proj`)."""
+    rope_interleave: bool
+    """RoPE pairs dims 2i, 2i + 1 (DeepSeek's weights, HF `rope_interleave=true`); False: rotate-half pairs."""
+    softmax_scale: float
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (transformers' `yarn_apply_mscale`)."""
+    latent_norm_eps: float
+    """Epsilon of `q_a_layernorm` and `kv_a_layernorm` (`EngineOptions.latent_norm_eps`, else `rms_norm_eps`)."""
+
+    @property
+    def cache_width(self) -> int:
+        """Values the KV cache holds per token and layer: the latent, then the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def read_mla(arch: Architecture, hf: Mapping[str, Any]) -> tuple[MlaConfig, RopeConfig]:
+    """Multi-latent attention and its RoPE (plain or YaRN), through conversion's own reading of the config
+    (`config_bridge.from_hf`: what conversion refuses is refused here, as `ValueError`s)."""
+    try:
+        read = config_bridge.from_hf(hf, arch)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    mla, yarn = read.mla, read.yarn
+    if mla is None:
+        raise ValueError(f"{arch.hf_name} has multi-latent attention: the config needs kv_lora_rank")
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    rope = RopeConfig(theta=read.rope_theta)
+    if yarn is not None:
+        scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+        rope = RopeConfig(
+            theta=read.rope_theta,
+            rope_type="yarn",
+            factor=yarn.factor,
+            original_max_position_embeddings=yarn.original_max_position_embeddings,
+            beta_fast=yarn.beta_fast,
+            beta_slow=yarn.beta_slow,
+            attention_factor=yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim),
+        )
+    eps = arch.engine.latent_norm_eps
+    latent = MlaConfig(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rope_interleave=not mla.rotate_half,
+        softmax_scale=scale,
+        latent_norm_eps=float(eps if eps is not None else hf.get("rms_norm_eps", 1e-6)),
+    )
+    return latent, rope
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the shared decoder needs, read from an HF config."""
@@ -179,7 +262,8 @@ class ModelConfig:
     num_kv_heads: int
     """Key/value heads (grouped-query attention when fewer than `num_heads`)."""
     head_dim: int
-    """Width of one head (explicit in Qwen3 configs, else hidden_size // num_heads)."""
+    """Width of one head (explicit in Qwen3 configs, else hidden_size // num_heads); with multi-latent attention
+    the rotary width `qk_rope_head_dim` (as transformers' DeepseekV3Config sets it), the dims `rope` rotates."""
     rms_norm_eps: float
     """Epsilon of every RMSNorm."""
     rope: RopeConfig
@@ -198,6 +282,8 @@ class ModelConfig:
     """Per-head RMSNorm on q and k (resolved from `arch.qk_norm` and the config)."""
     mtp_layers: int = 0
     """Multi-token-prediction layers the checkpoint stores after the decoder layers (skipped on load)."""
+    mla: MlaConfig | None = None
+    """Multi-latent attention in every layer; None: grouped-query attention."""
 
     def mlp_kind(self, layer: int) -> MlpKind:
         """The MLP block of one decoder layer."""
@@ -212,8 +298,13 @@ class ModelConfig:
         _refuse_unsupported(hf)
         heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
-        rope = read_rope(hf)
+        mla = None
+        if arch.multi_latent:
+            mla, rope = read_mla(arch, hf)
+            head_dim = mla.qk_rope_head_dim
+        else:
+            head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+            rope = read_rope(hf)
         if rope.rotary_dim(head_dim) % 2 or not rope.rotary_dim(head_dim):
             raise ValueError(
                 f"partial_rotary_factor={rope.partial_rotary_factor:g} rotates {rope.rotary_dim(head_dim)} of the "
@@ -237,6 +328,7 @@ class ModelConfig:
             moe=MoeConfig.from_hf(arch, hf, num_layers) if arch.is_moe else None,
             qk_norm=arch.switched_on(arch.qk_norm, hf),
             mtp_layers=_mtp_layers(arch, hf),
+            mla=mla,
         )
 
 
@@ -266,8 +358,6 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
 
 
 def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
-    if hf.get("kv_lora_rank") is not None:
-        raise NotImplementedError("multi-latent attention (kv_lora_rank, DeepSeek-V3) is not implemented in the engine")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r}: only 'silu' is implemented")
@@ -330,6 +420,14 @@ ENGINE_PARAMS: dict[str, str] = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
@@ -425,7 +523,13 @@ def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
     model's own (embedding, final norm, output layer).
     """
     kind = LayerKind.MOE if mlp is MlpKind.MOE else LayerKind.DENSE
-    features = {mt.Feature.QK_NORM: cfg.qk_norm, mt.Feature.QKV_BIAS: cfg.qkv_bias}
+    q_lora = None if cfg.mla is None else cfg.mla.q_lora_rank
+    features = {
+        mt.Feature.QK_NORM: cfg.qk_norm,
+        mt.Feature.QKV_BIAS: cfg.qkv_bias,
+        mt.Feature.Q_LORA: cfg.mla is not None and q_lora is not None,
+        mt.Feature.FULL_RANK_Q: cfg.mla is not None and q_lora is None,
+    }
     table: list[Entry] = []
     for entry in cfg.arch.table:
         if entry.layers not in (LayerKind.ALL, kind) or (entry.untied_only and cfg.tie_word_embeddings):
@@ -433,8 +537,9 @@ def weight_table(cfg: ModelConfig, mlp: MlpKind) -> tuple[Entry, ...]:
         if entry.requires is not None and not features[entry.requires]:
             continue  # an optional part the config switches off (Qwen2-MoE's `qkv_bias: false`, GLM's q/k norms)
         table.append(_derived(cfg, entry))
-    qkv = next(e for e in table if isinstance(e, FusedQKV))
-    if cfg.qkv_bias and not any(isinstance(e, FusedQKV) and e.target.endswith(".bias") for e in table):
+    qkv = next((e for e in table if isinstance(e, FusedQKV)), None)
+    biased = any(isinstance(e, FusedQKV) and e.target.endswith(".bias") for e in table)
+    if qkv is not None and cfg.qkv_bias and not biased:
         table.append(FusedQKV(*(_bias_of(name) for name in (qkv.target, qkv.q, qkv.k, qkv.v))))
     if cfg.o_bias:
         o_proj = engine_param(f"{MC_LAYER}self_attention.linear_proj.weight")

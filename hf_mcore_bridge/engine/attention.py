@@ -4,6 +4,9 @@ blocks for decode.
 Layout: the whole cache is one tensor `[layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]`, so one
 token's keys of one layer are a contiguous `[kv_heads, head_dim]` row addressed by a flat slot index
 (`block * block_size + offset`), and a block copy (copy-on-write) is one indexed assignment over every layer.
+A multi-latent-attention model's cache has one plane and one "head" instead, `[layers, 1, num_blocks, block_size,
+1, kv_lora_rank + qk_rope_head_dim]`: each token's normed latent and shared rotary key (`mla.py`), the same paged
+blocks and block tables.
 
 Two attention shapes:
 - prefill: each sequence of the batch attends only to its own fresh tokens (a prompt is computed once, with no
@@ -90,16 +93,27 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    planes: int = 2,
 ) -> torch.Tensor:
-    """The cache tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`, zero-filled."""
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    """The cache tensor `[layers, planes, num_blocks, block_size, kv_heads, head_dim]`, zero-filled (`planes`: 2,
+    keys and values; 1, a multi-latent cache's one entry per token, `kv_heads` 1 and `head_dim` its width)."""
+    shape = (num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, planes: int = 2) -> int:
+    """Bytes one token takes in the cache across all layers (`allocate_kv_cache`'s arguments): grouped-query
+    attention 2 * layers * kv_heads * head_dim * itemsize; multi-latent layers * (kv_lora_rank + qk_rope_head_dim)
+    * itemsize."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+    return num_layers * planes * num_kv_heads * head_dim * itemsize
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, planes: int = 2
+) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    return block_size * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, planes)
 
 
 @dataclass(frozen=True)
@@ -242,7 +256,8 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence over its own tokens.
 
-    q: [T, heads, D]; k, v: [T, kv_heads, D] (packed, sequence after sequence). Returns [T, heads, D].
+    q, k: [T, heads / kv_heads, D]; v: [T, kv_heads, Dv] (packed, sequence after sequence). Returns
+    [T, heads, Dv].
     """
     group = q.shape[1] // k.shape[1]
     qp = _to_padded(q, meta)
@@ -252,7 +267,7 @@ def prefill_attention(
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     mask = causal[None, None] & meta.key_valid[:, None, None, :]
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
-    out = out.transpose(1, 2).reshape(meta.batch_size * length, *q.shape[1:])
+    out = out.transpose(1, 2).reshape(meta.batch_size * length, q.shape[1], v.shape[-1])
     return out.index_select(0, meta.pad_index)
 
 

@@ -9,7 +9,10 @@ and decode attention reads the paged KV blocks in place through a Triton kernel 
 FlexAttention without Triton, `attention`); the
 decoder's pointwise steps and the sampler are compiled there too (`pointwise`, `sampling.Sampler`).
 A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
-(`model.routed_experts`), which a graph cannot capture.
+(`model.routed_experts`), which a graph cannot capture. A multi-latent-attention model (DeepSeek-V3) caches each
+token's compressed latent, not its keys and values, and decodes through the absorbed projections (`mla.py`), in
+torch over the gathered blocks on every device: the Triton and FlexAttention kernels read no latent cache (a GPU
+MLA decode kernel is future work), nor is an FP8 cache or tensor parallelism implemented for it.
 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
@@ -51,7 +54,7 @@ from hf_mcore_bridge.engine.attention import (
     DecodeMetadata,
     PrefillMetadata,
     allocate_kv_cache,
-    bytes_per_block,
+    bytes_per_token,
     copy_blocks,
 )
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
@@ -118,7 +121,8 @@ class EngineConfig:
     `flex` (FlexAttention over the blocks; compiled on CUDA, once per batch bucket), `gather` (the blocks are
     gathered, then SDPA; any device), or `auto`: `triton` on CUDA where Triton is installed, else `flex` on CUDA,
     `gather` elsewhere (eager FlexAttention scores every cache slot, and Triton runs on CPU tensors only in its
-    interpreter: both exact, for tests only)."""
+    interpreter: both exact, for tests only) and for multi-latent attention on every device (which refuses
+    `triton` and `flex`: they read no latent cache)."""
     flex_min_batch: int = 64
     """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
@@ -179,9 +183,18 @@ class EngineConfig:
             return self.torch_compile
         return torch.device(self.device).type == "cuda"
 
-    def decode_kernel(self, head_dim: int | None = None) -> str:
+    def decode_kernel(self, head_dim: int | None = None, latent: bool = False) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device (for a model of
-        `head_dim`, when given: `auto` takes `flex` where the Triton kernel does not support it)."""
+        `head_dim`, when given: `auto` takes `flex` where the Triton kernel does not support it). A multi-latent
+        model (`latent`) decodes through `gather` on every device: the Triton and FlexAttention kernels read no
+        latent cache (`mla.py`)."""
+        if latent:
+            if self.decode_attention not in ("auto", "gather"):
+                raise ValueError(
+                    f"decode_attention={self.decode_attention!r}: multi-latent attention decodes through gather "
+                    "(torch over the gathered latent blocks); use auto or gather"
+                )
+            return "gather"
         if self.decode_attention != "auto":
             return self.decode_attention
         if torch.device(self.device).type != "cuda":
@@ -228,6 +241,10 @@ class EngineStats(SchedulerStats):
     """Decode steps launched before the previous step's tokens reached the host."""
     discarded_tokens: int = 0
     """Tokens computed for sequences that had already sampled a stop token (the price of pipelining)."""
+    kv_bytes_per_token: int = 0
+    """KV-cache bytes one token takes over all layers (this rank's, under tensor parallelism): grouped-query
+    attention 2 * layers * kv_heads * head_dim * itemsize; multi-latent attention layers * (kv_lora_rank +
+    qk_rope_head_dim) * itemsize (`attention.bytes_per_token`)."""
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -295,8 +312,8 @@ def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 class Engine:
-    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5
-    decoders.
+    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
+    DeepSeek-V3 (multi-latent attention: one device, no tensor parallelism) decoders.
 
     Args:
         hf_config: a transformers `PretrainedConfig` or a config.json dict.
@@ -330,7 +347,9 @@ class Engine:
                 f"sliding-window attention (window {mc.sliding_window}) is not implemented; "
                 f"use max_model_len <= {mc.sliding_window}"
             )
-        kernel = cfg.decode_kernel(mc.head_dim)
+        kernel = cfg.decode_kernel(mc.head_dim, latent=mc.mla is not None)
+        if mc.mla is not None and cfg.kv_cache_dtype == "fp8":
+            raise NotImplementedError("kv_cache_dtype fp8 is not implemented for multi-latent attention")
         if kernel == "triton":
             triton_check(self.device, mc.head_dim, cfg.block_size)
         if cfg.kv_cache_dtype == "fp8" and kernel == "flex":
@@ -347,9 +366,14 @@ class Engine:
         )
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
         self.model.fused_rope = cfg.fused_rope
-        self.num_kv_heads = self.model.sizes.num_kv_heads
-        """KV heads in this rank's cache (all of the model's without tensor parallelism)."""
-        block_bytes = bytes_per_block(mc.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, cfg.cache_dtype())
+        self.cache_entry = self.model.cache_entry
+        """(planes, heads, width) of a token's entry in a layer's cache (`CausalLM.cache_entry`)."""
+        planes, heads, width = self.cache_entry
+        self.num_kv_heads = heads
+        """KV heads in this rank's cache (all of the model's without tensor parallelism; 1 for multi-latent)."""
+        self.kv_bytes_per_token = bytes_per_token(mc.num_layers, self.num_kv_heads, width, cfg.cache_dtype(), planes)
+        """KV-cache bytes of one token over all layers (`EngineStats.kv_bytes_per_token`)."""
+        block_bytes = cfg.block_size * self.kv_bytes_per_token
         self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
         if self.num_blocks < self.max_blocks_per_seq + 2:
@@ -535,6 +559,7 @@ class Engine:
             **vars(scheduler.stats),
             blocks_allocated=allocator.total_allocations,
             num_blocks=self.num_blocks,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             **self._pipeline_counts,
         )
         return [
@@ -795,12 +820,7 @@ class Engine:
 
     def _allocate_cache(self) -> torch.Tensor:
         mc, cfg = self.model_config, self.config
+        planes, heads, width = self.cache_entry
         return allocate_kv_cache(
-            mc.num_layers,
-            self.num_blocks,
-            cfg.block_size,
-            self.num_kv_heads,
-            mc.head_dim,
-            cfg.cache_dtype(),
-            self.device,
+            mc.num_layers, self.num_blocks, cfg.block_size, heads, width, cfg.cache_dtype(), self.device, planes
         )

@@ -1,4 +1,5 @@
-"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5) and its weight loader.
+"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3) and its
+weight loader.
 
 Layout follows the inference convention: a batch is a flat run of tokens `[T]` with their positions, and the
 attention metadata says how tokens group into sequences and where they live in the paged KV cache
@@ -8,7 +9,8 @@ bf16 the fused RMSNorm rounds once where transformers rounds twice. The pointwis
 gating, residual add + RMSNorm, the add deferred into the next layer's first norm) are `pointwise.PointwiseOps`:
 eager, or compiled into fused kernels (the engine's choice on CUDA); decode passes through the Triton decode
 kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for models with per-head q/k norms;
-`fused_rope` off: the separate steps). Logits come out in the model's dtype.
+`fused_rope` off: the separate steps). Logits come out in the model's dtype. DeepSeek-V3's multi-latent attention
+(`mla.LatentAttention`) replaces `Attention` in every layer, with a cache of compressed latents (`cache_entry`).
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, or sigmoid scores with an expert
 score bias and group-limited top-k; top-k, optional renormalisation and scaling) and `routed_experts`, which sorts
@@ -47,6 +49,7 @@ been loaded since the weights were (re)allocated.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -83,7 +86,8 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
-from hf_mcore_bridge.engine.fp8 import fp8_linear, gemm_scales, quantize_blockwise, scaled_mm_works
+from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear, empty_param
+from hf_mcore_bridge.engine.mla import CACHE_HEADS, CACHE_PLANES, LatentAttention
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
@@ -133,6 +137,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     old_len = rope.original_max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor
     high_wavelen = old_len / rope.high_freq_factor
@@ -144,87 +150,38 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(inv_freq: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [num_positions, head_dim] float32 (each frequency twice, as in `rotate_half` layout)."""
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's inverse frequencies (transformers' `_compute_yarn_parameters`, truncated correction range): those of
+    more than `beta_fast` rotations over the original context kept, of fewer than `beta_slow` divided by `factor`,
+    a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).to(dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low), 0, 1
+    )
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def rope_tables(inv_freq: torch.Tensor, num_positions: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [num_positions, head_dim] float32 (each frequency twice, as in `rotate_half` layout), times
+    `scale` (YaRN's concentration, `RopeConfig.attention_factor`)."""
     positions = torch.arange(num_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.weight = _param(size, dtype=dtype, device=device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel on CUDA (float32 statistics). transformers rounds the normalised activations to the
-        # input dtype before the weight multiply; this rounds once, at the end: identical in float32, and in
-        # bfloat16 within one rounding step.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-class Linear(nn.Module):
-    """A linear layer whose parameters start empty (they are always loaded, never initialised). `fp8`, once set by
-    `quantize_fp8`, holds the weight's per-block FP8 copy, its scales (`engine.fp8`) and those scales in the FP8
-    GEMM's layout (`fp8.gemm_scales`), and the layer multiplies by that copy instead of `weight` (which stays:
-    loads and the refit's checks read it)."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    def quantize_fp8(self) -> None:
-        """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
-        q, scale_inv = quantize_blockwise(self.weight.detach())
-        scaled_mm_works(q.device)  # decided now, eagerly, not inside a graph capture
-        if self.fp8 is None:
-            self.fp8 = (q, scale_inv, gemm_scales(scale_inv))
-        else:
-            self.fp8[0].copy_(q)
-            self.fp8[1].copy_(scale_inv)
-            self.fp8[2].copy_(gemm_scales(scale_inv))
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fp8 is None:
-            return F.linear(x, self.weight, bias)
-        q, scale_inv, gemm_scale = self.fp8
-        return fp8_linear(x, q, scale_inv, bias, gemm_scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-
-class RowLinear(Linear):
-    """A row-parallel linear layer: this rank's input columns, the partial outputs summed over the group (then the
-    bias, once). With `tp` None, a plain `Linear`."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TensorParallel | None,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, dtype, device)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
-            return self.matmul(x, self.bias)
-        out = self.tp.all_reduce(self.matmul(x, None))
-        return out if self.bias is None else out + self.bias
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 class Embedding(nn.Module):
@@ -242,7 +199,7 @@ class Embedding(nn.Module):
         held: int = 0,
     ) -> None:
         super().__init__()
-        self.weight = _param(num, dim, dtype=dtype, device=device)
+        self.weight = empty_param(num, dim, dtype=dtype, device=device)
         self.tp, self.start, self.held = tp, start, held
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -420,8 +377,8 @@ class Experts(nn.Module):
 
     def __init__(self, moe: MoeConfig, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.w13 = _param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
-        self.w2 = _param(moe.num_experts, hidden, width, dtype=dtype, device=device)
+        self.w13 = empty_param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
+        self.w2 = empty_param(moe.num_experts, hidden, width, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, self.w13, self.w2, weights, experts)
@@ -434,9 +391,9 @@ class Router(nn.Module):
 
     def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.weight = _param(moe.num_experts, hidden, dtype=dtype, device=device)
+        self.weight = empty_param(moe.num_experts, hidden, dtype=dtype, device=device)
         self.e_score_correction_bias = (
-            _param(moe.num_experts, dtype=torch.float32, device=device) if moe.expert_bias else None
+            empty_param(moe.num_experts, dtype=torch.float32, device=device) if moe.expert_bias else None
         )
         self.fp32 = moe.router_fp32
 
@@ -512,7 +469,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.ops = ops
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, sizes, dtype, device, ops, tp)
+        self.self_attn: nn.Module = (
+            Attention(cfg, sizes, dtype, device, ops, tp)
+            if cfg.mla is None
+            else LatentAttention(cfg, sizes.num_heads, dtype, device, ops, tp)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp: nn.Module = (
             SparseMoe(cfg, sizes, dtype, device, ops, tp)
@@ -607,6 +568,11 @@ class CausalLM(nn.Module):
         """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
         attention of every layer through the pass's metadata."""
         place = tp.place if tp is not None else TPRank(1, 0)
+        if cfg.mla is not None and place.size > 1:
+            raise NotImplementedError(
+                f"multi-latent attention ({cfg.arch.hf_name}) is not implemented in the tensor-parallel engine "
+                f"(tensor-parallel size {place.size}); run it on one device per engine"
+            )
         moe = cfg.moe
         self.sizes = local_sizes(
             cfg.num_heads,
@@ -624,7 +590,8 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, self.sizes.vocab_rows, False, dtype, device)
         )
-        cos, sin = rope_tables(rope_inv_freq(cfg.rope, cfg.rope.rotary_dim(cfg.head_dim)), max_positions)
+        inv_freq = rope_inv_freq(cfg.rope, cfg.rope.rotary_dim(cfg.head_dim))
+        cos, sin = rope_tables(inv_freq, max_positions, cfg.rope.attention_factor)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
@@ -650,6 +617,15 @@ class CausalLM(nn.Module):
                 f"parameters only {sorted(set(self._shapes) - filled)}"
             )
 
+    @property
+    def cache_entry(self) -> tuple[int, int, int]:
+        """(planes, heads, width) of one token's entry in a layer's KV cache (`attention.allocate_kv_cache`): keys
+        and values of this rank's KV heads, (2, kv_heads, head_dim); a multi-latent model's latent and rotary key,
+        (1, 1, kv_lora_rank + qk_rope_head_dim)."""
+        if self.cfg.mla is not None:
+            return CACHE_PLANES, CACHE_HEADS, self.cfg.mla.cache_width
+        return 2, self.sizes.num_kv_heads, self.cfg.head_dim
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -661,7 +637,7 @@ class CausalLM(nn.Module):
         """Logits [N, vocab] in the model's dtype for the rows `logits_rows` of the flat batch (every row when None);
         the sampler upcasts them to float32 as it reads them (no float32 copy of the [N, vocab] logits is written).
 
-        input_ids, positions: [T]; kv_cache: [layers, 2, NB, BS, kv_heads, D].
+        input_ids, positions: [T]; kv_cache: [layers, planes, NB, BS, heads, D] (`cache_entry`).
         """
         h = self.model.embed_tokens(input_ids)
         if self.kv_scale != meta.kv_scale:
@@ -864,7 +840,7 @@ def _entry_targets(
 def _row_shard(parallel: Parallel, local_shape: tuple[int, ...], tp: TPRank) -> Shard | None:
     """The rank's input columns (last dim) of a row-parallel tensor whose local shape is `local_shape`; None for a
     replicated one."""
-    if parallel is Parallel.REPLICATED:
+    if parallel is Parallel.REPLICATED or tp.size == 1:
         return None
     if parallel is not Parallel.ROW:
         raise AssertionError(f"unexpected parallel style {parallel} for a whole-parameter entry")

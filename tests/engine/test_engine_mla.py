@@ -1,0 +1,146 @@
+"""Multi-latent attention (DeepSeek-V3 and Moonlight) in the engine, against transformers.
+
+The tiny models of `tests/conftest.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
+experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
+`generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU), prompts of different
+lengths in one batch, past several 4-token KV blocks; the cache holds the latent (kv_lora_rank + qk_rope_head_dim
+values a token and layer) and `EngineStats` reports its bytes; a corrupted absorbed projection fails the comparison
+from the first decoded token on (the prefilled one still matches); a refit and a sleep/wake cycle update the
+absorbed projections; the config reading (softmax scale, YaRN tables) equals transformers' own; refusals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from engine_helpers import (
+    GREEDY,
+    build_hf_from_config,
+    engine_from_hf,
+    hf_greedy,
+    hf_token_logprobs,
+    hub_weights,
+    random_prompts,
+    tiny_engine_config,
+)
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hf_mcore_bridge.engine import Engine, ModelConfig
+from hf_mcore_bridge.engine.mla import LatentAttention
+from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
+from hf_mcore_bridge.engine.tp_shards import TPRank
+
+MLA_MODELS = ("deepseek_v3", "moonlight")
+NEW_TOKENS = GREEDY.max_tokens
+
+
+@pytest.fixture(scope="module")
+def mla_models(tiny_moe_models: dict[str, Path]) -> dict[str, tuple[Path, PreTrainedModel]]:
+    return {
+        name: (tiny_moe_models[name], AutoModelForCausalLM.from_pretrained(tiny_moe_models[name]).eval())
+        for name in MLA_MODELS
+    }
+
+
+def _max_logprob_error(
+    model: PreTrainedModel, prompt: list[int], tokens: list[int], logprobs: list[float]
+) -> list[float]:
+    expected = hf_token_logprobs(model, prompt, tokens, temperature=1.0)
+    return [abs(a - b) for a, b in zip(logprobs, expected, strict=True)]
+
+
+@pytest.mark.parametrize("name", MLA_MODELS)
+def test_greedy_tokens_and_logprobs_match_transformers_from_a_latent_cache(name, mla_models):
+    directory, model = mla_models[name]
+    engine = Engine.from_pretrained(directory, tiny_engine_config())
+    mla = engine.model_config.mla
+    assert mla is not None
+    prompts = random_prompts([3, 9, 14], seed=31)  # with 10 new tokens each crosses 3 blocks of 4
+    outputs = engine.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        reference = hf_greedy(model, prompt, NEW_TOKENS)
+        for sample in output.samples:
+            assert sample.token_ids == reference
+            assert max(_max_logprob_error(model, prompt, sample.token_ids, sample.logprobs)) < 1e-5
+    # the cache holds one entry of kv_lora_rank + qk_rope_head_dim values a token and layer, nothing decompressed
+    cache = engine.kv_cache
+    layers, planes, _, _, heads, width = cache.shape
+    assert (layers, planes, heads) == (model.config.num_hidden_layers, 1, 1)
+    assert width == model.config.kv_lora_rank + model.config.qk_rope_head_dim == 24 + 8
+    per_token = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * torch.float32.itemsize
+    assert engine.last_stats.kv_bytes_per_token == per_token
+    assert cache[:, :, 0, 0].numel() * cache.element_size() == per_token
+
+
+def test_a_corrupted_absorbed_projection_fails_from_the_first_decoded_token(mla_models, monkeypatch):
+    """Each head reading its neighbour's W_UK (a layout slip): the prefilled token, which decompresses, still
+    matches; every decoded one is off."""
+    directory, model = mla_models["deepseek_v3"]
+    engine = Engine.from_pretrained(directory, tiny_engine_config())
+    absorbed = LatentAttention.absorbed
+
+    def rolled(self: LatentAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        w_uk, w_uv = absorbed(self)
+        return w_uk.roll(1, dims=0), w_uv
+
+    monkeypatch.setattr(LatentAttention, "absorbed", rolled)
+    prompt = random_prompts([9], seed=32)[0]
+    (output,) = engine.generate([prompt], GREEDY)
+    sample = output.samples[0]
+    errors = _max_logprob_error(model, prompt, sample.token_ids, sample.logprobs)
+    assert errors[0] < 1e-5
+    assert min(errors[1:]) > 1e-4
+
+
+def test_refit_and_sleep_update_the_absorbed_projections(mla_models):
+    """The absorbed projections are views of kv_b_proj's storage: after a refit to other weights, and after
+    sleep(level=2) (storage released and reallocated) and a reload, the engine follows the weights it holds."""
+    _, model = mla_models["deepseek_v3"]
+    other = build_hf_from_config(model.config, seed=33)
+    engine = engine_from_hf(model)
+    prompt = random_prompts([7], seed=34)[0]
+    before = engine.generate([prompt], GREEDY)[0].samples[0].token_ids
+    assert before == hf_greedy(model, prompt, NEW_TOKENS)
+    for refit in ("in place", "after sleep"):
+        if refit == "after sleep":
+            engine.sleep(level=2)
+            engine.wake_up()
+        engine.load_weights(hub_weights(other))
+        sample = engine.generate([prompt], GREEDY)[0].samples[0]
+        assert sample.token_ids == hf_greedy(other, prompt, NEW_TOKENS)
+        assert max(_max_logprob_error(other, prompt, sample.token_ids, sample.logprobs)) < 1e-5
+    assert sample.token_ids != before
+
+
+def test_the_config_reading_equals_transformers(mla_models):
+    """Softmax scale (YaRN's mscale^2), the YaRN inverse frequencies and concentration, as transformers has them."""
+    for name in MLA_MODELS:
+        _, model = mla_models[name]
+        cfg = ModelConfig.from_hf(model.config)
+        assert cfg.mla is not None
+        assert cfg.mla.softmax_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+        rotary = model.model.rotary_emb
+        assert torch.equal(rope_inv_freq(cfg.rope, cfg.head_dim), rotary.inv_freq)
+        assert cfg.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+        assert cfg.mla.rope_interleave is model.config.rope_interleave
+    assert ModelConfig.from_hf(mla_models["deepseek_v3"][1].config).rope.rope_type == "yarn"
+
+
+def test_kv_bytes_per_token_of_grouped_query_attention(get_hf_model):
+    engine = engine_from_hf(get_hf_model("llama"))  # 2 layers, 2 KV heads of 16 dims
+    engine.generate([[1, 2, 3]], GREEDY)
+    assert engine.last_stats.kv_bytes_per_token == 2 * 2 * 2 * 16 * torch.float32.itemsize
+
+
+def test_what_multi_latent_attention_refuses(mla_models):
+    config = mla_models["deepseek_v3"][1].config
+    with pytest.raises(ValueError, match="decode_attention='triton': multi-latent attention decodes through gather"):
+        Engine(config, tiny_engine_config(decode_attention="triton"))
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8"):
+        Engine(config, tiny_engine_config(kv_cache_dtype="fp8"))
+    tp = SimpleNamespace(place=TPRank(2, 0))
+    with pytest.raises(NotImplementedError, match=r"multi-latent attention .* tensor-parallel engine"):
+        CausalLM(ModelConfig.from_hf(config), torch.float32, "cpu", 64, tp=tp)  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
 """Embedded vLLM-style inference engine: paged KV cache, continuous batching, vLLM `load_weights` contract.
 
 `Engine` generates with the built-in decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
-Qwen2-MoE, Qwen3-MoE and GLM-4.5); `VllmEngine` offers the same interface over vLLM where vLLM is installed.
-Modules: `arch` (the decoder's config and the HF name table, both from the architecture's file in `mappings/`),
-`model` (the decoder and its weight loader), `attention` (paged attention through torch SDPA), `kv_cache` (block
+Qwen2-MoE, Qwen3-MoE, GLM-4.5 and DeepSeek-V3); `VllmEngine` offers the same interface over vLLM where vLLM is
+installed. Modules: `arch` (the decoder's config and the HF name table, both from the architecture's file in
+`mappings/`), `model` (the decoder and its weight loader), `layers` (its norm and linear layers), `attention` (paged
+attention through torch SDPA), `mla` (multi-latent attention over a cache of latents), `kv_cache` (block
 allocator), `scheduler` (continuous batching), `sampling` (sampling and log-probabilities), `cuda_graphs` (graphs of
 the decode step), `engine` (`Engine`), `tp_shards` (which slice of each HF tensor a tensor-parallel rank keeps),
 `tp_group` (the tensor-parallel collectives over a given process group), `vllm_backend` (`VllmEngine`).

@@ -3,9 +3,10 @@ a dense first layer) at EP2 on the megatron-core trainer, against `offpolicy_ref
 from the same initial weights on the same rollouts. Loss and gradient norm must agree; the refit's weight stream
 (gathered over EP through the mapping table) must equal the HF checkpoint bit for bit.
 
-The rollout engine does not run multi-latent attention yet, so the rollouts are made here (random completions, group
-rewards) and handed to the trainer's own step (`trainer._train_step`) on every rank; generation, the engine-side
-refit and the engine/trainer log-prob gate are what a full `train_grpo` run adds.
+The rollouts are made here (random completions, group rewards) and handed to the trainer's own step
+(`trainer._train_step`) on every rank, so the refit's stream can be compared with the checkpoint itself; the full
+`train_grpo` run, with rollouts from the engine's multi-latent attention, the engine-side refit and the
+engine/trainer log-prob gate, is `test_layouts.py::test_deepseek_first_step_matches_hf_reference`.
 """
 
 from __future__ import annotations

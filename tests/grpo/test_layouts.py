@@ -223,3 +223,14 @@ def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> Non
 
 def _metrics(log_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_deepseek_first_step_matches_hf_reference(tmp_path: Path) -> None:
+    """DeepSeek-V3 at EP2 (multi-latent attention, rollouts from the engine's latent cache; sigmoid router with
+    expert bias and groups; shared experts; a dense first layer): step one's loss and gradient norm equal HF +
+    autograd's, and the engine's log-probs the trainer's (`token_mult_prob_error`)."""
+    policy = build_tiny_policy(tmp_path / "policy", seed=3, architecture="DeepseekV3ForCausalLM", num_hidden_layers=2)
+    steps = {"ep2": _run(tmp_path, "ep2", policy, ep=2)}
+    reference = _hf_reference(policy, tmp_path / "ep2" / "rollouts.jsonl")
+    assert steps["ep2"]["reward_std"] > 0
+    _check_against_reference(steps, reference)

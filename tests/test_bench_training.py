@@ -40,6 +40,7 @@ def test_bench_training_tiny_runs_on_cpu(tmp_path: Path, run_script) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_training_runs_the_megatron_path_at_cp2(tmp_path: Path, run_script) -> None:
     """`--megatron-parallel cp`: the trainer's policy at CP = nproc, each row's tokens counted once."""
     out = tmp_path / "bench.json"
@@ -277,6 +278,7 @@ def test_trainer_logprobs_on_cuda_in_bf16_use_the_fused_cross_entropy(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_dtensor_search_runs_every_layout_of_two_ranks(tmp_path: Path, run_script) -> None:
     """Two gloo ranks: the trainer's DTensor policy trains in each searched layout (FSDP2, FSDP2 with deferred
     gradient sync, TP2; sdpa only on CPU), and a TP group counts its shared rows once."""

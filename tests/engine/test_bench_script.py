@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
+
+@pytest.mark.extended
 def test_bench_engine_tiny_runs_on_cpu(tmp_path, run_script):
     """Both decode kernels side by side, each against transformers `generate` on the same token count in the same
     run, as the median of the timed runs with their spread."""

@@ -37,6 +37,7 @@ def test_bench_scoring_tiny_compares_both_modes(tmp_path: Path, run_script) -> N
     assert "rewards equal in both modes, round by round: yes" in result.stdout
 
 
+@pytest.mark.extended
 def test_bench_recipe_step_smoke_fits_a_per_layer_cost(tmp_path: Path, run_script) -> None:
     out = tmp_path / "result.json"
     args = ["qwen3-8b", "--smoke", "--layers", "1", "2", "--steps", "2", "--work", str(tmp_path / "work")]

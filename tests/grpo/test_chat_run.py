@@ -38,7 +38,9 @@ def _parquet(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=pytest.mark.extended) if b == "dtensor" else b for b in sorted(BACKENDS)]
+)
 def test_one_chat_step(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("pyarrow")
     pytest.importorskip("mlflow")

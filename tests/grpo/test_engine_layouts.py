@@ -32,7 +32,7 @@ from .tiny_policy import WORDS, build_tiny_policy
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 2
 EXACT = 1.0001
 """fp32 agreement bound of `token_mult_prob_error` (1 is exact)."""
 

@@ -236,12 +236,14 @@ def test_signals_and_kill_stop_every_rank_within_seconds(tmp_path: Path) -> None
         assert not psutil.wait_procs(int_procs, timeout=STOPPED_WITHIN_S)[1]
         int_s = time.monotonic() - began
         assert shell.wait(timeout=STOPPED_WITHIN_S) == 0
-    finally:
-        for process in [
-            *started,
-            *(psutil.Process(p) for p in (shell.pid, term.pid, kill.pid) if psutil.pid_exists(p)),
-        ]:
-            if process.is_running():
+    finally:  # every launcher and rank, also those a failed assertion left running (the background launcher)
+        roots = [shell.pid, term.pid, kill.pid, *([int(pid_file.read_text())] if pid_file.exists() else [])]
+        for pid in roots:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                root = psutil.Process(pid)
+                started += [root, *root.children(recursive=True)]
+        for process in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
 
     assert term.returncode == 128 + signal.SIGTERM

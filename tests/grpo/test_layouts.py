@@ -225,6 +225,7 @@ def _metrics(log_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.extended
 def test_deepseek_first_step_matches_hf_reference(tmp_path: Path) -> None:
     """DeepSeek-V3 at EP2 (multi-latent attention, rollouts from the engine's latent cache; sigmoid router with
     expert bias and groups; shared experts; a dense first layer): step one's loss and gradient norm equal HF +

@@ -173,10 +173,10 @@ ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rol
     ("kind", "layout", "message"),
     [
         ("qk", {}, ROLLOUTS_GATE),
-        ("gate_up", {}, ROLLOUTS_GATE),
+        pytest.param(*("gate_up", {}, ROLLOUTS_GATE), marks=pytest.mark.extended),
         ("qk", {"tp": 2}, ROLLOUTS_GATE),
-        ("gate_up", {"tp": 2}, ROLLOUTS_GATE),
-        ("qk", {"pp": 2}, ROLLOUTS_GATE),
+        pytest.param(*("gate_up", {"tp": 2}, ROLLOUTS_GATE), marks=pytest.mark.extended),
+        pytest.param(*("qk", {"pp": 2}, ROLLOUTS_GATE), marks=pytest.mark.extended),
         ("gate_up", {"pp": 2}, ROLLOUTS_GATE),
         ("vllm_qk", {}, ROLLOUTS_GATE),
         ("later_qk+gate_up", {}, "step 1: engine vs trainer log-probs disagree on the probe prompt: token_mult_pr"),
@@ -204,7 +204,10 @@ def test_a_corrupted_refit_stops_the_run_at_the_first_step(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["experts", "qk", "gate_up"])
+@pytest.mark.parametrize(
+    "kind",
+    ["experts", pytest.param("qk", marks=pytest.mark.extended), pytest.param("gate_up", marks=pytest.mark.extended)],
+)
 def test_a_corrupted_moe_refit_stops_the_run_at_the_first_step_at_ep2(tmp_path: Path, kind: str) -> None:
     """Qwen3-MoE at EP2: two experts' tensors exchanged in layer 0, or q/k rows or gate/up swapped in its dense
     layer 1."""

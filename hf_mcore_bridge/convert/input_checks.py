@@ -71,9 +71,12 @@ _MLA_MEGATRON_LABELS = {
 }
 
 
-def hf_sizes(model: ModelConfig, config: Mapping[str, Any], fields: Mapping[Size, str] | None = None) -> Resolved:
-    """Model dimensions labelled with the HF `config.json` fields they come from (`fields`: the architecture's own
-    names, `Architecture.hf_size_fields`)."""
+def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
+    """Model dimensions labelled with the HF `config.json` fields they come from (the architecture's own names
+    where it has them, `Architecture.hf_size_fields`)."""
+    from hf_mcore_bridge.mappings import get_architecture
+
+    fields = get_architecture(model.architecture).hf_size_fields
     labels = {
         Size.HIDDEN: "hidden_size",
         Size.Q: "num_attention_heads * head_dim",

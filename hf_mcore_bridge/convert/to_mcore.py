@@ -79,8 +79,7 @@ def check_hf_tensors(
     def info(name: str) -> tuple[tuple[int, ...], str]:
         return hf.info(name).shape, hf.info(name).file.name
 
-    fields = get_architecture(model.architecture).hf_size_fields
-    check_hf_shapes(expected, hf_sizes(model, hf.config, fields), info, hf.fused_source)
+    check_hf_shapes(expected, hf_sizes(model, hf.config), info, hf.fused_source)
 
     def where(name: str) -> str:
         return hf.info(name).file.name

@@ -39,7 +39,12 @@ MOE_HERE = {"tp2pp1": ("glm4_moe", "deepseek_v3"), "tp1pp2": ("glm4_moe", "deeps
 multi-latent attention has keys and values of different widths under CP)."""
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout_name",
+    [
+        pytest.param(n, marks=pytest.mark.extended) if n == "tp2cp2" else n for n in LAYOUTS
+    ],  # CP x TP: also test_context_parallel
+)
 def test_logit_parity_through_megatron_core(layout_name, tiny_models, tiny_moe_models, tmp_path):
     layout = LAYOUTS[layout_name]
     jobs = []

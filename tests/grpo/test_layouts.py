@@ -28,12 +28,15 @@ LAYOUTS = {
     "tp1": {"tp": 1},
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
-    "tp2_packed": {"tp": 2, "packing": True},
-    "tp2_sp": {"tp": 2, "sequence_parallel": True},
     "dp2": {"world": 2},
-    "pp2_dp2": {"pp": 2, "world": 4},
 }
 """name -> parallel sizes (`world`: ranks started, so data parallel = world / (TP x PP)); defaults tp=pp=ep=1."""
+MORE_LAYOUTS = {
+    "tp2_packed": {"tp": 2, "packing": True},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "pp2_dp2": {"pp": 2, "world": 4},
+}
+"""Combinations of the above (`extended`: packing and sequence parallelism also run at TP2 x CP2 below)."""
 
 MOE_LAYOUTS = {
     "ep2": {"ep": 2},
@@ -146,6 +149,13 @@ def test_first_step_matches_hf_reference_at_every_layout(tmp_path: Path) -> None
         assert step["refit_gather_s"] + step["refit_convert_s"] + step["refit_load_s"] <= step["refit_s"], name
 
 
+@pytest.mark.extended
+def test_first_step_matches_hf_reference_at_more_layouts(tmp_path: Path) -> None:
+    policy = build_tiny_policy(tmp_path / "policy", seed=2)
+    steps = {name: _run(tmp_path, name, policy, **layout) for name, layout in {"tp1": {}, **MORE_LAYOUTS}.items()}
+    _check_against_reference(steps, _hf_reference(policy, tmp_path / "tp1" / "rollouts.jsonl"))
+
+
 def test_moe_first_step_matches_hf_reference(tmp_path: Path) -> None:
     """Qwen3-MoE (a routed layer and a dense one), no auxiliary loss so HF's loss is the whole objective: the
     experts' gradients flow through megatron-core's router and dispatcher, and refit gathers them over EP."""
@@ -187,17 +197,16 @@ def test_glm_first_step_matches_hf_reference(tmp_path: Path) -> None:
 CP_LAYOUTS = {
     "cp2": {"cp": 2, "steps": 2},
     "tp2_cp2_sp_packed": {"tp": 2, "cp": 2, "packing": True, "sequence_parallel": True},
-    "pp2_cp2": {"pp": 2, "cp": 2},
-    "dp2_cp2": {"cp": 2, "world": 4},
 }
 """Context-parallel layouts (`context_parallel`; MoE at EP2 x CP2 is in `MOE_LAYOUTS`)."""
+MORE_CP_LAYOUTS = {"pp2_cp2": {"pp": 2, "cp": 2}, "dp2_cp2": {"cp": 2, "world": 4}}
+"""PP2 x CP2 (1F1B schedule) and DP2 x CP2 (gradients averaged over data x context ranks): `extended`."""
 
 
 def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> None:
-    """CP2 (padded rows), TP2 x CP2 x SP (packed rows), PP2 x CP2 (1F1B schedule) and DP2 x CP2 (gradients averaged
-    over data x context ranks): step one's metrics equal the HF reference (as CP1's do in the test above); the
-    engine/trainer log-prob gate (`on_logprob_mismatch=stop`) passes on every step (two at CP2); the CP2 run's
-    checkpoint resumes at CP1 to the same step 2."""
+    """CP2 (padded rows) and TP2 x CP2 x SP (packed rows): step one's metrics equal the HF reference (as CP1's do
+    in the test above); the engine/trainer log-prob gate (`on_logprob_mismatch=stop`) passes on every step (two at
+    CP2); the CP2 run's checkpoint resumes at CP1 to the same step 2."""
     policy = build_tiny_policy(tmp_path / "policy", seed=2)
     ckpt = tmp_path / "cp2_ckpt"
     steps = {
@@ -219,6 +228,13 @@ def test_context_parallel_first_step_matches_hf_reference(tmp_path: Path) -> Non
     assert got["reward_mean"] == want["reward_mean"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.extended
+def test_context_parallel_first_step_matches_hf_reference_at_more_layouts(tmp_path: Path) -> None:
+    policy = build_tiny_policy(tmp_path / "policy", seed=2)
+    steps = {name: _run(tmp_path, name, policy, **layout) for name, layout in {"tp1": {}, **MORE_CP_LAYOUTS}.items()}
+    _check_against_reference(steps, _hf_reference(policy, tmp_path / "tp1" / "rollouts.jsonl"))
 
 
 def _metrics(log_dir: Path) -> list[dict[str, float]]:

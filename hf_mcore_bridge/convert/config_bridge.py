@@ -334,6 +334,14 @@ def _rotary_percent(config: Mapping[str, Any], head_dim: int) -> float:
     return factor
 
 
+def mtp_layer_count(config: Mapping[str, Any]) -> int:
+    """The multi-token-prediction layers an HF config declares (`num_nextn_predict_layers`; absent: 0)."""
+    count = config.get("num_nextn_predict_layers") or 0
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ConfigError(f"config field num_nextn_predict_layers={count!r} must be a non-negative integer")
+    return count
+
+
 def _layer_types_are_full(config: Mapping[str, Any]) -> None:
     layer_types = config.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
@@ -360,9 +368,7 @@ def from_hf(config: Mapping[str, Any], arch: Architecture) -> ModelConfig:
     dtype = config.get("torch_dtype", config.get("dtype"))
     num_layers = _positive_int(config, "num_hidden_layers")
     moe = arch.moe_from_hf(config, num_layers) if arch.moe_from_hf else None
-    mtp = config.get("num_nextn_predict_layers") or 0
-    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
-        raise ConfigError(f"config field num_nextn_predict_layers={mtp!r} must be a non-negative integer")
+    mtp = mtp_layer_count(config)
     return ModelConfig(
         architecture=arch.hf_name,
         num_layers=num_layers,

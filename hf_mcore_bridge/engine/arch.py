@@ -334,10 +334,12 @@ class ModelConfig:
 
 def _mtp_layers(arch: Architecture, hf: Mapping[str, Any]) -> int:
     """`num_nextn_predict_layers` of an architecture with MTP layers (0 for one without)."""
-    count = hf.get("num_nextn_predict_layers") or 0 if arch.has_mtp else 0
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"config field num_nextn_predict_layers={count!r} must be a non-negative integer")
-    return count
+    if not arch.has_mtp:
+        return 0
+    try:
+        return config_bridge.mtp_layer_count(hf)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 def _resolve_bias(rule: Bias, hf: Mapping[str, Any]) -> bool:

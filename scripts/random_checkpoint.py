@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
@@ -274,7 +275,7 @@ def write_random_checkpoint(
         writer.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    written = {**config, "torch_dtype": config_bridge.DTYPE_NAMES[dtype]}
+    written = {**config, "torch_dtype": dtypes.of(dtype).name}
     if fp8:
         written["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
     (directory / "config.json").write_text(json.dumps(written, indent=2))

@@ -160,7 +160,8 @@ def record_with_wheels(wheels: list[str]) -> int:
         with tempfile.TemporaryDirectory() as target:
             pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation"]
             subprocess.run([*pip, "--target", target, wheel, str(project)], check=True)
-            env = {**os.environ, "PYTHONPATH": target}
+            # the scratch directory first, before anything the caller's PYTHONPATH carries (e.g. carried wheels)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [target, os.environ.get("PYTHONPATH")]))}
             print(f"== {Path(wheel).name}", flush=True)
             status |= subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env).returncode
     return status

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from row_trace import trace
 
 from hf_mcore_bridge.checkpoint.byte_copy import InputFiles, Span, write_pieces
 from hf_mcore_bridge.checkpoint.row_pieces import Block, region
 from hf_mcore_bridge.convert import tensor_ops
-from hf_mcore_bridge.convert.row_trace import RowRun, trace
+from hf_mcore_bridge.convert.row_runs import RowRun
 from hf_mcore_bridge.errors import CheckpointError
 
 

@@ -28,11 +28,13 @@ def test_plain_items_are_read_in_place(tiny_models_bf16, tmp_path, monkeypatch):
     monkeypatch.setattr(DCPCheckpoint, "_load_item", no_torch_load)
     for key in checkpoint.tensor_keys():
         meta = checkpoint.tensor_meta(key)
-        assert torch.equal(checkpoint.read(key), _torch_dcp(checkpoint.directory, key, meta.shape, meta.dtype)), key
+        assert torch.equal(checkpoint.read(key), _torch_dcp(checkpoint.directory, key, meta.shape, meta.dtype.torch)), (
+            key
+        )
         # one layer of a stacked tensor: a region cut across the TP chunks
         if len(meta.shape) == 3:
             layer = checkpoint.read(key, (1, 0, 0), (1, *meta.shape[1:]))
-            assert torch.equal(layer, _torch_dcp(checkpoint.directory, key, meta.shape, meta.dtype)[1:2])
+            assert torch.equal(layer, _torch_dcp(checkpoint.directory, key, meta.shape, meta.dtype.torch)[1:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

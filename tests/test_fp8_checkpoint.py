@@ -170,7 +170,7 @@ def test_weights_taller_than_a_span_read_and_write_as_whole_blocks(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": QUANTIZATION}))
     checkpoint = Fp8Checkpoint(tmp_path)
     whole = dequantize_blockwise(q, scale, torch.bfloat16)
-    assert checkpoint.names() == {"w.weight"} and checkpoint.info("w.weight").dtype == torch.bfloat16
+    assert checkpoint.names() == {"w.weight"} and checkpoint.info("w.weight").dtype.torch == torch.bfloat16
     for span in (None, (0, rows), (SPAN_ROWS - 5, SPAN_ROWS + 7), (130, 2 * SPAN_ROWS + 1)):
         expected = whole if span is None else whole[span[0] : span[1]]
         assert torch.equal(checkpoint.read("w.weight", span), expected), span

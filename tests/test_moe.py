@@ -113,8 +113,8 @@ def test_glm_expert_bias_stays_float32_in_a_bf16_model(tmp_path):
     convert_hf_to_mcore(hf_dir, tmp_path / "m", layout=Layout(tp=2, ep=2), show_progress=False)
     dcp = DCPCheckpoint(tmp_path / "m" / "release")
     bias = dcp.tensor_meta("decoder.layers.1.mlp.router.expert_bias")  # layer 0 is dense: per-layer keys
-    assert bias.dtype == torch.float32 and bias.shape == (8,)
-    assert dcp.tensor_meta("decoder.layers.1.mlp.router.weight").dtype == torch.bfloat16
+    assert bias.dtype.torch == torch.float32 and bias.shape == (8,)
+    assert dcp.tensor_meta("decoder.layers.1.mlp.router.weight").dtype.torch == torch.bfloat16
     assert "decoder.layers.0.mlp.router.expert_bias" not in dcp.tensor_keys()  # the dense layer
     experts = dcp.tensor_meta("decoder.layers.2.mlp.experts.experts.linear_fc1.weight")
     assert experts.shape == (8, 64, 64) and len(experts.chunks) == 8 * 2 * 2  # per expert: gate_r, up_r of 2 ranks

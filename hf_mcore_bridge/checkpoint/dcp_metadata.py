@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.pickles import Call, Global, New, Pairs, dumps
 from hf_mcore_bridge.errors import CheckpointError
 
@@ -216,7 +217,7 @@ DTYPE_NAMES = (
     "uint8",
     "bool",
 )
-"""The dtypes a `.metadata` may name (resolved to torch's dtype objects)."""
+"""The dtypes a `.metadata` may name (read as `dtypes.DType`s)."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -227,7 +228,5 @@ class MetadataUnpickler(pickle.Unpickler):
         if found is not None:
             return found
         if module == "torch" and name in DTYPE_NAMES:
-            import torch
-
-            return getattr(torch, name)
+            return dtypes.BY_NAME[name]
         raise CheckpointError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata")

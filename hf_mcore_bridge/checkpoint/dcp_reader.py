@@ -22,11 +22,11 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.dcp_metadata import (
+    DTYPE_NAMES,
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -34,6 +34,9 @@ from hf_mcore_bridge.checkpoint.dcp_metadata import (
     TensorStorageMetadata,
 )
 from hf_mcore_bridge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -50,24 +53,7 @@ _ALLOWED = {
     # megatron-core's save strategy caches each rank's plan in the metadata (`all_local_plans`)
     "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},
-    "torch": {
-        "Size",
-        *(
-            str(d).removeprefix("torch.")
-            for d in (
-                torch.float64,
-                torch.float32,
-                torch.float16,
-                torch.bfloat16,
-                torch.int64,
-                torch.int32,
-                torch.int16,
-                torch.int8,
-                torch.uint8,
-                torch.bool,
-            )
-        ),
-    },
+    "torch": {"Size", *DTYPE_NAMES},
     "pathlib": {"PosixPath", "PurePosixPath"},
     "collections": {"OrderedDict"},
 }
@@ -109,7 +95,7 @@ class TensorMeta:
 
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: dtypes.DType
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
 
@@ -180,6 +166,8 @@ class DCPCheckpoint:
         return self._item_bytes(MetadataIndex(key))
 
     def _load_item(self, index: MetadataIndex) -> Any:
+        import torch
+
         payload = self._item_bytes(index)
         info = self.metadata.storage_data[index]
         try:
@@ -188,17 +176,19 @@ class DCPCheckpoint:
             raise CheckpointError(f"{index.fqn} in {info.relative_path} is unreadable: {err}") from None
 
     def _read_chunk(
-        self, index: MetadataIndex, sizes: tuple[int, ...], dtype: torch.dtype, into: torch.Tensor | None = None
+        self, index: MetadataIndex, sizes: tuple[int, ...], dtype: dtypes.DType, into: torch.Tensor | None = None
     ) -> torch.Tensor:
         """A tensor item, read in place where its layout allows (into `into`, a contiguous tensor of `sizes`, when
         given), else through `torch.load`."""
+        import torch
+
         info = self.metadata.storage_data[index]
         path = self.directory / info.relative_path
         try:
             with path.open("rb") as handle:
                 start = _plain_tensor_data(handle, info.offset, info.length, sizes, dtype)
                 if start is not None:
-                    out = into if into is not None else torch.empty(sizes, dtype=dtype)
+                    out = into if into is not None else torch.empty(sizes, dtype=dtype.torch)
                     handle.seek(info.offset + start)
                     if handle.readinto(_byte_view(out)) == out.numel() * out.element_size():
                         return out
@@ -233,10 +223,12 @@ class DCPCheckpoint:
 
     def read(self, key: str, offsets: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None):
         """The region [offsets, offsets + sizes) of a global tensor (the whole tensor by default)."""
+        import torch
+
         meta = self.tensor_meta(key)
         offsets = offsets or (0,) * len(meta.shape)
         sizes = sizes or meta.shape
-        out = torch.empty(sizes, dtype=meta.dtype)
+        out = torch.empty(sizes, dtype=meta.dtype.torch)
         covered = 0
         for chunk_offsets, chunk_sizes in meta.chunks:
             overlap = _overlap(offsets, sizes, chunk_offsets, chunk_sizes)
@@ -331,7 +323,7 @@ def _member(region: _Region, zinfo: zipfile.ZipInfo) -> int:
     return zinfo.header_offset + 30 + name_length + extra_length
 
 
-def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
+def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, ...], dtype: dtypes.DType) -> int | None:
     """The offset (within the item) of the chunk's raw bytes when the item stores exactly `sizes` x `dtype`
     contiguously from offset 0 of one little-endian storage; None when it does not (or is not a plain tensor)."""
     region = _Region(handle, start, length)
@@ -349,33 +341,18 @@ def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, .
         region.seek(_member(region, pkl))
         kind, storage, storage_offset, size, stride = _TensorPickle(io.BytesIO(region.read(pkl.file_size))).load()[:5]
         _, storage_type, key, _, numel = storage
-        if kind != "tensor" or _STORAGE_DTYPES.get(storage_type) != dtype or storage_offset != 0:
+        if kind != "tensor" or dtypes.BY_STORAGE.get(storage_type) != dtype or storage_offset != 0:
             return None
         if tuple(size) != sizes or tuple(stride) != _contiguous_strides(sizes) or numel != _numel(sizes):
             return None
         data = members.get(f"{prefix}data/{key}")
         if data is None or data.compress_type != zipfile.ZIP_STORED:
             return None
-        if data.file_size != _numel(sizes) * torch.empty(0, dtype=dtype).element_size():
+        if data.file_size != _numel(sizes) * dtype.itemsize:
             return None
         return _member(region, data)
     except (zipfile.BadZipFile, pickle.UnpicklingError, StopIteration, ValueError, TypeError, EOFError, AttributeError):
         return None
-
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-}
-"""The storage class names `torch.save` pickles, by dtype."""
 
 
 def _numel(sizes: tuple[int, ...]) -> int:
@@ -395,4 +372,6 @@ def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
+    import torch
+
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

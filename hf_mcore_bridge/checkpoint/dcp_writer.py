@@ -18,6 +18,7 @@ Items are written in plan order within each file, bytes items first, as DCP writ
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -28,8 +29,9 @@ from typing import Any
 
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, length_of
 from hf_mcore_bridge.checkpoint.dcp_metadata import StoredItem, StoredTensor, metadata_pickle
+from hf_mcore_bridge.checkpoint.dtypes import DType
 from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
-from hf_mcore_bridge.checkpoint.torch_archive import TensorArchive, supported
+from hf_mcore_bridge.checkpoint.torch_archive import TensorArchive, saved_plain, supported
 
 DATA_FILES = 2
 """Data files (and writer threads) of a checkpoint: two cores on the smallest machines we run on."""
@@ -44,7 +46,7 @@ class TensorChunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     dtype: Any
-    """A `torch.dtype`."""
+    """A `dtypes.DType` or a `torch.dtype`."""
     produce: Callable[[], Any]
     """Returns the chunk's data: a CPU tensor of shape `sizes` and dtype `dtype`."""
     pieces: tuple[Piece, ...] | None = None
@@ -107,7 +109,7 @@ def write_dcp(
         ends[file] += length
 
     for obj in objects:
-        add(0, obj.key, None, (_saved(obj.payload),))
+        add(0, obj.key, None, (saved(obj.payload),))
     total = sum(c.nbytes for c in framed)
     done = 0
     archives: dict[tuple[str, tuple[int, ...]], TensorArchive] = {}  # one serialization id each, as torch has per run
@@ -134,7 +136,7 @@ def _tensor_bytes(chunk: TensorChunk) -> Callable[[], Any]:
         import torch
 
         tensor = chunk.produce()
-        if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
+        if tuple(tensor.shape) != chunk.sizes or str(tensor.dtype).removeprefix("torch.") != chunk.dtype_name:
             raise AssertionError(
                 f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                 f"planned {chunk.sizes} {chunk.dtype}"
@@ -157,13 +159,32 @@ def _without_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def _saved(payload: object) -> bytes:
+def saved(payload: object) -> bytes:
+    """The bytes of `torch.save(payload)`: written without torch for a payload of plain values, namespaces and
+    dtypes (`torch_archive.saved_plain`), else by `torch.save` (a `dtypes.DType` in it saved as torch's dtype)."""
+    try:
+        return saved_plain(payload)
+    except TypeError:
+        pass
     import torch
 
     buffer = io.BytesIO()
     with _without_crc32():
-        torch.save(payload, buffer)
+        torch.save(_torch_dtypes(payload), buffer)
     return buffer.getvalue()
+
+
+def _torch_dtypes(value: Any) -> Any:
+    """`value` with every `dtypes.DType` in its containers and namespaces replaced by torch's dtype."""
+    if isinstance(value, DType):
+        return value.torch
+    if isinstance(value, argparse.Namespace):
+        return argparse.Namespace(**{k: _torch_dtypes(v) for k, v in vars(value).items()})
+    if type(value) in (list, tuple):
+        return type(value)(_torch_dtypes(v) for v in value)
+    if type(value) is dict:
+        return {k: _torch_dtypes(v) for k, v in value.items()}
+    return value
 
 
 def _append_saved(
@@ -176,7 +197,7 @@ def _append_saved(
         handle.seek(offset)
         for chunk in chunks:
             tensor = chunk.produce()
-            if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
+            if tuple(tensor.shape) != chunk.sizes or str(tensor.dtype).removeprefix("torch.") != chunk.dtype_name:
                 raise AssertionError(f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}")
             start = handle.tell()
             torch.save(tensor.detach().contiguous().clone(), handle)

@@ -12,12 +12,15 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.names import fill
+
+if TYPE_CHECKING:
+    import torch
 from hf_mcore_bridge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -36,19 +39,6 @@ ASSET_FILES = (
 )
 """Non-weight files carried along with a model (config, generation config, tokenizer)."""
 
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-}
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -56,7 +46,7 @@ class TensorInfo:
 
     file: Path
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: dtypes.DType
     data_offset: int | None = None
     """Where the tensor's bytes (row-major, little-endian) start in `file`; None when not stored as such there."""
 
@@ -136,12 +126,12 @@ class HFCheckpoint:
 
     def _open_file(self, file: Path, expected: set[str] | None) -> None:
         try:
-            with safe_open(str(file), framework="pt") as handle:
+            with safe_open(str(file), framework="numpy") as handle:  # headers only: no torch needed
                 names = list(handle.keys())
                 offsets = _data_offsets(file)
                 for name in names:
                     view = handle.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+                    dtype = dtypes.BY_SAFETENSORS.get(view.get_dtype())
                     if dtype is None:
                         raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {view.get_dtype()}")
                     self._tensors[name] = TensorInfo(file, tuple(view.get_shape()), dtype, offsets.get(name))
@@ -153,6 +143,8 @@ class HFCheckpoint:
                 raise CheckpointError(f"{file.name} lacks {len(missing)} tensor(s) its index names, e.g. {missing[0]}")
 
     def _open_pickle(self) -> None:
+        import torch
+
         self._pickled = {}
         for file in sorted(self.path.glob("*.bin")):
             try:
@@ -161,7 +153,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"{file} could not be read as a weights-only torch file: {err}") from None
             for name, tensor in state.items():
                 self._pickled[name] = tensor
-                self._tensors[name] = TensorInfo(file, tuple(tensor.shape), tensor.dtype)
+                self._tensors[name] = TensorInfo(file, tuple(tensor.shape), dtypes.of(tensor.dtype))
 
     def add_fused_aliases(self, rules: dict[str, tuple[str, str]], wanted: list[tuple[str, int | None, int | None]]):
         """Serve per-expert names from fused `[num_experts, ...]` tensors where only those are stored.

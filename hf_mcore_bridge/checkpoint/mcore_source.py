@@ -8,11 +8,13 @@ same interface.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.checkpoint.dtypes import DType
+
+if TYPE_CHECKING:
+    import torch
 
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 """Keys a training checkpoint holds besides the model; export skips them."""
@@ -34,7 +36,7 @@ class McoreSource(Protocol):
         """The global shape, including leading layer / expert axes."""
         ...
 
-    def dtype(self, key: str) -> torch.dtype: ...
+    def dtype(self, key: str) -> DType: ...
 
     def location(self, key: str) -> str:
         """The file a tensor is (first) read from, for messages."""
@@ -57,7 +59,7 @@ class DCPSource:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.dcp.tensor_meta(key).shape
 
-    def dtype(self, key: str) -> torch.dtype:
+    def dtype(self, key: str) -> DType:
         return self.dcp.tensor_meta(key).dtype
 
     def location(self, key: str) -> str:

@@ -16,6 +16,8 @@ tags core_v0.16.1 to core_v0.19.0, `megatron/core/dist_checkpointing/serializati
 
 `common.pt` and the `common_state` item are read with `torch.load(weights_only=True)` and an explicit allow-list of
 the globals Megatron-LM stores: the argparse Namespace, a few standard-library types and megatron-core's enums.
+`read_common(torch_free=True)` reads a common state of plain values without importing torch (`plain_load`, dtypes
+as `dtypes.DType`), falling back to `torch.load` for anything else.
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
-from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem
+from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, saved
+from hf_mcore_bridge.checkpoint.plain_load import load_plain
 from hf_mcore_bridge.errors import CheckpointError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -121,8 +122,7 @@ def write_common(checkpoint_dir: Path, common: dict[str, Any], mcore_version: in
     """Write `metadata.json` and, before megatron-core 0.19, `common.pt` (0.19 takes the common state from the DCP
     item `common_objects` gave)."""
     if mcore_version < COMMON_IN_DCP_SINCE:
-        with (checkpoint_dir / COMMON_NAME).open("wb") as handle:  # closed on failure (see legacy_format)
-            torch.save(common, handle)
+        (checkpoint_dir / COMMON_NAME).write_bytes(saved(common))
     (checkpoint_dir / METADATA_NAME).write_text(json.dumps(metadata_json(mcore_version)))
 
 
@@ -144,6 +144,8 @@ def _safe_globals() -> list[Any]:
 def _load_allowed(source: Path | IO[bytes], *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)` with the allow-list above; megatron-core's enums are only imported (a few
     seconds) when the payload actually refers to one."""
+    import torch
+
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     if not isinstance(source, Path):
         source.seek(0)
@@ -166,14 +168,19 @@ def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
         raise CheckpointError(f"{path} is unreadable: {_first_line(err)}") from None
 
 
-def read_common(checkpoint_dir: Path) -> dict[str, Any]:
+def read_common(checkpoint_dir: Path, *, torch_free: bool = False) -> dict[str, Any]:
     """The common state dict of a distributed checkpoint: `common.pt` where there is one (megatron-core <= 0.18,
-    and what 0.19 also prefers), else the DCP item `common_state/shard_0_1` (megatron-core >= 0.19)."""
+    and what 0.19 also prefers), else the DCP item `common_state/shard_0_1` (megatron-core >= 0.19).
+
+    `torch_free`: without importing torch where the state holds only plain values (dtypes then read as
+    `dtypes.DType`, e.g. `args.params_dtype`); anything else is loaded with torch as without it."""
     if (checkpoint_dir / COMMON_NAME).exists():
-        common = safe_torch_load(checkpoint_dir / COMMON_NAME)
         where = str(checkpoint_dir / COMMON_NAME)
+        common = _plain(checkpoint_dir / COMMON_NAME) if torch_free else None
+        if common is None:
+            common = safe_torch_load(checkpoint_dir / COMMON_NAME)
     else:
-        common, where = _common_in_dcp(checkpoint_dir)
+        common, where = _common_in_dcp(checkpoint_dir, torch_free)
     if not isinstance(common, dict):
         raise CheckpointError(f"{where} does not hold a dict")
     return common
@@ -191,7 +198,15 @@ def check_installed_reads(checkpoint_dir: Path) -> None:
     )
 
 
-def _common_in_dcp(checkpoint_dir: Path) -> tuple[Any, str]:
+def _plain(source: Path | bytes) -> Any:
+    """The archive's object read without torch, or None where that cannot be done (the caller uses torch)."""
+    try:
+        return load_plain(source)
+    except Exception:  # NeedsTorch, or a damaged archive: torch.load then reports it as it always does
+        return None
+
+
+def _common_in_dcp(checkpoint_dir: Path, torch_free: bool = False) -> tuple[Any, str]:
     config = _read_metadata_json(checkpoint_dir)
     if config is not None and "common_backend" in config:
         raise CheckpointError(
@@ -205,7 +220,9 @@ def _common_in_dcp(checkpoint_dir: Path) -> tuple[Any, str]:
         raise CheckpointError(f"{checkpoint_dir} has neither {COMMON_NAME} nor a DCP item {COMMON_STATE_KEY}")
     payload = dcp.read_bytes(COMMON_STATE_KEY)
     try:
-        loaded = _load_allowed(io.BytesIO(payload))
+        loaded = _plain(payload) if torch_free else None
+        if loaded is None:
+            loaded = _load_allowed(io.BytesIO(payload))
     except Exception as err:
         raise CheckpointError(f"{where} is unreadable: {_first_line(err)}") from None
     if not (isinstance(loaded, list) and len(loaded) == 1):
@@ -278,6 +295,8 @@ def bridge_latest_step(root: Path) -> int | None:
     if not path.is_file():
         return None
     try:
+        import torch
+
         state = torch.load(path, map_location="cpu", weights_only=True)
         return int(state["step"])
     except Exception as err:

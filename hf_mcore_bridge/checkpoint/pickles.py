@@ -3,7 +3,7 @@
 Python's pickler checks every class it writes by importing its module; the pickles the conversion writes name
 torch's DCP metadata classes, whose package takes most of a second to import. `PickleWriter` emits the opcodes
 directly: globals by name (`Global`), objects rebuilt by a call (`Call`) or by `__new__` plus a state (`New`),
-and plain values (None, bools, ints, strings, tuples, lists, dicts; `Pairs` for a dict keyed by such objects).
+and plain values (None, bools, ints, floats, strings, tuples, lists, dicts; `Pairs` for a dict keyed by such objects).
 It memoizes exactly where the standard pickler does for these values, so that a tensor's `data.pkl` comes out
 byte for byte as `torch.save` writes it.
 """
@@ -85,6 +85,8 @@ class PickleWriter:
             out += pickle.NEWTRUE if value else pickle.NEWFALSE
         elif isinstance(value, int):
             self._int(value)
+        elif isinstance(value, float):
+            out += pickle.BINFLOAT + struct.pack(">d", value)
         elif isinstance(value, str):
             encoded = value.encode("utf-8", "surrogatepass")
             out += pickle.BINUNICODE + struct.pack("<I", len(encoded)) + encoded

@@ -13,37 +13,31 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+from hf_mcore_bridge.checkpoint import dtypes
 
-_DTYPE_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
+if TYPE_CHECKING:
+    import torch
+
+Plan = list[tuple[str, tuple[int, ...], Any]]
+"""(name, shape, dtype) of each tensor in file order; a dtype is a `dtypes.DType` or a `torch.dtype`."""
 
 
 class SafetensorsLayout:
     """The header of a safetensors file holding tensors of the given names, shapes and dtypes in this order, and
     where in the file each tensor's bytes go."""
 
-    def __init__(self, plan: list[tuple[str, tuple[int, ...], torch.dtype]], metadata=None):
+    def __init__(self, plan: Plan, metadata=None):
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         ranges: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, shape, dtype in plan:
+        for name, shape, given in plan:
+            dtype = dtypes.of(given)
             size = dtype.itemsize
             for dim in shape:
                 size *= dim
-            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": dtype.safetensors, "shape": list(shape), "data_offsets": [offset, offset + size]}
             ranges[name] = (offset, size)
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -60,10 +54,10 @@ class SafetensorsLayout:
 class SafetensorsStreamWriter:
     """One safetensors file whose tensors are declared up front and then written in the declared order."""
 
-    def __init__(self, path: Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]], metadata=None):
+    def __init__(self, path: Path, plan: Plan, metadata=None):
         self.path = path
         self._order = [name for name, _, _ in plan]
-        self._specs = {name: (shape, dtype) for name, shape, dtype in plan}
+        self._specs = {name: (shape, dtypes.of(dtype)) for name, shape, dtype in plan}
         self._handle: BinaryIO = path.open("wb")
         self._handle.write(SafetensorsLayout(plan, metadata).header)
         self._next = 0
@@ -73,8 +67,10 @@ class SafetensorsStreamWriter:
         expected = self._order[self._next] if self._next < len(self._order) else None
         if name != expected:
             raise AssertionError(f"{self.path.name}: got {name}, expected {expected}")
+        import torch
+
         shape, dtype = self._specs[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tuple(tensor.shape) != shape or dtypes.of(tensor.dtype) != dtype:
             raise AssertionError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, declared {shape} {dtype}")
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
         self._handle.write(memoryview(data.numpy()))

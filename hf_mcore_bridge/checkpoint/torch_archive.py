@@ -10,17 +10,24 @@ off (the CRC fields are zero; readers do not check them). The tests compare the 
 byte, apart from the serialization id, a per-archive random number.
 
 Only what a DCP tensor item needs is covered: one tensor owning its whole storage, contiguous, little-endian,
-below 4 GiB (larger records need zip64 extra fields; callers fall back to `torch.save` for those).
+below 4 GiB (larger records need zip64 extra fields; callers fall back to `torch.save` for those). `saved_plain`
+writes the same archive, without a data record, for a value that holds no tensors (Megatron-LM's common state),
+so a conversion that casts nothing needs no torch to write one.
 """
 
 from __future__ import annotations
 
+import argparse
+import pathlib
 import secrets
 import struct
+import types
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
-from hf_mcore_bridge.checkpoint.pickles import Call, Global, PersistentId, dumps
+from hf_mcore_bridge.checkpoint.dtypes import DType
+from hf_mcore_bridge.checkpoint.pickles import Call, Global, New, PersistentId, dumps
 
 STORAGE_TYPES = {
     "float64": ("DoubleStorage", 8),
@@ -82,42 +89,7 @@ class TensorArchive:
 
     @cached_property
     def _layout(self) -> tuple[bytes, bytes]:
-        ident = self.serialization_id or f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}"
-        records = [
-            ("data.pkl", tensor_pickle(self.dtype, self.shape)),
-            (".format_version", b"1"),
-            (".storage_alignment", str(ALIGNMENT).encode()),
-            ("byteorder", b"little"),
-            ("data/0", None),
-            ("version", b"3\n"),
-            (".data/serialization_id", ident.encode()),
-        ]
-        head, tail = bytearray(), bytearray()
-        out, offset = head, 0
-        central: list[tuple[str, int, int]] = []
-        for name, content in records:
-            full = _PREFIX + name
-            length = self.data_length if content is None else len(content)
-            local = _local_header(full, offset)
-            out += local
-            central.append((full, offset, length))
-            if content is None:
-                out = tail  # the tensor's bytes go between head and tail
-            else:
-                out += content
-            out += _DESCRIPTOR.pack(b"PK\x07\x08", 0, length, length)
-            offset += len(local) + length + _DESCRIPTOR.size
-        directory = b"".join(
-            _CENTRAL.pack(b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, 0, n, n, len(f.encode()), 0, 0, 0, 0, 0, at)
-            + f.encode()
-            for f, at, n in central
-        )
-        count = len(central)
-        tail += directory
-        tail += _ZIP64_END.pack(b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, len(directory), offset)
-        tail += _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, offset + len(directory), 1)
-        tail += _END.pack(b"PK\x05\x06", 0, 0, count, count, len(directory), offset, 0)
-        return bytes(head), bytes(tail)
+        return _archive(tensor_pickle(self.dtype, self.shape), self.data_length, self.serialization_id)
 
     @property
     def head(self) -> bytes:
@@ -133,6 +105,70 @@ class TensorArchive:
     def length(self) -> int:
         """The archive's size in bytes."""
         return len(self.head) + self.data_length + len(self.tail)
+
+
+def saved_plain(value: Any, serialization_id: str = "") -> bytes:
+    """The `torch.save` archive of a value without tensors: plain values, argparse namespaces and dtypes (as
+    `dtypes.DType`s, pickled as torch's), e.g. Megatron-LM's common state. A TypeError names anything else."""
+    return b"".join(_archive(dumps(_by_name(value)), None, serialization_id))
+
+
+def _by_name(value: Any) -> Any:
+    """`value` with the objects the standard pickler writes by class rebuilt as `pickles` values."""
+    if isinstance(value, DType):
+        return Global("torch", value.name)
+    if isinstance(value, argparse.Namespace | types.SimpleNamespace):
+        cls = Global(type(value).__module__, type(value).__qualname__)
+        return New(cls, {k: _by_name(v) for k, v in vars(value).items()})
+    if isinstance(value, pathlib.PurePath) and type(value) is pathlib.PosixPath:
+        return Call(Global("pathlib", "PosixPath"), tuple(value.parts))
+    if type(value) in (list, tuple):
+        return type(value)(_by_name(v) for v in value)
+    if type(value) is dict:
+        return {k: _by_name(v) for k, v in value.items()}
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    raise TypeError(f"cannot write {type(value).__name__} into a torch.save archive without torch")
+
+
+def _archive(pickled: bytes, data_length: int | None, serialization_id: str) -> tuple[bytes, bytes]:
+    """(head, tail) of the archive around the data record `data/0` of `data_length` bytes (head: the whole archive
+    and tail empty, with no data record)."""
+    ident = serialization_id or f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}"
+    records = [
+        ("data.pkl", pickled),
+        (".format_version", b"1"),
+        (".storage_alignment", str(ALIGNMENT).encode()),
+        ("byteorder", b"little"),
+        *([("data/0", None)] if data_length is not None else []),
+        ("version", b"3\n"),
+        (".data/serialization_id", ident.encode()),
+    ]
+    head, tail = bytearray(), bytearray()
+    out, offset = head, 0
+    central: list[tuple[str, int, int]] = []
+    for name, content in records:
+        full = _PREFIX + name
+        length = (data_length or 0) if content is None else len(content)
+        local = _local_header(full, offset)
+        out += local
+        central.append((full, offset, length))
+        if content is None:
+            out = tail  # the tensor's bytes go between head and tail
+        else:
+            out += content
+        out += _DESCRIPTOR.pack(b"PK\x07\x08", 0, length, length)
+        offset += len(local) + length + _DESCRIPTOR.size
+    directory = b"".join(
+        _CENTRAL.pack(b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, 0, n, n, len(f.encode()), 0, 0, 0, 0, 0, at) + f.encode()
+        for f, at, n in central
+    )
+    count = len(central)
+    out += directory
+    out += _ZIP64_END.pack(b"PK\x06\x06", 44, 0x031E, 45, 0, 0, count, count, len(directory), offset)
+    out += _ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, offset + len(directory), 1)
+    out += _END.pack(b"PK\x05\x06", 0, 0, count, count, len(directory), offset, 0)
+    return bytes(head), bytes(tail)
 
 
 def _local_header(name: str, offset: int) -> bytes:

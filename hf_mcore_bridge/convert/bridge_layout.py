@@ -25,9 +25,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_dirs import LATEST_TRAIN_STATE
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
@@ -84,16 +84,16 @@ def args_from_run_config(config: dict[str, Any]) -> argparse.Namespace:
     args["group_query_attention"] = model.get("num_query_groups") is not None
     dtype = _reference(model.get("params_dtype"))
     if dtype is not None:
-        args["params_dtype"] = getattr(torch, dtype.removeprefix("torch."), None)
+        args["params_dtype"] = dtypes.BY_NAME.get(dtype.removeprefix("torch."))
     return argparse.Namespace(**args)
 
 
-def _dtype_reference(dtype: torch.dtype) -> dict[str, Any]:
-    return {"_target_": str(dtype), "_call_": False}
+def _dtype_reference(dtype: Any) -> dict[str, Any]:
+    return {"_target_": f"torch.{dtypes.of(dtype).name}", "_call_": False}
 
 
 def run_config(
-    model: ModelConfig, layout: Layout, dtype: torch.dtype, *, make_vocab_size_divisible_by: int = 128
+    model: ModelConfig, layout: Layout, dtype: Any, *, make_vocab_size_divisible_by: int = 128
 ) -> dict[str, Any]:
     """A `run_config.yaml` whose `model` section is a `GPTModelProvider` for this model and layout."""
     section: dict[str, Any] = {
@@ -131,8 +131,8 @@ def run_config(
         "expert_tensor_parallel_size": layout.etp,
         "params_dtype": _dtype_reference(dtype),
         "pipeline_dtype": _dtype_reference(dtype),
-        "bf16": dtype == torch.bfloat16,
-        "fp16": dtype == torch.float16,
+        "bf16": dtypes.of(dtype) == dtypes.BFLOAT16,
+        "fp16": dtypes.of(dtype) == dtypes.FLOAT16,
     }
     if model.moe is not None:
         moe = model.moe
@@ -155,8 +155,10 @@ def run_config(
     return {"model": section, "checkpoint": {"ckpt_format": "torch_dist", "fully_parallel_save": True}}
 
 
-def train_state(step: int) -> dict[str, torch.Tensor]:
-    """`TrainState.state_dict()` of a run at `step` with nothing consumed yet."""
+def train_state(step: int) -> dict[str, Any]:
+    """`TrainState.state_dict()` of a run at `step` with nothing consumed yet (tensors)."""
+    import torch
+
     state = {name: torch.tensor(0, dtype=torch.int64) for name in ("consumed_train_samples", "skipped_train_samples")}
     return {
         "step": torch.tensor(step, dtype=torch.int64),
@@ -173,6 +175,8 @@ def write_bridge_files(root: Path, checkpoint_dir: Path, config: dict[str, Any],
     """`run_config.yaml` and `train_state.pt` in the iteration directory; `latest_train_state.pt` and the
     Megatron-LM tracker in the root."""
     (checkpoint_dir / RUN_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    import torch
+
     state = train_state(step)
     for path in (checkpoint_dir / TRAIN_STATE, root / LATEST_TRAIN_STATE):
         with path.open("wb") as handle:

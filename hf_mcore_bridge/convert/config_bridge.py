@@ -28,8 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_lm_args import loader_defaults
 from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_errors import ConfigError, require
@@ -42,8 +41,17 @@ from hf_mcore_bridge.errors import LayoutError
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+PARAMS_DTYPES = (dtypes.FLOAT32, dtypes.BFLOAT16, dtypes.FLOAT16)
+"""The dtypes a model's parameters are held in (`--dtype`'s choices, `dtypes.FLAGS`)."""
+
+
+def params_dtype_name(dtype: Any) -> str | None:
+    """The HF `torch_dtype` name of a parameter dtype (torch's or a `dtypes.DType`); None for any other value."""
+    try:
+        found = None if dtype is None else dtypes.of(dtype)
+    except ValueError:
+        return None
+    return found.name if found in PARAMS_DTYPES else None
 
 
 @dataclass(frozen=True)
@@ -525,7 +533,7 @@ def _moe_kwargs(moe: MoeConfig | None, layout: Layout) -> dict[str, Any]:
     }
 
 
-def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> dict[str, Any]:
+def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: Any) -> dict[str, Any]:
     """Keyword arguments for megatron-core's `TransformerConfig` (activation given as `torch.nn.functional.silu`;
     `transformer_impl` from `transformer_impl.default_transformer_impl`).
 
@@ -533,8 +541,11 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
     auxiliary load-balancing loss is off (`moe_aux_loss_coeff` 0, whatever the HF `router_aux_loss_coef`), and so
     are the expert-bias updates (`moe_router_bias_update_rate` 0). Multi-token-prediction layers are left out
     (`mtp_num_layers` unset): megatron-core's GPTModel then computes their loss on every forward and needs labels;
-    `megatron.model.build_gpt_model(mtp=True)` builds them.
+    `megatron.model.build_gpt_model(mtp=True)` builds them. `dtype`: torch's or a `dtypes.DType`.
     """
+    import torch
+
+    kind = dtypes.of(dtype)
     return (
         _moe_kwargs(model.moe, layout)
         | _mla_kwargs(model)
@@ -561,10 +572,10 @@ def transformer_config_kwargs(model: ModelConfig, layout: Layout, dtype: torch.d
             "expert_model_parallel_size": layout.ep,
             "num_layers_in_first_pipeline_stage": layout.first_stage_layers,
             "num_layers_in_last_pipeline_stage": layout.last_stage_layers,
-            "params_dtype": dtype,
-            "pipeline_dtype": dtype,
-            "bf16": dtype == torch.bfloat16,
-            "fp16": dtype == torch.float16,
+            "params_dtype": kind.torch,
+            "pipeline_dtype": kind.torch,
+            "bf16": kind == dtypes.BFLOAT16,
+            "fp16": kind == dtypes.FLOAT16,
             "transformer_impl": default_transformer_impl(),
         }
     )
@@ -592,7 +603,7 @@ def padded_vocab(model: ModelConfig, layout: Layout, divisible_by: int = 128) ->
 def megatron_args(
     model: ModelConfig,
     layout: Layout,
-    dtype: torch.dtype,
+    dtype: Any,
     *,
     make_vocab_size_divisible_by: int = 128,
     spec: str = "te",
@@ -645,9 +656,9 @@ def megatron_args(
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         transformer_impl="transformer_engine" if spec == "te" else "local",
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        params_dtype=dtype,  # as given: torch's, or a `dtypes.DType` (saved as torch's by `dcp_writer.saved`)
+        bf16=dtypes.of(dtype) == dtypes.BFLOAT16,
+        fp16=dtypes.of(dtype) == dtypes.FLOAT16,
         ckpt_format=ckpt_format,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -771,7 +782,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
         tie_word_embeddings=not get("untie_embeddings_and_output_weights", False),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
-        torch_dtype=DTYPE_NAMES.get(getattr(args, "params_dtype", None)),
+        torch_dtype=params_dtype_name(getattr(args, "params_dtype", None)),
         moe=moe,
         mla=mla,
         yarn=yarn,

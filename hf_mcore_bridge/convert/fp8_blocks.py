@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_mcore_bridge.convert.fp8_geometry import BLOCK, scale_shape
+from hf_mcore_bridge.convert.fp8_geometry import blocks as _blocks
+
 __all__ = [
     "BLOCK",
     "E4M3_MAX",
@@ -26,21 +29,9 @@ __all__ = [
     "scale_shape",
 ]
 
-BLOCK = 128
-"""Block edge of the weight scales."""
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
 """448."""
-
-
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The `scale_inv` shape of a `[N, K]` weight: `(ceil(N/128), ceil(K/128))`."""
-    n, k = shape
-    return _blocks(n), _blocks(k)
 
 
 def _padded(weight: torch.Tensor) -> torch.Tensor:

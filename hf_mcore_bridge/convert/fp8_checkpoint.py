@@ -25,23 +25,25 @@ import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint, TensorInfo
 from hf_mcore_bridge.convert.config_errors import ConfigError
-from hf_mcore_bridge.convert.fp8_blocks import BLOCK, FP8_DTYPE, dequantize_rows, quantize_blockwise, scale_shape
+from hf_mcore_bridge.convert.fp8_geometry import BLOCK, scale_shape
 from hf_mcore_bridge.convert.mapping_types import Entry
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import CheckpointError
 
+if TYPE_CHECKING:
+    import torch
+
 SCALE_SUFFIX = "_scale_inv"
 """`<name>.weight` is scaled by `<name>.weight_scale_inv`."""
-DEQUANTIZED_DTYPE = torch.bfloat16
+DEQUANTIZED_DTYPE = dtypes.BFLOAT16
 SPAN_ROWS = 8 * BLOCK
 """Rows dequantized (or quantized) at a time: the float32 temporaries stay a few MB whatever the weight."""
-Spec = tuple[str, tuple[int, ...], torch.dtype]
+Spec = tuple[str, tuple[int, ...], dtypes.DType]
 """(name, shape, dtype) of a tensor to write."""
 QUANTIZED_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN, Parallel.ROW)
 """The linear layers (tensor-parallel in megatron-core) are what published FP8 checkpoints hold in FP8."""
@@ -92,10 +94,10 @@ class Fp8Checkpoint(HFCheckpoint):
             scale = name + SCALE_SUFFIX
             if name.endswith(SCALE_SUFFIX):
                 weight = name.removesuffix(SCALE_SUFFIX)
-                if weight not in every or super().info(weight).dtype != FP8_DTYPE:
+                if weight not in every or super().info(weight).dtype != dtypes.FLOAT8_E4M3:
                     raise CheckpointError(f"{name} in {info.file.name} scales no FP8 weight {weight}")
                 continue
-            if info.dtype != FP8_DTYPE:
+            if info.dtype != dtypes.FLOAT8_E4M3:
                 continue
             if scale not in every:
                 raise CheckpointError(f"{name} in {info.file.name} is FP8 but the checkpoint has no {scale}")
@@ -119,21 +121,25 @@ class Fp8Checkpoint(HFCheckpoint):
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """As `HFCheckpoint.read`; an FP8 weight is dequantized `SPAN_ROWS` rows at a time into its output."""
+        import torch
+
+        from hf_mcore_bridge.convert.fp8_blocks import dequantize_rows
+
         if name not in self.scales:
             return super().read(name, rows)
         start, stop = rows if rows is not None else (0, super().info(name).shape[0])
-        out = torch.empty((stop - start, *super().info(name).shape[1:]), dtype=DEQUANTIZED_DTYPE)
+        out = torch.empty((stop - start, *super().info(name).shape[1:]), dtype=DEQUANTIZED_DTYPE.torch)
         for first, last in _spans(start, stop):
             q = super().read(name, (first, last))
             block_scales = super().read(self.scales[name], (first // BLOCK, -(-last // BLOCK)))
-            out[first - start : last - start] = dequantize_rows(q, block_scales, first, DEQUANTIZED_DTYPE)
+            out[first - start : last - start] = dequantize_rows(q, block_scales, first, DEQUANTIZED_DTYPE.torch)
         return out
 
     def note(self) -> str:
         """What reading this checkpoint does, in one line."""
         return (
             f"{len(self.scales)} FP8 weights ({BLOCK} x {BLOCK} blocks with weight_scale_inv) dequantized to "
-            f"{str(DEQUANTIZED_DTYPE).removeprefix('torch.')}"
+            f"{DEQUANTIZED_DTYPE.name}"
         )
 
 
@@ -156,15 +162,19 @@ class Fp8Export:
         }
         """The HF weights written in FP8."""
 
-    def specs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[Spec]:
+    def specs(self, name: str, shape: tuple[int, ...], dtype: dtypes.DType) -> list[Spec]:
         """(name, shape, dtype) of the tensors that one exported tensor is written as."""
         if name not in self.names:
             return [(name, shape, dtype)]
-        return [(name, shape, FP8_DTYPE), (name + SCALE_SUFFIX, scale_shape(shape), torch.float32)]
+        return [(name, shape, dtypes.FLOAT8_E4M3), (name + SCALE_SUFFIX, scale_shape(shape), dtypes.FLOAT32)]
 
     def tensors(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The tensors one exported tensor is written as (quantized with power-of-two scales where FP8, `SPAN_ROWS`
         rows at a time: blocks are independent)."""
+        import torch
+
+        from hf_mcore_bridge.convert.fp8_blocks import FP8_DTYPE, quantize_blockwise
+
         if name not in self.names:
             return [(name, value)]
         q = torch.empty(value.shape, dtype=FP8_DTYPE)

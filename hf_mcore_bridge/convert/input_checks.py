@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from hf_mcore_bridge.checkpoint.dtypes import FLOAT32, DType, of
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.mapping_types import Dims, Shape, Size
 from hf_mcore_bridge.errors import CheckpointError
@@ -189,22 +188,24 @@ def check_mcore_shape(
 class DtypeChoice:
     """The dtype tensors are written in, and the note to show when that casts a mixed checkpoint."""
 
-    dtype: torch.dtype
+    dtype: DType
     note: str | None = None
 
 
 def choose_dtype(
-    dtypes: Mapping[str, torch.dtype], where: Callable[[str], str], requested: torch.dtype | None, flag: str
+    dtypes: Mapping[str, Any], where: Callable[[str], str], requested: Any | None, flag: str
 ) -> DtypeChoice:
     """Refuse non-floating weights; refuse mixed floating dtypes unless `requested` (then note the cast).
 
-    `dtypes` maps each tensor (in table order) to its dtype, `where(name)` names its file, `flag` is how the
-    user asks for a dtype (`--dtype`).
+    `dtypes` maps each tensor (in table order) to its dtype (`DType`s or torch's), `where(name)` names its file,
+    `flag` is how the user asks for a dtype (`--dtype`).
     """
+    dtypes = {name: of(dtype) for name, dtype in dtypes.items()}
+    requested = None if requested is None else of(requested)
     check_floating(dtypes, where)
     counts = Counter(dtypes.values())
     if len(counts) <= 1:
-        return DtypeChoice(requested or next(iter(counts), torch.float32))
+        return DtypeChoice(requested or next(iter(counts), FLOAT32))
     first = {dtype: next(n for n, d in dtypes.items() if d == dtype) for dtype in counts}
     parts = [f"{_name(d)} ({c} tensor{'s' * (c != 1)}, e.g. {first[d]})" for d, c in counts.most_common()]
     mixed = ", ".join(parts)
@@ -218,15 +219,15 @@ def choose_dtype(
     )
 
 
-def check_floating(dtypes: Mapping[str, torch.dtype], where: Callable[[str], str]) -> None:
+def check_floating(dtypes: Mapping[str, Any], where: Callable[[str], str]) -> None:
     """Refuse a tensor that is not floating point, naming it and its file."""
     for name, dtype in dtypes.items():
-        if not dtype.is_floating_point:
+        if not of(dtype).floating:
             raise CheckpointError(
                 f"{name} in {where(name)} has dtype {_name(dtype)}; weights must be floating point "
                 "(bfloat16, float16 or float32)"
             )
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _name(dtype: DType) -> str:
+    return dtype.name

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
 from hf_mcore_bridge.convert.layout import Layout, stage_layer_counts
 from hf_mcore_bridge.convert.mapping_types import (
@@ -223,7 +224,7 @@ class LegacySource:
         self._parallel = {dcp_key(e.mcore): e.parallel for e in table}
         self._index: dict[str, dict[tuple[int, ...], tuple[int, int, str, str]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._dtypes: dict[str, torch.dtype] = {}
+        self._dtypes: dict[str, dtypes.DType] = {}
         self._check_rank_files()
         self._scan()
 
@@ -295,7 +296,7 @@ class LegacySource:
                     if local_layer is not None:
                         layers.add(local_layer)
                     self._index.setdefault(key, {})[leading] = (pp_rank, ep_rank, state_key, name)
-                    self._dtypes.setdefault(key, value.dtype)
+                    self._dtypes.setdefault(key, dtypes.of(value.dtype))
                     self._shapes.setdefault(key, global_shape(tuple(value.shape), self._style(key), self.tp))
             first_layer += len(layers)
             max_layers = first_layer
@@ -386,7 +387,7 @@ class LegacySource:
             raise CheckpointError(f"tensor {key} is missing from {self.directory}")
         return self._shapes[key]
 
-    def dtype(self, key: str) -> torch.dtype:
+    def dtype(self, key: str) -> dtypes.DType:
         return self._dtypes[key]
 
     def read(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:

@@ -4,7 +4,10 @@ A table is a tuple of entries. Each entry names one megatron-core tensor (its di
 `{layer}` placeholder for decoder layers), the HF tensor(s) it is made of, and its tensor-parallel style. The
 entry knows how to go both ways (HF -> megatron and back), so a table is written once and drives conversion,
 export and refit alike. Each entry also states the HF tensors' full shapes in model dimensions (`Size`), so every
-tensor can be checked against the config before anything is written, in either direction.
+tensor can be checked against the config before anything is written, in either direction, and its row layout
+(`hf_rows`, `mcore_rows`: which rows of its inputs each output row is), so the rows a conversion copies unchanged
+are planned without torch; the tests check each layout against the entry's own transform. Importing this module
+does not import torch: the transforms (`tensor_ops`) are imported when one runs.
 """
 
 from __future__ import annotations
@@ -12,22 +15,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER, fill
 from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import (
-    deinterleave_rotary_rows,
-    fuse_gate_up,
-    fuse_qkv,
-    interleave_rotary_rows,
-    pad_vocab,
-    split_gate_up,
-    split_qkv,
-    unpad_vocab,
-)
+from hf_mcore_bridge.convert.row_runs import MCORE, RowRun, merged
 from hf_mcore_bridge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LayerKind(enum.Enum):
@@ -142,14 +138,33 @@ class Direct:
             return {self.hf: (dims.vocab_size, *shape[1:])}
         return {self.hf: shape}
 
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """The HF tensor's rows as runs of the megatron-core tensor's (of `shape`): all of them, or the first
+        `vocab_size` (the padding dropped)."""
+        rows = min(shape[0], dims.vocab_size) if self.parallel is Parallel.VOCAB else shape[0]
+        return {self.hf: merged([(MCORE, 0, rows)])}
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """The megatron-core tensor's rows as runs of the HF tensor's: all of them, then zero rows up to
+        `padded_vocab_size` for a vocabulary tensor. ValueError: a padded vocabulary smaller than the tensor."""
+        rows = shapes[self.hf][0]
+        padding = dims.padded_vocab_size - rows if self.parallel is Parallel.VOCAB else 0
+        if padding < 0:
+            raise ValueError(f"padded vocabulary {dims.padded_vocab_size} is smaller than {self.hf}'s {rows} rows")
+        return merged([(self.hf, 0, rows), (None, 0, padding)])
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         tensor = tensors[self.hf]
         if self.parallel is Parallel.VOCAB:
+            from hf_mcore_bridge.convert.tensor_ops import pad_vocab
+
             return pad_vocab(tensor, dims.padded_vocab_size)
         return tensor
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
         if self.parallel is Parallel.VOCAB:
+            from hf_mcore_bridge.convert.tensor_ops import unpad_vocab
+
             tensor = unpad_vocab(tensor, dims.vocab_size)
         return {self.hf: tensor}
 
@@ -193,10 +208,43 @@ class FusedQKV:
             self.v: (groups, *tail),
         }
 
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """q, k and v's rows as runs of the fused tensor's (of `shape`), which holds per query group its
+        `num_attention_heads / num_query_groups` q heads, then its k head, then its v head (`tensor_ops.split_qkv`).
+        ValueError: a row count that is not `num_query_groups` such groups."""
+        groups, head = dims.num_query_groups, dims.head_dim
+        q_rows = dims.num_attention_heads // groups * head
+        period = q_rows + 2 * head
+        if shape[0] != groups * period:
+            raise ValueError(f"{self.mcore} has {shape[0]} rows, not {groups} query groups of {period}")
+        firsts = [g * period for g in range(groups)]
+        return {
+            self.q: merged((MCORE, first, q_rows) for first in firsts),
+            self.k: merged((MCORE, first + q_rows, head) for first in firsts),
+            self.v: merged((MCORE, first + q_rows + head, head) for first in firsts),
+        }
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """The fused tensor's rows as runs of q's, k's and v's: per query group, its share of q's rows, then of
+        k's, then of v's (`tensor_ops.fuse_qkv`). ValueError: a row count that does not split into the groups."""
+        groups = dims.num_query_groups
+        names = self.hf_sources
+        rows = [shapes[name][0] for name in names]
+        if groups <= 0 or any(count % groups for count in rows):
+            raise ValueError(f"q/k/v rows {rows} do not split into {groups} query groups")
+        shares = [count // groups for count in rows]
+        return merged(
+            (name, g * share, share) for g in range(groups) for name, share in zip(names, shares, strict=True)
+        )
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        from hf_mcore_bridge.convert.tensor_ops import fuse_qkv
+
         return fuse_qkv(tensors[self.q], tensors[self.k], tensors[self.v], dims.num_query_groups)
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        from hf_mcore_bridge.convert.tensor_ops import split_qkv
+
         q, k, v = split_qkv(tensor, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)
         return {self.q: q, self.k: k, self.v: v}
 
@@ -232,10 +280,26 @@ class FusedGateUp:
         half = (shape[0] // 2, *shape[1:])
         return {self.gate: half, self.up: half}
 
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """gate's rows are the first half of the fused tensor's (of `shape`), up's the second. ValueError: an odd
+        row count."""
+        if shape[0] % 2:
+            raise ValueError(f"{self.mcore} has {shape[0]} rows, not two equal halves")
+        half = shape[0] // 2
+        return {self.gate: merged([(MCORE, 0, half)]), self.up: merged([(MCORE, half, half)])}
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """The fused tensor's rows: gate's, then up's."""
+        return merged([(self.gate, 0, shapes[self.gate][0]), (self.up, 0, shapes[self.up][0])])
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        from hf_mcore_bridge.convert.tensor_ops import fuse_gate_up
+
         return fuse_gate_up(tensors[self.gate], tensors[self.up])
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        from hf_mcore_bridge.convert.tensor_ops import split_gate_up
+
         gate, up = split_gate_up(tensor)
         return {self.gate: gate, self.up: up}
 
@@ -281,12 +345,54 @@ class RotaryRows:
         plain = dims.qk_nope_head_dim if self.per_head else dims.kv_lora_rank
         return plain + rope, plain, rope
 
+    def _order(self, rows: int, dims: Dims) -> list[tuple[int, int]] | None:
+        """Rotate-half rows -> pairwise-interleaved ones as segments (first HF row, count) in megatron-core's row
+        order (`tensor_ops.interleave_rotary_rows`); None when the rows are kept as they are. ValueError: a row
+        count that is not whole groups, or an odd rotary width."""
+        if not dims.rotate_half_rotary:
+            return None
+        period, offset, width = self._rows(dims)
+        if period <= 0 or rows % period or width % 2:
+            raise ValueError(f"{self.mcore}'s {rows} rows are not whole groups of {period} with even rotary dims")
+        half = width // 2
+        order = []
+        for first in range(0, rows, period):
+            rotary = first + offset
+            order.append((first, offset))
+            order += [(rotary + i + pair * half, 1) for i in range(half) for pair in (0, 1)]
+            order.append((rotary + width, period - offset - width))
+        return order
+
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """The HF tensor's rows as runs of the megatron-core tensor's (of `shape`): the same rows, or, in
+        rotate-half order, rotary dims i and i + width/2 from rows 2i and 2i + 1 of each group's rotary rows."""
+        order = self._order(shape[0], dims)
+        if order is None:
+            return {self.hf: merged([(MCORE, 0, shape[0])])}
+        mcore_row = [0] * shape[0]  # HF row -> megatron-core row
+        at = 0
+        for first, count in order:
+            mcore_row[first : first + count] = range(at, at + count)
+            at += count
+        return {self.hf: merged((MCORE, row, 1) for row in mcore_row)}
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """The megatron-core tensor's rows as runs of the HF tensor's: the same rows, or, from rotate-half order,
+        each group's rotary rows i and i + width/2 as rows 2i and 2i + 1."""
+        rows = shapes[self.hf][0]
+        order = self._order(rows, dims)
+        return merged((self.hf, first, count) for first, count in order or [(0, rows)])
+
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        from hf_mcore_bridge.convert.tensor_ops import interleave_rotary_rows
+
         tensor = tensors[self.hf]
         return interleave_rotary_rows(tensor, *self._rows(dims)) if dims.rotate_half_rotary else tensor
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
         if dims.rotate_half_rotary:
+            from hf_mcore_bridge.convert.tensor_ops import deinterleave_rotary_rows
+
             tensor = deinterleave_rotary_rows(tensor, *self._rows(dims))
         return {self.hf: tensor}
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-import torch
-
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.convert.architecture import Architecture
@@ -65,6 +63,8 @@ def _layer_names(arch: Architecture, model: ModelConfig) -> set[str]:
 
 
 def _differs(hf: HFCheckpoint, copy: str, original: str) -> bool:
+    import torch
+
     if copy not in hf.names():
         return False  # not stored: nothing to keep apart (export writes it)
     if hf.info(copy).shape != hf.info(original).shape:

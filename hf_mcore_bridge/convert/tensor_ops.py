@@ -1,14 +1,18 @@
 """Pure tensor transforms between HF and megatron-core layouts. No I/O, no process groups.
 
 Shapes use: nh = attention heads, ng = query groups (KV heads), d = head dim, H = hidden size,
-F = FFN width, V = vocabulary, Vp = padded vocabulary.
+F = FFN width, V = vocabulary, Vp = padded vocabulary. torch is imported by the functions that make tensors, so
+the shape and chunk arithmetic (`shard_boxes`, `padded_vocab_size`, ...) is there for planning without it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from hf_mcore_bridge.convert.parallel_style import Parallel
+
+if TYPE_CHECKING:
+    import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A chunk of a global tensor: (offsets, sizes)."""
@@ -20,6 +24,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups
     q: [nh*d, ...], k: [ng*d, ...], v: [ng*d, ...] -> [ng * (nh/ng + 2) * d, ...], laid out per query group as
     (its nh/ng q heads, its k head, its v head). Works for weights ([., H]) and biases ([.]).
     """
+    import torch
+
     ng = num_query_groups
     tail = q.shape[1:]
     grouped = (q.reshape(ng, -1, *tail), k.reshape(ng, -1, *tail), v.reshape(ng, -1, *tail))
@@ -30,6 +36,8 @@ def split_qkv(
     qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_qkv`: [ng * (nh/ng + 2) * d, ...] -> (q [nh*d, ...], k [ng*d, ...], v [ng*d, ...])."""
+    import torch
+
     ng = num_query_groups
     q_per_group = num_attention_heads // ng * head_dim
     tail = qkv.shape[1:]
@@ -44,11 +52,15 @@ def split_qkv(
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gated MLP: gate [F, H], up [F, H] -> megatron's global `linear_fc1` [2F, H] = cat(gate, up)."""
+    import torch
+
     return torch.cat((gate, up), dim=0)
 
 
 def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `fuse_gate_up`: [2F, H] -> (gate [F, H], up [F, H])."""
+    import torch
+
     gate, up = torch.chunk(fc1, 2, dim=0)
     return gate.contiguous(), up.contiguous()
 
@@ -60,6 +72,8 @@ def interleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, width
     (HF DeepSeek-V3 with `rope_interleave=False`) pairs dim i with dim i + width/2, megatron-core's multi-latent
     attention pairs dims 2i and 2i + 1: row i goes to 2i, row i + width/2 to 2i + 1. Other rows are unchanged.
     """
+    import torch
+
     groups = weight.reshape(-1, period, *weight.shape[1:])
     rotary = groups[:, offset : offset + width]
     first, second = rotary.chunk(2, dim=1)
@@ -69,6 +83,8 @@ def interleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, width
 
 def deinterleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, width: int) -> torch.Tensor:
     """Inverse of `interleave_rotary_rows`: rows 2i go to i, rows 2i + 1 to i + width/2 (per group)."""
+    import torch
+
     groups = weight.reshape(-1, period, *weight.shape[1:])
     rotary = groups[:, offset : offset + width]
     split = torch.cat((rotary[:, 0::2], rotary[:, 1::2]), dim=1)
@@ -77,6 +93,8 @@ def deinterleave_rotary_rows(weight: torch.Tensor, period: int, offset: int, wid
 
 def pad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
     """[V, H] -> [Vp, H] with zero rows appended (megatron pads the vocabulary for TP divisibility)."""
+    import torch
+
     extra = padded_size - weight.shape[0]
     if extra < 0:
         raise ValueError(f"padded vocabulary {padded_size} is smaller than the vocabulary {weight.shape[0]}")
@@ -125,6 +143,8 @@ def rank_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int, rank: int) -
 
 def rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, rank: int) -> torch.Tensor:
     """The local tensor of one tensor-parallel rank (a copy)."""
+    import torch
+
     return torch.cat([take_box(full, box) for box in rank_boxes(tuple(full.shape), parallel, tp, rank)])
 
 
@@ -142,6 +162,8 @@ def global_shape(local: tuple[int, ...], parallel: Parallel, tp: int) -> tuple[i
 
 def merge_rank_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
     """Inverse of `rank_shard`: the whole tensor (a new one) from every rank's local tensor, in rank order."""
+    import torch
+
     axis = SPLIT_AXIS.get(parallel)
     if axis is None:
         return shards[0].clone()

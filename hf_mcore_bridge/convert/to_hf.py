@@ -7,22 +7,22 @@ names the file and its cause. Safetensors shards are planned with `huggingface_h
 tensor's place in its file is known before anything is written. A tensor whose rows are stored unchanged in a
 `torch_dist` checkpoint (the output dtype; splitting QKV or gate/up and joining tensor-parallel chunks only
 regroups rows and columns) is copied from the data files in the kernel (`checkpoint.byte_copy`); which rows, is
-found by running the entry's own transform on row tags (`row_trace`). Any other tensor is read and transformed
-when its turn comes, so memory holds at most one layer tensor per writer thread. Shards are written in parallel
-by two writer threads (`checkpoint.parallel_write`).
+what the entry type declares (`Entry.hf_rows`; the tests check it against the entry's transform). Any other
+tensor is read and transformed when its turn comes, so memory holds at most one layer tensor per writer thread.
+Shards are written in parallel by two writer threads (`checkpoint.parallel_write`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros, length_of
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
@@ -34,19 +34,20 @@ from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
-from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES, DTYPES, ModelConfig
-from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export, is_fp8_config
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
+from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
-from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
 from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement, keeps_float32
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
-from hf_mcore_bridge.convert.row_trace import RowRun, trace
-from hf_mcore_bridge.convert.to_mcore import ConversionResult
+from hf_mcore_bridge.convert.row_runs import RowRun
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.progress import progress_bar
+
+if TYPE_CHECKING:
+    from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Export
 
 
 def _is_legacy(checkpoint_dir: Path) -> bool:
@@ -58,6 +59,8 @@ def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool) -
     if (checkpoint_dir / ".metadata").exists():
         return DCPSource(checkpoint_dir)
     if _is_legacy(checkpoint_dir):
+        from hf_mcore_bridge.convert.legacy_format import LegacySource
+
         return LegacySource(checkpoint_dir, table, tied=tied)
     raise CheckpointError(f"{checkpoint_dir} is neither a torch_dist nor a legacy torch checkpoint")
 
@@ -66,9 +69,11 @@ def checkpoint_args(checkpoint_dir: Path) -> Any:
     """The Megatron-LM `args` a checkpoint carries, or those of its Megatron-Bridge `run_config.yaml` (None for a
     bare megatron-core save)."""
     if _is_legacy(checkpoint_dir):
+        from hf_mcore_bridge.convert.legacy_format import FILE_NAME
+
         first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))
         return safe_torch_load(first[0], mmap=True).get("args") if first else None
-    args = read_common(checkpoint_dir).get("args")
+    args = read_common(checkpoint_dir, torch_free=True).get("args")
     if args is None and is_bridge_checkpoint(checkpoint_dir):
         return args_from_run_config(read_run_config(checkpoint_dir))
     return args
@@ -197,24 +202,29 @@ def convert_mcore_to_hf(
         raise CheckpointError(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
         )
-    out_dtype = DTYPES[dtype] if dtype else None
+    out_dtype = dtypes.FLAGS[dtype] if dtype else None
     keys = {p.where.key: mcore.dtype(p.where.key) for p in plan if not keeps_float32(p.placed.template)}
     choice = choose_dtype(keys, mcore.location, out_dtype, "--dtype")
 
-    def dtype_of(planned: _Planned) -> torch.dtype:
-        return torch.float32 if keeps_float32(planned.placed.template) else choice.dtype
+    def dtype_of(planned: _Planned) -> dtypes.DType:
+        return dtypes.FLOAT32 if keeps_float32(planned.placed.template) else choice.dtype
 
+    quantized_source = original_config.get("quantization_config") is not None
+    if fp8_blockwise or quantized_source:  # FP8 blocks are made and checked with torch
+        from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export, is_fp8_config
+
+        quantized_source = is_fp8_config(original_config)
     fp8 = Fp8Export(p.entry for p in placed) if fp8_blockwise else None
     copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it
     for copy, original in mtp_copies(arch, model).items():
         copied.setdefault(original, []).append(copy)
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    specs: dict[str, tuple[tuple[int, ...], dtypes.DType]] = {}
     for planned in plan:
         for name, shape in planned.hf_shapes.items():
             dtype_ = dtype_of(planned)
             own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
             for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
-                specs[spec_name] = (spec_shape, spec_dtype)
+                specs[spec_name] = (spec_shape, dtypes.of(spec_dtype))
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
         {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
@@ -249,13 +259,13 @@ def convert_mcore_to_hf(
         config = {k: v for k, v in config.items() if k != "quantization_config"}
         if fp8 is not None:
             config["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
-        if out_dtype is not None or is_fp8_config(original_config):
-            config = {**config, "torch_dtype": DTYPE_NAMES[choice.dtype]}
+        if out_dtype is not None or quantized_source:
+            config = {**config, "torch_dtype": choice.dtype.name}
         if mtp_note is not None:
             config["num_nextn_predict_layers"] = model.mtp_layers
         (staging / "config.json").write_text(_json(config))
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
-    total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
+    total = sum(math.prod(s) * d.itemsize for s, d in specs.values())
     from hf_mcore_bridge.convert.layout import Layout
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)
@@ -272,8 +282,8 @@ class _Tensors:
         self,
         source: McoreSource,
         dims: Dims,
-        specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-        dtype_of: Callable[[_Planned], torch.dtype],
+        specs: dict[str, tuple[tuple[int, ...], dtypes.DType]],
+        dtype_of: Callable[[_Planned], dtypes.DType],
         fp8: Fp8Export | None = None,
         copied: dict[str, list[str]] | None = None,
     ):
@@ -281,7 +291,7 @@ class _Tensors:
         self.fp8, self.copied = fp8, copied or {}
         self._local = threading.local()
         self._raw: dict[tuple[str, int], dict[tuple[int, ...] | None, list[RawChunk]] | None] = {}
-        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+        self._layouts: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
 
     def pieces(self, planned: _Planned) -> dict[str, tuple[Piece, ...]]:
         quantized = self.fp8 is not None and any(name in self.fp8.names for name in planned.hf_shapes)
@@ -331,22 +341,26 @@ class _Tensors:
         return out
 
     def _row_runs(self, planned: _Planned) -> dict[str, tuple[RowRun, ...]] | None:
-        """Each HF tensor's rows as runs of the megatron-core tensor's rows (names as in the template)."""
+        """Each HF tensor's rows as runs of the megatron-core tensor's rows (names as in the template), as the entry
+        type declares them; None where its layout does not fit the shape."""
         template = planned.placed.template
         key = (template, planned.shape)
-        if key not in self._traces:
-            self._traces[key] = trace(
-                lambda tensors: template.to_hf(tensors["mcore"], self.dims), {"mcore": planned.shape}
-            )
-        return self._traces[key]
+        if key not in self._layouts:
+            try:
+                self._layouts[key] = template.hf_rows(planned.shape, self.dims)
+            except ValueError:
+                self._layouts[key] = None
+        return self._layouts[key]
 
     def _producer(self, planned: _Planned, name: str) -> Callable[[], Any]:
         def produce() -> Any:
+            import torch
+
             cached = getattr(self._local, "cached", None)
             if cached is None or cached[0] is not planned:
                 self._local.cached = cached = None  # drop the previous entry's tensors first
                 tensor = self.source.read(planned.where.key, planned.where.leading)
-                dtype = self.dtype_of(planned)
+                dtype = self.dtype_of(planned).torch
                 values = planned.placed.entry.to_hf(tensor, self.dims)
                 written = {
                     out: part
@@ -358,7 +372,7 @@ class _Tensors:
                 self._local.cached = cached = (planned, written)
             shape, dtype = self.specs[name]
             value = cached[1][name]
-            if tuple(value.shape) != shape or value.dtype != dtype:
+            if tuple(value.shape) != shape or dtypes.of(value.dtype) != dtype:
                 raise AssertionError(f"{name}: got {tuple(value.shape)} {value.dtype}, declared {shape} {dtype}")
             return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
@@ -417,7 +431,7 @@ def _in_turns(queues: list[list[Job]], writers: int) -> list[list[Job]]:
     return [turn for turn in turns if turn]
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def _nbytes(shape: tuple[int, ...], dtype: dtypes.DType) -> int:
     count = dtype.itemsize
     for dim in shape:
         count *= dim

@@ -4,23 +4,23 @@ Assumes the HF directory holds safetensors. Every tensor's shape and dtype is ch
 the safetensors headers) before the destination is created; a failure while writing names the file and its
 cause. A chunk whose bytes are rows of the HF tensors unchanged (same dtype; fused QKV and gate/up only regroup
 rows, tensor parallelism cuts rows or columns) is written as byte pieces of the safetensors files, copied in the
-kernel (`checkpoint.byte_copy`); which rows, is found by running the entry's own transform on row tags
-(`row_trace`). Any other chunk (a cast, a fused expert tensor) is produced when the writer gets to it and dropped
-once written: plain tensors are read chunk by chunk (row ranges straight from the safetensors file), fused ones
-are built once per layer and reused for their tensor-parallel chunks. Peak memory is therefore at most about one
-fused layer tensor per writer thread, whatever the model size.
+kernel (`checkpoint.byte_copy`); which rows, is what the entry type declares (`Entry.mcore_rows`; the tests
+check it against the entry's transform). Any other chunk (a cast, a fused expert tensor) is produced when the
+writer gets to it and dropped once written: plain tensors are read chunk by chunk (row ranges straight from the
+safetensors file), fused ones are built once per layer and reused for their tensor-parallel chunks. Peak memory
+is therefore at most about one fused layer tensor per writer thread, whatever the model size.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Zeros
 from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
@@ -38,39 +38,28 @@ from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
-from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig
+from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.config_errors import ConfigError
+from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Checkpoint, open_hf_checkpoint
 from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.legacy_format import check_legacy_layout, write_legacy
 from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
 from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.row_trace import RowRun, trace
+from hf_mcore_bridge.convert.row_runs import RowRun
 from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.progress import progress_bar
 
-
-@dataclass(frozen=True)
-class ConversionResult:
-    """What a conversion wrote."""
-
-    destination: Path
-    model: ModelConfig
-    layout: Layout
-    tensors: int
-    bytes_written: int
-    seconds: float
-    notes: tuple[str, ...] = ()
-    """One-line notices for the user (e.g. that a checkpoint of mixed dtypes was cast to one)."""
+if TYPE_CHECKING:
+    import torch
 
 
 def check_hf_tensors(
     hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
-) -> tuple[torch.dtype, str | None]:
+) -> tuple[dtypes.DType, str | None]:
     """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts);
     tensors kept in float32 (`Direct.float32`) stay out of that choice."""
     expected = {name: shape for p in placed for name, shape in p.entry.hf_expected().items()}
@@ -88,7 +77,7 @@ def check_hf_tensors(
     choice = choose_dtype(
         {name: hf.info(name).dtype for name in expected if name not in float32},
         where,
-        DTYPES[dtype] if dtype else None,
+        dtypes.FLAGS[dtype] if dtype else None,
         "--dtype",
     )
     return choice.dtype, choice.note
@@ -98,10 +87,10 @@ class Producer:
     """Produces megatron-core chunks from the HF checkpoint: as byte pieces of its files where the bytes are
     unchanged, else as tensors, caching the last fused tensor (one per writer thread)."""
 
-    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: torch.dtype):
+    def __init__(self, hf: HFCheckpoint, dims: Dims, dtype: dtypes.DType):
         self.hf, self.dims, self.dtype = hf, dims, dtype
         self._local = threading.local()
-        self._traces: dict[tuple[object, ...], dict[str, tuple[RowRun, ...]] | None] = {}
+        self._layouts: dict[tuple[object, ...], tuple[RowRun, ...] | None] = {}
 
     def pieces(
         self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]], shape: tuple[int, ...]
@@ -142,19 +131,21 @@ class Producer:
         return tuple(joined(pieces))
 
     def _row_runs(self, placed: Placed, sources: tuple[tuple[int, ...], ...]) -> tuple[RowRun, ...] | None:
-        """The megatron-core tensor's rows as runs of HF rows (names as in the template), traced once per entry."""
+        """The megatron-core tensor's rows as runs of HF rows (names as in the template), as the entry type declares
+        them, once per entry and shape; None where its layout does not fit the shapes."""
         template = placed.template
         key = (template, sources)
-        if key not in self._traces:
+        if key not in self._layouts:
             shapes = dict(zip(template.hf_sources, sources, strict=True))
-            traced = trace(lambda tensors: {"out": template.to_mcore(tensors, self.dims)}, shapes)
-            self._traces[key] = traced
-        traced = self._traces[key]
-        return None if traced is None else traced["out"]
+            try:
+                self._layouts[key] = template.mcore_rows(shapes, self.dims)
+            except ValueError:
+                self._layouts[key] = None
+        return self._layouts[key]
 
-    def dtype_of(self, placed: Placed) -> torch.dtype:
+    def dtype_of(self, placed: Placed) -> dtypes.DType:
         """The dtype a placed entry is written in: the conversion's, or float32 for `Direct.float32` entries."""
-        return torch.float32 if keeps_float32(placed.template) else self.dtype
+        return dtypes.FLOAT32 if keeps_float32(placed.template) else self.dtype
 
     def chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
         if isinstance(placed.entry, Direct):
@@ -168,7 +159,10 @@ class Producer:
         if cached is None or cached[0] != name:
             self._local.cached = cached = None  # drop the previous tensor before building the next
             sources = {n: self.hf.read(n) for n in placed.hf_names()}
-            self._local.cached = cached = (name, placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed)))
+            self._local.cached = cached = (
+                name,
+                placed.entry.to_mcore(sources, self.dims).to(self.dtype_of(placed).torch),
+            )
         return cached[1]
 
     def _direct_chunk(self, placed: Placed, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
@@ -179,7 +173,9 @@ class Producer:
         rows = self.hf.read(name, (start, real_stop)) if real_stop > start else None
         if rows is not None and len(offsets) > 1:
             rows = rows[(slice(None), *(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)))]
-        dtype = self.dtype_of(placed)
+        import torch
+
+        dtype = self.dtype_of(placed).torch
         rows = rows.to(dtype) if rows is not None else None
         if real_stop == stop:
             return rows.contiguous()
@@ -279,6 +275,8 @@ def convert_hf_to_mcore(
     model = config_bridge.from_hf(hf.config, arch)
     model.validate(layout)
     if checkpoint_format == "torch":
+        from hf_mcore_bridge.convert.legacy_format import check_legacy_layout
+
         check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
     if directory_layout == "megatron-bridge" and model.mla is not None:
         raise ConfigError(
@@ -301,7 +299,7 @@ def convert_hf_to_mcore(
     args = config_bridge.megatron_args(
         model,
         layout,
-        target_dtype,
+        target_dtype.torch if checkpoint_format == "torch" else target_dtype,  # the legacy files are torch.saved
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         spec=spec,
         ckpt_format=checkpoint_format,
@@ -317,6 +315,8 @@ def convert_hf_to_mcore(
         bridge = directory_layout == "megatron-bridge"
         checkpoint_dir = staging / iteration_dirname(0 if bridge else None)
         if checkpoint_format == "torch":
+            from hf_mcore_bridge.convert.legacy_format import write_legacy
+
             files = layout.tp * layout.pp * layout.ep
             with progress_bar("convert to mcore (legacy)", total=files, enabled=show_progress) as step:
                 write_legacy(
@@ -346,7 +346,7 @@ def convert_hf_to_mcore(
             write_bridge_files(staging, checkpoint_dir, config, step=0)
         write_tracker(staging, 0 if bridge else None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
-    bytes_written = sum(torch.Size(c.sizes).numel() * c.dtype.itemsize for c in chunks)
+    bytes_written = sum(math.prod(c.sizes) * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
 
     notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, mtp.note, note) if n)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import DTYPES
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.grpo.batching import MicroBatch
 from hf_mcore_bridge.grpo.config import GRPOConfig, world_of
 from hf_mcore_bridge.grpo.losses import LossConfig
@@ -229,7 +229,7 @@ class MegatronBackend:
         return megatron_args(
             self.prepared.model_cfg,
             layout_of(mcfg),
-            DTYPES[self.config.policy.dtype],
+            dtypes.FLAGS[self.config.policy.dtype].torch,
             make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
             spec="te" if self.policy.model.config.transformer_impl == "transformer_engine" else "local",
         )
@@ -307,7 +307,7 @@ class DTensorBackend:
 
 def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
     """This rank's policy of the enabled backend, loaded from `prepared.checkpoint_dir` (collective)."""
-    dtype = DTYPES[config.policy.dtype]
+    dtype = dtypes.FLAGS[config.policy.dtype].torch
     total_steps = config.grpo.max_num_steps * config.grpo.num_minibatches
     keep_reference = config.loss_fn.kl_coef > 0
     if config.policy.dtensor_cfg.enabled:

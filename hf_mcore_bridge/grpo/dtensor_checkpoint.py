@@ -118,8 +118,8 @@ def save_dtensor_checkpoint(
 
 def _write_hf(policy: DTensorPolicy, directory: Path, assets: dict[str, str], rank0: bool) -> None:
     """Stream the full tensors into `directory/model.safetensors` on rank 0 (every rank takes part in gathers)."""
+    from hf_mcore_bridge.checkpoint import dtypes
     from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
-    from hf_mcore_bridge.convert.config_bridge import DTYPE_NAMES
 
     writer = SafetensorsStreamWriter(directory / SAFETENSORS_NAME, policy.hf_specs()) if rank0 else None
     try:
@@ -132,7 +132,7 @@ def _write_hf(policy: DTensorPolicy, directory: Path, assets: dict[str, str], ra
     if rank0:
         for name, text in assets.items():
             if name == "config.json":
-                text = json.dumps({**json.loads(text), "torch_dtype": DTYPE_NAMES[policy.dtype]}, indent=2)
+                text = json.dumps({**json.loads(text), "torch_dtype": dtypes.of(policy.dtype).name}, indent=2)
             (directory / name).write_text(text)
 
 

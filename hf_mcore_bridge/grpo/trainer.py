@@ -66,7 +66,8 @@ from typing import Any
 import torch
 import torch.distributed
 
-from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
@@ -344,7 +345,7 @@ class _RankContext:
         """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
-        self.engine_dtype = DTYPES[config.policy.dtype]
+        self.engine_dtype = dtypes.FLAGS[config.policy.dtype].torch
         """The engine's weights' dtype: streamed tensors are checksummed in it."""
         self._set_up()
 
@@ -362,7 +363,7 @@ class _RankContext:
         self.tokenizer = Tokenizer.from_file(str(self.prepared.tokenizer_file))
         samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
         engine_config = EngineConfig(
-            dtype=DTYPES[config.policy.dtype],
+            dtype=dtypes.FLAGS[config.policy.dtype].torch,
             device=str(_device()),
             max_num_seqs=max(samples, config.grpo.val_num_prompts * config.grpo.val_num_generations),
             max_model_len=gen.max_model_len,

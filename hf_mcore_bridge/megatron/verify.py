@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_dirs import check_installed_reads, resolve_checkpoint
-from hf_mcore_bridge.convert.config_bridge import DTYPES, ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 from hf_mcore_bridge.megatron.world import device as rank_device
@@ -126,7 +127,7 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
 
     quiet_libraries()
     device = rank_device()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtypes.FLAGS[dtype].torch).to(device).eval()
     with torch.no_grad():
         return model(tokens.to(device)).logits.float().cpu()
 
@@ -137,7 +138,7 @@ def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) 
     rank0 = dist.get_rank() == 0
     for i, checkpoint in enumerate(checkpoints):
         tokens = torch.load(Path(work) / f"tokens_{i}.pt", weights_only=True)
-        logits = stage_logits(Path(checkpoint), layout, DTYPES[dtype], tokens)
+        logits = stage_logits(Path(checkpoint), layout, dtypes.FLAGS[dtype].torch, tokens)
         # the last stage may be on another node: global rank 0 (on the node that compares) writes the logits
         gathered: list[torch.Tensor | None] | None = [None] * dist.get_world_size() if rank0 else None
         dist.gather_object(logits, gathered, dst=0)

@@ -1,12 +1,11 @@
 """Which input row each output row of a table entry's transform is, found by running the transform on row tags.
 
-The byte-copy path of a conversion (`checkpoint.byte_copy`) needs to know, for each output tensor, which input
-tensor and row every output row is a copy of. Rather than restating each entry type's layout (QKV interleaving,
-gate/up halves, vocabulary padding), `trace` runs the entry's own transform on small integer tensors whose
-values name their input and row (and column), and reads the answer off the result. Each input row is given a few
-columns, each tagged with its column number, so a transform that moves columns or computes new values is seen as
-not a row gather, and the caller falls back to transforming real tensors. Zero rows in the output (vocabulary
-padding) come out as rows of no input.
+The byte-copy path of a conversion (`checkpoint.byte_copy`) copies each output row from the input row that the
+entry type declares (`Entry.hf_rows`, `Entry.mcore_rows`). The tests check those declarations against this
+independent reading of the entry's own transform: `trace` runs it on small integer tensors whose values name
+their input and row (and column), and reads the answer off the result. Each input row is given a few columns,
+each tagged with its column number, so a transform that moves columns or computes new values is seen as not a
+row gather (None). Zero rows in the output (vocabulary padding) come out as rows of no input.
 """
 
 from __future__ import annotations
@@ -14,24 +13,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hf_mcore_bridge.convert.row_runs import RowRun
+
 _COLUMNS = 3
 _ROW_BITS = 40
-
-
-@dataclass(frozen=True)
-class RowRun:
-    """Output rows [start, start + count) are input `source`'s rows [source_row, source_row + count); with
-    `source` None, they are zeros."""
-
-    start: int
-    count: int
-    source: str | None
-    source_row: int
 
 
 def trace(

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import typer
+from cuda_timing import graph_call_times_us
 
 from hf_mcore_bridge.engine import triton_decode
 from hf_mcore_bridge.engine.attention import DecodeMetadata, decode_attention, with_block_mask
@@ -42,30 +42,7 @@ def _case(text: str) -> tuple[int, int]:
 
 def _time_us(fn: Callable[[], torch.Tensor], device: torch.device, calls: int = 20, repeats: int = 10) -> float:
     """Median microseconds per call, replaying a CUDA graph of `calls` calls (off CUDA: one call, host-timed)."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
+    times = graph_call_times_us(fn, device, calls=calls, replays=repeats, host_calls=1)
     return sorted(times)[len(times) // 2]
 
 

@@ -241,6 +241,24 @@ def time_generate_batch(
         return Row(system, len(inputs), new_tokens, 0, math.nan, math.nan, math.nan, 0, message)
 
 
+def synthetic_decode_step(engine: Engine, rows: int, context: int) -> DecodeStep:
+    """A decode step of `rows` sequences, each at `context` tokens, over the engine's cache blocks (no sequences
+    behind it: for timing the step's kernels)."""
+    block_size = engine.config.block_size
+    n_blocks = blocks_for(context, block_size)
+    tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
+    last = (context - 1) % block_size
+    return DecodeStep(
+        sequences=[],
+        input_ids=[1] * rows,
+        positions=[context - 1] * rows,
+        slots=[int(b) * block_size + last for b in tables[:, -1]],
+        context_lens=[context] * rows,
+        block_tables=tables,
+        copies=[],
+    )
+
+
 def profile_decode(
     engine: Engine, hf_config: LlamaConfig, rows: int, contexts: list[int], device: str
 ) -> list[dict[str, object]]:
@@ -249,7 +267,6 @@ def profile_decode(
     decode step: its H200 bound (`roofline.decode_step_bound`: weights and KV read at 4.3 TB/s, or FLOPs at 790
     TFLOP/s, whichever is slower) and the bound over the measured time (the fraction of the limit reached).
     Returns one record per context: the decode step's time, its bound and which limit binds."""
-    block_size = engine.config.block_size
     element = torch.empty(0, dtype=engine.config.dtype).element_size()
     header = (
         f"{'context':>8}{'decode ms':>11}{'H200 bound ms':>15}{'of bound':>10}{'eager sample ms':>17}"
@@ -258,18 +275,7 @@ def profile_decode(
     print(f"{header}   (rows={rows})")
     records: list[dict[str, object]] = []
     for context in contexts:
-        n_blocks = blocks_for(context, block_size)
-        tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
-        last = (context - 1) % block_size
-        step = DecodeStep(
-            sequences=[],
-            input_ids=[1] * rows,
-            positions=[context - 1] * rows,
-            slots=[int(b) * block_size + last for b in tables[:, -1]],
-            context_lens=[context] * rows,
-            block_tables=tables,
-            copies=[],
-        )
+        step = synthetic_decode_step(engine, rows, context)
         batch = SamplingBatch(
             temperature=torch.ones(rows, device=device),
             top_k=torch.zeros(rows, dtype=torch.int64, device=device),

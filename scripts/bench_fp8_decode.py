@@ -61,14 +61,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import build_hf, llama_1b_config, random_prompts, tiny_config
+from bench_engine import build_hf, llama_1b_config, random_prompts, synthetic_decode_step, tiny_config
+from cuda_timing import graph_call_times_us
 from profile_summary import profile_call
 from roofline import H200_BYTES_PER_S, H200_FLOPS, matmul_weights
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, fp8, triton_decode
 from hf_mcore_bridge.engine.attention import FP8_CACHE_DTYPE, DecodeMetadata, decode_attention, to_cache
 from hf_mcore_bridge.engine.kv_cache import blocks_for
-from hf_mcore_bridge.engine.scheduler import DecodeStep
 from hf_mcore_bridge.grpo.losses import token_mult_prob_error
 
 FP8_FLOPS = 2 * H200_FLOPS
@@ -101,34 +101,7 @@ def fmt(s: dict[str, float], unit: float = 1.0, digits: int = 3) -> str:
 def time_graph_us(fn: Callable[[], object], device: torch.device, calls: int = 20, replays: int = 7) -> dict:
     """Microseconds per call: CUDA-graph replays of `calls` calls, median (min-max) over `replays` (off CUDA: single
     host-timed calls)."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        return spread(times)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return spread(times)
+    return spread(graph_call_times_us(fn, device, calls=calls, replays=replays))
 
 
 def gemm_bound_us(m: int, n: int, k: int, fp8_weight: bool) -> float:
@@ -342,22 +315,6 @@ def _engine(hf_model: Any, device: torch.device, rows: int, max_len: int, kv_gib
     return engine
 
 
-def _decode_step(engine: Engine, rows: int, context: int) -> DecodeStep:
-    block_size = engine.config.block_size
-    n_blocks = blocks_for(context, block_size)
-    tables = (torch.arange(rows * n_blocks, dtype=torch.int32).view(rows, n_blocks) % (engine.num_blocks - 1)) + 1
-    last = (context - 1) % block_size
-    return DecodeStep(
-        sequences=[],
-        input_ids=[1] * rows,
-        positions=[context - 1] * rows,
-        slots=[int(b) * block_size + last for b in tables[:, -1]],
-        context_lens=[context] * rows,
-        block_tables=tables,
-        copies=[],
-    )
-
-
 def _step_ms(fn: Callable[[], object], device: torch.device, groups: int = 5, calls: int = 10) -> dict:
     for _ in range(3):
         fn()
@@ -382,7 +339,7 @@ def section_decode_step(
         engine.model.quantize_fp8()  # as `generate` does first
     with torch.inference_mode():
         for context in contexts:
-            step = _decode_step(engine, rows, context)
+            step = synthetic_decode_step(engine, rows, context)
             timing = _step_ms(lambda step=step: engine._run_decode(step), device)
             bound = step_bound_s(hf_config, rows, context, fp8_w, fp8_kv) * 1e3
             out.append({"variant": variant, "rows": rows, "context": context, "ms": timing, "bound_ms": bound})
@@ -391,7 +348,7 @@ def section_decode_step(
                 f"{bound:.3f} ms ({bound / timing['median']:.0%}; {timing['median'] / bound:.2f}x the bound)"
             )
         middle = contexts[len(contexts) // 2]
-        step = _decode_step(engine, rows, middle)
+        step = synthetic_decode_step(engine, rows, middle)
         summary = "no profile on CPU"
         if device.type == "cuda":
             from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, pack, unpack

@@ -7,7 +7,7 @@ export and refit alike. Each entry also states the HF tensors' full shapes in mo
 tensor can be checked against the config before anything is written, in either direction, and its row layout
 (`hf_rows`, `mcore_rows`: which rows of its inputs each output row is), so the rows a conversion copies unchanged
 are planned without torch; the tests check each layout against the entry's own transform. Importing this module
-does not import torch: the transforms (`tensor_ops`) are imported when one runs.
+does not import torch: the transforms (`tensor_ops`) import it when one runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ from typing import TYPE_CHECKING
 from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER, fill
 from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.convert.row_runs import MCORE, RowRun, merged
+from hf_mcore_bridge.convert.tensor_ops import (
+    deinterleave_rotary_rows,
+    fuse_gate_up,
+    fuse_qkv,
+    interleave_rotary_rows,
+    pad_vocab,
+    split_gate_up,
+    split_qkv,
+    unpad_vocab,
+)
 from hf_mcore_bridge.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -156,15 +166,11 @@ class Direct:
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
         tensor = tensors[self.hf]
         if self.parallel is Parallel.VOCAB:
-            from hf_mcore_bridge.convert.tensor_ops import pad_vocab
-
             return pad_vocab(tensor, dims.padded_vocab_size)
         return tensor
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
         if self.parallel is Parallel.VOCAB:
-            from hf_mcore_bridge.convert.tensor_ops import unpad_vocab
-
             tensor = unpad_vocab(tensor, dims.vocab_size)
         return {self.hf: tensor}
 
@@ -238,13 +244,9 @@ class FusedQKV:
         )
 
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
-        from hf_mcore_bridge.convert.tensor_ops import fuse_qkv
-
         return fuse_qkv(tensors[self.q], tensors[self.k], tensors[self.v], dims.num_query_groups)
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
-        from hf_mcore_bridge.convert.tensor_ops import split_qkv
-
         q, k, v = split_qkv(tensor, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)
         return {self.q: q, self.k: k, self.v: v}
 
@@ -293,13 +295,9 @@ class FusedGateUp:
         return merged([(self.gate, 0, shapes[self.gate][0]), (self.up, 0, shapes[self.up][0])])
 
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
-        from hf_mcore_bridge.convert.tensor_ops import fuse_gate_up
-
         return fuse_gate_up(tensors[self.gate], tensors[self.up])
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
-        from hf_mcore_bridge.convert.tensor_ops import split_gate_up
-
         gate, up = split_gate_up(tensor)
         return {self.gate: gate, self.up: up}
 
@@ -384,15 +382,11 @@ class RotaryRows:
         return merged((self.hf, first, count) for first, count in order or [(0, rows)])
 
     def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
-        from hf_mcore_bridge.convert.tensor_ops import interleave_rotary_rows
-
         tensor = tensors[self.hf]
         return interleave_rotary_rows(tensor, *self._rows(dims)) if dims.rotate_half_rotary else tensor
 
     def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
         if dims.rotate_half_rotary:
-            from hf_mcore_bridge.convert.tensor_ops import deinterleave_rotary_rows
-
             tensor = deinterleave_rotary_rows(tensor, *self._rows(dims))
         return {self.hf: tensor}
 

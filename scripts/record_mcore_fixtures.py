@@ -7,7 +7,13 @@ one (the GPU machine; it runs on the CPU, in gloo worlds), with the megatron-cor
 
 Each wheel is installed with this project (no dependencies, no index: torch, transformers, safetensors, typer and
 psutil must be there already) into a temporary directory, and the recording runs against it; without arguments
-it records for the megatron-core already importable.
+it records for the megatron-core already importable. The script itself imports the project, so it must be
+installed where this runs too. On the GPU machine, with the missing dependencies carried as wheels in `.whl/deps/`
+(2026-12-01: transformers, tokenizers, safetensors, huggingface_hub, typer, rich, psutil, pyyaml and their needs):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/deps/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/proj .
+    PYTHONPATH=/tmp/site:/tmp/proj python3 scripts/record_mcore_fixtures.py .whl/megatron_core-0.1[789]*.whl
 
 Into `tests/fixtures/mcore-<major.minor>/` it writes, for a dense model (Llama, TP2 PP2, 4 ranks) and a mixture of
 experts (Mixtral, EP2, 2 ranks), megatron-core's local spec, fp32:

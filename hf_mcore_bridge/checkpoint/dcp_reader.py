@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from hf_mcore_bridge.checkpoint.dcp_metadata import (
     MetadataUnpickler,
     TensorStorageMetadata,
 )
+from hf_mcore_bridge.checkpoint.plain_load import member_start
 from hf_mcore_bridge.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -313,16 +313,6 @@ class _TensorPickle(pickle.Unpickler):
         return tuple(pid)
 
 
-def _member(region: _Region, zinfo: zipfile.ZipInfo) -> int:
-    """Where a stored member's bytes begin, inside the region (after its local header)."""
-    region.seek(zinfo.header_offset)
-    header = region.read(30)
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise ValueError("bad local header")
-    name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return zinfo.header_offset + 30 + name_length + extra_length
-
-
 def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, ...], dtype: dtypes.DType) -> int | None:
     """The offset (within the item) of the chunk's raw bytes when the item stores exactly `sizes` x `dtype`
     contiguously from offset 0 of one little-endian storage; None when it does not (or is not a plain tensor)."""
@@ -335,10 +325,10 @@ def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, .
         if any(z.compress_type != zipfile.ZIP_STORED for z in (pkl, order) if z is not None):
             return None
         if order is not None:
-            region.seek(_member(region, order))
+            region.seek(member_start(region, order))
             if region.read(order.file_size) != b"little":
                 return None
-        region.seek(_member(region, pkl))
+        region.seek(member_start(region, pkl))
         kind, storage, storage_offset, size, stride = _TensorPickle(io.BytesIO(region.read(pkl.file_size))).load()[:5]
         _, storage_type, key, _, numel = storage
         if kind != "tensor" or dtypes.BY_STORAGE.get(storage_type) != dtype or storage_offset != 0:
@@ -350,7 +340,7 @@ def _plain_tensor_data(handle: Any, start: int, length: int, sizes: tuple[int, .
             return None
         if data.file_size != _numel(sizes) * dtype.itemsize:
             return None
-        return _member(region, data)
+        return member_start(region, data)
     except (zipfile.BadZipFile, pickle.UnpicklingError, StopIteration, ValueError, TypeError, EOFError, AttributeError):
         return None
 

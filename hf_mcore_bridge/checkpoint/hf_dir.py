@@ -18,10 +18,10 @@ from safetensors import SafetensorError, safe_open
 
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.names import fill
+from hf_mcore_bridge.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
-from hf_mcore_bridge.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

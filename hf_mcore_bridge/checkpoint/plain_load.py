@@ -50,7 +50,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def load_plain(source: Path | bytes) -> Any:
     """The object a `torch.save` archive (a file or its bytes) holds; `NeedsTorch` when it is not made of the
-    values above, or is not a zip archive (torch's legacy format)."""
+    values above, or is not a zip archive (torch's legacy format); ValueError or a pickle error for a damaged one."""
     data = source if isinstance(source, bytes) else Path(source).read_bytes()
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
@@ -60,15 +60,17 @@ def load_plain(source: Path | bytes) -> Any:
         pickles = [z for z in archive.infolist() if z.filename.endswith("/data.pkl") and z.filename.count("/") == 1]
         if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
             raise NeedsTorch("no single stored data.pkl")
-    return _PlainUnpickler(io.BytesIO(_stored(data, pickles[0]))).load()
+    start = member_start(io.BytesIO(data), pickles[0])
+    return _PlainUnpickler(io.BytesIO(data[start : start + pickles[0].file_size])).load()
 
 
-def _stored(data: bytes, member: zipfile.ZipInfo) -> bytes:
-    """A stored member's bytes, read past its local header without checking its CRC-32 (as torch's reader does:
-    `torch.save` with its CRC turned off, as this project writes archives, leaves the field zero)."""
-    header = data[member.header_offset : member.header_offset + 30]
+def member_start(handle: Any, member: zipfile.ZipInfo) -> int:
+    """Where a stored zip member's bytes begin in `handle` (a seekable binary file of the archive), read from its
+    local header; its CRC-32 is not checked (as torch's reader does not: `torch.save` with its CRC turned off, as
+    this project writes archives, leaves the field zero). ValueError: no local header there."""
+    handle.seek(member.header_offset)
+    header = handle.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise NeedsTorch("a damaged local header")
+        raise ValueError("bad local header")
     name_length, extra_length = struct.unpack("<HH", header[26:30])
-    start = member.header_offset + 30 + name_length + extra_length
-    return data[start : start + member.file_size]
+    return member.header_offset + 30 + name_length + extra_length

@@ -26,22 +26,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from hf_mcore_bridge.checkpoint.dtypes import DType
+from hf_mcore_bridge.checkpoint.dtypes import BY_NAME, DType
 from hf_mcore_bridge.checkpoint.pickles import Call, Global, New, PersistentId, dumps
-
-STORAGE_TYPES = {
-    "float64": ("DoubleStorage", 8),
-    "float32": ("FloatStorage", 4),
-    "float16": ("HalfStorage", 2),
-    "bfloat16": ("BFloat16Storage", 2),
-    "int64": ("LongStorage", 8),
-    "int32": ("IntStorage", 4),
-    "int16": ("ShortStorage", 2),
-    "int8": ("CharStorage", 1),
-    "uint8": ("ByteStorage", 1),
-    "bool": ("BoolStorage", 1),
-}
-"""dtype name (`str(torch.bfloat16)` without `torch.`) -> (the storage class `torch.save` pickles, element size)."""
 
 ALIGNMENT = 64
 """Where `torch.save` starts each record's data (torch.utils.serialization.config.save.storage_alignment)."""
@@ -60,7 +46,7 @@ _FLAGS = 0x0808
 
 def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
     """`data.pkl` of a contiguous tensor of `shape` owning storage `0` on the CPU, as `torch.save` pickles it."""
-    storage_type, _ = STORAGE_TYPES[dtype]
+    storage_type = BY_NAME[dtype].storage
     numel = _numel(shape)
     storage = PersistentId(("storage", Global("torch", storage_type), "0", "cpu", numel))
     strides = _contiguous_strides(shape)
@@ -70,7 +56,9 @@ def tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
 
 def supported(dtype: str, nbytes: int) -> bool:
     """Whether `TensorArchive` can frame a tensor of this dtype and data size."""
-    return dtype in STORAGE_TYPES and 0 < nbytes < _LIMIT - 2**20  # room for the records around the data
+    known = BY_NAME.get(dtype)
+    fits = 0 < nbytes < _LIMIT - 2**20  # room for the records around the data
+    return known is not None and known.storage is not None and fits
 
 
 @dataclass(frozen=True)
@@ -85,7 +73,7 @@ class TensorArchive:
 
     @property
     def data_length(self) -> int:
-        return _numel(self.shape) * STORAGE_TYPES[self.dtype][1]
+        return _numel(self.shape) * BY_NAME[self.dtype].itemsize
 
     @cached_property
     def _layout(self) -> tuple[bytes, bytes]:
@@ -120,7 +108,7 @@ def _by_name(value: Any) -> Any:
     if isinstance(value, argparse.Namespace | types.SimpleNamespace):
         cls = Global(type(value).__module__, type(value).__qualname__)
         return New(cls, {k: _by_name(v) for k, v in vars(value).items()})
-    if isinstance(value, pathlib.PurePath) and type(value) is pathlib.PosixPath:
+    if type(value) is pathlib.PosixPath:
         return Call(Global("pathlib", "PosixPath"), tuple(value.parts))
     if type(value) in (list, tuple):
         return type(value)(_by_name(v) for v in value)

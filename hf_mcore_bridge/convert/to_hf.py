@@ -14,7 +14,6 @@ Shards are written in parallel by two writer threads (`checkpoint.parallel_write
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -265,7 +264,7 @@ def convert_mcore_to_hf(
             config["num_nextn_predict_layers"] = model.mtp_layers
         (staging / "config.json").write_text(_json(config))
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
-    total = sum(math.prod(s) * d.itemsize for s, d in specs.values())
+    total = sum(_nbytes(s, d) for s, d in specs.values())
     from hf_mcore_bridge.convert.layout import Layout
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)

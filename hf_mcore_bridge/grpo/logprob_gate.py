@@ -1,12 +1,13 @@
 """The engine-vs-trainer log-prob gate: a wrong conversion stops the run at the first step it shows in.
 
 After each step's rollouts the trainer scores the sampled tokens itself; `token_mult_prob_error` (see
-`losses.token_mult_prob_error`) compares those probabilities with the engine's. The refit's checksums show that
-the engine holds exactly the tensors the stream sent; they cannot show that the stream's conversion was right (a
-swapped q/k split, gate/up order or expert order is streamed and held consistently). This gate is that
-independent check: the engine then computes a different function from the trainer, so its log-probs disagree.
-It applies to every generation backend (the vLLM path's log-probs included) and to the probe prompt scored after
-each refit.
+`losses.token_mult_prob_error`) compares those probabilities with the engine's. The refit's checksums
+(`refit_checksums`) show that the engine holds the tensors the stream sent (a changed element always shows, a
+change of several elements unless the hash's columns happen to cancel); they cannot show that the stream's
+conversion was right (a swapped q/k split, gate/up order or expert order is streamed and held consistently).
+This gate is that independent check: the engine then computes a different function from the trainer, so its
+log-probs disagree. It applies to every generation backend (the vLLM path's log-probs included) and to the probe
+prompt scored after each refit.
 
 The limit is `grpo.max_token_mult_prob_error`, by default 1.0001 in fp32 and 1.05 in bf16/fp16; with
 `grpo.on_logprob_mismatch: warn` a value past it is reported and the run goes on.

@@ -10,13 +10,16 @@ Cost: the per-parameter plan (local parameter, table entry) is built once per mo
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
 events rather than synchronisations (`PhaseTimes`), so the host runs ahead of the device's copies.
 
-Checks, cheap by design: `tensor_checksums` gives every tensor two exact integer sums of its bit pattern (plain
-and position-weighted), batched into a few kernels per batch with no synchronisation. The caller checksums
-every HF tensor as streamed and every tensor as the engine holds it after loading (or after a replay) and
-compares them with one synchronisation (`mismatched`): that catches a lost, truncated, permuted, misplaced or
-stale copy, not a conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert
-order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
-completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
+Checks, cheap by design: `tensor_checksums` (`refit_checksums`, which defines it) gives every tensor two 64-bit
+columns of a hash that mixes each element's bit pattern with its position (not linear in the elements), read on
+the device with no synchronisation. The caller checksums every HF tensor as streamed and every tensor as the
+engine holds it after loading (or after a replay) and compares them with one synchronisation (`mismatched`). A
+single changed element always shows; the tests also show a permuted, transposed, rolled or stale copy and the
+structured changes that cancel in linear sums (rows of equal sums swapped, [A, B, B, A] -> [B, A, A, B],
++1/-2/+1 ulp, paired sign flips). It cannot see a conversion that is wrong the same way on both sides (a swapped
+q/k split, gate/up or expert order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`).
+`finish_param_gather` first completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else
+shards would be stale.
 
 Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
 models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
@@ -32,7 +35,6 @@ index by local index (every EP rank receives every expert: simple, and one exper
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +55,7 @@ from hf_mcore_bridge.convert.mapping_types import (
 )
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
 from hf_mcore_bridge.mappings import get_architecture
 
 __all__ = [
@@ -386,17 +389,6 @@ def _exchange_stages(
             yield name, tensor.to(device)
 
 
-CHECKSUM_LANES = 4096
-"""Elements per row of the checksum layout: a tensor occupies whole rows of a zero-padded buffer."""
-
-CHECKSUM_BATCH_ELEMENTS = 1 << 26
-"""Elements checksummed per batch at most (its padded copy of the bits is the one large temporary); a larger
-tensor is a batch of its own."""
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer type of each element size: a tensor is checksummed through its bit pattern."""
-
-
 @dataclass(frozen=True)
 class Checksums:
     """Checksums of named tensors as a refit streamed them (`values` rows in `names` order; device tensors, so
@@ -405,97 +397,11 @@ class Checksums:
 
     names: tuple[str, ...]
     values: torch.Tensor
-    """[len(names), 2] int64: `tensor_checksums` of each tensor as streamed, in the engine's dtype."""
+    """[len(names), 2] int64: `tensor_checksums` of each tensor as streamed, in the engine's dtype (rows compared
+    with `mismatched`)."""
     sources: torch.Tensor | None = None
     """`tensor_checksums` of the trainer tensors the stream read (`refit_sources`), as it read them; None where
     the refit communicates (it is then never recorded)."""
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For tensors of `rows` rows each: every row's index within its tensor and the index of its tensor ([R] int64
-    each). Cached, so a refit recorded as a CUDA graph builds no tensor from host data (the eager refit before the
-    recording made them)."""
-    counts = torch.tensor(rows, dtype=torch.int64)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    within = torch.arange(int(counts.sum()), dtype=torch.int64) - first
-    owner = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
-    return within.to(device), owner.to(device)
-
-
-_SIDE = 64
-"""`CHECKSUM_LANES` is `_SIDE` squared."""
-
-
-@functools.lru_cache(maxsize=8)
-def _side(device: torch.device) -> torch.Tensor:
-    return torch.arange(_SIDE, dtype=torch.int64, device=device)
-
-
-def _batch_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`tensor_checksums` of tensors of one element size (a handful of kernels whatever their number)."""
-    device, lanes = tensors[0].device, CHECKSUM_LANES
-    bits = _BITS[tensors[0].element_size()]
-    flats = [t.detach().reshape(-1).view(bits) for t in tensors]  # reshape copies only a non-contiguous tensor
-    rows = tuple(-(-f.numel() // lanes) for f in flats)
-    within, owner = _layout(rows, device)
-    buffer = torch.zeros(sum(rows) * lanes, dtype=bits, device=device)
-    views, offset = [], 0
-    for flat, count in zip(flats, rows, strict=True):
-        views.append(buffer[offset : offset + flat.numel()])
-        offset += count * lanes
-    torch._foreach_copy_(views, flats)  # one multi-tensor copy into the padded rows
-    # a row as [_SIDE, _SIDE] (lane = _SIDE * h + l): its sums over l and over h, accumulated in int64 straight
-    # from the bits, give the plain and the lane-weighted sums with no int64 copy of the buffer
-    grid = buffer.view(-1, _SIDE, _SIDE)
-    # 64 elements of at most 2 bytes sum exactly in int32 (integer reductions run faster in 32 bits on a GPU)
-    partial = torch.int32 if bits in (torch.uint8, torch.int16) else torch.int64
-    over_l = grid.sum(2, dtype=partial).to(torch.int64)
-    over_h = grid.sum(1, dtype=partial).to(torch.int64)
-    index = _side(device)
-    plain = over_l.sum(1)
-    by_lane = (over_l * index).sum(1) * _SIDE + (over_h * index).sum(1)
-    # sum of position * value per row: position = row-within-tensor * lanes + lane
-    weighted = plain * (within * lanes) + by_lane
-    # rows summed into their tensor's entry (integer addition: exact in any order; a scan over the rows' column
-    # pairs instead took two thirds of the time on an H200)
-    sums = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
-    return sums.index_add_(0, owner, torch.stack([plain, weighted], 1))
-
-
-def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per tensor, two exact integer sums over its bit pattern: [len(tensors), 2] int64 on the tensors' device.
-
-    Column 0 is the sum of the elements' bit patterns (as signed integers of the element's size), column 1 the
-    sum of position x bit pattern over the flattened tensor, both in wrapping int64 arithmetic, so they are
-    exact and independent of reduction order (equal on any device, for any batching). Every element is read:
-    one changed element changes column 0, and exchanging two different elements (a permuted, transposed or
-    mis-split tensor, rows of q and k swapped) changes column 1 by (i - j)(x_j - x_i), never 0 mod 2^64 for
-    tensors of fewer than 2^30 elements. Tensors of equal bits and shape have equal checksums, whatever their
-    layout in memory. Dtype is not part of it: compare tensors of one dtype.
-
-    Cost: per batch of up to `CHECKSUM_BATCH_ELEMENTS` elements of one element size, a multi-tensor copy into a
-    zero-padded [rows, `CHECKSUM_LANES`] buffer, two reductions reading it and a few kernels on per-row sums (no
-    kernel per tensor beyond the copies of non-contiguous ones); nothing synchronises."""
-    if not tensors:
-        return torch.zeros((0, 2), dtype=torch.int64)
-    rows: list[torch.Tensor | None] = [None] * len(tensors)
-    by_size: dict[int, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_size.setdefault(tensor.element_size(), []).append(index)
-    for indices in by_size.values():
-        batch: list[int] = []
-        size = 0
-        for index in [*indices, None]:
-            numel = 0 if index is None else tensors[index].numel()
-            if batch and (index is None or size + numel > CHECKSUM_BATCH_ELEMENTS):
-                for i, row in zip(batch, _batch_checksums([tensors[i] for i in batch]), strict=True):
-                    rows[i] = row
-                batch, size = [], 0
-            if index is not None:
-                batch.append(index)
-                size += numel
-    return torch.stack([row for row in rows if row is not None])
 
 
 def mismatched(names: Sequence[str], sent: torch.Tensor, held: torch.Tensor) -> list[str]:

@@ -129,6 +129,14 @@ class DirectoryLayout(enum.StrEnum):
     megatron_bridge = "megatron-bridge"
 
 
+class Fp8ScaleFormat(enum.StrEnum):
+    """`fp8_checkpoint.SCALE_FORMATS`, or the FP8 source's."""
+
+    source = "source"
+    ue8m0 = "ue8m0"
+    float32 = "float32"
+
+
 class McoreVersion(enum.StrEnum):
     """megatron-core releases whose `torch_dist` layout can be written (`megatron_dirs.MCORE_VERSIONS`)."""
 
@@ -264,6 +272,14 @@ def convert(
             " DeepSeek publishes them (--to hf)."
         ),
     ] = False,
+    fp8_scale_format: Annotated[
+        Fp8ScaleFormat | None,
+        typer.Option(
+            help="Scales of --fp8-blockwise: source (default: the FP8 source's format and its scales, bit-identical"
+            " where the weights are unchanged; ue8m0 when the source was not FP8), ue8m0 (powers of two, as"
+            " DeepSeek-V3.1) or float32 (amax / 448, as DeepSeek-V3)."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a destination written earlier by this tool.")] = False,
     overwrite_foreign: Annotated[
         bool,
@@ -316,8 +332,11 @@ def convert(
                 "--tokenizer": tokenizer is not None,
                 "--max-shard-size": max_shard_size is not None,
                 "--fp8-blockwise": fp8_blockwise,
+                "--fp8-scale-format": fp8_scale_format is not None,
             },
         )
+        if fp8_scale_format is not None and not fp8_blockwise:
+            raise BridgeError("--fp8-scale-format applies with --fp8-blockwise only")
         if to is Target.mcore:
             if mcore_version is not None and fmt is Format.torch:
                 raise BridgeError("--mcore-version applies to --format torch_dist only")
@@ -374,6 +393,7 @@ def convert(
                 ignore_unknown=ignore_unknown,
                 show_progress=progress,
                 fp8_blockwise=fp8_blockwise,
+                fp8_scale_format=(fp8_scale_format or Fp8ScaleFormat.source).value,
             )
         typer.echo(
             f"wrote {result.destination} ({result.model.architecture}, {result.tensors} tensors, "

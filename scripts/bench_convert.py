@@ -143,6 +143,11 @@ def _tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, handle.get_tensor(name)
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes: equal bytes are bit identity (-0 is not 0; torch.equal has no FP8 kernel)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 class NotIdentical(AssertionError):
     """An exported checkpoint differs from its source."""
 
@@ -157,7 +162,7 @@ def check_identical(source: Path, exported: Path) -> int:
         missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
         raise NotIdentical(f"{exported}: missing {missing[:3]} ({len(missing)}), extra {extra[:3]} ({len(extra)})")
     for (name, want), (_, got) in zip(_tensors(source), _tensors(exported), strict=True):
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(_bytes(got), _bytes(want)):
             raise NotIdentical(
                 f"{exported}: {name} is {got.dtype} {tuple(got.shape)}, "
                 f"expected {want.dtype} {tuple(want.shape)}, or its values differ"

@@ -2,7 +2,8 @@
 
 Used by the GPU verification and the benchmarks: a Llama-3.1-8B-shaped (16 GB), Qwen3-MoE-, GLM-4.5-Air- or
 DeepSeek-V3-shaped checkpoint is generated in seconds (on a GPU when there is one) and streamed to disk with bounded
-memory, optionally with DeepSeek's FP8 blocks (`--fp8`). Tensor names and shapes come from the project's own
+memory, optionally with DeepSeek's FP8 blocks (`--fp8`; `--fp8-scale-format float32` for DeepSeek-V3's amax / 448
+scales, default `ue8m0`: DeepSeek-V3.1's powers of two). Tensor names and shapes come from the project's own
 mapping tables (every HF tensor the converter expects, its shape in model dimensions resolved from the config);
 tensors the table keeps in float32 (a router's expert bias) are float32.
 
@@ -11,6 +12,7 @@ In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its
 
     python scripts/random_checkpoint.py llama3-8b OUT_DIR
     python scripts/random_checkpoint.py deepseek-v3 OUT_DIR --fp8
+    python scripts/random_checkpoint.py deepseek-v3 OUT_DIR --fp8 --fp8-scale-format float32
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export
+from hf_mcore_bridge.convert.fp8_checkpoint import SCALE_FORMATS, Fp8Export, quantization_config
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
 from hf_mcore_bridge.convert.mapping_types import keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
@@ -229,12 +231,15 @@ def write_random_checkpoint(
     shard_bytes: int = 2 << 30,
     seed: int = 0,
     fp8: bool = False,
+    fp8_scale_format: str = "ue8m0",
 ) -> int:
     """Write a random checkpoint (normal, std 0.02; norms near 1) with `config`; returns the bytes written. `fp8`:
-    the linear layers as 128 x 128 FP8 blocks with `weight_scale_inv`, as DeepSeek publishes them."""
+    the linear layers as 128 x 128 FP8 blocks with `weight_scale_inv` of `fp8_scale_format`, as DeepSeek publishes
+    them."""
     directory.mkdir(parents=True, exist_ok=True)
     arch = get_architecture(config["architectures"][0])
-    blocks = Fp8Export(p.entry for p in placed_entries(arch, config_bridge.from_hf(config, arch))) if fp8 else None
+    entries = [p.entry for p in placed_entries(arch, config_bridge.from_hf(config, arch))]
+    blocks = Fp8Export(entries, fp8_scale_format) if fp8 else None
     plan = [
         spec
         for name, shape, fp32 in hf_tensor_shapes(config)
@@ -277,7 +282,7 @@ def write_random_checkpoint(
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     written = {**config, "torch_dtype": dtypes.of(dtype).name}
     if fp8:
-        written["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
+        written["quantization_config"] = quantization_config(fp8_scale_format)
     (directory / "config.json").write_text(json.dumps(written, indent=2))
     return total
 
@@ -289,11 +294,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="Override the number of layers.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8", action="store_true", help="Linear layers as 128 x 128 FP8 blocks (DeepSeek's).")
+    parser.add_argument("--fp8-scale-format", choices=SCALE_FORMATS, default="ue8m0", help="Scales of --fp8.")
     args = parser.parse_args()
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    total = write_random_checkpoint(args.directory, config, seed=args.seed, fp8=args.fp8)
+    total = write_random_checkpoint(
+        args.directory, config, seed=args.seed, fp8=args.fp8, fp8_scale_format=args.fp8_scale_format
+    )
     print(f"wrote {args.directory}: {total / 2**30:.2f} GiB")
 
 

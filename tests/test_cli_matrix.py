@@ -120,6 +120,12 @@ CONVERT_TO_MCORE: list[Case] = [
         2,
         r"--tokenizer, --max-shard-size apply to --to hf only, not to --to mcore",
     ),
+    (
+        "fp8-scale-format-with-to-mcore",
+        [*TO_MCORE, "--fp8-scale-format", "float32", "{W}/llama", "{W}/out"],
+        2,
+        r"--fp8-scale-format applies to --to hf only, not to --to mcore$",
+    ),
 ]
 
 TO_HF = ["convert", "--to", "hf", "--no-progress"]
@@ -156,6 +162,18 @@ CONVERT_TO_HF: list[Case] = [
         r"is not empty and was not written by hf-mcore-bridge.*--overwrite-foreign",
     ),
     ("tp-with-to-hf", [*TO_HF, "--tp", "2", "{W}/mcore", "{W}/out"], 2, r"--tp applies to --to mcore only"),
+    (
+        "fp8-scale-format-unknown",
+        [*TO_HF, "--fp8-blockwise", "--fp8-scale-format", "e8m0", "{W}/mcore", "{W}/out"],
+        2,
+        r"Invalid value for '--fp8-scale-format': .*'e8m0' is not one of 'source', 'ue8m0', 'float32'",
+    ),
+    (
+        "fp8-scale-format-without-fp8-blockwise",
+        [*TO_HF, "--fp8-scale-format", "ue8m0", "{W}/mcore", "{W}/out"],
+        2,
+        r"--fp8-scale-format applies with --fp8-blockwise only$",
+    ),
     ("format-with-to-hf", [*TO_HF, "--format", "torch", "{W}/mcore", "{W}/out"], 2, r"--format applies to --to mcore"),
 ]
 

@@ -165,6 +165,21 @@ def test_published_config_builds_megatron_mla_config_and_round_trips(variant):
     assert config_bridge.from_megatron_args(args) == model
 
 
+def test_published_fp8_configs_name_their_scale_formats():
+    """DeepSeek-V3's published `quantization_config` has no `scale_fmt`: its `weight_scale_inv` are any float32
+    (amax / 448), which `--fp8-scale-format source` keeps; DeepSeek-V3.1's says `scale_fmt: ue8m0` (powers of
+    two). Both are written back field for field."""
+    from hf_mcore_bridge.convert.fp8_checkpoint import quantization_config, source_scale_format
+
+    v31 = _with(quantization_config={**DEEPSEEK_V3["quantization_config"], "scale_fmt": "ue8m0"})
+    assert source_scale_format(DEEPSEEK_V3) == "float32" and source_scale_format(v31) == "ue8m0"
+    assert quantization_config("float32", DEEPSEEK_V3) == DEEPSEEK_V3["quantization_config"]
+    assert quantization_config("ue8m0", v31) == v31["quantization_config"]
+    assert quantization_config("ue8m0", DEEPSEEK_V3) == v31["quantization_config"]  # V3.1's fields for pow2
+    assert quantization_config("float32", v31) == DEEPSEEK_V3["quantization_config"]
+    assert source_scale_format({k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}) is None
+
+
 def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
     """megatron-core's YaRN frequencies, rotary concentration and softmax scale from our config equal HF's."""
     if not torch.cuda.is_available():  # megatron-core moves the frequencies to the current CUDA device

@@ -170,13 +170,15 @@ def convert_mcore_to_hf(
     ignore_unknown: bool = False,
     show_progress: bool = True,
     fp8_blockwise: bool = False,
+    fp8_scale_format: str = "source",
 ) -> ConversionResult:
     """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
 
     The destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
     output of this tool, `overwrite_foreign` anything. `fp8_blockwise` writes the linear layers' weights as
-    128 x 128 FP8 blocks with `weight_scale_inv` (`fp8_checkpoint.Fp8Export`); otherwise every tensor is written
-    in the export dtype and a `quantization_config` the source config carried is dropped.
+    128 x 128 FP8 blocks with `weight_scale_inv` (`fp8_checkpoint.Fp8Export`) of `fp8_scale_format` (`source`:
+    the FP8 source's, kept where the checkpoint's HF assets hold its scales; `ue8m0`; `float32`); otherwise every
+    tensor is written in the export dtype and a `quantization_config` the source config carried is dropped.
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -209,11 +211,14 @@ def convert_mcore_to_hf(
         return dtypes.FLOAT32 if keeps_float32(planned.placed.template) else choice.dtype
 
     quantized_source = original_config.get("quantization_config") is not None
+    fp8: Fp8Export | None = None
     if fp8_blockwise or quantized_source:  # FP8 blocks are made and checked with torch
-        from hf_mcore_bridge.convert.fp8_checkpoint import EXPORT_QUANTIZATION_CONFIG, Fp8Export, is_fp8_config
+        from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Export, is_fp8_config
 
         quantized_source = is_fp8_config(original_config)
-    fp8 = Fp8Export(p.entry for p in placed) if fp8_blockwise else None
+        if fp8_blockwise:
+            assets = hf_assets_dir(root, checkpoint_dir)
+            fp8 = Fp8Export.of_checkpoint((p.entry for p in placed), fp8_scale_format, original_config, assets)
     copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it
     for copy, original in mtp_copies(arch, model).items():
         copied.setdefault(original, []).append(copy)
@@ -257,7 +262,7 @@ def convert_mcore_to_hf(
             (staging / next(iter(queues))).rename(staging / SINGLE_NAME)
         config = {k: v for k, v in config.items() if k != "quantization_config"}
         if fp8 is not None:
-            config["quantization_config"] = dict(EXPORT_QUANTIZATION_CONFIG)
+            config["quantization_config"] = fp8.quantization_config()
         if out_dtype is not None or quantized_source:
             config = {**config, "torch_dtype": choice.dtype.name}
         if mtp_note is not None:

@@ -8,7 +8,9 @@ kernel (`checkpoint.byte_copy`); which rows, is what the entry type declares (`E
 check it against the entry's transform). Any other chunk (a cast, a fused expert tensor) is produced when the
 writer gets to it and dropped once written: plain tensors are read chunk by chunk (row ranges straight from the
 safetensors file), fused ones are built once per layer and reused for their tensor-parallel chunks. Peak memory
-is therefore at most about one fused layer tensor per writer thread, whatever the model size.
+is therefore at most about one fused layer tensor per writer thread, whatever the model size. An FP8 checkpoint's
+weights are written dequantized, and its scales kept beside the HF assets (`fp8_checkpoint.SCALES_FILE`) for an
+FP8 export to give them back.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.conversion_result import ConversionResult
-from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Checkpoint, open_hf_checkpoint
+from hf_mcore_bridge.convert.fp8_checkpoint import SCALES_FILE, Fp8Checkpoint, open_hf_checkpoint
 from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
@@ -346,6 +348,8 @@ def convert_hf_to_mcore(
             write_bridge_files(staging, checkpoint_dir, config, step=0)
         write_tracker(staging, 0 if bridge else None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
+        if isinstance(hf, Fp8Checkpoint):  # what `--to hf --fp8-blockwise` needs to give the scales back
+            hf.save_scales(staging / HF_ASSETS_DIR / SCALES_FILE)
     bytes_written = sum(math.prod(c.sizes) * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
 

@@ -98,8 +98,9 @@ def test_verify_text_without_a_tokenizer_is_refused_in_one_line(smollm2: Path, t
     bare.mkdir()
     (bare / "config.json").write_bytes((smollm2 / "config.json").read_bytes())
     (tmp_path / "mcore").mkdir()
+    command = ["verify", str(bare), str(tmp_path / "mcore"), "--text", "hi"]
     result = subprocess.run(
-        [sys.executable, "-m", "hf_mcore_bridge.cli.main", "verify", str(bare), str(tmp_path / "mcore"), "--text", "hi"],
+        [sys.executable, "-m", "hf_mcore_bridge.cli.main", *command],
         capture_output=True,
         text=True,
     )

@@ -411,6 +411,7 @@ VERIFY_EXAMPLES = """Examples:
 \b
   bridge verify ./Llama-3.2-1B ./llama-mcore --tp 2 --pp 2
   bridge verify ./Llama-3.2-1B ./llama-mcore --cp 2
+  bridge verify ./Llama-3.2-1B ./llama-mcore --seq-len 64 --text "$(cat some-prose.txt)"
   bridge verify ./Llama-3.2-1B ./llama-mcore --dtype bf16 --tolerance 0.2"""
 
 
@@ -429,6 +430,13 @@ def verify(
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 16,
     batch: Annotated[int, typer.Option(help="Sequences.")] = 2,
     tolerance: Annotated[float | None, typer.Option(help="Max |dlogit| (default: 1e-4 fp32, 0.15 bf16).")] = None,
+    text: Annotated[
+        str | None,
+        typer.Option(
+            help="Run this text (tokenized by the HF directory's tokenizer, --batch x --seq-len tokens of it) instead"
+            " of random token ids: a trained model's logits on real text show a wrong weight far more plainly."
+        ),
+    ] = None,
 ) -> None:
     """Load the checkpoint into real megatron-core at a layout and compare logits with HF transformers.
 
@@ -447,6 +455,8 @@ def verify(
             raise BridgeError(f"--seq-len {seq_len} must be a multiple of 2 x --cp = {2 * cp} (the CP split)")
         validate.tolerance(tolerance)
         validate.layout_fits(layout, hf_config)
+        if text is not None:
+            validate.text_with_tokenizer(text, hf_dir)
 
     _check(checks)
 
@@ -461,6 +471,7 @@ def verify(
             batch=batch,
             seq_len=seq_len,
             tolerance=tolerance,
+            text=text,
         )
         if not results:  # a launcher's rank other than 0: rank 0 reports
             return

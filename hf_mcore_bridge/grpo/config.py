@@ -225,7 +225,9 @@ class GRPOSection:
     max_token_mult_prob_error: float | None = None
     """Largest engine-vs-trainer `token_mult_prob_error` allowed, on each step's rollouts and on the probe prompt
     after each refit (1: the two sides' token probabilities agree exactly). None: 1.0001 for `policy.dtype` fp32,
-    1.05 for bf16 and fp16 (NeMo-RL flags values past 1.01-1.02), 1.2 with `generation.precision: fp8`."""
+    1.25 for bf16 and fp16, 1.6 with `generation.precision: fp8`, set from the margins measured on a trained model
+    between a correct refit and wrong ones (`logprob_gate`, `docs/refit-checks.md`). The value is logged every
+    step: NeMo-RL reads a steady climb past 1.01-1.02 as the policy drifting from what the engine computes."""
     on_logprob_mismatch: str = "stop"
     """What a value past `max_token_mult_prob_error` does: `stop` the run (one line naming the step, the value
     and likely causes) or `warn` and go on."""

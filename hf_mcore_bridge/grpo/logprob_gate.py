@@ -9,8 +9,13 @@ This gate is that independent check: the engine then computes a different functi
 log-probs disagree. It applies to every generation backend (the vLLM path's log-probs included) and to the probe
 prompt scored after each refit.
 
-The limit is `grpo.max_token_mult_prob_error`, by default 1.0001 in fp32 and 1.05 in bf16/fp16; with
-`grpo.on_logprob_mismatch: warn` a value past it is reported and the run goes on.
+The limit is `grpo.max_token_mult_prob_error`, by default 1.0001 in fp32, 1.25 in bf16/fp16 and 1.6 with FP8
+rollouts; with `grpo.on_logprob_mismatch: warn` a value past it is reported and the run goes on. The defaults come
+from measurement (`scripts/measure_logprob_gate.py`, the table in `docs/refit-checks.md`): on SmolLM2-135M-Instruct,
+step 1 of a run at temperature 1 gives 1.0000063 / 1.042 / 1.171 (fp32 / bf16 / FP8 rollouts, one H200) with a
+correct refit, and at least 181 / 12.1 / 25.4 with each refit fault of `refit_faults` in one layer (q/k split, two
+query heads of a group, k/v, gate/up). A stale engine copy moves the gate by less than a precision's rounding noise
+(1.08 in bf16): the transfer check catches it instead.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ __all__ = [
     "limit_of",
 ]
 
-DEFAULT_MAX_TOKEN_MULT_PROB_ERROR = {"fp32": 1.0001, "bf16": 1.05, "fp16": 1.05}
-"""`grpo.max_token_mult_prob_error` when unset, by `policy.dtype`: fp32 engine and trainer agree to ~1e-6 on the
-project's models; half precision kernels of the two sides differ by rounding."""
+DEFAULT_MAX_TOKEN_MULT_PROB_ERROR = {"fp32": 1.0001, "bf16": 1.25, "fp16": 1.25}
+"""`grpo.max_token_mult_prob_error` when unset, by `policy.dtype`. fp32: a correct refit measured 1.0000063 on a
+trained model (16x below the limit's excess), the smallest fault 181. bf16: a correct refit 1.038-1.042 (CPU, H200;
+the limit leaves 6x its excess for sampling noise and a policy's drift), the smallest fault 4.0 (CPU) / 12.1 (H200).
+fp16 is not measured and shares bf16's limit (its rounding is finer)."""
 
-FP8_MAX_TOKEN_MULT_PROB_ERROR = 1.2
-"""`grpo.max_token_mult_prob_error` when unset and `generation.precision` is `fp8`: per-block FP8 weights move a
-tiny test model's log-probs by up to ~0.12 (`tests/engine/test_engine_fp8.py`); provisional until measured on the
-GPU models. A wrong conversion still shows: it breaks the function, not its rounding."""
+FP8_MAX_TOKEN_MULT_PROB_ERROR = 1.6
+"""`grpo.max_token_mult_prob_error` when unset and `generation.precision` is `fp8` (a bf16 trainer): a correct refit
+measured 1.171 on a trained model (CPU and H200 alike; the limit leaves 3.5x its excess), the smallest fault 25.4."""
 
 LIKELY_CAUSES = (
     "a wrong weight mapping or refit (q/k/v split, gate/up order, expert order, a stale copy), dtype or kernel"

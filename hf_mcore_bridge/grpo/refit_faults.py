@@ -19,7 +19,7 @@ in head order (every architecture the engine runs, multi-latent attention aside)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,28 +56,37 @@ def swap_query_heads(q: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def inject(
-    stream: Iterable[tuple[str, torch.Tensor]], kind: str, hf_config: Mapping[str, Any], layer: int = 1
+    stream: Iterable[tuple[str, torch.Tensor]], kind: str, hf_config: Mapping[str, Any], layer: int | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`stream` with fault `kind` (one of `FAULTS`) in decoder layer `layer`; every other tensor as it came."""
+    """`stream` with fault `kind` (one of `FAULTS`) in decoder layer `layer` (None: layer 1, or for `experts` the
+    first layer with routed experts); every other tensor as it came. Raises `ValueError` at the stream's end if
+    the fault found nothing to rewrite (a fault that silently did nothing would make a check look good)."""
     if kind not in FAULTS:
         raise ValueError(f"unknown refit fault {kind!r}; known: {', '.join(FAULTS)}")
-    first, second = _pair(kind, layer)
     if kind == "q_heads":
         groups = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
         if hf_config["num_attention_heads"] // groups < 2:
             raise ValueError("q_heads needs at least two query heads per KV group")
-        for name, tensor in stream:
-            yield name, swap_query_heads(tensor, head_dim(hf_config)) if name == first else tensor
-        return
+    rewritten = yield from _rewrite(stream, kind, hf_config, layer)
+    if not rewritten:
+        where = "any layer" if layer is None and kind == "experts" else f"layer {1 if layer is None else layer}"
+        raise ValueError(f"refit fault {kind!r} found no tensor to rewrite in {where}")
+
+
+def _rewrite(
+    stream: Iterable[tuple[str, torch.Tensor]], kind: str, hf_config: Mapping[str, Any], layer: int | None
+) -> Generator[tuple[str, torch.Tensor], None, int]:
+    """The rewritten stream; returns how many tensors were rewritten."""
     if kind == "experts":
+        return (yield from _swap_experts(stream, layer))
+    first, second = _pair(kind, 1 if layer is None else layer)
+    if kind == "q_heads":
+        count = 0
         for name, tensor in stream:
-            if name.startswith(first):
-                yield name.replace(first, second), tensor
-            elif name.startswith(second):
-                yield name.replace(second, first), tensor
-            else:
-                yield name, tensor
-        return
+            if name == first:
+                tensor, count = swap_query_heads(tensor, head_dim(hf_config)), count + 1
+            yield name, tensor
+        return count
     held: dict[str, torch.Tensor] = {}
     for name, tensor in stream:
         if name not in (first, second):
@@ -94,3 +103,22 @@ def inject(
         else:
             yield first, b
             yield second, a
+    return len(held) if len(held) == 2 else 0
+
+
+def _swap_experts(
+    stream: Iterable[tuple[str, torch.Tensor]], layer: int | None
+) -> Generator[tuple[str, torch.Tensor], None, int]:
+    """Experts 0 and 1 of `layer` (None: the first layer that has routed experts) exchanged, every tensor of each."""
+    count = 0
+    for name, tensor in stream:
+        if layer is None and ".mlp.experts.0." in name:
+            layer = int(name.split(".")[2])
+        if layer is not None:
+            zero, one = _pair("experts", layer)
+            if name.startswith(zero):
+                name, count = name.replace(zero, one), count + 1
+            elif name.startswith(one):
+                name, count = name.replace(one, zero), count + 1
+        yield name, tensor
+    return count

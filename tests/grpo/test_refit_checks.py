@@ -39,7 +39,7 @@ def _config(dtype: str = "fp32", **grpo: object) -> object:
 
 def test_gate_defaults_by_dtype_and_stops_or_warns_with_one_line() -> None:
     assert limit_of(_config()) == 1.0001
-    assert limit_of(_config("bf16")) == 1.05
+    assert limit_of(_config("bf16")) == 1.25
     assert limit_of(_config(max_token_mult_prob_error=1.02)) == 1.02
     config = _config()
     assert check_logprob_agreement(config, 3, 1.00009, "step's rollouts") is None

@@ -231,6 +231,9 @@ class GRPOSection:
     on_logprob_mismatch: str = "stop"
     """What a value past `max_token_mult_prob_error` does: `stop` the run (one line naming the step, the value
     and likely causes) or `warn` and go on."""
+    check_initial_weights: bool = True
+    """Before step 1 of a run that starts from an HF directory, check that the policy's refit stream gives back
+    every tensor of that directory exactly (`grpo.source_check`: one extra stream and one read of the files)."""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,9 @@ class PreparedRun:
     tokenizer_file: Path
     padded_vocab: int
     log_dir: Path
+    source_hf_dir: Path | None = None
+    """The HF directory the policy was converted from (or, for DTensor, is): the initial refit's reference
+    (`grpo.source_check`); None where the run starts from a Megatron checkpoint."""
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -198,6 +201,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         tokenizer_file=tokenizer_file,
         padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
         log_dir=log_dir,
+        source_hf_dir=hf_dir,
     )
 
 
@@ -218,6 +222,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> 
         tokenizer_file=tokenizer_file,
         padded_vocab=model_cfg.vocab_size,
         log_dir=log_dir,
+        source_hf_dir=hf_dir,
     )
 
 
@@ -805,6 +810,8 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
     # the engine's first weights come from the trainer, through the table and the refit's checks: a wrong
     # conversion shows in the first step's rollouts (the gate below)
     initial = _refit(ctx, policy, first_step - 1)
+    if first_step == 1 and prepared.source_hf_dir is not None and config.grpo.check_initial_weights:
+        initial["initial_weights_checked"] = _check_initial_weights(ctx, policy, prepared.source_hf_dir)
     for step in range(first_step, config.grpo.max_num_steps + 1):
         started = time.perf_counter()
         rollouts, rollout_stats = _generate_rollouts(ctx, step)  # every replica its share, gathered everywhere
@@ -816,7 +823,11 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
         if ctx.logger is not None:
             _log_rollouts(prepared.log_dir, step, rollouts)
             tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-            extra = {"initial_refit_s": initial["refit_s"]} if step == first_step else {}
+            extra = {}
+            if step == first_step:  # the initial refit's time and, where checked, its tensors against the source
+                extra = {"initial_refit_s": initial["refit_s"]} | {
+                    k: v for k, v in initial.items() if k == "initial_weights_checked"
+                }
             ctx.logger.log(
                 step,
                 rollout_stats
@@ -828,6 +839,15 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
     ctx.scorer.close()
     if ctx.logger is not None:
         ctx.logger.close()
+
+
+def _check_initial_weights(ctx: _RankContext, policy: TrainingBackend, hf_dir: Path) -> float:
+    """The policy's full-tensor refit stream against the HF directory it came from (`grpo.source_check`),
+    compared on rank 0, which stops the run on a difference (the world ends with its failing rank); every rank
+    exhausts the stream (it gathers). Returns the tensors compared (on rank 0)."""
+    from hf_mcore_bridge.grpo.source_check import compare_with_source
+
+    return float(compare_with_source(policy.hf_weights(), hf_dir, report=ctx.is_rank0))
 
 
 def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:

@@ -70,9 +70,17 @@ def test_gate_settings_are_validated(grpo: dict[str, object], message: str) -> N
 
 
 def _corrupted_run(
-    root: Path, policy: Path, kind: str, tp: int = 1, pp: int = 1, ep: int = 1, on_mismatch: str = "stop"
+    root: Path,
+    policy: Path,
+    kind: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    on_mismatch: str = "stop",
+    check_initial: bool = False,
 ) -> None:
-    """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`)."""
+    """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`). The initial weights
+    check (`grpo.source_check`) is off unless `check_initial`: it would stop these runs before the gate sees them."""
     from hf_mcore_bridge.grpo.backend import start_world
     from hf_mcore_bridge.grpo.trainer import prepare_run
 
@@ -98,6 +106,7 @@ def _corrupted_run(
                 "num_generations_per_prompt": 4,
                 "max_num_steps": 1,
                 "on_logprob_mismatch": on_mismatch,
+                "check_initial_weights": check_initial,
             },
             "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
             "data": {"task": "repeat_digit"},
@@ -160,6 +169,25 @@ def test_a_corrupted_moe_refit_stops_the_run_at_the_first_step_at_ep2(tmp_path: 
     )
     with pytest.raises(BridgeError, match=ROLLOUTS_GATE):
         _corrupted_run(tmp_path, policy, kind, ep=2)
+
+
+INITIAL_CHECK = r"the initial refit's tensors do not give back the policy's HF checkpoint .*: [26] differ: "
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "ep", "names"), [("qk", 1, "q_proj, k_proj"), ("experts", 2, "experts")])
+def test_the_initial_weights_check_stops_a_corrupted_stream_before_step_1(
+    tmp_path: Path, kind: str, ep: int, names: str
+) -> None:
+    """With `grpo.check_initial_weights` (the default) a stream that does not give back the HF checkpoint stops
+    the run before any rollout: q/k rows exchanged (TP1), two experts exchanged (Qwen3-MoE, EP2)."""
+    moe = {"architecture": "Qwen3MoeForCausalLM", "mlp_only_layers": [1], "router_aux_loss_coef": 0.0}
+    policy = build_tiny_policy(tmp_path / "policy", seed=2, **(moe if ep > 1 else {}))
+    with pytest.raises(BridgeError, match=INITIAL_CHECK) as caught:
+        _corrupted_run(tmp_path, policy, kind, ep=ep, check_initial=True)
+    message = str(caught.value)
+    assert "\n" not in message and all(n.strip() in message for n in names.split(","))
+    assert not (tmp_path / kind / "metrics.jsonl").exists()  # stopped before step 1 logged anything
 
 
 @pytest.mark.slow

@@ -10,13 +10,17 @@ Cost: the per-parameter plan (local parameter, table entry) is built once per mo
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
 events rather than synchronisations (`PhaseTimes`), so the host runs ahead of the device's copies.
 
-Checks, cheap by design: `tensor_checksums` gives every tensor two exact integer sums of its bit pattern (plain
-and position-weighted), batched into a few kernels per batch with no synchronisation. The caller checksums
-every HF tensor as streamed and every tensor as the engine holds it after loading (or after a replay) and
-compares them with one synchronisation (`mismatched`): that catches a lost, truncated, permuted, misplaced or
+Checks, cheap by design: `tensor_checksums` gives every tensor checksums of its bit pattern, batched into a few
+kernels per batch with no synchronisation. The caller checksums, for every HF tensor streamed, the part this
+rank's engine must hold as the trainer's side works it out (`grpo.refit_reference`: cut from the full tensor by
+the table's parallel styles and megatron-core's head / query-group split, or the trainer's own shard in a
+shard-local refit; never by the engine's own slicing, so an engine rank keeping the wrong heads, KV heads or
+vocabulary block shows), and every tensor as the engine holds it after loading (or after a replay), and compares
+them with one synchronisation (`mismatched`): that catches a lost, truncated, permuted, misplaced, mis-sliced or
 stale copy, not a conversion that is wrong the same way on both sides (a swapped q/k split, gate/up or expert
-order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`). `finish_param_gather` first
-completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else shards would be stale.
+order in the table's `to_hf`), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`).
+`finish_param_gather` first completes megatron-core's deferred parameter all-gather (`overlap_param_gather`),
+else shards would be stale.
 
 Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
 models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the

@@ -12,14 +12,17 @@ events rather than synchronisations (`PhaseTimes`), so the host runs ahead of th
 
 Checks, cheap by design: `tensor_checksums` (`refit_checksums`, which defines it) gives every tensor two 64-bit
 columns of a hash that mixes each element's bit pattern with its position (not linear in the elements), read on
-the device with no synchronisation. The caller checksums every HF tensor as streamed and every tensor as the
-engine holds it after loading (or after a replay) and compares them with one synchronisation (`mismatched`). A
-single changed element always shows; the tests also show a permuted, transposed, rolled or stale copy and the
-structured changes that cancel in linear sums (rows of equal sums swapped, [A, B, B, A] -> [B, A, A, B],
+the device with no synchronisation. The caller checksums, for every HF tensor streamed, the part this rank's
+engine must hold as the trainer's side works it out (`grpo.refit_reference`: cut from the full tensor by the
+table's parallel styles and megatron-core's head / query-group split, or the trainer's own shard in a shard-local
+refit; never by the engine's own slicing, so an engine rank keeping the wrong heads, KV heads or vocabulary block
+shows), and every tensor as the engine holds it after loading (or after a replay), and compares them with one
+synchronisation (`mismatched`): a lost, truncated, permuted, misplaced, mis-sliced or stale copy shows, and so do
+the structured changes that cancel in linear sums (rows of equal sums swapped, [A, B, B, A] -> [B, A, A, B],
 +1/-2/+1 ulp, paired sign flips). It cannot see a conversion that is wrong the same way on both sides (a swapped
-q/k split, gate/up or expert order), which only the engine-vs-trainer log-prob gate sees (`grpo.logprob_gate`).
-`finish_param_gather` first completes megatron-core's deferred parameter all-gather (`overlap_param_gather`), else
-shards would be stale.
+q/k split, gate/up or expert order in the table), which the engine-vs-trainer log-prob gate sees
+(`grpo.logprob_gate`). `finish_param_gather` first completes megatron-core's deferred parameter all-gather
+(`overlap_param_gather`), else shards would be stale.
 
 Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
 models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the

@@ -28,9 +28,10 @@ FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same fo
    `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
    step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
 4. refit: the weights are gathered over TP/PP and streamed through the mapping table into every rank's engine
-   (each keeps its part); on every rank, every tensor its engine holds is checksummed against the one streamed
-   (`_check_transfer`), and a fixed probe prompt is scored by the first replica's engine and the trainer and
-   gated the same way (`probe_token_mult_prob_error`);
+   (each keeps its part); on every rank, every tensor its engine holds is checksummed against the part of the
+   streamed tensor the trainer's side says that rank must hold (`refit_reference`, `_check_transfer`), and a
+   fixed probe prompt is scored by the first replica's engine and the trainer and gated the same way
+   (`probe_token_mult_prob_error`);
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
    (`rollouts.jsonl`).
 
@@ -75,7 +76,6 @@ from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches
 from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, generation_tensor_parallel_size
 from hf_mcore_bridge.grpo.generation import (
     build_engine,
-    engine_part,
     engine_replicas,
     engine_tensor_names,
     prompt_share,
@@ -87,6 +87,7 @@ from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
+from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.scoring import ScoreResult
 from hf_mcore_bridge.grpo.stop_tokens import model_assets_dir, with_stop_token_ids
@@ -351,8 +352,13 @@ class _RankContext:
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
         self.engine_dtype = dtypes.FLAGS[config.policy.dtype].torch
-        """The engine's weights' dtype: streamed tensors are checksummed in it."""
+        """The engine's weights' dtype: streamed tensors are checksummed in it (float32 where the table says)."""
         self._set_up()
+        self.refit_reference = EnginePartReference(
+            prepared.model_cfg, *((1, 0) if self.vllm else (self.replicas.tp, self.replicas.tp_rank))
+        )
+        """What this rank's engine must hold of each streamed tensor, from the trainer's side (`refit_reference`;
+        vLLM's tensors are not readable, so nothing is compared with its parts: the streamed tensors stand in)."""
 
     def _set_up(self) -> None:
         from tokenizers import Tokenizer
@@ -679,8 +685,9 @@ def _stream_into_engine(
     ctx: _RankContext, policy: TrainingBackend, sources: list[torch.Tensor] | None, times: PhaseTimes
 ) -> Checksums:
     """One eager refit on this rank: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
-    returns the checksums of every tensor as streamed (the part this rank's engine keeps, in the engine's dtype)
-    and of the `sources` it read."""
+    returns the checksums of every tensor as streamed (the part this rank's engine must hold, cut on the trainer's
+    side by `ctx.refit_reference`, never by the engine's own slicing; in the engine's dtype) and of the `sources`
+    it read."""
     names: list[str] = []
     sums: list[torch.Tensor] = []
     # the engine sharded over the trainer's own TP group: each rank its own shards (no all-gather); else full tensors
@@ -692,9 +699,12 @@ def _stream_into_engine(
             bucket = next(groups, None)
             if bucket is not None:
                 names.extend(name for name, _ in bucket)
-                parts = [engine_part(ctx.engine, name, tensor) for name, tensor in bucket]
-                dtypes = [_engine_dtype(ctx, name) for name, _ in bucket]
-                sums.append(tensor_checksums([part.to(dtype) for part, dtype in zip(parts, dtypes, strict=True)]))
+                reference = ctx.refit_reference
+                parts = [
+                    reference.part(name, tensor, ctx.refit_shard_local).to(reference.dtype(name, ctx.engine_dtype))
+                    for name, tensor in bucket
+                ]
+                sums.append(tensor_checksums(parts))
         if bucket is None:
             break
         with times.phase("load"):
@@ -706,20 +716,17 @@ def _stream_into_engine(
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
 
 
-def _engine_dtype(ctx: _RankContext, name: str) -> torch.dtype:
-    """The dtype the engine holds an HF tensor in: the policy's, or float32 for tensors kept so (the routers'
-    expert score biases), where the engine says."""
-    held = readable_tensor(ctx.engine, name)
-    return ctx.engine_dtype if held is None else held.dtype
-
-
 def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:
     """Transfer integrity (on every rank, of its own engine), after every refit, eager or replayed: every HF tensor of
     the table was streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine)
-    has the checksum of the tensor streamed to it; and the trainer tensors a recordable refit read have the checksums
-    they have now (a replay that read stale storage). Raises `BridgeError` (one line); returns the number of engine
-    tensors compared. Catches lost, duplicated, truncated, permuted, stale or misplaced copies; NOT a conversion that is
-    wrong the same way on both sides (a swapped q/k split, gate/up or expert order): that is the log-prob gate's job
+    has the checksum of the part of the streamed tensor this engine rank must hold, as the trainer's side works it out
+    (`refit_reference`: from the full tensor by the mapping table's parallel styles and megatron-core's head and
+    query-group split, or the trainer's own shard in a shard-local refit; never through the engine's own slicing); and
+    the trainer tensors a recordable refit read have the checksums they have now (a replay that read stale storage).
+    Raises `BridgeError` (one line); returns the number of engine tensors compared. Catches lost, duplicated,
+    truncated, permuted, stale or misplaced copies, and an engine rank that keeps the wrong part (a shifted head, a KV
+    head on the wrong rank, a wrong vocabulary block); NOT a conversion that is wrong the same way on both sides (a
+    swapped q/k split, gate/up or expert order in the table's `to_hf`): that is the log-prob gate's job
     (`logprob_gate`)."""
     names = list(sent.names)
     streamed = set(names)

@@ -2,12 +2,14 @@
 deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
 
 Corruptions touch the refit's stream only (`refit._local_hf_weights` and `refit.shard_local_hf_weights`, after the
-mapping table's `to_hf`), its recording, or one rank's engine copy right after loading (`rank1_copy`); the
-trainer's model, its checkpoint and the engine's code are untouched.
+mapping table's `to_hf`), its recording, one rank's engine copy right after loading (`rank1_copy`), or the engine's
+own slicing (`engine_head_shift`, `engine_kv_wrong_rank`: `shifted_head_shard`, `kv_on_wrong_rank`, also used
+in-process by `test_refit_reference.py`); the trainer's model and its checkpoint are untouched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,14 +88,53 @@ class _StaleSources:
         pass
 
 
+def shifted_head_shard(original: Any) -> Any:
+    """The engine's `head_shard` with every rank's block of query heads shifted by one head (rank 0's forward, the
+    others' back, so each stays inside the tensor): a wrong head split, the same in the engine's load and in its
+    `Target.shard`. Every rank is wrong, so each fails its own check (none waits on a collective a failed one left)."""
+
+    def head_shard(num_heads: int, head_dim: int, tp: Any, dim: int = 0) -> Any:
+        shard = original(num_heads, head_dim, tp, dim)
+        return dataclasses.replace(shard, start=shard.start + (head_dim if tp.rank == 0 else -head_dim))
+
+    return head_shard
+
+
+def kv_on_wrong_rank(original: Any) -> Any:
+    """The engine's `kv_shard` giving every rank the KV heads of the rank half the group away (at TP2 the two
+    ranks' KV groups exchanged; at TP4 with two KV heads, ranks 0 and 1 given head 1 and ranks 2 and 3 head 0):
+    KV groups replicated to the wrong ranks."""
+    from hf_mcore_bridge.engine.tp_shards import TPRank
+
+    def kv_shard(num_kv_heads: int, head_dim: int, tp: Any) -> Any:
+        return original(num_kv_heads, head_dim, TPRank(tp.size, (tp.rank + tp.size // 2) % tp.size))
+
+    return kv_shard
+
+
+ENGINE_SLICING = {
+    "engine_head_shift": ("head_shard", shifted_head_shard),
+    "engine_kv_wrong_rank": ("kv_shard", kv_on_wrong_rank),
+}
+"""Corruption kind -> (the engine model's slicing function replaced, its replacement's factory)."""
+
+
 def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     """`trainer._train_rank` with the refit broken as `kind` says: `qk`, `gate_up`, `experts` (the stream; joined
     by `+` for several), `later_...` (the same from the second refit on: the first step's rollouts are sound),
     `stale_engine`, `stale_sources` (the recording), `vllm_qk` (`qk` behind a vLLM engine replaced by the
-    embedded one, whose tensors `readable_tensor` cannot read)."""
+    embedded one, whose tensors `readable_tensor` cannot read), `engine_head_shift`, `engine_kv_wrong_rank` (the
+    engine's own slicing, `ENGINE_SLICING`; the stream is sound)."""
     import hf_mcore_bridge.engine
+    from hf_mcore_bridge.engine import model as engine_model
     from hf_mcore_bridge.grpo import backend, refit, trainer
     from hf_mcore_bridge.grpo.refit_replay import RefitReplay
+
+    if kind in ENGINE_SLICING:
+        function, mutated = ENGINE_SLICING[kind]
+        setattr(engine_model, function, mutated(getattr(engine_model, function)))
+        trainer._train_rank(config, prepared)
+        return
 
     kinds = set(kind.removeprefix("vllm_").removeprefix("later_").split("+"))
     refits = [0]
@@ -245,8 +286,9 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
 
 def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     """TP2, random megatron-core weights per architecture: the shard-local stream (each rank's own shards through
-    the table) against the engine's own slices (`tp_shards`) of the gathered full tensors, and an engine loaded
-    from it with `parts=True`. Rank 0 saves, per directory, the comparison's counts."""
+    the table) against the engine's own slices (`tp_shards`) of the gathered full tensors and against the refit
+    check's reference cut on the trainer's side (`refit_reference`), and an engine loaded from it with
+    `parts=True`. Rank 0 saves, per directory, the comparison's counts."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -255,6 +297,7 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     from hf_mcore_bridge.engine import Engine, EngineConfig
     from hf_mcore_bridge.grpo.generation import engine_part
     from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
+    from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
     from hf_mcore_bridge.mappings import get_architecture
     from hf_mcore_bridge.megatron.model import build_gpt_model
 
@@ -272,12 +315,21 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
         engine = Engine(hf_config, config, tp_group=parallel_state.get_tensor_model_parallel_group())
         wanted = {name: engine_part(engine, name, tensor) for name, tensor in full.items()}
         equal = [torch.equal(engine_part(engine, name, part), wanted[name]) for name, part in parts]
+        reference = EnginePartReference(model_cfg, 2, parallel_state.get_tensor_model_parallel_rank())
+        # megatron-core's own TP2 shards (in HF terms) against the reference cut from the gathered tensors, summed
+        # over both ranks
+        split = [(name, part) for name, part in parts if part.shape != full[name].shape]
+        same = sum(torch.equal(reference.part(name, full[name]), part) for name, part in split)
+        cut = torch.tensor([same, len(split)])
+        dist.all_reduce(cut)
         whole = sorted(name for name, part in parts if part.shape == full[name].shape)
         engine.load_weights(parts, parts=True)
         held = [torch.equal(engine.model.hf_view(name), wanted[name]) for name in engine.model.targets]
         results[Path(directory).name] = {
             "same_names": [n for n, _ in parts] == list(full),
             "equal": sum(equal),
+            "reference_equal": int(cut[0]),
+            "reference_count": int(cut[1]),
             "count": len(parts),
             "whole": whole,
             "names": sorted(full),

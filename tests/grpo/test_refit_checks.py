@@ -10,7 +10,10 @@ a q/k row swap in one layer (TP1, PP2), gate/up swapped (TP2), two experts excha
 replay (TP1: recorded refits exist only where the stream takes no collective; a stand-in recorder, since a CPU
 cannot capture CUDA graphs) and the vLLM path (vLLM's engine replaced by the embedded one, which is not readable
 through `readable_tensor`, so only the gate can see it); a corruption from the second refit on is caught by the
-probe prompt's gate. That uncorrupted runs pass the gate at its fp32 default is shown by `test_layouts.py` (TP1,
+probe prompt's gate. With the stream sound, the engine's own slicing mutated at engine TP2 (a query head shifted,
+KV groups on the wrong ranks) stops the run at its initial refit: the transfer check's reference is cut on the
+trainer's side (`refit_reference`; its fast tests, and every tensor corrupted in turn: `test_refit_reference.py`).
+That uncorrupted runs pass the gate at its fp32 default is shown by `test_layouts.py` (TP1,
 TP2, PP2, DP2, EP2 runs with the gate on). The DP2 test shows the stream stale under megatron-core's deferred
 parameter all-gather and fresh after `finish_param_gather`, against post-step weights set by the test itself.
 """
@@ -78,9 +81,11 @@ def _corrupted_run(
     ep: int = 1,
     on_mismatch: str = "stop",
     check_initial: bool = False,
+    engine_tp: int | None = None,
 ) -> None:
-    """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`). The initial weights
-    check (`grpo.source_check`) is off unless `check_initial`: it would stop these runs before the gate sees them."""
+    """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`); `engine_tp`:
+    `generation.tensor_parallel_size` (None: the trainer's TP). The initial weights check (`grpo.source_check`) is
+    off unless `check_initial`: it would stop these runs before the gate sees them."""
     from hf_mcore_bridge.grpo.backend import start_world
     from hf_mcore_bridge.grpo.trainer import prepare_run
 
@@ -108,7 +113,12 @@ def _corrupted_run(
                 "on_logprob_mismatch": on_mismatch,
                 "check_initial_weights": check_initial,
             },
-            "generation": {"max_new_tokens": 3, "stop_token_ids": [0], "max_model_len": 64},
+            "generation": {
+                "max_new_tokens": 3,
+                "stop_token_ids": [0],
+                "max_model_len": 64,
+                "tensor_parallel_size": engine_tp,
+            },
             "data": {"task": "repeat_digit"},
             "logger": {"log_dir": str(root / kind), "print_progress": False},
         }
@@ -153,6 +163,39 @@ def test_a_corrupted_refit_stops_the_run_at_the_first_step(
     policy = build_tiny_policy(tmp_path / "policy")
     with pytest.raises(BridgeError, match=message) as caught:
         _corrupted_run(tmp_path, policy, kind, **layout)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        ("engine_head_shift", "for 2: model.layers.0.self_attn.q_proj.weight, model.layers.1.self_attn.q_proj.weight"),
+        (
+            "engine_kv_wrong_rank",
+            "for 4: model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight, "
+            "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight",
+        ),
+    ],
+    ids=["query-head-shifted", "kv-group-on-the-wrong-rank"],
+)
+def test_a_mutated_engine_slicing_stops_the_run_at_the_first_step_at_engine_tp2(
+    tmp_path: Path, kind: str, named: str
+) -> None:
+    """Issue 27, requirement 4: a PP2 trainer with one TP2 engine over both ranks (full tensors, each rank keeping
+    its part), the engine's own slicing mutated (`refit_ranks.shifted_head_shard`: each rank's query heads shifted
+    by one head; `kv_on_wrong_rank`: the ranks' KV groups exchanged) while the stream is sound. The transfer check's
+    reference is cut on the trainer's side (`refit_reference`), so the initial refit fails (on whichever rank is
+    reported first: both fail their own check) naming exactly those tensors, before any rollout. The same layout
+    unmutated passes every check for two steps (`test_engine_layouts.py`, `pp2_engine_tp2`); in-process checks of
+    both mutations on every rank, and of KV heads replicated over TP4 onto the wrong ranks: `test_refit_reference.py`.
+    """
+    policy = build_tiny_policy(tmp_path / "policy")
+    message = (
+        rf"the initial refit \(rank [01]\) failed its check: the engine's tensor differs from the one streamed {named}$"
+    )
+    with pytest.raises(BridgeError, match=message) as caught:
+        _corrupted_run(tmp_path, policy, kind, pp=2, engine_tp=2)
     assert "\n" not in str(caught.value)
 
 

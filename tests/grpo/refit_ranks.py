@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 
-QK = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
-GATE_UP = ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
 DOWN = "model.layers.1.mlp.down_proj.weight"
-EXPERTS = ("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.1.")
 
 
 def varied_reward(completion: str, answer: str) -> float:
@@ -28,29 +25,16 @@ def varied_reward(completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 5)
 
 
-def _swap_qk_rows(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q's first rows and k exchanged (a QKV split that takes k's rows for q's and q's for k's)."""
-    rows = k.shape[0]
-    return torch.cat([k, q[rows:]]), q[:rows].clone()
+def _corrupt(
+    stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str], hf_config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each fault of `kinds` (`grpo.refit_faults`: q/k and gate/up in layer 1, experts in the first
+    MoE layer)."""
+    from hf_mcore_bridge.grpo.refit_faults import inject
 
-
-def _corrupt(stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    held: dict[str, torch.Tensor] = {}
-    for name, tensor in stream:
-        if "qk" in kinds and name in QK:
-            held[name] = tensor
-            if len(held) == 2:
-                q, k = _swap_qk_rows(held[QK[0]], held[QK[1]])
-                yield from ((QK[0], q), (QK[1], k))
-            continue
-        if "gate_up" in kinds and name in GATE_UP:
-            yield GATE_UP[1 - GATE_UP.index(name)], tensor  # gate's tensor under up's name and back
-            continue
-        if "experts" in kinds and name.startswith(EXPERTS):
-            first = name.startswith(EXPERTS[0])
-            yield name.replace(*(EXPERTS if first else EXPERTS[::-1])), tensor
-            continue
-        yield name, tensor
+    for kind in sorted(kinds):
+        stream = inject(stream, kind, hf_config)
+    return stream
 
 
 def _recordable(monkeypatch_target: Any) -> None:
@@ -143,7 +127,7 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
         def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
             refits[0] += 1
             later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
-            return original(*args) if later else _corrupt(original(*args), kinds)
+            return original(*args) if later else _corrupt(original(*args), kinds, prepared.hf_config)
 
         return corrupted
 

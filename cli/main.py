@@ -3,10 +3,12 @@
 Every sub-command first checks all its options cheaply (`cli/validate.py`: paths, numbers, sizes, the layout
 against the model's config.json), then imports the library (torch, transformers, megatron-core) and calls one
 function. Exit status: 0 success, 1 a verification that failed (`FAIL ...`) or an unexpected error ("internal
-error", `--debug` shows the traceback), 2 bad input or environment (one line, `error: ...`), 130 interrupted.
+error", `--debug` shows the traceback), 2 bad input or environment (one line, `error: ...`), 130 interrupted
+(SIGINT), 143 terminated (SIGTERM) while a command that writes an output (`convert`, `export`, `demo`) ran: from
+its start, not only once its output directory exists, so that it always ends with its cleanup and one line.
 
-Only light modules (typer, the standard library, `hf_mcore_bridge.errors` / `.layout`) are imported at the top
-so that a mistyped path is reported in a fraction of a second.
+Only light modules (typer, the standard library, `hf_mcore_bridge.errors` / `.layout` / `.checkpoint.atomic`) are
+imported at the top so that a mistyped path is reported in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from typer.core import TyperGroup
 
+from hf_mcore_bridge.checkpoint.atomic import sigterm_interrupts
 from hf_mcore_bridge.cli import validate
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.errors import BridgeError, RunStopped
+from hf_mcore_bridge.errors import BridgeError, RunStopped, WorldError
 
 # Let torch's CPU allocator back large tensors with transparent huge pages: conversion allocates one fresh
 # tensor per chunk, and faulting in 4 KiB pages otherwise costs more than copying the bytes. Set before torch loads.
@@ -155,9 +158,12 @@ def _quiet_libraries() -> None:
 
 
 def _fail(err: BridgeError) -> NoReturn:
-    """Report bad input as one line and exit 2 (with --debug: the traceback)."""
+    """Report bad input as one line and exit 2 (with --debug: the traceback). An error every rank of a launcher's
+    world raised alike is reported by the rank it says reports it (global rank 0); the others exit 2 silently."""
     if _state["debug"]:
         raise err
+    if isinstance(err, WorldError) and not err.reports:
+        raise typer.Exit(2)
     typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2) from None
 
@@ -170,10 +176,14 @@ def _check(checks: Callable[[], T]) -> T:
         _fail(err)
 
 
-def _run(action: Callable[[], T]) -> T:
-    """Run a command body: one-line errors for bad input, tracebacks only with --debug."""
+def _run(action: Callable[[], T], *, writes: bool = False) -> T:
+    """Run a command body: one-line errors for bad input, tracebacks only with --debug. `writes`: the command writes
+    an output, and SIGTERM stops it as Ctrl-C does (cleanup, one line, exit status 143) from here on."""
     _quiet_libraries()
     try:
+        if writes:
+            with sigterm_interrupts():
+                return action()
         return action()
     except (typer.Exit, typer.Abort):
         raise  # a deliberate exit status (verify's FAIL is 1), not an error
@@ -403,7 +413,7 @@ def convert(
             typer.echo(f"note: {note}", err=True)
         _state["skip_teardown"] = True  # the output is complete and every file it wrote is closed
 
-    _run(action)
+    _run(action, writes=True)
 
 
 VERIFY_EXAMPLES = """Examples:
@@ -449,6 +459,7 @@ def verify(
         hf_config = validate.hf_model_dir(hf_dir, "HF directory")
         validate.existing_dir(mcore_dir, "Megatron checkpoint")
         validate.at_least("--seq-len", seq_len, 1)
+        validate.seq_len_fits(seq_len, hf_config, hf_dir / "config.json")
         validate.at_least("--batch", batch, 1)
         validate.at_least("--cp", cp, 1)
         if seq_len % (2 * cp):
@@ -568,14 +579,17 @@ def train_grpo_command(
 
     def action() -> None:
         from hf_mcore_bridge.grpo.config import load_config
-        from hf_mcore_bridge.grpo.trainer import train_grpo
-        from hf_mcore_bridge.megatron.world import reports_here
 
+        # validated before the training stack (torch, megatron-core, transformers) is imported: a mistake in the
+        # config is reported in a fraction of a second
         run_config = load_config(config, overrides or [])
         validate.grpo_paths(run_config.policy.model_path, run_config.policy.tokenizer)
         if dry_run:
             _print_preview(run_config)
             return
+        from hf_mcore_bridge.grpo.trainer import train_grpo
+        from hf_mcore_bridge.megatron.world import reports_here
+
         result = train_grpo(run_config)
         if not reports_here():  # a launcher's rank other than 0: rank 0 reports
             return
@@ -651,7 +665,7 @@ def export(
         )
         typer.echo(f"wrote {result.destination}" + (f"; uploaded: {result.repo_url}" if result.repo_url else ""))
 
-    _run(action)
+    _run(action, writes=True)
 
 
 DEMO_EXAMPLES = """Examples:
@@ -689,7 +703,7 @@ def demo(
         for line in run_demo(workdir, tp=tp, pp=pp, overwrite=overwrite, overwrite_foreign=overwrite_foreign):
             typer.echo(line)
 
-    _run(action)
+    _run(action, writes=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ well under a second, before torch, transformers or megatron-core load and before
 are deliberately cheap (stat calls and a `config.json` read as plain JSON); the library repeats the thorough ones
 (tensor shapes, the full model config) when it runs.
 
-Assumes: only the standard library plus `hf_mcore_bridge.errors` / `hf_mcore_bridge.convert.layout` (both
-torch-free) and, for `--max-shard-size`, huggingface_hub's size parser are imported here; anything heavier would
-defeat the point.
+Paths are looked up with `checkpoint.paths`, so a symlink loop or a name longer than the file system takes is
+named as such rather than passing for a missing path (or escaping as an OSError).
+
+Assumes: only the standard library plus `hf_mcore_bridge.errors`, `.checkpoint.paths` / `.destination` and
+`.convert.layout` (all torch-free) and, for `--max-shard-size`, huggingface_hub's size parser are imported here;
+anything heavier would defeat the point.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from hf_mcore_bridge.checkpoint.destination import check_name_length
+from hf_mcore_bridge.checkpoint.paths import lookup
 from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
 from hf_mcore_bridge.errors import BridgeError
 
@@ -26,9 +32,10 @@ SIZE_HINT = "a byte count or a number with KB, MB, GB or TB (e.g. 500MB, 5GB)"
 
 def existing_dir(path: Path, what: str) -> Path:
     """`path` must be an existing directory; `what` names it in the message ("source", "--tokenizer")."""
-    if not path.exists():
+    found = lookup(path, what)
+    if found is None:
         raise BridgeError(f"{what}: no such directory: {path}")
-    if not path.is_dir():
+    if not stat.S_ISDIR(found.st_mode):
         raise BridgeError(f"{what}: {path} is not a directory")
     return path
 
@@ -41,7 +48,7 @@ of them holds no tokenizer."""
 def tokenizer_dir(path: Path) -> Path:
     """`--tokenizer`: an existing directory holding a tokenizer (not one whose files would be silently missing)."""
     existing_dir(path, "--tokenizer")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not any(_is_file(path / name, "--tokenizer") for name in TOKENIZER_FILES):
         raise BridgeError(f"--tokenizer: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
     return path
 
@@ -56,11 +63,17 @@ def text_with_tokenizer(text: str, hf_dir: Path) -> None:
 
 def existing_file(path: Path, what: str) -> Path:
     """`path` must be an existing regular file."""
-    if not path.exists():
+    found = lookup(path, what)
+    if found is None:
         raise BridgeError(f"{what}: no such file: {path}")
-    if not path.is_file():
+    if not stat.S_ISREG(found.st_mode):
         raise BridgeError(f"{what}: {path} is not a file")
     return path
+
+
+def _is_file(path: Path, what: str) -> bool:
+    found = lookup(path, what)
+    return found is not None and stat.S_ISREG(found.st_mode)
 
 
 def hf_model_dir(path: Path, what: str) -> dict[str, Any]:
@@ -71,7 +84,7 @@ def hf_model_dir(path: Path, what: str) -> dict[str, Any]:
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
     """A JSON file holding an object (an HF `config.json`)."""
-    if not path.is_file():
+    if not _is_file(path, what):
         raise BridgeError(f"{what}: {path} does not exist (not an HF model directory?)")
     try:
         data = json.loads(path.read_text())
@@ -84,10 +97,11 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
 
 def hf_config_option(path: Path) -> dict[str, Any]:
     """`--hf-config`: a config.json file or a directory holding one."""
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.exists():
+    found = lookup(path, "--hf-config")
+    if found is None:
         raise BridgeError(f"--hf-config: no such file or directory: {path}")
+    if stat.S_ISDIR(found.st_mode):
+        path = path / "config.json"
     return read_json_object(path, "--hf-config")
 
 
@@ -104,6 +118,15 @@ def at_least(option: str, value: int | None, minimum: int) -> None:
     """An integer option (None: not given) must be >= `minimum`."""
     if value is not None and value < minimum:
         raise BridgeError(f"{option}={value} must be at least {minimum}")
+
+
+def seq_len_fits(seq_len: int, hf_config: dict[str, Any], config_path: Path) -> None:
+    """`verify --seq-len` must not exceed the model's `max_position_embeddings` (where the config states one)."""
+    limit = hf_config.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+        raise BridgeError(
+            f"--seq-len {seq_len} is longer than the model's max_position_embeddings={limit} ({config_path})"
+        )
 
 
 def tolerance(value: float | None) -> None:
@@ -131,18 +154,21 @@ def shard_size(text: str) -> int:
 
 
 def writable_destination(destination: Path) -> None:
-    """The destination must be a directory (or absent) whose nearest existing ancestor we may create files in.
+    """The destination must be a directory (or absent) whose nearest existing ancestor we may create files in, and
+    its name must leave room for the hidden sibling the output is built in (`check_name_length`).
 
     `os.access` reports a read-only mount for every user, root included; plain permission bits are ignored for root,
     which is what the kernel does too.
     """
-    if destination.exists() and not destination.is_dir():
+    found = lookup(destination, "destination")
+    if found is not None and not stat.S_ISDIR(found.st_mode):
         raise BridgeError(f"destination {destination} exists and is not a directory")
     parent = destination.absolute().parent
-    while not parent.exists():
+    while (parent_found := lookup(parent, "destination")) is None:
         parent = parent.parent
-    if not parent.is_dir():
+    if not stat.S_ISDIR(parent_found.st_mode):
         raise BridgeError(f"destination {destination}: {parent} is not a directory")
+    check_name_length(destination.absolute(), destination)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise BridgeError(f"destination {destination}: cannot write in {parent} (read-only or no permission)")
 
@@ -158,6 +184,7 @@ def grpo_paths(model_path: str, tokenizer: str | None) -> None:
     existing_dir(Path(model_path), "policy.model_path")
     if tokenizer is not None:
         path = Path(tokenizer)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
+        found = lookup(path, "policy.tokenizer")
+        file = path / "tokenizer.json" if found is not None and stat.S_ISDIR(found.st_mode) else path
+        if not _is_file(file, "policy.tokenizer"):
             raise BridgeError(f"policy.tokenizer: no such file: {file}")

@@ -22,6 +22,17 @@ class CheckpointError(BridgeError):
     """A checkpoint that is missing, incomplete, corrupt or inconsistent with its config."""
 
 
+class WorldError(BridgeError):
+    """An error every rank of a launcher's world (`torchrun`) meets alike: a world of another size than the config
+    lays out, rank 0's failure to prepare the run. `reports` is true on the rank that reports it (global rank 0, or
+    the one process when ranks are spawned): the others exit with the same status and say nothing, so the user
+    reads it once, not once per rank."""
+
+    def __init__(self, message: str, *, reports: bool) -> None:
+        super().__init__(message)
+        self.reports = reports
+
+
 class RunStopped(BaseException):
     """A run stopped by a signal (SIGINT, SIGTERM) after its ranks were stopped. A `BaseException`, like
     `KeyboardInterrupt`, so that `except Exception` does not swallow it; the CLI prints `str()` and exits with

@@ -2,9 +2,12 @@
 one `error:` line matching its message, and leaves the sources and the destination byte-for-byte as they were.
 
 Cases are table rows (id, argv, exit status, message regex); `{W}` in an argv stands for the shared workspace,
-which holds a tiny Llama HF directory, a Megatron checkpoint converted from it, and damaged inputs. The whole
-workspace is snapshotted before and after each case (see `tree_snapshot.py`), so a staging directory or a log
-directory left behind fails the case as well.
+which holds a tiny Llama HF directory, a Megatron checkpoint converted from it, and damaged inputs: symlink loops,
+an index whose shards link to each other, names longer than the file system takes (built in the argv), corrupt and
+truncated safetensors, a pickle naming `os.system`, a legacy checkpoint missing a rank directory, a chat template
+that does not parse. The whole workspace is snapshotted before and after each case (see `tree_snapshot.py`), so a
+staging directory or a log directory left behind fails the case as well (and so would the file the pickle's
+payload creates if it ran).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 runner = CliRunner()
 
 Case = tuple[str, list[str], int, str]
+LOOP = "cannot be followed: symlinks in it form a loop"
+TOO_LONG = r"holds a name of 3\d\d bytes; the file system takes at most 255"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,71 @@ def workspace(tiny_models, tmp_path_factory) -> Path:
         "logger": {"log_dir": str(root / "runs"), "tensorboard": False},
     }
     (root / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
+    _damaged_inputs(root)
     return root
+
+
+LONG = "x" * 300
+"""A file name longer than any Linux file system takes (NAME_MAX is 255 bytes)."""
+STAGING_TOO_LONG = "z" * 250
+"""A name the file system takes, but `.NAME.partial-XXXXXXXX` (the staging sibling) it does not."""
+
+
+def _damaged_inputs(root: Path) -> None:
+    """Inputs a path lookup, a reader or a template parser refuses, built here (nothing is downloaded)."""
+    from safetensors import safe_open
+
+    from hf_mcore_bridge.grpo.tiny_chat import build_chat_tokenizer
+
+    (root / "loop_a").symlink_to("loop_b")  # two links leading to each other
+    (root / "loop_b").symlink_to("loop_a")
+    (root / "self_link").symlink_to("self_link")
+    with safe_open(str(root / "llama" / "model.safetensors"), framework="numpy") as handle:
+        names = list(handle.keys())
+    for name, shard in (("index_loop", "a.safetensors"), ("index_long", f"{LONG}.safetensors")):
+        (root / name).mkdir()
+        shutil.copy(root / "llama" / "config.json", root / name)
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, shard)}
+        (root / name / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "index_loop" / "a.safetensors").symlink_to("b.safetensors")
+    (root / "index_loop" / "b.safetensors").symlink_to("a.safetensors")
+    weights = (root / "llama" / "model.safetensors").read_bytes()
+    for name, data in (
+        ("corrupt_hf", b"\x13\x00\x00\x00\x00\x00\x00\x00not json at all...."),
+        ("truncated_hf", weights[:-100]),
+    ):
+        shutil.copytree(root / "llama", root / name)
+        (root / name / "model.safetensors").write_bytes(data)
+    _pickle_that_runs_code(root / "pickle_evil", root / "pickle_ran")
+    legacy = root / "legacy_missing_rank"
+    convert_hf_to_mcore(
+        root / "llama", legacy, layout=Layout(tp=2, pp=2), checkpoint_format="torch", show_progress=False
+    )
+    shutil.rmtree(legacy / "release" / "mp_rank_01_001")
+    chat = Path(shutil.copytree(root / "llama", root / "chat_bad"))
+    build_chat_tokenizer(chat)
+    tokenizer_config = json.loads((chat / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{% for m in messages %}{{ m.content }"  # the `}}` is missing
+    (chat / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+class _RunsCode:
+    """Pickles as a call of `os.system` (what a malicious `.bin` holds)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple:
+        return os.system, (self.command,)
+
+
+def _pickle_that_runs_code(directory: Path, witness: Path) -> None:
+    """An HF directory whose `pytorch_model.bin` would create `witness` if its pickle were run."""
+    import torch
+
+    directory.mkdir()
+    shutil.copy(directory.parent / "llama" / "config.json", directory)
+    torch.save({"model.embed_tokens.weight": _RunsCode(f"touch {witness}")}, directory / "pytorch_model.bin")
 
 
 def _argv(template: list[str], workspace: Path) -> list[str]:
@@ -126,6 +195,39 @@ CONVERT_TO_MCORE: list[Case] = [
         2,
         r"--fp8-scale-format applies to --to hf only, not to --to mcore$",
     ),
+    ("destination-symlink-loop", [*TO_MCORE, "{W}/llama", "{W}/loop_a"], 2, rf"destination: {{W}}/loop_a {LOOP}$"),
+    ("destination-links-to-itself", [*TO_MCORE, "{W}/llama", "{W}/self_link"], 2, rf"{{W}}/self_link {LOOP}$"),
+    ("destination-inside-a-symlink-loop", [*TO_MCORE, "{W}/llama", "{W}/loop_a/out"], 2, rf"loop_a/out {LOOP}$"),
+    ("source-symlink-loop", [*TO_MCORE, "{W}/loop_b", "{W}/out"], 2, rf"source: {{W}}/loop_b {LOOP}$"),
+    ("destination-name-too-long", [*TO_MCORE, "{W}/llama", f"{{W}}/{LONG}"], 2, rf"destination: .* {TOO_LONG}$"),
+    ("destination-under-a-long-name", [*TO_MCORE, "{W}/llama", f"{{W}}/{LONG}/out"], 2, rf"destination: .*{TOO_LONG}"),
+    ("source-name-too-long", [*TO_MCORE, f"{{W}}/{LONG}", "{W}/out"], 2, rf"source: {{W}}/x+ {TOO_LONG}$"),
+    (
+        "destination-name-leaves-no-room-for-the-staging-sibling",
+        [*TO_MCORE, "{W}/llama", f"{{W}}/{STAGING_TOO_LONG}"],
+        2,
+        r"its name is 250 bytes long, but the output is built in a hidden sibling named \.NAME\.partial-XXXXXXXX,"
+        r" which the file system takes only for names of at most 237 bytes$",
+    ),
+    (
+        "index-shards-in-a-symlink-loop",
+        [*TO_MCORE, "{W}/index_loop", "{W}/out"],
+        2,
+        rf"model\.safetensors\.index\.json names shard a\.safetensors, which {LOOP}$",
+    ),
+    (
+        "index-shard-name-too-long",
+        [*TO_MCORE, "{W}/index_long", "{W}/out"],
+        2,
+        r"names shard x+\.safetensors, which holds a name of 312 bytes; the file system takes at most 255$",
+    ),
+    (
+        "pickle-naming-a-forbidden-global",
+        [*TO_MCORE, "--allow-pickle", "{W}/pickle_evil", "{W}/out"],
+        2,
+        r"pickle_evil/pytorch_model\.bin refers to posix\.system, which a weights-only load does not import or"
+        r" call \(a pickle can run code\); it was not loaded$",
+    ),
 ]
 
 TO_HF = ["convert", "--to", "hf", "--no-progress"]
@@ -175,6 +277,15 @@ CONVERT_TO_HF: list[Case] = [
         r"--fp8-scale-format applies with --fp8-blockwise only$",
     ),
     ("format-with-to-hf", [*TO_HF, "--format", "torch", "{W}/mcore", "{W}/out"], 2, r"--format applies to --to mcore"),
+    ("destination-symlink-loop", [*TO_HF, "{W}/mcore", "{W}/loop_a"], 2, rf"destination: {{W}}/loop_a {LOOP}$"),
+    ("source-name-too-long", [*TO_HF, f"{{W}}/{LONG}", "{W}/out"], 2, rf"source: {{W}}/x+ {TOO_LONG}$"),
+    (
+        "legacy-rank-directory-missing",
+        [*TO_HF, "{W}/legacy_missing_rank", "{W}/out"],
+        2,
+        r"legacy rank directory {W}/legacy_missing_rank/release/mp_rank_01_001 is missing: a checkpoint saved at"
+        r" tp=2 pp=2 has one per rank, each holding model_optim_rng\.pt$",
+    ),
 ]
 
 VERIFY: list[Case] = [
@@ -193,12 +304,43 @@ VERIFY: list[Case] = [
     ("pp-3", ["verify", "{W}/llama", "{W}/mcore", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),
     ("ep-on-dense", ["verify", "{W}/llama", "{W}/mcore", "--ep", "2"], 2, r"needs a mixture-of-experts model"),
     ("dtype-unknown", ["verify", "{W}/llama", "{W}/mcore", "--dtype", "int8"], 2, r"Invalid value for '--dtype'"),
+    ("hf-dir-symlink-loop", ["verify", "{W}/loop_a", "{W}/mcore"], 2, rf"HF directory: {{W}}/loop_a {LOOP}$"),
+    ("mcore-name-too-long", ["verify", "{W}/llama", f"{{W}}/{LONG}"], 2, rf"Megatron checkpoint: .* {TOO_LONG}$"),
+    (
+        "seq-len-beyond-max-positions",
+        ["verify", "{W}/llama", "{W}/mcore", "--seq-len", "16386"],
+        2,
+        r"--seq-len 16386 is longer than the model's max_position_embeddings=16384 \({W}/llama/config\.json\)$",
+    ),
+    # the HF weights are read after the world ran: their headers are checked before it starts
+    (
+        "corrupt-safetensors",
+        ["verify", "{W}/corrupt_hf", "{W}/mcore", "--seq-len", "8"],
+        2,
+        r"corrupt_hf/model\.safetensors is not a readable safetensors file \(corrupt or truncated\): .*invalid JSON",
+    ),
+    (
+        "truncated-safetensors",
+        ["verify", "{W}/truncated_hf", "{W}/mcore", "--seq-len", "8"],
+        2,
+        r"truncated_hf/model\.safetensors is not a readable safetensors file \(corrupt or truncated\)",
+    ),
+    (
+        "index-shards-in-a-symlink-loop",
+        ["verify", "{W}/index_loop", "{W}/mcore", "--seq-len", "8"],
+        2,
+        rf"names shard a\.safetensors, which {LOOP}$",
+    ),
 ]
 
 INSPECT: list[Case] = [
     ("missing", ["inspect", "{W}/nowhere"], 2, r"checkpoint: no such directory: {W}/nowhere$"),
     ("a-file", ["inspect", "{W}/file.txt"], 2, r"file\.txt is not a directory"),
     ("not-a-checkpoint", ["inspect", "{W}/empty"], 2, r"not a Megatron checkpoint"),
+    ("symlink-loop", ["inspect", "{W}/self_link"], 2, rf"checkpoint: {{W}}/self_link {LOOP}$"),
+    ("name-too-long", ["inspect", f"{{W}}/{LONG}"], 2, rf"checkpoint: {{W}}/x+ {TOO_LONG}$"),
+    ("index-shards-in-a-symlink-loop", ["inspect", "{W}/index_loop"], 2, rf"names shard a\.safetensors, which {LOOP}$"),
+    ("legacy-rank-directory-missing", ["inspect", "{W}/legacy_missing_rank"], 2, r"mp_rank_01_001 is missing"),
 ]
 
 EXPORT: list[Case] = [
@@ -206,6 +348,8 @@ EXPORT: list[Case] = [
     ("step-negative", ["export", "{W}/empty", "{W}/out", "--step", "-1"], 2, r"--step=-1 must be at least 0"),
     ("destination-is-a-file", ["export", "{W}/empty", "{W}/file.txt"], 2, r"exists and is not a directory"),
     ("no-checkpoints", ["export", "{W}/empty", "{W}/out"], 2, r"holds no checkpoints"),
+    ("destination-inside-a-symlink-loop", ["export", "{W}/mcore", "{W}/loop_b/out"], 2, rf"loop_b/out {LOOP}$"),
+    ("run-dir-name-too-long", ["export", f"{{W}}/{LONG}", "{W}/out"], 2, rf"run directory: {{W}}/x+ {TOO_LONG}$"),
 ]
 
 DEMO: list[Case] = [
@@ -214,6 +358,7 @@ DEMO: list[Case] = [
     ("pp-3", ["demo", "{W}/demo", "--pp", "3"], 2, r"num_layers=8 is not divisible by pp=3"),
     ("destination-is-a-file", ["demo", "{W}/file.txt"], 2, r"exists and is not a directory"),
     ("destination-not-ours", ["demo", "{W}/llama", "--overwrite"], 2, r"not written by hf-mcore-bridge"),
+    ("destination-symlink-loop", ["demo", "{W}/loop_a"], 2, rf"destination: {{W}}/loop_a {LOOP}$"),
 ]
 
 GRPO = ["train", "grpo", "--config"]
@@ -228,6 +373,28 @@ TRAIN_GRPO: list[Case] = [
     ("config-missing-option", ["train", "grpo"], 2, r"Missing option '--config'"),
     ("unknown-key", [*GRPO, "{W}/run.yaml", "grpo.num_generation_per_prompt=4"], 2, r"did you mean"),
     ("malformed-override", [*GRPO, "{W}/run.yaml", "grpo.seed"], 2, r"not of the form key\.sub=value"),
+    (
+        "override-value-not-yaml",
+        [*GRPO, "{W}/run.yaml", "grpo.seed=[1, 2"],
+        2,
+        r"override 'grpo\.seed=\[1, 2': the value is not valid YAML: expected ',' or '\]', but got '<stream end>'"
+        r" at line 1, column 6$",
+    ),
+    ("config-symlink-loop", [*GRPO, "{W}/loop_a"], 2, rf"--config: {{W}}/loop_a {LOOP}$"),
+    ("config-name-too-long", [*GRPO, f"{{W}}/{LONG}.yaml"], 2, rf"--config: {{W}}/x+\.yaml {TOO_LONG}$"),
+    # found before the policy is converted: no run directory appears
+    (
+        "chat-template-does-not-parse",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/chat_bad"],
+        2,
+        r"the chat template of {W}/chat_bad does not parse: unexpected '}' \(line 1\)$",
+    ),
+    (
+        "chat-template-does-not-parse-dry-run",
+        [*GRPO, "{W}/run.yaml", "policy.model_path={W}/chat_bad", "--dry-run"],
+        2,
+        r"the chat template of {W}/chat_bad does not parse: unexpected '}' \(line 1\)$",
+    ),
     (
         "negative-learning-rate",
         [*GRPO, "{W}/run.yaml", "policy.megatron_cfg.optimizer.lr=-1.0e-6"],
@@ -428,15 +595,33 @@ except SystemExit as exit:
         ["verify", "{W}/llama", "{W}/mcore", "--tp", "3"],
         ["inspect", "/nonexistent"],
         ["train", "grpo", "--config", "/nonexistent.yaml"],
+        ["train", "grpo", "--config", "{W}/run.yaml", "policy.megatron_cfg.optimizer.lr=-1.0"],
+        ["train", "grpo", "--config", "{W}/run.yaml", "logger.num_val_samples_to_print=-1"],
     ],
-    ids=["help", "convert-help", "version", "convert-missing", "shard-size", "verify-tp3", "inspect", "grpo"],
+    ids=[
+        "help",
+        "convert-help",
+        "version",
+        "convert-missing",
+        "shard-size",
+        "verify-tp3",
+        "inspect",
+        "grpo",
+        "grpo-value",
+        "grpo-last-cheap-check",
+    ],
 )
 def test_no_heavy_import_before_the_first_output(workspace, argv):
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, *_argv(argv, workspace)], capture_output=True, text=True, timeout=60
     )
-    assert result.stdout.strip().splitlines()[-1].endswith("loaded="), result.stdout + result.stderr
-    assert result.stdout.strip().splitlines()[-1].startswith(("exit=0", "exit=2")), result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.endswith("loaded="), result.stdout + result.stderr
+    assert last.startswith(("exit=0", "exit=2")), result.stdout
+    if last.startswith("exit=0"):  # help and version: nothing on stderr (no library's import warnings)
+        assert result.stderr == "", result.stderr
+    else:
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 # --- polish --------------------------------------------------------------------------------------------------------
@@ -576,3 +761,88 @@ def test_debug_raises_the_up_front_error_with_its_traceback(workspace):
     result = runner.invoke(app, ["--debug", "verify", str(workspace / "llama"), str(workspace / "mcore"), "--tp", "3"])
     assert result.exit_code != 0 and isinstance(result.exception, BridgeError)
     assert "num_attention_heads=8 is not divisible by tp=3" in str(result.exception)
+
+
+# --- signals while a command loads, a launcher's world of the wrong size ---------------------------------------------
+
+
+def _wait_for_library(pid: int, name: str, timeout: float = 120.0) -> None:
+    """Until process `pid` has mapped a shared library whose path contains `name` (it is importing it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if name in Path(f"/proc/{pid}/maps").read_text():
+                return
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} ended or did not load {name} within {timeout:.0f} s")
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["term", "int"])
+def test_a_signal_while_export_loads_ends_it_with_its_cleanup(workspace, signum, status):
+    """SIGTERM (or Ctrl-C) while `export` is still loading its libraries, before its output exists: the status a
+    shell reports for the signal (not death by it: -15 to the parent), the one line, and nothing left behind."""
+    before = snapshot(workspace)
+    bridge = Path(sys.executable).parent / "bridge"
+    command = [str(bridge), "export", str(workspace / "mcore"), str(workspace / "out")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_library(process.pid, "libtorch")
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == status, out + err
+    assert [line for line in (out + err).splitlines() if line.strip()] == [
+        "interrupted; nothing was written to the destination"
+    ], out + err
+    assert_unchanged(before, workspace)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_torchrun_world_of_the_wrong_size_is_one_line_from_rank_0(workspace, tmp_path):
+    """`torchrun --nproc-per-node 2` (gloo on CPU) of a config that lays out 4 ranks: between them the ranks print
+    one line, from global rank 0, which exits with status 2 (torchrun's summary names it the root cause); rank 1
+    says nothing and is stopped by torchrun once rank 0 has failed. torchrun then reports the failure as it reports
+    any failed rank, with its own summary and status 1: that part is torchrun's (`launcher/api.py` raises
+    `ChildFailedError` for any non-zero rank), not something a rank can change."""
+    before = snapshot(workspace)
+    logs = tmp_path / "torchrun"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())),
+        *("--log-dir", str(logs), "--redirects", "3"),  # each rank's stdout and stderr in its own files
+        *("-m", "hf_mcore_bridge.cli.main", "train", "grpo", "--config", str(workspace / "run.yaml")),
+        "cluster.gpus_per_node=4",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "BRIDGE_DEBUG")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env | {"OMP_NUM_THREADS": "1"})
+    printed = {
+        rank: [
+            line
+            for path in sorted(logs.glob(f"*/attempt_0/{rank}/std*.log"))
+            for line in path.read_text().splitlines()
+            if line.strip()
+        ]
+        for rank in (0, 1)
+    }
+    assert printed == {
+        0: [
+            "error: the launcher started WORLD_SIZE=2 ranks but cluster.gpus_per_node x cluster.num_nodes (4 x 1)"
+            " needs 4"
+        ],
+        1: [],
+    }, done.stderr[-3000:]
+    root_cause = done.stderr.split("Root Cause (first observed failure):")[-1]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: 2 ", root_cause), done.stderr[-3000:]
+    assert done.returncode == 1
+    assert_unchanged(before, workspace)

@@ -261,6 +261,39 @@ def test_failed_swap_puts_the_old_output_back(case, monkeypatch):
     assert snapshot(case.work) == before
 
 
+def test_a_symlink_loop_inside_a_source_is_passed_over(case):
+    """A link inside a source that leads nowhere (a loop) cannot overlap the destination: the command runs (it
+    used to end in `internal error: RuntimeError: Symlink loop`), and the link is left as it was."""
+    (case.source / "loop_a").symlink_to("loop_b")
+    (case.source / "loop_b").symlink_to("loop_a")
+    result = invoke(case, case.source, case.work / "out")
+    assert result.exit_code == 0, result.output
+    assert os.readlink(case.source / "loop_a") == "loop_b" and (case.work / "out" / MARKER).exists()
+
+
+@pytest.mark.parametrize(
+    ("destination", "message"),
+    [
+        ("loop/out", "destination: {work}/loop/out cannot be followed: symlinks in it form a loop"),
+        ("x" * 300, "holds a name of 300 bytes; the file system takes at most 255"),
+        ("z" * 240, "its name is 240 bytes long, but the output is built in a hidden sibling named"),
+    ],
+    ids=["inside-a-loop", "name-too-long", "no-room-for-the-staging-sibling"],
+)
+def test_a_destination_the_file_system_cannot_take_is_refused_by_the_library(case, destination, message):
+    """The library's own check (what the command line checks up front, for callers of the Python API): one
+    `BridgeError` naming the problem, before the lock, the staging sibling or anything else exists."""
+    from hf_mcore_bridge.checkpoint.atomic import atomic_directory
+    from hf_mcore_bridge.errors import BridgeError
+
+    (case.work / "loop").symlink_to("loop")
+    before = snapshot(case.work)
+    with pytest.raises(BridgeError) as refused, atomic_directory(case.work / destination, sources=[case.source]):
+        pass
+    assert message.format(work=case.work) in str(refused.value) and "\n" not in str(refused.value)
+    assert snapshot(case.work) == before
+
+
 # --- requirement 5: the lock and the leftovers of interrupted runs ---
 
 

@@ -471,3 +471,35 @@ def test_write_errors_are_told_from_read_errors(tmp_path):
     assert str(read) == "input/output error while reading /elsewhere/model.safetensors"
     unrelated = RuntimeError("unrelated")
     assert raised(unrelated) is unrelated  # not a write failure: passes through unchanged
+
+
+def test_verify_refuses_sequences_beyond_the_models_positions_before_any_rank(dcp, tiny_models):
+    """The library's check (the command line makes the same one from config.json up front): `seq_len` past the
+    checkpoint's `max_position_embeddings` is refused before the world starts, naming both numbers."""
+    from hf_mcore_bridge.megatron.verify import VerifyJob, verify
+
+    limit = json.loads((tiny_models["llama"] / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(BridgeError, match=rf"--seq-len {limit + 2} is longer than .* max_position_embeddings={limit}"):
+        verify([VerifyJob(tiny_models["llama"], dcp)], Layout(), seq_len=limit + 2)
+
+
+def test_a_forbidden_global_in_a_legacy_rank_file_is_one_line_naming_it(legacy, tmp_path):
+    """Megatron files are read weights-only with an allow-list: a rank file whose pickle names `os.system` is
+    refused naming the global (torch's own message is three lines suggesting `weights_only=False`)."""
+
+    class RunsCode:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    (path,) = _rank_files(legacy)[:1]
+    state = torch.load(path, weights_only=False)
+    state["extra"] = RunsCode()
+    torch.save(state, path)
+    result = runner.invoke(app, ["convert", "--to", "hf", str(legacy), str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    assert line == (
+        f"error: {path} refers to posix.system, which a weights-only load does not import or call (a pickle can run"
+        " code); it was not loaded"
+    )
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()

@@ -7,6 +7,10 @@ hidden `.NAME.partial-XXXXXXXX` sibling holding the tool's marker, and yields it
 sibling replaces the destination (the old one renamed aside, the new renamed in, the old removed); when it fails or
 is interrupted (SIGINT, or SIGTERM, which raises `Terminated` while the body runs) the sibling is removed. A run
 killed outright (SIGKILL, power loss) leaves the sibling; the next run to that destination removes it.
+
+`sigterm_interrupts` gives a whole command the same behaviour: SIGTERM raises `Terminated` wherever the command is
+(loading its libraries, reading its sources), so that it ends as after Ctrl-C, with its cleanup and exit status
+143, rather than by the signal's default action.
 """
 
 from __future__ import annotations
@@ -41,6 +45,20 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While the body runs (in the main thread), SIGTERM raises `Terminated` as SIGINT raises `KeyboardInterrupt`;
+    the previous handler is put back after. Elsewhere than in the main thread, where no handler can be set, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

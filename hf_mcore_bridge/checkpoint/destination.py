@@ -7,6 +7,9 @@
   a source is refused, and so is one overlapping what a symlink inside a source leads to (an HF hub cache's
   snapshot links its files into `blobs/`: replacing `blobs/` would delete the source's weights);
 - an existing destination that is a mount point is refused (the final rename cannot replace it), before any work;
+- a destination that cannot be looked up (a symlink loop in its path, a name too long) is refused naming that, and
+  so is a name that leaves no room for the hidden siblings the output is built in (`check_name_length`); a symlink
+  inside a source that leads nowhere (a loop) cannot overlap anything and is passed over;
 - an absent or empty destination is fine; a non-empty one is replaced only with `--overwrite` and only when this tool
   wrote it (its marker file, `MARKER_NAME`, is inside), unless `--overwrite-foreign` says to replace anything.
 
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_mcore_bridge import __version__
+from hf_mcore_bridge.checkpoint.paths import PathError, lookup, name_max, resolved
 from hf_mcore_bridge.errors import BridgeError
 
 TOOL_NAME = "hf-mcore-bridge"
@@ -52,9 +56,27 @@ def notice(message: str) -> None:
     print(f"note: {message}", file=sys.stderr, flush=True)
 
 
-def real_path(path: Path | str) -> Path:
-    """Absolute path with every symlink followed (a missing tail is kept as given)."""
-    return Path(path).expanduser().resolve()
+def real_path(path: Path | str, what: str = "path") -> Path:
+    """Absolute path with every symlink followed (a missing tail is kept as given); `PathError` naming `what` for
+    a symlink loop or a name too long."""
+    return resolved(path, what)
+
+
+SIBLING_SUFFIX = ".partial-00000000"
+"""The longest suffix of the hidden siblings (`.NAME.partial-XXXXXXXX`, `.NAME.old-XXXXXXXX`, `.NAME.lock`)."""
+
+
+def check_name_length(dst: Path, shown: Path | str | None = None) -> None:
+    """Refuse a destination whose name fits the file system but whose hidden siblings' names would not."""
+    limit = name_max(dst)
+    longest = len(os.fsencode(f".{dst.name}{SIBLING_SUFFIX}"))
+    if longest > limit:
+        room = limit - (longest - len(os.fsencode(dst.name)))
+        raise DestinationError(
+            f"destination {shown or dst}: its name is {len(os.fsencode(dst.name))} bytes long, but the output is"
+            f" built in a hidden sibling named .NAME{SIBLING_SUFFIX[:-8]}XXXXXXXX, which the file system takes only"
+            f" for names of at most {room} bytes"
+        )
 
 
 LINK_DEPTH = 4
@@ -70,7 +92,11 @@ def linked_targets(source: Path, depth: int = LINK_DEPTH) -> Iterator[tuple[Path
         for name in (*dirs, *files):
             link = Path(root, name)
             if link.is_symlink():
-                yield link, link.resolve()
+                try:
+                    target = resolved(link, "source")
+                except PathError:  # a loop leads nowhere: nothing there to overlap
+                    continue
+                yield link, target
         if len(Path(root).relative_to(source).parts) + 1 >= depth:
             dirs.clear()  # the entries of this level were looked at; nothing deeper
 
@@ -88,11 +114,12 @@ def _overlap(dst: Path, src: Path) -> str | None:
 def check_overlap(destination: Path | str, sources: Iterable[Path | str | None]) -> Path:
     """Refuse a destination equal to, inside, or containing any source, or anything a symlink inside a source
     leads to; return the destination's real path."""
-    dst = real_path(destination)
+    dst = real_path(destination, "destination")
+    check_name_length(dst, destination)
     for source in sources:
         if source is None:
             continue
-        src = real_path(source)
+        src = real_path(source, "source")
         if problem := _overlap(dst, src):
             raise DestinationError(
                 f"destination {destination} {problem} the source {source}; choose a directory apart from it"
@@ -125,7 +152,7 @@ def write_marker(directory: Path, record: dict[str, Any] | None = None) -> None:
 
 def check_existing(dst: Path, shown: Path | str, *, overwrite: bool, overwrite_foreign: bool) -> None:
     """Refuse an existing destination that may not be replaced (`dst` is the real path, `shown` the user's)."""
-    if not dst.exists():
+    if lookup(dst, "destination") is None:
         return
     if not dst.is_dir():
         raise DestinationError(f"destination {shown} exists and is not a directory")

@@ -8,6 +8,7 @@ stays bounded by the largest tensor.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.names import fill
+from hf_mcore_bridge.checkpoint.paths import PathError, lookup
+from hf_mcore_bridge.checkpoint.pickles import refused_globals
 from hf_mcore_bridge.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -77,6 +80,16 @@ def _data_offsets(file: Path) -> dict[str, int]:
     }
 
 
+def _present(path: Path) -> bool:
+    """Whether something is at `path`; `PathError` ("cannot be followed: ...") for a symlink loop, a name too
+    long, and a dangling symlink."""
+    if lookup(path, path.name) is not None:
+        return True
+    if path.is_symlink():
+        raise PathError(path.name, path, f"is a symlink to {os.readlink(path)}, which does not exist")
+    return False
+
+
 class HFCheckpoint:
     """An HF model directory, opened and validated: every shard readable, every indexed tensor present."""
 
@@ -88,9 +101,9 @@ class HFCheckpoint:
         self._tensors: dict[str, TensorInfo] = {}
         self._aliases: dict[str, tuple[str, int | None, str]] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
-        if (self.path / INDEX_NAME).exists():
+        if _present(self.path / INDEX_NAME):
             self._open_index()
-        elif (self.path / SINGLE_NAME).exists():
+        elif _present(self.path / SINGLE_NAME):
             self._open_file(self.path / SINGLE_NAME, None)
         elif any(self.path.glob("*.bin")):
             if not allow_pickle:
@@ -120,7 +133,11 @@ class HFCheckpoint:
             by_file.setdefault(file, set()).add(name)
         for file, names in sorted(by_file.items()):
             shard = self.path / file
-            if not shard.exists():
+            try:
+                present = _present(shard)
+            except PathError as err:
+                raise CheckpointError(f"{INDEX_NAME} names shard {file}, which {err.reason}") from None
+            if not present:
                 raise CheckpointError(f"{INDEX_NAME} names shard {file}, which does not exist")
             self._open_file(shard, names)
 
@@ -150,7 +167,11 @@ class HFCheckpoint:
             try:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:
-                raise CheckpointError(f"{file} could not be read as a weights-only torch file: {err}") from None
+                refused = refused_globals(file, err)
+                if refused is not None:
+                    raise CheckpointError(f"{file} {refused}") from None
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise CheckpointError(f"{file} could not be read as a weights-only torch file: {reason}") from None
             for name, tensor in state.items():
                 self._pickled[name] = tensor
                 self._tensors[name] = TensorInfo(file, tuple(tensor.shape), dtypes.of(tensor.dtype))

@@ -34,6 +34,7 @@ from typing import IO, Any
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, saved
+from hf_mcore_bridge.checkpoint.pickles import refused_globals
 from hf_mcore_bridge.checkpoint.plain_load import load_plain
 from hf_mcore_bridge.errors import CheckpointError
 
@@ -141,9 +142,10 @@ def _safe_globals() -> list[Any]:
     return allowed
 
 
-def _load_allowed(source: Path | IO[bytes], *, mmap: bool = False) -> Any:
+def _load_allowed(source: Path | IO[bytes], where: str, *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)` with the allow-list above; megatron-core's enums are only imported (a few
-    seconds) when the payload actually refers to one."""
+    seconds) when the payload actually refers to one. A pickle naming anything else is a `CheckpointError` naming
+    it (and `where` the payload is)."""
     import torch
 
     needed = torch.serialization.get_unsafe_globals_in_checkpoint(source)
@@ -151,7 +153,15 @@ def _load_allowed(source: Path | IO[bytes], *, mmap: bool = False) -> Any:
         source.seek(0)
     allowed = _safe_globals() if any(name.startswith("megatron.") for name in needed) else _BASIC_GLOBALS
     with torch.serialization.safe_globals(allowed):
-        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        if not isinstance(source, Path):
+            source.seek(0)
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as err:
+            refused = refused_globals(source, err)
+            if refused is None:
+                raise
+            raise CheckpointError(f"{where} {refused}") from None
 
 
 def _first_line(err: Exception) -> str:
@@ -161,9 +171,11 @@ def _first_line(err: Exception) -> str:
 def safe_torch_load(path: Path, *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)` with the allow-list above; a one-line error when it fails."""
     try:
-        return _load_allowed(Path(path), mmap=mmap)
+        return _load_allowed(Path(path), str(path), mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(f"{path} is unreadable: {_first_line(err)}") from None
 
@@ -222,7 +234,9 @@ def _common_in_dcp(checkpoint_dir: Path, torch_free: bool = False) -> tuple[Any,
     try:
         loaded = _plain(payload) if torch_free else None
         if loaded is None:
-            loaded = _load_allowed(io.BytesIO(payload))
+            loaded = _load_allowed(io.BytesIO(payload), where)
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(f"{where} is unreadable: {_first_line(err)}") from None
     if not (isinstance(loaded, list) and len(loaded) == 1):

@@ -6,6 +6,10 @@ directly: globals by name (`Global`), objects rebuilt by a call (`Call`) or by `
 and plain values (None, bools, ints, floats, strings, tuples, lists, dicts; `Pairs` for a dict keyed by such objects).
 It memoizes exactly where the standard pickler does for these values, so that a tensor's `data.pkl` comes out
 byte for byte as `torch.save` writes it.
+
+Reading goes through `torch.load(weights_only=True)`; `refused_globals` says why such a load refused a file, in
+one line: the classes and functions its pickle names beyond what the load allows (torch's own message is several
+lines and suggests loading the file without `weights_only`, which would run them).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import pickle
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 
 @dataclass(frozen=True)
@@ -163,3 +168,25 @@ class PickleWriter:
 def dumps(value: Any) -> bytes:
     """The protocol-2 pickle of `value` (see `PickleWriter`)."""
     return PickleWriter().dumps(value)
+
+
+def refused_globals(source: Path | IO[bytes], err: BaseException) -> str | None:
+    """Why `torch.load(source, weights_only=True)` raised `err`, when it is the pickle naming globals the load does
+    not allow: "refers to posix.system, ..."; else None. Call it inside the same `safe_globals` context as the load,
+    so that what that context allows is not named."""
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    import torch
+
+    try:
+        if not isinstance(source, Path):
+            source.seek(0)
+        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # not a zip archive torch wrote: the caller reports the load's own error
+        return None
+    if not names:
+        return None
+    return (
+        f"refers to {', '.join(names)}, which a weights-only load does not import or call (a pickle can run code);"
+        " it was not loaded"
+    )

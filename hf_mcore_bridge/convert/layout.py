@@ -52,6 +52,22 @@ class Layout:
         return " ".join(parts)
 
 
+def world_size(layout: Layout) -> int:
+    """Ranks a layout needs by default: TP x PP x CP x EP (the experts' ranks double as data-parallel replicas)."""
+    return layout.tp * layout.pp * layout.cp * layout.ep
+
+
+def check_world(layout: Layout, world: int) -> None:
+    """Raise `LayoutError` unless megatron-core can lay `layout` out over `world` ranks."""
+    dense = layout.tp * layout.pp * layout.cp
+    expert = layout.expert_tp * layout.ep * layout.pp
+    if world < 1 or world % dense or world % expert:
+        raise LayoutError(
+            f"{world} ranks cannot hold {layout}: the world must be a multiple of tp*pp*cp={dense}"
+            f" and of etp*ep*pp={expert}"
+        )
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise LayoutError(message)

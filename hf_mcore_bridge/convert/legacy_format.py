@@ -217,16 +217,35 @@ class LegacySource:
         for path, (tp_rank, second, third) in found.items():
             pp_rank, ep_rank = (second or 0, third or 0) if pipeline else (0, second or 0)
             self._files[(tp_rank, pp_rank, ep_rank)] = path / FILE_NAME
-        self.tp, self.pp, self.ep = (1 + max(rank[i] for rank in self._files) for i in range(3))
-        missing = [r for r in itertools.product(range(self.tp), range(self.pp), range(self.ep)) if r not in self._files]
-        if missing:
-            raise CheckpointError(f"{checkpoint_dir} lacks the files of ranks (tp, pp, ep) {missing}")
+        self.tp, self.pp, self.ep = self._sizes(args)
+        self._check_all_ranks_present()
         self._parallel = {dcp_key(e.mcore): e.parallel for e in table}
         self._index: dict[str, dict[tuple[int, ...], tuple[int, int, str, str]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, dtypes.DType] = {}
         self._check_rank_files()
         self._scan()
+
+    def _sizes(self, args: Any) -> tuple[int, int, int]:
+        """TP, PP and EP: the args' sizes (the ranks the checkpoint was saved at), or more where more rank
+        directories are found; without args, what the directories found span."""
+        found = [1 + max(rank[i] for rank in self._files) for i in range(3)]
+        keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+        saved = [getattr(args, key, 1) if args is not None else 1 for key in keys]
+        tp, pp, ep = (max(f, s if isinstance(s, int) else 1) for f, s in zip(found, saved, strict=True))
+        return tp, pp, ep
+
+    def _check_all_ranks_present(self) -> None:
+        """Refuse, naming the directory, a checkpoint missing the files of one of its ranks."""
+        layout = Layout(tp=self.tp, pp=self.pp, ep=self.ep)
+        ranks = itertools.product(range(self.tp), range(self.pp), range(self.ep))
+        missing = [self.directory / rank_dirname(*rank, layout) for rank in ranks if rank not in self._files]
+        if missing:
+            more = f" (and {len(missing) - 1} more rank directories)" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"legacy rank directory {missing[0]} is missing{more}: a checkpoint saved at {layout} has one per"
+                f" rank, each holding {FILE_NAME}"
+            )
 
     def _check_rank_files(self) -> None:
         """Every rank file readable (a truncated file is refused here, naming it) and holding the same tensors,

@@ -7,35 +7,39 @@ installed. Modules: `arch` (the decoder's config and the HF name table, both fro
 attention through torch SDPA), `mla` (multi-latent attention over a cache of latents), `kv_cache` (block
 allocator), `scheduler` (continuous batching), `sampling` (sampling and log-probabilities), `cuda_graphs` (graphs of
 the decode step), `engine` (`Engine`), `tp_shards` (which slice of each HF tensor a tensor-parallel rank keeps),
-`tp_group` (the tensor-parallel collectives over a given process group), `vllm_backend` (`VllmEngine`).
+`tp_group` (the tensor-parallel collectives over a given process group), `vllm_backend` (`VllmEngine`), `options`
+(the settings a run's config checks without torch).
+
+The names below are re-exported lazily (PEP 562): importing a torch-free module of the package (`options`, `arch`)
+does not load the engine and torch with it.
 """
 
-from hf_mcore_bridge.engine.arch import ARCHITECTURES, ModelConfig
-from hf_mcore_bridge.engine.engine import (
-    Engine,
-    EngineAsleepError,
-    EngineConfig,
-    EngineStats,
-    RequestOutput,
-    SampleOutput,
-    iter_safetensors,
-)
-from hf_mcore_bridge.engine.model import MissingWeightsError, UnknownWeightError
-from hf_mcore_bridge.engine.sampling import SamplingParams
-from hf_mcore_bridge.engine.vllm_backend import VllmEngine
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ARCHITECTURES",
-    "Engine",
-    "EngineAsleepError",
-    "EngineConfig",
-    "EngineStats",
-    "MissingWeightsError",
-    "ModelConfig",
-    "RequestOutput",
-    "SampleOutput",
-    "SamplingParams",
-    "UnknownWeightError",
-    "VllmEngine",
-    "iter_safetensors",
-]
+_EXPORTS = {
+    "ARCHITECTURES": "arch",
+    "ModelConfig": "arch",
+    "Engine": "engine",
+    "EngineAsleepError": "engine",
+    "EngineConfig": "engine",
+    "EngineStats": "engine",
+    "RequestOutput": "engine",
+    "SampleOutput": "engine",
+    "iter_safetensors": "engine",
+    "MissingWeightsError": "model",
+    "UnknownWeightError": "model",
+    "SamplingParams": "sampling",
+    "VllmEngine": "vllm_backend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

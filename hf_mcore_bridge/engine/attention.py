@@ -48,8 +48,6 @@ import torch.nn.functional as F
 from hf_mcore_bridge.engine.compiled import CompiledOrEager
 from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
 
-DECODE_KERNELS = ("triton", "flex", "gather")
-"""Decode attention kernels (see the module docstring)."""
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_CACHE_DTYPE).max)
 

@@ -49,7 +49,6 @@ import torch
 
 from hf_mcore_bridge.engine.arch import ModelConfig
 from hf_mcore_bridge.engine.attention import (
-    DECODE_KERNELS,
     FP8_CACHE_DTYPE,
     DecodeMetadata,
     PrefillMetadata,
@@ -60,6 +59,7 @@ from hf_mcore_bridge.engine.attention import (
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
+from hf_mcore_bridge.engine.options import DECODE_KERNELS
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, compiled_ops
 from hf_mcore_bridge.engine.sampling import Sampler, SamplingBatch, SamplingParams, counter_uniforms, stream_key
 from hf_mcore_bridge.engine.scheduler import (

@@ -77,7 +77,6 @@ from hf_mcore_bridge.engine.arch import (
     weight_table,
 )
 from hf_mcore_bridge.engine.attention import (
-    DECODE_KERNELS,
     DecodeMetadata,
     PrefillMetadata,
     decode_attention,
@@ -88,6 +87,7 @@ from hf_mcore_bridge.engine.attention import (
 )
 from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear, empty_param
 from hf_mcore_bridge.engine.mla import CACHE_HEADS, CACHE_PLANES, LatentAttention
+from hf_mcore_bridge.engine.options import DECODE_KERNELS
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (

@@ -21,21 +21,13 @@ Choices and simplifications:
 - Groups of one completion are rejected: there is no baseline to compare against.
 """
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
+from hf_mcore_bridge.grpo.options import LeaveOneOutStd
+
 __all__ = ["AdvantageConfig", "LeaveOneOutStd", "constant_reward_groups", "group_advantages"]
-
-
-class LeaveOneOutStd(enum.StrEnum):
-    """Which standard deviation the leave-one-out advantage of completion `i` is divided by."""
-
-    OTHERS = "others"
-    """The sample std of the other `n - 1` rewards of the group (NeMo-RL's choice)."""
-    GROUP = "group"
-    """The sample std of the whole group (as with the group-mean baseline)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,12 @@ tokens, as the engine would encode a text prompt.
 
 The template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...) is found by rendering a finished assistant turn
 and taking the special token that follows its text; `template_stop_ids` adds it to the stop tokens.
+
+A template is Jinja: one that does not parse, or that raises while rendering (templates refuse conversations they
+do not take with `raise_exception`), is a `BridgeError` naming the tokenizer's directory, the template's complaint
+and its line. The renderer renders one prompt when it is built (`PromptRenderer.from_config`), and the trainer
+builds it before the policy is converted (`check_rendering`), so such a template is refused before anything is
+written.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from hf_mcore_bridge.errors import BridgeError
 __all__ = [
     "PromptRenderer",
     "check_prompt_template",
+    "check_rendering",
     "end_of_turn_id",
     "load_hf_tokenizer",
     "template_stop_ids",
@@ -59,7 +66,7 @@ def load_hf_tokenizer(tokenizer_file: Path) -> Any:
     directory = tokenizer_file.parent
     if (directory / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(directory))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), name_or_path=str(directory))
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
         tokenizer.chat_template = jinja.read_text(encoding="utf-8")
@@ -92,7 +99,10 @@ class PromptRenderer:
                 "data.system_prompt needs the chat template (a system turn); without one, put the instructions"
                 " into data.prompt_template"
             )
-        return cls(tokenizer, use, data.system_prompt, data.prompt_template)
+        renderer = cls(tokenizer, use, data.system_prompt, data.prompt_template)
+        if use:
+            renderer.text("?")  # a template that does not parse, or refuses such a conversation, says so now
+        return renderer
 
     def messages(self, question: str) -> list[dict[str, str]]:
         """The conversation a question becomes (system turn first when there is a system prompt)."""
@@ -104,22 +114,42 @@ class PromptRenderer:
         """The prompt as text, exactly as its ids decode."""
         if not self.use_chat_template:
             return self.messages(question)[-1]["content"]
-        return self.tokenizer.apply_chat_template(self.messages(question), tokenize=False, add_generation_prompt=True)
+        return _apply_template(self.tokenizer, self.messages(question), tokenize=False, add_generation_prompt=True)
 
     def token_ids(self, question: str) -> list[int]:
         """The ids the engine generates from."""
         if not self.use_chat_template:
             return list(self.tokenizer(self.text(question))["input_ids"])
-        ids = self.tokenizer.apply_chat_template(
-            self.messages(question), tokenize=True, add_generation_prompt=True, return_dict=False
+        ids = _apply_template(
+            self.tokenizer, self.messages(question), tokenize=True, add_generation_prompt=True, return_dict=False
         )
         return [int(i) for i in ids]
+
+
+def _apply_template(tokenizer: Any, conversation: list[dict[str, str]], **options: Any) -> Any:
+    """`tokenizer.apply_chat_template(conversation, **options)`, with the template's Jinja errors as one line."""
+    from jinja2 import TemplateError, TemplateSyntaxError  # what transformers renders chat templates with
+
+    try:
+        return tokenizer.apply_chat_template(conversation, **options)
+    except TemplateError as err:
+        where = f" (line {err.lineno})" if isinstance(err, TemplateSyntaxError) else ""
+        verb = "does not parse" if isinstance(err, TemplateSyntaxError) else "failed while rendering"
+        source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        message = " ".join(str(err.message or type(err).__name__).split())
+        raise BridgeError(f"the chat template of {source} {verb}: {message}{where}") from None
+
+
+def check_rendering(data: Any, tokenizer_file: Path) -> None:
+    """Build the run's renderer for `data` (a `DataConfig`) once, before anything is written: raises `BridgeError`
+    for a template asked for but missing, a system prompt without a template, or a template that does not parse."""
+    PromptRenderer.from_config(data, load_hf_tokenizer(tokenizer_file))
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
     """The special token the chat template writes right after an assistant turn's text; None if there is none."""
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_END_PROBE}]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    text = _apply_template(tokenizer, conversation, tokenize=False)
     _, found, after = text.partition(_TURN_END_PROBE)
     if not found or not after:
         return None

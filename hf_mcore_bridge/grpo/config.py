@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
+from hf_mcore_bridge.convert.layout import Layout, check_world, world_size
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
-from hf_mcore_bridge.engine.attention import DECODE_KERNELS
+from hf_mcore_bridge.engine.options import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.advantages import LeaveOneOutStd
-from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
+from hf_mcore_bridge.grpo.options import Aggregation, LeaveOneOutStd, LossConfig
 
 __all__ = [
     "CheckpointingConfig",
@@ -55,12 +55,17 @@ __all__ = [
     "WandbConfig",
     "apply_overrides",
     "config_from_dict",
+    "layout_of",
     "load_config",
 ]
 
 
 class GRPOConfigError(BridgeError):
     """A configuration that cannot run: unknown key, wrong type or inconsistent values; the message says where."""
+
+
+SUPPORTED_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+"""`lr_decay_style` values the DTensor backend's scheduler (`grpo.lr_schedule`) implements."""
 
 
 @dataclass(frozen=True)
@@ -563,8 +568,27 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise GRPOConfigError(f"override {item!r} is not of the form key.sub=value")
-        _set_dotted(result, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(result, key.strip(), _override_value(item, raw))
     return result
+
+
+def _override_value(item: str, raw: str) -> Any:
+    """An override's value, parsed as YAML (`3` an int, `[1, 2]` a list); text that is not YAML is refused naming
+    the override and where the parser stopped."""
+    if not raw.strip():
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise GRPOConfigError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line (`expected ',' or ']' ... at line 1, column 6`)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return " ".join(f"{problem}{where}".split())
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -586,10 +610,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> GRPOConfig:
     except (OSError, UnicodeDecodeError) as err:
         raise GRPOConfigError(f"{path}: cannot read the config: {err}") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise GRPOConfigError(f"{path}: not valid YAML: {problem}{where}") from None
+        raise GRPOConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, Mapping):
         raise GRPOConfigError(f"{path}: the top level must be a mapping of sections")
     return config_from_dict(data, overrides)
@@ -719,11 +740,19 @@ def cluster_ranks(config: GRPOConfig) -> int | None:
     return None if given is None else given * config.cluster.num_nodes
 
 
+def layout_of(megatron: MegatronConfig) -> Layout:
+    """The parallel layout a `MegatronConfig` asks for."""
+    return Layout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+    )
+
+
 def world_of(config: GRPOConfig) -> int:
     """The number of ranks the run starts."""
-    from hf_mcore_bridge.grpo.policy import layout_of
-    from hf_mcore_bridge.megatron.world import world_size
-
     if config.policy.dtensor_cfg.enabled:
         dp_shard, tp = dtensor_sizes(config)
         return dp_shard * tp
@@ -741,10 +770,6 @@ def data_parallel_size(config: GRPOConfig) -> int:
 
 
 def _validate_world(config: GRPOConfig) -> None:
-    from hf_mcore_bridge.errors import BridgeError
-    from hf_mcore_bridge.grpo.policy import layout_of
-    from hf_mcore_bridge.megatron.world import check_world
-
     nodes = config.cluster.num_nodes
     _require(nodes >= 1, f"cluster.num_nodes={nodes} must be >= 1")
     _require(nodes == 1 or config.cluster.gpus_per_node is not None, "cluster.num_nodes > 1 needs gpus_per_node")
@@ -806,8 +831,6 @@ DTENSOR_CP_REFUSAL = (
 
 
 def _validate_dtensor(config: GRPOConfig) -> None:
-    from hf_mcore_bridge.grpo.lr_schedule import SUPPORTED_STYLES
-
     dcfg, given = config.policy.dtensor_cfg, cluster_ranks(config)
     where = "policy.dtensor_cfg"
     tp, dp_shard = dcfg.tensor_parallel_size, dcfg.data_parallel_shard_size
@@ -939,7 +962,6 @@ def _validate(config: GRPOConfig) -> None:
         not config.checkpointing.enabled or config.checkpointing.save_period >= 1,
         "checkpointing.save_period must be >= 1",
     )
-    _validate_forwarded(mcfg)
     if mcfg.enabled:
         _validate_optimizer(mcfg)
         where = "policy.megatron_cfg.moe_router_bias_update_rate"
@@ -963,6 +985,9 @@ def _validate(config: GRPOConfig) -> None:
     if config.logger.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise GRPOConfigError("logger.tensorboard=true needs the 'tensorboard' package (pip install tensorboard)")
     _validate_data_and_logging(config)
+    # last: the key names come from megatron-core's config classes, and importing it takes seconds; every mistake
+    # the checks above can see is reported without it
+    _validate_forwarded(mcfg)
 
 
 def _validate_data_and_logging(config: GRPOConfig) -> None:

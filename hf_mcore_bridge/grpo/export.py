@@ -111,11 +111,9 @@ def model_card(
         lines += ["", f"Base model: `{base_model}`."]
     if records:
         lines += ["", "## Reward", "", f"![reward and KL]({PLOT_FILE})", "", "| step | reward | KL |", "|---|---|---|"]
-        for record in records:
-            lines.append(
-                f"| {record['step']} | {record.get('reward_mean', float('nan')):.4f} | "
-                f"{record.get('kl_ref', float('nan')):.4g} |"
-            )
+        for record in records:  # a KL the run did not compute (`loss_fn.kl_coef: 0`) is off, not a nan
+            kl = f"{record['kl_ref']:.4g}" if "kl_ref" in record else "off"
+            lines.append(f"| {record['step']} | {record.get('reward_mean', float('nan')):.4f} | {kl} |")
     if config_text:
         lines += ["", "## Training configuration", "", "```yaml", config_text.rstrip(), "```"]
     return "\n".join(lines) + "\n"

@@ -64,8 +64,11 @@ def check_start(config: GRPOConfig) -> None:
 
 def prepare_once(prepare: Callable[[], T]) -> T:
     """Under a launcher: `prepare()` on global rank 0 while the others wait; every rank returns its result. A
-    `BridgeError` there is raised on every rank (rank 0's message; the others say where it came from)."""
+    `BridgeError` there is raised on every rank: rank 0's own, reported by rank 0; on the others a silent
+    `WorldError` saying where it came from (`world.fail_alike`)."""
     import torch.distributed as dist
+
+    from hf_mcore_bridge.megatron.world import fail_alike
 
     group = dist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
     try:
@@ -83,7 +86,7 @@ def prepare_once(prepare: Callable[[], T]) -> T:
     if isinstance(outcome, BridgeError):
         if dist.get_rank() == 0:
             raise outcome
-        raise BridgeError(f"rank 0 could not prepare the run: {outcome}")
+        fail_alike(f"rank 0 could not prepare the run: {outcome}")  # rank 0 reports its own error
     return outcome
 
 

@@ -7,7 +7,8 @@ filtered-out samples are 0). Advantages are per completion `[B]` (GRPO's outcome
 The pieces, each usable alone: `clipped_surrogate` (PPO clip with separate low/high epsilons and optional dual
 clip), `k3_kl` (KL to a frozen reference), `token_level_mean` / `sequence_level_mean` (normalisation by counts of
 the whole global batch), `tis_weights` / `icepop_weights` (inference-engine vs trainer mismatch), the
-`token_mult_prob_error` metric and the overlong sample masks. `grpo_loss` composes them from a `LossConfig`.
+`token_mult_prob_error` metric and the overlong sample masks. `grpo_loss` composes them from a `LossConfig`
+(defined with its enums in the torch-free `grpo.options`, which the run's config is built from).
 
 Choices and simplifications:
 - The returned loss is minimised, so it is the negated surrogate objective.
@@ -25,11 +26,11 @@ Choices and simplifications:
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import NamedTuple
 
 import torch
+
+from hf_mcore_bridge.grpo.options import Aggregation, ISCorrection, LossConfig
 
 __all__ = [
     "Aggregation",
@@ -53,87 +54,6 @@ __all__ = [
 ]
 
 _KL_LOG_RATIO_BOUND = 20.0
-
-
-class Aggregation(StrEnum):
-    """How per-token losses become one scalar."""
-
-    TOKEN = "token"
-    """Sum over all valid tokens divided by the global number of valid tokens (DAPO; long answers weigh more)."""
-
-    SEQUENCE = "sequence"
-    """Mean over each sequence's valid tokens, then sum divided by the global number of sequences (GRPO paper)."""
-
-
-class ISCorrection(StrEnum):
-    """Correction for the mismatch between the inference engine's and the trainer's log-probs of one policy."""
-
-    NONE = "none"
-    """No correction."""
-
-    TIS = "tis"
-    """Truncated importance sampling: weight `min(exp(old - engine), cap)`."""
-
-    ICEPOP = "icepop"
-    """Weight `exp(old - engine)` inside `[low, high]`, 0 outside (the token is dropped from the gradient)."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Everything that selects and parameterises the GRPO loss."""
-
-    clip_low: float = 0.2
-    """Lower clip epsilon: the ratio is clipped at `1 - clip_low` (bites for negative advantages)."""
-
-    clip_high: float = 0.2
-    """Upper clip epsilon: the ratio is clipped at `1 + clip_high` (bites for positive advantages). DAPO's
-    clip-higher uses a larger value than `clip_low`, e.g. 0.28."""
-
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1: for negative advantages the per-token loss is capped at `-c * A`, so a ratio that
-    has run far above 1 cannot produce an unbounded loss. None disables it."""
-
-    kl_coef: float = 0.0
-    """Coefficient of the k3 KL term to the reference policy; 0 disables it (reference log-probs then optional)."""
-
-    aggregation: Aggregation = Aggregation.TOKEN
-    """Token-level or sequence-level normalisation; the caller's `global_count` must count the matching unit."""
-
-    is_correction: ISCorrection = ISCorrection.NONE
-    """Engine-vs-trainer importance-sampling correction; anything but NONE needs the engine's log-probs."""
-
-    tis_cap: float = 2.0
-    """Upper bound on the truncated importance weight (`tis`)."""
-
-    icepop_low: float = 0.5
-    """Smallest trainer/engine probability ratio that `icepop` keeps."""
-
-    icepop_high: float = 5.0
-    """Largest trainer/engine probability ratio that `icepop` keeps."""
-
-    overlong_filtering: bool = False
-    """Mask truncated samples (no stop token within `generation.max_new_tokens`, the engine's finish reason
-    `length`) out of the loss and out of its token / sequence count (DAPO's overlong filtering, NeMo-RL's
-    `overlong_filtering`). They keep their place in their group's advantage baseline."""
-
-    def __post_init__(self) -> None:
-        # Strings from YAML become the enums here, so that a typo fails at load time, not at the first step.
-        object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
-        object.__setattr__(self, "is_correction", ISCorrection(self.is_correction))
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"LossConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.tis_cap <= 0.0:
-            raise ValueError(f"LossConfig.tis_cap must be > 0, got {self.tis_cap}")
-        if not 0.0 <= self.icepop_low < self.icepop_high:
-            raise ValueError(
-                f"LossConfig needs 0 <= icepop_low < icepop_high, got [{self.icepop_low}, {self.icepop_high}]"
-            )
 
 
 class SurrogateTerms(NamedTuple):

@@ -14,11 +14,9 @@ import math
 
 import torch
 
-from hf_mcore_bridge.grpo.config import SchedulerConfig
+from hf_mcore_bridge.grpo.config import SUPPORTED_STYLES, SchedulerConfig
 
 __all__ = ["SUPPORTED_STYLES", "decay_steps", "lr_scheduler", "scheduled_lr"]
-
-SUPPORTED_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 def decay_steps(schedule: SchedulerConfig, total_optimizer_steps: int) -> int:

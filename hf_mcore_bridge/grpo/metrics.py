@@ -12,7 +12,6 @@ docs/METRICS.md.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -96,18 +95,25 @@ class MetricsLogger:
             self._bar.stop()
 
 
-def _fmt(metrics: dict[str, float], key: str, spec: str) -> str:
-    value = metrics.get(key, math.nan)
-    return format(value, spec)
+PROGRESS_FIELDS = (
+    ("reward_mean", "reward {}", ".3f"),
+    ("kl_ref", "kl {}", ".2e"),
+    ("clip_fraction", "clip {}", ".3f"),
+    ("tokens_per_s", "{} tok/s", ".0f"),
+    ("refit_s", "refit {}s", ".3f"),
+    ("step_s", "step {}s", ".2f"),
+)
+"""The progress line's fields: metric, how it reads, its number format."""
 
 
 def progress_line(step: int, metrics: dict[str, float]) -> str:
-    """`step 3 | reward 0.41 | kl 1.2e-03 | clip 0.000 | 812 tok/s | refit 0.02s | step 1.10s`."""
-    return (
-        f"step {step} | reward {_fmt(metrics, 'reward_mean', '.3f')} | kl {_fmt(metrics, 'kl_ref', '.2e')} "
-        f"| clip {_fmt(metrics, 'clip_fraction', '.3f')} | {_fmt(metrics, 'tokens_per_s', '.0f')} tok/s "
-        f"| refit {_fmt(metrics, 'refit_s', '.3f')}s | step {_fmt(metrics, 'step_s', '.2f')}s"
-    )
+    """`step 3 | reward 0.41 | kl 1.2e-03 | clip 0.000 | 812 tok/s | refit 0.02s | step 1.10s`.
+
+    A metric the step does not have is left out: it is off in this run (the KL term with `loss_fn.kl_coef: 0`
+    computes no `kl_ref`), so a `nan` on the line is always a value that went wrong."""
+    parts = [f"step {step}"]
+    parts += [text.format(format(metrics[key], spec)) for key, text, spec in PROGRESS_FIELDS if key in metrics]
+    return " | ".join(parts)
 
 
 def read_metrics(log_dir: Path) -> list[dict[str, float]]:

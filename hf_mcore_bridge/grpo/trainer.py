@@ -151,6 +151,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+    from hf_mcore_bridge.grpo.chat import check_rendering
     from hf_mcore_bridge.mappings import get_architecture
 
     log_dir = Path(config.logger.log_dir)
@@ -158,6 +159,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     # is converted either way or a log directory is made, so that a missing one costs nothing
     found_assets = model_assets_dir(Path(config.policy.model_path))
     tokenizer_file = _tokenizer_file(config, [found_assets] if found_assets else [])
+    check_rendering(config.data, tokenizer_file)  # so is a chat template that cannot render the prompts
     if config.policy.dtensor_cfg.enabled:
         log_dir.mkdir(parents=True, exist_ok=True)
         return _prepare_hf_run(config, log_dir, tokenizer_file)

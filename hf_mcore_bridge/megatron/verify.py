@@ -8,6 +8,11 @@ stage gathers the vocabulary-parallel logits and hands them to global rank 0, wh
 a launcher: global rank 0 itself) runs HF transformers on the HF directory and compares: max |dlogit|, mean
 KL(HF || mcore) and top-1 agreement. Several checkpoints can be verified in one world (process start-up is the
 expensive part).
+
+Before any process starts, each HF directory's safetensors headers are read as `convert` reads them (a corrupt or
+truncated file is refused naming it, not found by transformers after the world has run), and `seq_len` is checked
+against the checkpoint's `max_position_embeddings` (longer sequences are positions neither side was built for, and
+their attention scores grow with the square of the length).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 
 from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.checkpoint.megatron_dirs import check_installed_reads, resolve_checkpoint
 from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
 from hf_mcore_bridge.convert.layout import Layout
@@ -102,9 +108,13 @@ def verify(
         work = Path(scratch)
         token_sets = []
         for i, job in enumerate(jobs):
+            # every shard's header readable, every indexed tensor present; `.bin` weights are read weights-only, as
+            # transformers reads them for the comparison (a forbidden global is refused here, naming it)
+            HFCheckpoint(job.hf_dir, allow_pickle=True)
             _, checkpoint_dir = resolve_checkpoint(job.mcore_dir)
             check_installed_reads(checkpoint_dir)
             model = from_megatron_args(_args(checkpoint_dir))
+            check_seq_len(seq_len, model.max_position_embeddings, checkpoint_dir)
             if text is None:
                 tokens = _tokens(model.vocab_size, batch, seq_len, seed + i)
             else:
@@ -121,6 +131,14 @@ def verify(
             limit = DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance
             results.append(_compare(job, layout, hf_logits, mcore_logits, limit))
     return results
+
+
+def check_seq_len(seq_len: int, max_positions: int, where: Path | str) -> None:
+    """Refuse sequences longer than the model's `max_position_embeddings` (`where` says whose)."""
+    if seq_len > max_positions:
+        raise BridgeError(
+            f"--seq-len {seq_len} is longer than the model's max_position_embeddings={max_positions} ({where})"
+        )
 
 
 def _compare(job: VerifyJob, layout: Layout, hf: torch.Tensor, mc: torch.Tensor, tolerance: float) -> VerifyResult:

@@ -10,7 +10,9 @@ Two ways in:
 - Under an env:// launcher (`torchrun`: `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set), the
   current process is one rank of the world it was given: it joins it (`join_launched_world`), checks its size and
   runs `fn` itself. Stopping is then the launcher's business; SIGINT and SIGTERM take their default action inside
-  `fn` (the rank ends at once, without a traceback).
+  `fn` (the rank ends at once, without a traceback). An error every rank finds alike (a world of the wrong size)
+  is raised by `fail_alike`: global rank 0 reports it, the others wait for the launcher to stop them first (it
+  stops a node's ranks once one has failed, and must not stop rank 0 before its line is out), then exit silently.
 - Otherwise the ranks are spawned processes on this host (127.0.0.1). `fn` must be importable (a module-level
   function); a failing rank becomes a `BridgeError` carrying its last error line. The launcher (this process)
   owns the ranks: SIGINT or SIGTERM sent to it terminates every rank's process group (grandchildren included),
@@ -33,12 +35,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.errors import BridgeError, RunStopped
+from hf_mcore_bridge.convert.layout import Layout, check_world, world_size
+from hf_mcore_bridge.errors import BridgeError, LayoutError, RunStopped, WorldError
 
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What an env:// launcher (`torchrun`) sets for each rank it starts."""
@@ -47,6 +49,10 @@ STOP_GRACE_S = 5.0
 """Seconds spawned ranks get to end after SIGTERM before SIGKILL."""
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+REPORT_GRACE_S = 30.0
+"""How long a rank other than global rank 0 waits before it exits after an error every rank meets alike: on rank 0's
+node the launcher stops it sooner (once rank 0 has reported and failed); elsewhere it then exits by itself."""
 
 
 def _free_port() -> int:
@@ -81,11 +87,22 @@ def launched_world() -> LaunchedWorld | None:
 
 
 def check_launched_size(expected: int, what: str) -> None:
-    """Under a launcher, raise `BridgeError` unless it started `expected` ranks; `what` says where the number
-    comes from (named in the message)."""
+    """Under a launcher, raise `WorldError` (`fail_alike`) unless it started `expected` ranks; `what` says where
+    the number comes from (named in the message)."""
     launched = launched_world()
     if launched is not None and launched.size != expected:
-        raise BridgeError(f"the launcher started WORLD_SIZE={launched.size} ranks but {what} needs {expected}")
+        fail_alike(f"the launcher started WORLD_SIZE={launched.size} ranks but {what} needs {expected}")
+
+
+def fail_alike(message: str) -> NoReturn:
+    """Raise the `WorldError` of an error every rank meets alike: the reporting one on global rank 0 (and where
+    ranks are spawned here); on any other rank of a launcher's world a silent one, after `REPORT_GRACE_S` seconds in
+    which the launcher, once rank 0 has reported and failed, normally stops this rank (SIGTERM's default action)."""
+    launched = launched_world()
+    if launched is None or launched.rank == 0:
+        raise WorldError(message, reports=True)
+    time.sleep(REPORT_GRACE_S)
+    raise WorldError(message, reports=False)
 
 
 def reports_here() -> bool:
@@ -110,22 +127,6 @@ def join_launched_world() -> LaunchedWorld:
     return launched
 
 
-def world_size(layout: Layout) -> int:
-    """Ranks a layout needs by default: TP x PP x CP x EP (the experts' ranks double as data-parallel replicas)."""
-    return layout.tp * layout.pp * layout.cp * layout.ep
-
-
-def check_world(layout: Layout, world: int) -> None:
-    """Raise `BridgeError` unless megatron-core can lay `layout` out over `world` ranks."""
-    dense = layout.tp * layout.pp * layout.cp
-    expert = layout.expert_tp * layout.ep * layout.pp
-    if world < 1 or world % dense or world % expert:
-        raise BridgeError(
-            f"{world} ranks cannot hold {layout}: the world must be a multiple of tp*pp*cp={dense}"
-            f" and of etp*ep*pp={expert}"
-        )
-
-
 def device() -> torch.device:
     """This rank's device."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -140,7 +141,12 @@ def run_world(fn: Callable[..., None], layout: Layout, *args: Any, world: int | 
     else:
         check_launched_size(world, f"the run ({layout})")
         size = world
-    check_world(layout, size)
+    try:
+        check_world(layout, size)
+    except LayoutError as err:
+        if launched is None:
+            raise
+        fail_alike(str(err))
     _start(size, layout, fn, args)
 
 

@@ -1,9 +1,14 @@
 """The GRPO config: YAML and dotted overrides onto frozen dataclasses; unknown keys name the closest valid key;
-keys forwarded to megatron-core are checked against megatron-core's own config classes."""
+keys forwarded to megatron-core are checked against megatron-core's own config classes; a mistake is found without
+importing the training stack."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,6 +119,8 @@ def test_overrides_parse_yaml_scalars_and_do_not_touch_the_input() -> None:
     assert result == {"grpo": {"seed": 2}, "generation": {"stop_token_ids": [1, 2]}, "policy": {"tokenizer": None}}
     with pytest.raises(GRPOConfigError, match=r"key\.sub=value"):
         apply_overrides(data, ["grpo.seed"])
+    with pytest.raises(GRPOConfigError, match=r"override 'grpo\.seed=\{a: 1': the value is not valid YAML: .* line 1"):
+        apply_overrides(data, ["grpo.seed={a: 1"])
 
 
 def test_hf_dataset_source_feeds_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,3 +176,50 @@ def test_data_parallel_size_is_ranks_over_the_model_parallel_ones() -> None:
     assert (world_of(config), data_parallel_size(config)) == (8, 4)
     default = config_from_dict(BASE, ["policy.megatron_cfg.expert_model_parallel_size=2"])
     assert (world_of(default), data_parallel_size(default)) == (2, 2)  # the EP ranks replicate the dense layers
+
+
+_VALIDATE = """
+import sys
+from hf_mcore_bridge.grpo.config import GRPOConfigError, load_config
+try:
+    load_config(sys.argv[1], sys.argv[2:])
+    print("accepted")
+except GRPOConfigError as err:
+    print(f"refused: {err}")
+heavy = ("megatron.core", "transformers", "torch.distributed", "torch")
+print("loaded:", " ".join(name for name in heavy if name in sys.modules))
+"""
+
+DTENSOR = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["grpo.num_generations_per_prompt=1"], ">= 2"),
+        (["policy.megatron_cfg.optimizer.lr=-1.0"], r"optimizer\.lr=-1 must be >= 0"),
+        (["cluster.gpus_per_node=3", "policy.megatron_cfg.tensor_model_parallel_size=2"], "multiple of tp"),
+        (["generation.decode_attention=paged"], "one of auto, triton, flex, gather"),
+        ([*DTENSOR, "policy.dtensor_cfg.scheduler.lr_decay_style=WSD"], "lr_decay_style='WSD'"),
+        (["logger.num_val_samples_to_print=-1"], "num_val_samples_to_print must be >= 0"),  # the last cheap check
+        ([], None),  # a valid config: megatron-core's config classes are read for the forwarded keys
+    ],
+    ids=["early", "optimizer", "world", "engine-kernel", "dtensor-schedule", "last", "valid"],
+)
+def test_a_config_error_is_found_without_the_training_stack(
+    tmp_path: Path, overrides: list[str], message: str | None
+) -> None:
+    """In a fresh interpreter, a config error is reported without importing torch (let alone torch.distributed),
+    transformers or megatron-core; the valid config, whose forwarded keys need megatron-core's classes, shows that
+    the probe sees those imports."""
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(BASE))
+    done = subprocess.run(
+        [sys.executable, "-c", _VALIDATE, str(path), *overrides], capture_output=True, text=True, timeout=300
+    )
+    verdict, loaded = done.stdout.strip().splitlines()[-2:]
+    if message is None:
+        assert verdict == "accepted" and "megatron.core" in loaded.split(), done.stdout + done.stderr
+        return
+    assert verdict.startswith("refused: ") and re.search(message, verdict), done.stdout + done.stderr
+    assert loaded == "loaded:", loaded

@@ -151,6 +151,36 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
     check_start(two_nodes)  # the world the config lays out
 
 
+def test_only_global_rank_0_reports_an_error_every_rank_meets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bridge train grpo` as rank 1, then as rank 0, of a launcher's 2-rank world, for a config that lays out 4
+    ranks: rank 1 exits with status 2 without a word (after the wait that the launcher cuts short once rank 0 has
+    failed: 0 s here), rank 0 prints the one line. The real launch is `test_cli_matrix`'s torchrun test."""
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+    from hf_mcore_bridge.megatron import world
+
+    monkeypatch.setattr(world, "REPORT_GRACE_S", 0.0)
+    policy = build_tiny_policy(tmp_path / "policy", seed=1)
+    config = _yaml(tmp_path, _config(tmp_path, policy, "run", 1, cluster={"gpus_per_node": 4}), "run")
+    launcher = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    printed = {}
+    for rank in ("1", "0"):
+        for name, value in (launcher | {"RANK": rank}).items():
+            monkeypatch.setenv(name, value)
+        result = CliRunner().invoke(app, ["train", "grpo", "--config", str(config)])
+        assert result.exit_code == 2, result.output
+        printed[rank] = [line for line in result.output.splitlines() if line.strip()]
+    assert printed == {
+        "1": [],
+        "0": [
+            "error: the launcher started WORLD_SIZE=2 ranks but cluster.gpus_per_node x cluster.num_nodes (4 x 1)"
+            " needs 4"
+        ],
+    }
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_with_another_model_is_one_line(tmp_path: Path) -> None:
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.grpo.launch import check_resumable

@@ -18,6 +18,7 @@ import pickle
 import pickletools
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -28,12 +29,13 @@ from safetensors.torch import load_file, save_file
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.dcp_writer import saved
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, safe_torch_load
-from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain
+from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain, member_start
 from hf_mcore_bridge.checkpoint.torch_archive import saved_plain
 from hf_mcore_bridge.tiny_models import build_tiny_model
 
 PROBE = """
 import sys
+import types
 from hf_mcore_bridge.cli.main import app
 try:
     app(sys.argv[1:], standalone_mode=False)
@@ -155,3 +157,22 @@ def test_saved_falls_back_to_torch_save_for_tensors():
     payload = {"t": torch.ones(2), "dtype": dtypes.FLOAT16}
     loaded = torch.load(io.BytesIO(saved(payload)), weights_only=True)
     assert torch.equal(loaded["t"], torch.ones(2)) and loaded["dtype"] is torch.float16
+
+
+def test_saved_plain_writes_the_bytes_torch_save_writes_for_namespaces():
+    """Byte for byte, given torch's serialization id: an argparse Namespace (rebuilt by `__new__`) and a
+    SimpleNamespace (rebuilt by its `__reduce__`, a call and a state) are pickled differently by the standard
+    pickler, and must be here too."""
+    value = {"args": argparse.Namespace(a=1, b=[2.5, None]), "extra": types.SimpleNamespace(steps=(1, 2), name="x")}
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # as this project writes archives
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    theirs = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(theirs)) as archive:
+        (member,) = (m for m in archive.infolist() if m.filename.endswith("/.data/serialization_id"))
+    start = member_start(io.BytesIO(theirs), member)
+    assert saved_plain(value, theirs[start : start + 40].decode()) == theirs

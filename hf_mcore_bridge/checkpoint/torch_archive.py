@@ -106,8 +106,12 @@ def _by_name(value: Any) -> Any:
     if isinstance(value, DType):
         return Global("torch", value.name)
     if isinstance(value, argparse.Namespace | types.SimpleNamespace):
-        cls = Global(type(value).__module__, type(value).__qualname__)
-        return New(cls, {k: _by_name(v) for k, v in vars(value).items()})
+        cls, state = (
+            Global(type(value).__module__, type(value).__qualname__),
+            {k: _by_name(v) for k, v in vars(value).items()},
+        )
+        # a SimpleNamespace reduces to (its class, (), its vars); a Namespace is rebuilt by __new__ and its vars
+        return Call(cls, (), state) if isinstance(value, types.SimpleNamespace) else New(cls, state)
     if type(value) is pathlib.PosixPath:
         return Call(Global("pathlib", "PosixPath"), tuple(value.parts))
     if type(value) in (list, tuple):

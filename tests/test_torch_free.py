@@ -3,10 +3,10 @@ agree with torch's own.
 
 A conversion plans from file headers and copies bytes in the kernel; importing torch (1-2 s) would cost more than
 the copy. The first tests run `bridge convert` in a fresh interpreter and report whether torch was imported, with
-a conversion that casts (which needs torch) as the case that shows the probe sees an import. The others check the
-torch-free pieces against torch: `dtypes` against torch's dtypes, safetensors' headers and `torch.save`'s pickles;
-`plain_load` against `torch.load`; `torch_archive.saved_plain` by loading its archives with
-`torch.load(weights_only=True)`.
+a conversion that casts (which needs torch) as the case that shows the probe sees an import; both find the writer
+contract's verdict already recorded (`writer_contract`). The others check the torch-free pieces against torch:
+`dtypes` against torch's dtypes, safetensors' headers and `torch.save`'s pickles; `plain_load` against
+`torch.load`; `torch_archive.saved_plain` by loading its archives with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, writer_contract
 from hf_mcore_bridge.checkpoint.dcp_writer import saved
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, safe_torch_load
 from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain, member_start
@@ -56,7 +56,17 @@ def bf16_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("hf") / "qwen3", "Qwen3ForCausalLM", seed=3, dtype=torch.bfloat16)
 
 
-def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path):
+@pytest.fixture
+def checked_writers(tmp_path, monkeypatch) -> None:
+    """The writer contract's verdict recorded where the child conversions look for it (a conversion that finds
+    none checks the contract, importing torch: `test_writer_contract`)."""
+    monkeypatch.setenv(writer_contract.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(writer_contract.TORCH_WRITER_ENV, raising=False)
+    monkeypatch.setattr(writer_contract, "_VERDICTS", {})
+    assert not writer_contract.verdict().by_torch
+
+
+def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path, checked_writers):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert not _convert("convert", "--to", "mcore", str(bf16_model), str(mcore), "--tp", "2", "--pp", "2")
     assert not _convert("convert", "--to", "hf", str(mcore), str(back))
@@ -69,7 +79,7 @@ def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path):
     assert common["args"].tensor_model_parallel_size == 2 and common["iteration"] == 0
 
 
-def test_the_probe_sees_a_conversion_that_needs_torch(bf16_model, tmp_path):
+def test_the_probe_sees_a_conversion_that_needs_torch(bf16_model, tmp_path, checked_writers):
     assert _convert("convert", "--to", "mcore", str(bf16_model), str(tmp_path / "m"), "--dtype", "fp32")
 
 

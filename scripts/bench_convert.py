@@ -7,6 +7,9 @@ What it measures, per model size and in the same run:
 - `bridge convert --to mcore SRC DST --tp 2 --pp 2` (torch_dist) and `bridge convert --to hf DST BACK`;
 - the same pair with `--format torch` (legacy per-rank files), only when a tiny probe shows that the option
   really writes the legacy format and round-trips bit-exactly; otherwise the reason is reported, nothing timed.
+- with `--torch-writer`, also `--to mcore` written through torch's own writers (`torch.save` per item, DCP's
+  `.metadata`; `HF_MCORE_BRIDGE_TORCH_WRITER=1`, what a conversion falls back to when the installed torch writes
+  its formats differently from this project's torch-free writers), beside the torch-free conversion.
 
 Each operation runs as its own child process under `/usr/bin/time -v`, so the wall time includes interpreter start
 and imports (the project's modules are compiled to bytecode first, as `pip install` does: under
@@ -60,6 +63,8 @@ import torch
 from random_checkpoint import write_random_checkpoint
 from safetensors import safe_open
 
+from hf_mcore_bridge.checkpoint import writer_contract
+from hf_mcore_bridge.checkpoint.writer_contract import TORCH_WRITER_ENV
 from hf_mcore_bridge.mappings.llama import LLAMA3_ROPE
 
 MB = 10**6
@@ -366,6 +371,7 @@ def prepare_size(
     shard_bytes: int,
     bridge: list[str],
     baseline: Path | None = None,
+    torch_writer: bool = False,
 ) -> Size:
     """Generate the source checkpoint of one size and list its operations (cp -r, then each format's pair, then
     the torch_dist pair of the `baseline` installation)."""
@@ -385,6 +391,10 @@ def prepare_size(
         operations[f"to mcore ({fmt})"] = ([*to_mcore, "--format", fmt, "--no-progress"], source, mcore)
         to_hf = [*bridge, "convert", "--to", "hf", str(mcore), str(back), "--no-progress"]
         operations[f"to hf (from {fmt})"] = (to_hf, mcore, back)
+        if fmt == "torch_dist" and torch_writer:  # the same conversion through torch's writers
+            forced = base / "mcore-torch-writer"
+            command = ["env", f"{TORCH_WRITER_ENV}=1", *bridge, "convert", "--to", "mcore", str(source), str(forced)]
+            operations[TORCH_WRITER_OP] = ([*command, "--tp", "2", "--pp", "2", "--no-progress"], source, forced)
     if baseline is not None:
         old = ["env", f"PYTHONPATH={baseline}", *bridge]  # the baseline's package before this checkout's
         mcore, back = base / "mcore-baseline", base / "back-baseline"
@@ -400,6 +410,8 @@ def prepare_size(
 
 BASELINE = "baseline"
 """Prefix of the operations run with the `--baseline` installation."""
+TORCH_WRITER_OP = "to mcore (torch's writer)"
+"""`--to mcore` (torch_dist) through torch's own writers (`--torch-writer`)."""
 
 
 def run_order(operations: list[str], repeat: int) -> list[str]:
@@ -445,7 +457,7 @@ def run_size_once(size: Size, repeat: int, *, verify: bool) -> float:
                 print(f"[{size.name}] {op}: export bit-identical to the source ({count} tensors)", flush=True)
             shutil.rmtree(writes)
             shutil.rmtree(reads)  # the Megatron checkpoint it read
-        elif op == "cp -r":
+        elif op in ("cp -r", TORCH_WRITER_OP):
             shutil.rmtree(writes)
     return verify_s
 
@@ -596,6 +608,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape instead of Llama-3.2-1B (smoke test)")
     parser.add_argument("--no-legacy", action="store_true", help="skip the `--format torch` probe and runs")
     parser.add_argument(
+        "--torch-writer",
+        action="store_true",
+        help=f"also time --to mcore (torch_dist) through torch's own writers ({TORCH_WRITER_ENV}=1)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -659,9 +676,12 @@ def run_benchmark(args: argparse.Namespace, workdir: Path, out: Path) -> tuple[l
             shard_bytes=shard_bytes,
             bridge=bridge,
             baseline=args.baseline.resolve() if args.baseline else None,
+            torch_writer=args.torch_writer,
         )
         for n in args.layers
     ]
+    contract = writer_contract.verdict()  # checked here (it imports torch), so that no timed child checks it
+    print(f"torch-free writers against the installed torch: {contract.note or 'the same bytes'}", flush=True)
     load_start = os.getloadavg()
     last_s: dict[str, float] = {}
     for repeat in range(args.repeats):
@@ -675,6 +695,7 @@ def run_benchmark(args: argparse.Namespace, workdir: Path, out: Path) -> tuple[l
             verify_s = run_size_once(size, repeat, verify=repeat == 0)
             last_s[size.name] = time.perf_counter() - size_started - verify_s
         extra = {
+            "writer_contract": contract.note or "the torch-free writers write the installed torch's bytes",
             "repeats_done": max(len(runs) for size in sizes for runs in size.samples.values()),
             "load_average_start": load_start,
             "load_average_end": os.getloadavg(),

@@ -3,10 +3,10 @@ agree with torch's own.
 
 A conversion plans from file headers and copies bytes in the kernel; importing torch (1-2 s) would cost more than
 the copy. The first tests run `bridge convert` in a fresh interpreter and report whether torch was imported, with
-a conversion that casts (which needs torch) as the case that shows the probe sees an import. The others check the
-torch-free pieces against torch: `dtypes` against torch's dtypes, safetensors' headers and `torch.save`'s pickles;
-`plain_load` against `torch.load`; `torch_archive.saved_plain` by loading its archives with
-`torch.load(weights_only=True)`.
+a conversion that casts (which needs torch) as the case that shows the probe sees an import; both find the writer
+contract's verdict already recorded (`writer_contract`). The others check the torch-free pieces against torch:
+`dtypes` against torch's dtypes, safetensors' headers and `torch.save`'s pickles; `plain_load` against
+`torch.load`; `torch_archive.saved_plain` by loading its archives with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pickle
 import pickletools
 import subprocess
 import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -25,15 +26,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, writer_contract
 from hf_mcore_bridge.checkpoint.dcp_writer import saved
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, safe_torch_load
-from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain
+from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain, member_start
 from hf_mcore_bridge.checkpoint.torch_archive import saved_plain
 from hf_mcore_bridge.tiny_models import build_tiny_model
 
 PROBE = """
 import sys
+import types
 from hf_mcore_bridge.cli.main import app
 try:
     app(sys.argv[1:], standalone_mode=False)
@@ -54,7 +56,17 @@ def bf16_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("hf") / "qwen3", "Qwen3ForCausalLM", seed=3, dtype=torch.bfloat16)
 
 
-def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path):
+@pytest.fixture
+def checked_writers(tmp_path, monkeypatch) -> None:
+    """The writer contract's verdict recorded where the child conversions look for it (a conversion that finds
+    none checks the contract, importing torch: `test_writer_contract`)."""
+    monkeypatch.setenv(writer_contract.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(writer_contract.TORCH_WRITER_ENV, raising=False)
+    monkeypatch.setattr(writer_contract, "_VERDICTS", {})
+    assert not writer_contract.verdict().by_torch
+
+
+def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path, checked_writers):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert not _convert("convert", "--to", "mcore", str(bf16_model), str(mcore), "--tp", "2", "--pp", "2")
     assert not _convert("convert", "--to", "hf", str(mcore), str(back))
@@ -67,7 +79,7 @@ def test_conversions_that_cast_nothing_import_no_torch(bf16_model, tmp_path):
     assert common["args"].tensor_model_parallel_size == 2 and common["iteration"] == 0
 
 
-def test_the_probe_sees_a_conversion_that_needs_torch(bf16_model, tmp_path):
+def test_the_probe_sees_a_conversion_that_needs_torch(bf16_model, tmp_path, checked_writers):
     assert _convert("convert", "--to", "mcore", str(bf16_model), str(tmp_path / "m"), "--dtype", "fp32")
 
 
@@ -155,3 +167,22 @@ def test_saved_falls_back_to_torch_save_for_tensors():
     payload = {"t": torch.ones(2), "dtype": dtypes.FLOAT16}
     loaded = torch.load(io.BytesIO(saved(payload)), weights_only=True)
     assert torch.equal(loaded["t"], torch.ones(2)) and loaded["dtype"] is torch.float16
+
+
+def test_saved_plain_writes_the_bytes_torch_save_writes_for_namespaces():
+    """Byte for byte, given torch's serialization id: an argparse Namespace (rebuilt by `__new__`) and a
+    SimpleNamespace (rebuilt by its `__reduce__`, a call and a state) are pickled differently by the standard
+    pickler, and must be here too."""
+    value = {"args": argparse.Namespace(a=1, b=[2.5, None]), "extra": types.SimpleNamespace(steps=(1, 2), name="x")}
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # as this project writes archives
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+    theirs = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(theirs)) as archive:
+        (member,) = (m for m in archive.infolist() if m.filename.endswith("/.data/serialization_id"))
+    start = member_start(io.BytesIO(theirs), member)
+    assert saved_plain(value, theirs[start : start + 40].decode()) == theirs

@@ -74,7 +74,7 @@ def test_sigint_stops_the_writer_threads_at_once(tiny_models, tmp_path):
     assert child.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written to the destination"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "threads.log"]  # no output, partial or lock
-    assert set(threads.read_text().split()) == {"bridge-writer-0", "bridge-writer-1"}
+    assert set(threads.read_text().split()) == {"bridge-writer_0", "bridge-writer_1"}  # the executor's names
 
 
 def test_a_failing_writer_stops_the_run_with_its_error(tiny_models, tmp_path, monkeypatch):

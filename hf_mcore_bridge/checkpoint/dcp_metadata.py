@@ -6,7 +6,8 @@ file, offset, length). Importing the package that defines those classes costs mo
 DTensor and sympy), more than writing a small model's checkpoint. `metadata_pickle` writes the pickle that DCP's
 `FileSystemWriter` writes for the same items, naming the classes without importing them (`pickles`), and
 `MetadataUnpickler` reads any DCP `.metadata` into stand-ins with the same attribute names, resolving nothing but
-an allow-list of names (a `.metadata` is untrusted input).
+an allow-list of names (a `.metadata` is untrusted input). `writer_contract` checks the pickle against DCP's own
+writer at run time (as loaded: its bytes differ by design).
 """
 
 from __future__ import annotations
@@ -72,10 +73,14 @@ def _tensor_metadata(tensor: StoredTensor) -> New:
 
 
 def metadata_pickle(
-    order: Sequence[str], tensors: Sequence[StoredTensor], items: Sequence[StoredItem], checkpoint_id: Path
+    order: Sequence[str],
+    tensors: Sequence[StoredTensor],
+    items: Sequence[StoredItem],
+    checkpoint_id: Path,
+    save_id: str = "",
 ) -> bytes:
     """The `.metadata` DCP's `FileSystemWriter` writes for these tensors and items (keys in `order`; a key that is
-    not a tensor is a bytes object)."""
+    not a tensor is a bytes object); `save_id` a random UUID when empty, as DCP's."""
     by_key = {t.key: t for t in tensors}
     chunk_index = {(t.key, offsets): i for t in tensors for i, (offsets, _) in enumerate(t.chunks)}
     state_dict = {
@@ -92,7 +97,7 @@ def metadata_pickle(
         info = {"relative_path": item.relative_path, "offset": item.offset, "length": item.length}
         storage.append((_new(_METADATA, "MetadataIndex", index_state), _new(_FILESYSTEM, "_StorageInfo", info)))
     parts = Path(checkpoint_id).absolute().parts
-    meta = {"checkpoint_id": Call(Global("pathlib", "PosixPath"), parts), "save_id": str(uuid.uuid4())}
+    meta = {"checkpoint_id": Call(Global("pathlib", "PosixPath"), parts), "save_id": save_id or str(uuid.uuid4())}
     storage_meta = _new(_METADATA, "StorageMeta", {**meta, "load_id": None, "modules": []})
     state = {
         "state_dict_metadata": state_dict,

@@ -4,7 +4,7 @@ A DCP directory is data files (`__0_0.distcp`, `__0_1.distcp`, ...) holding one 
 `.metadata` naming, per key, the global shape and chunks and, per item, its file, offset and length. A tensor
 item is the archive `torch.save` writes for the chunk; a bytes item (megatron's ShardedObject) is the `torch.save`
 of its payload. This writer lays out the same files as DCP's `FileSystemWriter` (checked against it and against
-megatron-core's loader in the tests) without running DCP, whose import alone costs most of a second:
+megatron-core's loader in the tests) without running DCP, whose import alone costs 1.3-1.8 s after torch's:
 
 - every item's size is known before anything is written (the archive around a tensor is `torch_archive`'s), so
   the items are split into one queue per data file and the files are written in parallel (`parallel_write`);
@@ -13,25 +13,25 @@ megatron-core's loader in the tests) without running DCP, whose import alone cos
   so memory holds at most one tensor per writer thread;
 - a chunk the archive cannot frame (4 GiB or more, or an unusual dtype) is appended afterwards with `torch.save`.
 
-Items are written in plan order within each file, bytes items first, as DCP writes them.
+Items are written in plan order within each file, bytes items first, as DCP writes them. The bytes framed here
+(each archive's head and tail, bytes items of plain values, the `.metadata`) are compared with the installed
+torch's own writers before a conversion writes (`writer_contract`); where they differ, the conversion passes
+`by_torch` and the checkpoint is written by `torch_writer` instead.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, length_of
 from hf_mcore_bridge.checkpoint.dcp_metadata import StoredItem, StoredTensor, metadata_pickle
-from hf_mcore_bridge.checkpoint.dtypes import DType
 from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
 from hf_mcore_bridge.checkpoint.torch_archive import TensorArchive, saved_plain, supported
+from hf_mcore_bridge.checkpoint.torch_writer import produced, save_chunk, saved_by_torch, write_dcp_with_torch
 
 DATA_FILES = 2
 """Data files (and writer threads) of a checkpoint: two cores on the smallest machines we run on."""
@@ -88,12 +88,17 @@ def write_dcp(
     objects: Sequence[ObjectItem] = (),
     on_write: Callable[[], None] = lambda: None,
     files: int = DATA_FILES,
+    *,
+    by_torch: bool = False,
 ) -> None:
     """Write a DCP checkpoint of `chunks` and `objects` into `directory` (created if missing), in `files` data
-    files written in parallel.
+    files written in parallel; `by_torch`: through torch's own writers instead (`torch_writer`, one file).
 
     `on_write` is called once per item written (for progress reporting).
     """
+    if by_torch:
+        write_dcp_with_torch(directory, chunks, objects, on_write)
+        return
     directory.mkdir(parents=True, exist_ok=True)
     frameable = [supported(c.dtype_name, c.nbytes) and sys.byteorder == "little" for c in chunks]
     framed = [c for c, ok in zip(chunks, frameable, strict=True) if ok]
@@ -135,74 +140,33 @@ def _tensor_bytes(chunk: TensorChunk) -> Callable[[], Any]:
     def produce() -> Any:
         import torch
 
-        tensor = chunk.produce()
-        if tuple(tensor.shape) != chunk.sizes or str(tensor.dtype).removeprefix("torch.") != chunk.dtype_name:
-            raise AssertionError(
-                f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}, "
-                f"planned {chunk.sizes} {chunk.dtype}"
-            )
-        return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return produced(chunk).reshape(-1).view(torch.uint8).numpy()
 
     return produce
 
 
-@contextmanager
-def _without_crc32() -> Iterator[None]:
-    """Skip the per-record CRC32 of `torch.save` (a fifth of the writing time); readers do not check it."""
-    import torch
-
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
-
-
-def saved(payload: object) -> bytes:
+def saved(payload: object, *, by_torch: bool = False) -> bytes:
     """The bytes of `torch.save(payload)`: written without torch for a payload of plain values, namespaces and
-    dtypes (`torch_archive.saved_plain`), else by `torch.save` (a `dtypes.DType` in it saved as torch's dtype)."""
-    try:
-        return saved_plain(payload)
-    except TypeError:
-        pass
-    import torch
-
-    buffer = io.BytesIO()
-    with _without_crc32():
-        torch.save(_torch_dtypes(payload), buffer)
-    return buffer.getvalue()
-
-
-def _torch_dtypes(value: Any) -> Any:
-    """`value` with every `dtypes.DType` in its containers and namespaces replaced by torch's dtype."""
-    if isinstance(value, DType):
-        return value.torch
-    if isinstance(value, argparse.Namespace):
-        return argparse.Namespace(**{k: _torch_dtypes(v) for k, v in vars(value).items()})
-    if type(value) in (list, tuple):
-        return type(value)(_torch_dtypes(v) for v in value)
-    if type(value) is dict:
-        return {k: _torch_dtypes(v) for k, v in value.items()}
-    return value
+    dtypes (`torch_archive.saved_plain`) in a process that has not imported torch, where that saves its import;
+    else, or `by_torch`, by `torch.save` itself (a `dtypes.DType` in it saved as torch's dtype)."""
+    if not by_torch and "torch" not in sys.modules:
+        try:
+            return saved_plain(payload)
+        except TypeError:
+            pass
+    return saved_by_torch(payload)
 
 
 def _append_saved(
     directory: Path, chunks: Sequence[TensorChunk], placed: list[_Placed], offset: int, on_write: Callable[[], None]
 ) -> None:
     """`torch.save` each chunk at the end of the first data file (for chunks the archive cannot frame)."""
-    import torch
-
-    with (directory / _file_name(0)).open("r+b") as handle, _without_crc32():
+    with (directory / _file_name(0)).open("r+b") as handle:
         handle.seek(offset)
         for chunk in chunks:
-            tensor = chunk.produce()
-            if tuple(tensor.shape) != chunk.sizes or str(tensor.dtype).removeprefix("torch.") != chunk.dtype_name:
-                raise AssertionError(f"{chunk.key} at {chunk.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}")
             start = handle.tell()
-            torch.save(tensor.detach().contiguous().clone(), handle)
+            save_chunk(chunk, handle)
             placed.append(_Placed(chunk.key, chunk.offsets, 0, start, handle.tell() - start))
-            del tensor
             on_write()
 
 

@@ -119,11 +119,13 @@ def common_objects(common: dict[str, Any], mcore_version: int) -> list[ObjectIte
     return [ObjectItem(COMMON_STATE_KEY, [common])]
 
 
-def write_common(checkpoint_dir: Path, common: dict[str, Any], mcore_version: int = MCORE_VERSIONS[0]) -> None:
+def write_common(
+    checkpoint_dir: Path, common: dict[str, Any], mcore_version: int = MCORE_VERSIONS[0], *, by_torch: bool = False
+) -> None:
     """Write `metadata.json` and, before megatron-core 0.19, `common.pt` (0.19 takes the common state from the DCP
-    item `common_objects` gave)."""
+    item `common_objects` gave); `by_torch`: `common.pt` by `torch.save` itself (`dcp_writer.saved`)."""
     if mcore_version < COMMON_IN_DCP_SINCE:
-        (checkpoint_dir / COMMON_NAME).write_bytes(saved(common))
+        (checkpoint_dir / COMMON_NAME).write_bytes(saved(common, by_torch=by_torch))
     (checkpoint_dir / METADATA_NAME).write_text(json.dumps(metadata_json(mcore_version)))
 
 

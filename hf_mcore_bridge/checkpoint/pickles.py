@@ -32,10 +32,12 @@ class Global:
 
 @dataclass(frozen=True)
 class Call:
-    """An object rebuilt as `func(*args)` (the REDUCE opcode)."""
+    """An object rebuilt as `func(*args)` (the REDUCE opcode), then given `state` (BUILD) unless it is None: what
+    the standard pickler writes for an object whose `__reduce__` returns `(func, args[, state])`."""
 
     func: Global
     args: tuple[Any, ...]
+    state: Any = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,9 @@ class PickleWriter:
             self._save(tuple(value.args))
             out += pickle.REDUCE
             self._put()
+            if value.state is not None:
+                self._save(value.state)
+                out += pickle.BUILD
         elif isinstance(value, New):
             self._save(value.cls)
             out += pickle.EMPTY_TUPLE + pickle.NEWOBJ

@@ -7,7 +7,8 @@ zip64 end records. Each record has a local header whose extra field pads the dat
 descriptor after it. `TensorArchive` computes every byte of that archive except the tensor data: `head` (everything
 before the data) and `tail` (everything after), as torch's writer lays them out with its per-record CRC32 turned
 off (the CRC fields are zero; readers do not check them). The tests compare the result with `torch.save` byte for
-byte, apart from the serialization id, a per-archive random number.
+byte, apart from the serialization id, a per-archive random number, and so does every conversion against the
+installed torch before it writes (`writer_contract`), falling back to `torch.save` where they differ.
 
 Only what a DCP tensor item needs is covered: one tensor owning its whole storage, contiguous, little-endian,
 below 4 GiB (larger records need zip64 extra fields; callers fall back to `torch.save` for those). `saved_plain`
@@ -106,8 +107,12 @@ def _by_name(value: Any) -> Any:
     if isinstance(value, DType):
         return Global("torch", value.name)
     if isinstance(value, argparse.Namespace | types.SimpleNamespace):
-        cls = Global(type(value).__module__, type(value).__qualname__)
-        return New(cls, {k: _by_name(v) for k, v in vars(value).items()})
+        cls, state = (
+            Global(type(value).__module__, type(value).__qualname__),
+            {k: _by_name(v) for k, v in vars(value).items()},
+        )
+        # a SimpleNamespace reduces to (its class, (), its vars); a Namespace is rebuilt by __new__ and its vars
+        return Call(cls, (), state) if isinstance(value, types.SimpleNamespace) else New(cls, state)
     if type(value) is pathlib.PosixPath:
         return Call(Global("pathlib", "PosixPath"), tuple(value.parts))
     if type(value) in (list, tuple):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, writer_contract
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Zeros
 from hf_mcore_bridge.checkpoint.dcp_writer import ObjectItem, TensorChunk, write_dcp
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
@@ -306,6 +306,9 @@ def convert_hf_to_mcore(
         spec=spec,
         ckpt_format=checkpoint_format,
     )
+    # the torch-free writers' bytes against the installed torch's, before anything is written (legacy files are
+    # torch.saved: nothing to check)
+    contract = writer_contract.verdict() if checkpoint_format == "torch_dist" else writer_contract.Verdict(())
     destination = Path(destination)
     with written_atomically(
         destination,
@@ -341,8 +344,8 @@ def convert_hf_to_mcore(
                 del common["args"]
             items = [*objects, *common_objects(common, version)]
             with progress_bar("convert to mcore", total=len(chunks) + len(items), enabled=show_progress) as step:
-                write_dcp(checkpoint_dir, chunks, items, on_write=step)
-            write_common(checkpoint_dir, common, version)
+                write_dcp(checkpoint_dir, chunks, items, on_write=step, by_torch=contract.by_torch)
+            write_common(checkpoint_dir, common, version, by_torch=contract.by_torch)
         if bridge:
             config = run_config(model, layout, target_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
             write_bridge_files(staging, checkpoint_dir, config, step=0)
@@ -353,5 +356,6 @@ def convert_hf_to_mcore(
     bytes_written = sum(math.prod(c.sizes) * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
 
-    notes = tuple(n for n in (hf.note() if isinstance(hf, Fp8Checkpoint) else None, mtp.note, note) if n)
+    fp8_note = hf.note() if isinstance(hf, Fp8Checkpoint) else None
+    notes = tuple(n for n in (fp8_note, mtp.note, note, contract.note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

@@ -29,6 +29,12 @@ The reward function travels to the workers by reference (module and name), so it
 built-ins and `module:function` rewards are. An exception raised by the reward, or a value that is not a finite
 number, is an error naming the sample, as `rewards.compute_rewards`: raised by `result()`, or by the next
 `submit` once the pool has seen it (the batch stops feeding the workers at the first error).
+
+Why a pool of its own rather than the standard library's: `multiprocessing.Pool` cannot end one stuck task (its
+`get(timeout)` leaves the worker busy for good), and `concurrent.futures.ProcessPoolExecutor` treats a killed
+worker as a broken pool (`BrokenProcessPool`, every pending sample lost), and `Pool` starts the workers that
+replace others from a thread of its own, whose end `PR_SET_PDEATHSIG` would take for the rank's. So the pool here
+is spawn processes and pipes of `multiprocessing` with the kill-and-replace above, and no more.
 """
 
 from __future__ import annotations

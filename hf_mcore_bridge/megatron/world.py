@@ -22,6 +22,15 @@ Two ways in:
   the launcher dies. The handlers are installed explicitly, so a launcher started in the background by a script
   (where the shell makes it ignore SIGINT) is stopped by SIGINT all the same. `stop_on_signals` puts the same
   handlers around a caller's own work before the world starts (e.g. converting the policy).
+
+Made of torch's own pieces: the ranks are started by `torch.multiprocessing.start_processes` and joined by its
+context (which also turns a rank's exception into `ProcessRaisedException`), a launched world is torchrun's
+env:// protocol. What is written here is the stopping, which torch's context does not do (it stops no rank when
+the launcher gets SIGINT or SIGTERM, and ranks outlive a killed launcher). torch's elastic launcher
+(`elastic_launch`, what torchrun runs) does stop its workers, but it is built for fault-tolerant jobs: a
+rendezvous, a TCP store, restarts and per-rank error files around every call; the handlers above are the part of
+that this project needs (the whole world stopped, the ranks' own children included, and ranks that die with
+their launcher), in under a hundred lines.
 """
 
 from __future__ import annotations

@@ -58,40 +58,14 @@ def model_dir(name: str, root: Path) -> Path:
     return Path(name)
 
 
-def run_config(args: argparse.Namespace, model: Path, precision: str, log_dir: Path) -> Any:
-    from hf_mcore_bridge.grpo.config import config_from_dict
-
-    return config_from_dict(
-        {
-            "policy": {
-                "model_path": str(model),
-                "dtype": "fp32" if precision == "fp32" else "bf16",
-                "megatron_cfg": {"micro_batch_size": args.prompts * args.generations},
-            },
-            "grpo": {
-                "num_prompts_per_step": args.prompts,
-                "num_generations_per_prompt": args.generations,
-                "max_num_steps": 1,
-                "on_logprob_mismatch": "warn",
-            },
-            "generation": {
-                "max_new_tokens": args.max_new_tokens,
-                "temperature": args.temperature,
-                "precision": "fp8" if precision == "fp8" else "dtype",
-                "max_model_len": 256,
-            },
-            "data": {"task": "arithmetic"},
-            "logger": {"log_dir": str(log_dir), "print_progress": False},
-        }
-    )
-
-
 def measure(args: argparse.Namespace, model: Path, precision: str, work: Path) -> dict[str, Any]:
     """One precision's values (`gate_margins.measure_gate_rank` in a one-rank world) and its default limit."""
-    from hf_mcore_bridge.grpo.gate_margins import measure_gate
+    from hf_mcore_bridge.grpo.gate_margins import measure_gate, measurement_config
     from hf_mcore_bridge.grpo.logprob_gate import limit_of
 
-    config = run_config(args, model, precision, work / precision)
+    config = measurement_config(
+        model, precision, work / precision, args.prompts, args.generations, args.max_new_tokens, args.temperature
+    )
     return measure_gate(config, list(args.faults), work / precision) | {"limit": limit_of(config)}
 
 

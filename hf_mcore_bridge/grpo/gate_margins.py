@@ -27,7 +27,49 @@ import torch
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.refit_faults import FAULTS, inject
 
-__all__ = ["measure_gate", "measure_gate_rank"]
+__all__ = ["measure_gate", "measure_gate_rank", "measurement_config"]
+
+
+def measurement_config(
+    model: Path,
+    precision: str,
+    log_dir: Path,
+    prompts: int = 4,
+    generations: int = 4,
+    max_new_tokens: int = 48,
+    temperature: float = 1.0,
+) -> Any:
+    """The run measured: `model` at one rank, `precision` `fp32`, `bf16` or `fp8` (FP8 rollouts, a bf16 trainer),
+    step 1's `prompts` x `generations` samples of the built-in `arithmetic` task (chat-templated where the tokenizer
+    has a template). The gate's value is a mean of exp(|gap|) over the sampled tokens, dominated by the few tokens a
+    wrong engine samples that the trainer finds unlikely: with a few hundred tokens it is steady (the defaults here),
+    with a few dozen a fault may move it far less (SmolLM2, FP8, gate/up exchanged: 1.58 over 8 samples of up to 24
+    tokens against 3284 over 16 of up to 48)."""
+    from hf_mcore_bridge.grpo.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "policy": {
+                "model_path": str(model),
+                "dtype": "fp32" if precision == "fp32" else "bf16",
+                "megatron_cfg": {"micro_batch_size": prompts * generations},
+            },
+            "grpo": {
+                "num_prompts_per_step": prompts,
+                "num_generations_per_prompt": generations,
+                "max_num_steps": 1,
+                "on_logprob_mismatch": "warn",
+            },
+            "generation": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "precision": "fp8" if precision == "fp8" else "dtype",
+                "max_model_len": 256,
+            },
+            "data": {"task": "arithmetic"},
+            "logger": {"log_dir": str(log_dir), "print_progress": False},
+        }
+    )
 
 
 def measure_gate(config: Any, faults: list[str], work: Path) -> dict[str, Any]:

@@ -143,8 +143,9 @@ def gather_rank(out: str) -> None:
     tokens it holds (`held_positions`) and saves, per `(cp, case)`, what `gather_in_order` returns for `[2, t]`
     values along dim 1 (as `token_logprobs` gathers log-probs) and `gather_sequence` for `[t, 2]` along dim 0 (as
     `cp_attention` gathers keys and values), with the gradient each sends back to this rank's input when this CP
-    rank weights the output by `weights * (cp rank + 1)`. Saved as `<out>/rank<r>.pt`."""
+    rank weights the output by `weights * (cp rank + 1)`. Saved as `<out>/rank<r>.pt` (on the host)."""
     from hf_mcore_bridge.megatron.context_parallel import gather_in_order, gather_sequence
+    from hf_mcore_bridge.megatron.world import device
 
     world = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in the same order
@@ -154,6 +155,7 @@ def gather_rank(out: str) -> None:
         rank = dist.get_rank(group)
         for case in GATHER_CASES:
             cu, values, weights = gather_inputs(cp, case)
+            values, weights = values.to(device()), weights.to(device())  # NCCL where there is CUDA
             mine = values[:, held_positions(cu, cp, rank)]
             scale = rank + 1
             local = mine.clone().requires_grad_()
@@ -163,10 +165,10 @@ def gather_rank(out: str) -> None:
             sequence = gather_sequence(local_t, group, torch.tensor(cu), dim=0)
             (sequence * weights.T * scale).sum().backward()
             results[cp, case] = {
-                "in_order": in_order.detach(),
-                "in_order_grad": local.grad,
-                "sequence": sequence.detach(),
-                "sequence_grad": local_t.grad,
+                "in_order": in_order.detach().cpu(),
+                "in_order_grad": local.grad.cpu(),
+                "sequence": sequence.detach().cpu(),
+                "sequence_grad": local_t.grad.cpu(),
                 "cp_rank": rank,
             }
     torch.save(results, Path(out) / f"rank{world}.pt")

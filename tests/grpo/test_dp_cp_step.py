@@ -2,8 +2,8 @@
 `offpolicy_reference.first_update`: HF transformers + autograd on the same rollouts from the same initial weights.
 
 One 4-rank world (two data-parallel replicas of a 2-rank context-parallel group) checks, for padded and for packed
-rows, every completion token's log-prob, the step's loss and every parameter's gradient as the optimizer receives
-it. What it guards against:
+rows, every completion token's log-prob, the step's loss and gradient norm, and every parameter's gradient as the
+optimizer receives it. What it guards against:
 - the CP gather of per-token log-probs putting the ranks' chunks back in the wrong order (e.g. reversed): the
   log-probs of misplaced tokens, and with them the loss and gradients, differ from HF's;
 - the loss normalised by a wrong token count under DP x CP (this rank's tokens only, or the DP group's count summed
@@ -23,7 +23,7 @@ import torch
 
 from hf_mcore_bridge.grpo.backend import start_world
 from hf_mcore_bridge.grpo.batching import Rollout
-from hf_mcore_bridge.grpo.config import config_from_dict
+from hf_mcore_bridge.grpo.config import GRPOConfig, config_from_dict
 from hf_mcore_bridge.grpo.trainer import prepare_run
 
 from .engineless_ranks import logprobs_and_gradients_rank
@@ -49,7 +49,7 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _config(policy: Path, root: Path, packing: bool):
+def _config(policy: Path, root: Path, packing: bool) -> GRPOConfig:
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "Say 1", "answer": "1"}))
     return config_from_dict(
         {
@@ -80,6 +80,9 @@ def _rollouts(rows: list[dict]) -> list[Rollout]:
 
 
 def test_dp2_cp2_step_matches_hf_reference(tmp_path: Path) -> None:
+    """Guards against a reversed (or otherwise misordered) CP gather of log-probs and against a wrong loss
+    normaliser or gradient averaging under DP x CP (see the module docstring): on every rank, each completion
+    token's log-prob, the step's loss and gradient norm and every parameter's gradient equal HF + autograd's."""
     policy = build_tiny_policy(tmp_path / "policy", seed=4)
     rows = _rows()
     configs = {"padded": _config(policy, tmp_path, False), "packed": _config(policy, tmp_path, True)}

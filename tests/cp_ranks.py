@@ -1,11 +1,16 @@
-"""Rank function of the context-parallel test world: one 4-rank world runs every layout in turn.
+"""Rank functions of the context-parallel test worlds.
 
-The reference is CP = 1 as the trainer has always run it (no split, no gather); each layout re-initialises
-megatron-core's `parallel_state` in the same world and loads the same megatron-core checkpoint.
+`cp_rank`: one 4-rank world runs every layout in turn. The reference is CP = 1 as the trainer has always run it
+(no split, no gather); each layout re-initialises megatron-core's `parallel_state` in the same world and loads the
+same megatron-core checkpoint.
+
+`gather_rank`: the two gathers alone, in a plain torch world (no model, no megatron-core state), on values whose
+place in the sequence the test knows.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -104,3 +109,66 @@ def cp_rank(model_cfg: ModelConfig, batches: dict[str, MicroBatch], checkpoint: 
         if parallel_state.get_context_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
             torch.save(results, Path(out) / f"{name}.tp{parallel_state.get_tensor_model_parallel_rank()}.pt")
         dist.barrier()
+
+
+GATHER_CASES = {"plain": (0, 16), "packed": (0, 4, 12, 16)}
+"""name -> the row's `cu_seqlens` in units of 2 x CP tokens (each sequence a multiple of 2 x CP), for `gather_rank`."""
+
+
+def held_positions(cu_seqlens: list[int], cp: int, rank: int) -> list[int]:
+    """The global positions CP rank `rank` holds, written out from megatron-core's load-balanced layout (each
+    sequence cut into 2 x CP chunks, the rank holding chunk `rank` then chunk `2 x CP - 1 - rank`), independently of
+    `context_parallel.cp_positions`."""
+    held = []
+    for start, stop in itertools.pairwise(cu_seqlens):
+        chunk = (stop - start) // (2 * cp)
+        for index in (rank, 2 * cp - 1 - rank):
+            held += range(start + index * chunk, start + (index + 1) * chunk)
+    return held
+
+
+def gather_inputs(cp: int, case: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """`cu_seqlens` of the case at `cp`, per-token values `[2, T]` (distinct) and gradient weights `[2, T]`, whole
+    numbers in float64, so that sums over ranks are exact whatever their order."""
+    cu = [2 * cp * n for n in GATHER_CASES[case]]
+    total = cu[-1]
+    values = torch.arange(2 * total, dtype=torch.float64).reshape(2, total) + 1
+    weights = torch.randint(-50, 51, (2, total), generator=torch.Generator().manual_seed(cp)).double()
+    return cu, values, weights
+
+
+def gather_rank(out: str) -> None:
+    """Both CP gathers of `context_parallel` over a CP4 group (the whole 4-rank world) and two CP2 groups (ranks
+    {0, 1} and {2, 3}), on a plain row and on a packed row (`GATHER_CASES`): each rank hands in the values of the
+    tokens it holds (`held_positions`) and saves, per `(cp, case)`, what `gather_in_order` returns for `[2, t]`
+    values along dim 1 (as `token_logprobs` gathers log-probs) and `gather_sequence` for `[t, 2]` along dim 0 (as
+    `cp_attention` gathers keys and values), with the gradient each sends back to this rank's input when this CP
+    rank weights the output by `weights * (cp rank + 1)`. Saved as `<out>/rank<r>.pt` (on the host)."""
+    from hf_mcore_bridge.megatron.context_parallel import gather_in_order, gather_sequence
+    from hf_mcore_bridge.megatron.world import device
+
+    world = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in the same order
+    groups = {4: dist.group.WORLD, 2: pairs[world // 2]}
+    results = {}
+    for cp, group in groups.items():
+        rank = dist.get_rank(group)
+        for case in GATHER_CASES:
+            cu, values, weights = gather_inputs(cp, case)
+            values, weights = values.to(device()), weights.to(device())  # NCCL where there is CUDA
+            mine = values[:, held_positions(cu, cp, rank)]
+            scale = rank + 1
+            local = mine.clone().requires_grad_()
+            in_order = gather_in_order(local, group, torch.tensor(cu), dim=1)
+            (in_order * weights * scale).sum().backward()
+            local_t = mine.T.clone().requires_grad_()
+            sequence = gather_sequence(local_t, group, torch.tensor(cu), dim=0)
+            (sequence * weights.T * scale).sum().backward()
+            results[cp, case] = {
+                "in_order": in_order.detach().cpu(),
+                "in_order_grad": local.grad.cpu(),
+                "sequence": sequence.detach().cpu(),
+                "sequence_grad": local_t.grad.cpu(),
+                "cp_rank": rank,
+            }
+    torch.save(results, Path(out) / f"rank{world}.pt")

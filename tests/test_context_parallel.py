@@ -1,13 +1,14 @@
 """Context parallelism without Transformer Engine: the sequence split against megatron-core's own RoPE slicing,
-split/merge round trips, per-sequence padding of packed rows, and one gloo world in which CP2 and CP2 x TP2 (with
-sequence parallelism) give CP1's log-probs, GRPO loss and every gradient, on padded and packed rows."""
+split/merge round trips, per-sequence padding of packed rows, the two gathers alone in a gloo world (every rank's
+chunks back in sequence order, forwards and backwards, at CP2 and CP4), and one gloo world in which CP2 and CP2 x
+TP2 (with sequence parallelism) give CP1's log-probs, GRPO loss and every gradient, on padded and packed rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from cp_ranks import LAYOUTS, cp_rank
+from cp_ranks import GATHER_CASES, LAYOUTS, cp_rank, gather_inputs, gather_rank, held_positions
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
@@ -20,7 +21,7 @@ from hf_mcore_bridge.grpo.batching import (
 )
 from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.context_parallel import chunks_of_rank, cp_positions, merge_sequence, split_sequence
-from hf_mcore_bridge.megatron.world import run_world
+from hf_mcore_bridge.megatron.world import run_torch_world, run_world
 from hf_mcore_bridge.tiny_models import tiny_config
 
 
@@ -148,6 +149,30 @@ def test_cp2_and_cp2_tp2_equal_cp1(tmp_path):
             for name, grad in want[key]["grads"].items():
                 assert grad.abs().max() > 0, name
                 assert (got[key]["grads"][name] - grad).abs().max() <= 1e-5, (test, key, name)
+
+
+@pytest.mark.slow
+def test_gathers_put_every_rank_chunk_back_in_sequence_order(tmp_path):
+    """Guards against the CP gathers putting the ranks' chunks back in the wrong order (e.g. rank order reversed in
+    the all-gather or in the index that sorts the chunks), forwards or backwards. In one 4-rank gloo world, at CP4
+    and at CP2, on a plain and a packed row, each rank hands in the values it holds under megatron-core's
+    load-balanced split (written out in the test, `cp_ranks.held_positions`): `gather_in_order` (log-probs) and
+    `gather_sequence` (keys and values) must return the whole row exactly, on every rank; the gradient
+    `gather_in_order` sends back is this rank's own slice of its output gradient, and `gather_sequence`'s the sum
+    of every CP rank's (each weights the output by `weights * (its CP rank + 1)`)."""
+    run_torch_world(gather_rank, 4, str(tmp_path))
+    for world_rank in range(4):
+        results = torch.load(tmp_path / f"rank{world_rank}.pt", weights_only=True)
+        assert sorted(results) == sorted((cp, case) for cp in (2, 4) for case in GATHER_CASES)
+        for (cp, case), got in results.items():
+            where = (world_rank, cp, case)
+            cu, values, weights = gather_inputs(cp, case)
+            held = held_positions(cu, cp, got["cp_rank"])
+            assert got["cp_rank"] == world_rank % cp, where
+            assert torch.equal(got["in_order"], values), where
+            assert torch.equal(got["sequence"], values.T), where
+            assert torch.equal(got["in_order_grad"], weights[:, held] * (got["cp_rank"] + 1)), where
+            assert torch.equal(got["sequence_grad"], weights.T[held] * sum(range(1, cp + 1))), where
 
 
 def test_cp_attention_refuses_dropout_and_explicit_masks():

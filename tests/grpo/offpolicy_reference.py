@@ -2,7 +2,8 @@
 algorithm's definition and sharing no code with `hf_mcore_bridge.grpo` (no `grpo_loss`, no `make_microbatches`).
 
 It replays a run from its logged rollouts (`rollouts.jsonl`: token ids, engine log-probs, rewards) and the HF
-model the run started from, and returns every mini-batch's loss and gradient norm:
+model the run started from, and returns every mini-batch's loss and gradient norm (`replay`), or step one's
+log-probs, loss and every parameter's gradient (`first_update`):
 - log-probs: each rollout alone (no padding), `log_softmax(logits / T)` at the positions that predict the
   completion tokens (position `len(prompt) - 1 + i` predicts completion token `i`);
 - advantages: per group of `G` consecutive rollouts, `(r - mean) / (std + 1e-6)` with the sample std, 0 for a
@@ -125,6 +126,23 @@ def _minibatch_loss(
         return torch.zeros((), requires_grad=True)
     pg, kl = torch.cat(pg_terms), torch.cat(kl_terms)  # tokens (or sequences) of the whole mini-batch
     return pg.mean() + s.kl_coef * kl.mean()
+
+
+def first_update(
+    policy_dir: Path, rows: list[dict], s: ReferenceSettings
+) -> tuple[list[torch.Tensor], float, dict[str, torch.Tensor]]:
+    """The first step of a run on `rows` (its rollouts, as logged) taken as one mini-batch, before any update: each
+    row's completion log-probs, the loss, and its gradient under each HF parameter name. The old policy and the KL
+    reference are the initial weights, as at step one."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    advantages = advantages_of([r["reward"] for r in rows], s.group)
+    with torch.no_grad():
+        old = [completion_logprobs(model, r, s.temperature) for r in rows]
+    loss = _minibatch_loss(model, rows, old, old, advantages, s)
+    loss.backward()
+    return old, float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
 def replay(policy_dir: Path, rollouts_file: Path, steps: int, s: ReferenceSettings) -> list[list[dict[str, float]]]:

@@ -14,7 +14,7 @@ Two layouts:
   restarts per rollout; advantages then become per token. No `[S, S]` mask is built for the model (the
   attention masks by sequence itself, `sdpa_attention`); `attention_mask` derives the equivalent dense mask.
 
-Simplifications: rollouts are batched in the order given (packing fills rows greedily, first fit in order).
+Simplifications: rollouts are batched in the order given; packing fills rows first-fit-decreasing (longest first).
 """
 
 from __future__ import annotations

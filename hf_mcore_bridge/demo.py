@@ -28,7 +28,7 @@ def run_demo(
 ) -> Iterator[str]:
     """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees; a layout the
     tiny model cannot take or a destination that may not be written is refused before anything is built."""
-    from hf_mcore_bridge.tiny_models import tiny_config
+    from hf_mcore_bridge.models.tiny_models import tiny_config
 
     validate_layout_for_hf_config(Layout(tp=tp, pp=pp), tiny_config(ARCHITECTURE))
     check_destination(workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -37,7 +37,7 @@ def run_demo(
     from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.megatron.verify import VerifyJob, verify
-    from hf_mcore_bridge.tiny_models import build_tiny_model
+    from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
     with (
         reported_write_errors(None, workdir),

@@ -23,27 +23,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.mapping_types import Direct, Feature, RotaryRows, Size
-from hf_mcore_bridge.convert.moe_tables import (
-    MTP_COPIES,
-    dense_only,
-    expert_score_bias,
+from hf_mcore_bridge.mappings.llama import ATTENTION as LLAMA_ATTENTION
+from hf_mcore_bridge.mappings.llama import DENSE_MLP, HF_LAYER, MC_LAYER
+from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE
+from hf_mcore_bridge.models.architecture import Architecture, EngineOptions
+from hf_mcore_bridge.models.config_errors import ConfigError, refuse_unless, require
+from hf_mcore_bridge.models.mapping_types import Direct, Feature, RotaryRows, Size
+from hf_mcore_bridge.models.moe import (
+    MoeConfig,
     leading_dense_count,
     leading_dense_layers,
-    mtp_layer,
-    routed_experts,
-    shared_experts,
     sigmoid_router,
     sigmoid_router_to_hf,
     topk,
 )
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.mappings.llama import ATTENTION as LLAMA_ATTENTION
-from hf_mcore_bridge.mappings.llama import DENSE_MLP, HF_LAYER, MC_LAYER
-from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE
+from hf_mcore_bridge.models.moe_tables import (
+    MTP_COPIES,
+    dense_only,
+    expert_score_bias,
+    mtp_layer,
+    routed_experts,
+    shared_experts,
+)
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 HF_ATTN = f"{HF_LAYER}.self_attn"
 MC_ATTN = f"{MC_LAYER}.self_attention"

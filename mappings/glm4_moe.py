@@ -13,26 +13,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_if, require
-from hf_mcore_bridge.convert.mapping_types import Size
-from hf_mcore_bridge.convert.moe_tables import (
-    MTP_COPIES,
-    dense_only,
-    expert_score_bias,
-    leading_dense_count,
-    leading_dense_layers,
-    mtp_layer,
-    shared_experts,
-    sigmoid_router,
-    sigmoid_router_to_hf,
-    topk,
-)
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP
 from hf_mcore_bridge.mappings.qwen2 import QKV_BIAS
 from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
 from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE, ROUTED
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import ConfigError, refuse_if, require
+from hf_mcore_bridge.models.mapping_types import Size
+from hf_mcore_bridge.models.moe import (
+    MoeConfig,
+    leading_dense_count,
+    leading_dense_layers,
+    sigmoid_router,
+    sigmoid_router_to_hf,
+    topk,
+)
+from hf_mcore_bridge.models.moe_tables import MTP_COPIES, dense_only, expert_score_bias, mtp_layer, shared_experts
 
 DENSE_LAYERS = "first_k_dense_replace"
 

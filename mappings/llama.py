@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, FusedQKV, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import refuse_if
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 HF_LAYER = "model.layers.{layer}"
 MC_LAYER = "decoder.layers.{layer}"

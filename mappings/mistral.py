@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_errors import refuse_unless
 from hf_mcore_bridge.mappings.llama import TABLE
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import refuse_unless
 
 
 def check(config: Mapping[str, Any]) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.moe_tables import routed_experts, topk
 from hf_mcore_bridge.mappings.llama import ATTENTION, HF_LAYER
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import ConfigError, refuse_unless, require
+from hf_mcore_bridge.models.moe import MoeConfig, topk
+from hf_mcore_bridge.models.moe_tables import routed_experts
 
 HF_MOE = f"{HF_LAYER}.block_sparse_moe"
 

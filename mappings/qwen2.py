@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Feature, FusedQKV
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import refuse_if
+from hf_mcore_bridge.models.mapping_types import Feature, FusedQKV
 
 
 def check(config: Mapping[str, Any]) -> None:

@@ -7,17 +7,17 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import refuse_if, require
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, LayerKind, Size
-from hf_mcore_bridge.convert.moe_tables import dense_only
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, MC_LAYER
 from hf_mcore_bridge.mappings.qwen2 import QKV_BIAS
 from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE, ROUTED
 from hf_mcore_bridge.mappings.qwen3_moe import moe_from_hf as qwen3_moe_from_hf
 from hf_mcore_bridge.mappings.qwen3_moe import moe_to_hf as qwen3_moe_to_hf
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import refuse_if, require
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, LayerKind, Size
+from hf_mcore_bridge.models.moe import MoeConfig
+from hf_mcore_bridge.models.moe_tables import dense_only
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 
 def check(config: Mapping[str, Any]) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Direct, Feature, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import refuse_if
+from hf_mcore_bridge.models.mapping_types import Direct, Feature, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 
 def check(config: Mapping[str, Any]) -> None:

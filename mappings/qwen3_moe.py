@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import require
-from hf_mcore_bridge.convert.moe_tables import dense_only, layer_pattern_to_hf, moe_layer_pattern, routed_experts, topk
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, HF_LAYER
 from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
 from hf_mcore_bridge.mappings.qwen3 import check as qwen3_check
+from hf_mcore_bridge.models.architecture import Architecture, Bias, EngineOptions
+from hf_mcore_bridge.models.config_errors import require
+from hf_mcore_bridge.models.moe import MoeConfig, layer_pattern_to_hf, moe_layer_pattern, topk
+from hf_mcore_bridge.models.moe_tables import dense_only, routed_experts
 
 HF_MOE = f"{HF_LAYER}.mlp"
 

@@ -296,7 +296,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     from hf_mcore_bridge.grpo.config import MegatronConfig
     from hf_mcore_bridge.grpo.losses import LossConfig
     from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     model_cfg = from_hf(shape, get_architecture(shape["architectures"][0]))
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -30,9 +30,9 @@ from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.fp8_checkpoint import SCALE_FORMATS, Fp8Export, quantization_config
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
-from hf_mcore_bridge.convert.mapping_types import keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import keeps_float32
+from hf_mcore_bridge.models.registry import get_architecture
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {

@@ -47,9 +47,9 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import MCORE_VERSIONS, common_stat
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 CASES: dict[str, tuple[str, dict, Layout]] = {

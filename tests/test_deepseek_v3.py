@@ -27,14 +27,14 @@ from transformers import AutoConfig
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.tensor_ops import deinterleave_rotary_rows, interleave_rotary_rows
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.world import run_world
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tensor_ops import deinterleave_rotary_rows, interleave_rotary_rows
 
 ARCH = get_architecture("DeepseekV3ForCausalLM")
 

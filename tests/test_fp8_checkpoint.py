@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line_error, run
 
-from hf_mcore_bridge.convert.config_errors import ConfigError
-from hf_mcore_bridge.convert.fp8_blocks import dequantize_blockwise, dequantize_rows, quantize_blockwise
+from hf_mcore_bridge.checkpoint.fp8_blocks import dequantize_blockwise, dequantize_rows, quantize_blockwise
 from hf_mcore_bridge.convert.inspect import inspect_path
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.tiny_models import build_tiny_model
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
 LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections DeepSeek-V3's checkpoints hold in FP8 (the router `mlp.gate` and embeddings stay bfloat16)."""
@@ -200,8 +200,8 @@ def test_weights_taller_than_a_span_read_and_write_as_whole_blocks(tmp_path):
     """Reading dequantizes, and export quantizes, `SPAN_ROWS` rows at a time: the same values as whole-weight
     dequantization and quantization, for any row range."""
     from hf_mcore_bridge.convert.fp8_checkpoint import SPAN_ROWS, Fp8Checkpoint, Fp8Export
-    from hf_mcore_bridge.convert.mapping_types import Direct, Size
-    from hf_mcore_bridge.convert.parallel_style import Parallel
+    from hf_mcore_bridge.models.mapping_types import Direct, Size
+    from hf_mcore_bridge.models.parallel_style import Parallel
 
     rows = 2 * SPAN_ROWS + 300
     weight = torch.randn(rows, 200) * 0.02

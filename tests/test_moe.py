@@ -20,15 +20,15 @@ from test_roundtrip import assert_same_weights
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.hf_dir import read_json
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.verify import VerifyJob, _hf_logits, verify
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 LAYOUTS = {"ep2": Layout(ep=2), "tp2ep2": Layout(tp=2, ep=2), "pp2ep2": Layout(pp=2, ep=2)}
 

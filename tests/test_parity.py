@@ -18,9 +18,9 @@ from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.verify import VerifyJob, _hf_logits, verify
 from hf_mcore_bridge.megatron.world import run_world
+from hf_mcore_bridge.models.registry import get_architecture
 
 pytestmark = pytest.mark.slow
 

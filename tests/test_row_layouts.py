@@ -20,13 +20,13 @@ from row_trace import trace
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
-from hf_mcore_bridge.convert.mapping_types import Dims, Direct, Entry, FusedQKV, RotaryRows, Size
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.row_runs import MCORE, RowRun
-from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size
-from hf_mcore_bridge.mappings import REGISTRY, get_architecture
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.models.mapping_types import Dims, Direct, Entry, FusedQKV, RotaryRows, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import REGISTRY, get_architecture
+from hf_mcore_bridge.models.row_runs import MCORE, RowRun
+from hf_mcore_bridge.models.tensor_ops import padded_vocab_size
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def test_a_layout_that_does_not_fit_the_shape_is_refused_as_the_transform_refuse
 def test_declaring_a_layout_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "from hf_mcore_bridge.convert.mapping_types import Dims, FusedQKV\n"
+        "from hf_mcore_bridge.models.mapping_types import Dims, FusedQKV\n"
         "dims = Dims(num_attention_heads=8, num_query_groups=4, head_dim=4, vocab_size=11, padded_vocab_size=16)\n"
         "FusedQKV('qkv', 'q', 'k', 'v').hf_rows((64, 3), dims)\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch or numpy imported'\n"

@@ -11,10 +11,10 @@ from megatron_ranks import sdpa_rank
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.sdpa_attention import FLEX_BLOCK, block_causal_mask, document_block_mask, packed_attention
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
 def test_block_causal_mask():

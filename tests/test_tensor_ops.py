@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import (
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.tensor_ops import (
     fuse_gate_up,
     fuse_qkv,
     global_shape,

@@ -30,7 +30,7 @@ from hf_mcore_bridge.checkpoint.dcp_writer import saved
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, safe_torch_load
 from hf_mcore_bridge.checkpoint.plain_load import NeedsTorch, load_plain
 from hf_mcore_bridge.checkpoint.torch_archive import saved_plain
-from hf_mcore_bridge.tiny_models import build_tiny_model
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
 PROBE = """
 import sys

@@ -30,13 +30,14 @@ from typing import Any
 
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_lm_args import loader_defaults
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_errors import ConfigError, require
 from hf_mcore_bridge.convert.layout import Layout, validate_layout
-from hf_mcore_bridge.convert.mapping_types import Dims, Feature
-from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size
 from hf_mcore_bridge.convert.transformer_impl import default_transformer_impl
 from hf_mcore_bridge.errors import LayoutError
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import ConfigError, require
+from hf_mcore_bridge.models.mapping_types import Dims, Feature
+from hf_mcore_bridge.models.moe import MoeConfig
+from hf_mcore_bridge.models.tensor_ops import padded_vocab_size
 
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""
@@ -52,46 +53,6 @@ def params_dtype_name(dtype: Any) -> str | None:
     except ValueError:
         return None
     return found.name if found in PARAMS_DTYPES else None
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """The mixture-of-experts part of a model."""
-
-    num_experts: int
-    ffn_hidden_size: int
-    """FFN width of one routed expert."""
-    topk: int
-    """Experts each token is routed to."""
-    moe_layers: tuple[bool, ...]
-    """Per decoder layer: a routed MoE (True) or a dense MLP (False)."""
-    pre_softmax: bool
-    """Softmax over all experts, then top-k without renormalising (HF `norm_topk_prob=False`); otherwise top-k of
-    the logits then softmax over the k, which equals HF's softmax -> top-k -> renormalise."""
-    aux_loss_coeff: float
-    """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
-    a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
-    shared_expert_size: int | None = None
-    """FFN width of the shared expert (Qwen2-MoE; GLM-4.5's `n_shared_experts` experts fused into one), if any."""
-    shared_expert_gate: bool = False
-    """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
-    score_function: str = "softmax"
-    """The router's score of each expert: `softmax` over the experts, or an independent `sigmoid` per expert
-    (DeepSeek-V3, GLM-4.5; megatron-core's `moe_router_score_function`). Sigmoid scores of the chosen experts are
-    always renormalised to sum to 1 by megatron-core (HF `norm_topk_prob=True`)."""
-    expert_bias: bool = False
-    """A per-expert bias added to the scores for choosing the experts only, not to their weights (HF
-    `e_score_correction_bias`; megatron-core's `moe_router_enable_expert_bias`, its `router.expert_bias`)."""
-    topk_scaling_factor: float | None = None
-    """The chosen experts' weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
-    num_groups: int | None = None
-    """Group-limited routing: the experts are cut into this many groups (HF `n_group`); None: no groups."""
-    group_topk: int | None = None
-    """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
-    `topk / group_topk` scores (megatron-core's rule)."""
-    router_fp32: bool = False
-    """The router's logits are computed in float32 from float32 copies of its input and weight, whatever the
-    model's dtype (HF GLM-4.5 and DeepSeek-V3; megatron-core's `moe_router_dtype='fp32'`)."""
 
 
 @dataclass(frozen=True)
@@ -757,7 +718,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelConfig:
     scaling = getattr(args, "use_rope_scaling", False)
     moe = _moe_from_args(args, get("num_layers"))
     if architecture is None:  # written by Megatron-LM: the registered architecture with these features
-        from hf_mcore_bridge.mappings import with_features
+        from hf_mcore_bridge.models.registry import with_features
 
         shared = moe is not None and bool(moe.shared_expert_size)
         features = {"moe": moe is not None, "shared_expert": shared, "qk_norm": qk_norm, "qkv_bias": qkv_bias}

@@ -21,8 +21,8 @@ from typing import Any
 
 from hf_mcore_bridge.checkpoint.dtypes import FLOAT32, DType, of
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import Dims, Shape, Size
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.mapping_types import Dims, Shape, Size
 
 Resolved = dict[Size, tuple[int, str]]
 """Each model dimension's size and the config field(s) it comes from."""
@@ -73,7 +73,7 @@ _MLA_MEGATRON_LABELS = {
 def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
     """Model dimensions labelled with the HF `config.json` fields they come from (the architecture's own names
     where it has them, `Architecture.hf_size_fields`)."""
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     fields = get_architecture(model.architecture).hf_size_fields
     labels = {

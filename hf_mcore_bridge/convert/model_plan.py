@@ -5,18 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import (
-    Entry,
-    LayerKind,
-    Placement,
-    at_layer,
-    is_expert,
-    is_layered,
-    placement,
-)
+from hf_mcore_bridge.convert.placement import Placement, placement
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import Entry, LayerKind, at_layer, is_expert, is_layered
 
 IGNORABLE_HF = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 """HF tensors that carry no weights (old checkpoints saved RoPE buffers)."""

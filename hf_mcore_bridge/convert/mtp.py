@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.checkpoint.names import fill
-from hf_mcore_bridge.convert.architecture import Architecture
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import LayerKind
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import LayerKind
 
 COMPARE_ROWS = 4096
 """Rows of a copy and of its original compared at a time."""

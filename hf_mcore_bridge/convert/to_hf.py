@@ -36,13 +36,14 @@ from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridg
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
-from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement, keeps_float32
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
-from hf_mcore_bridge.convert.row_runs import RowRun
+from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.row_runs import RowRun
 from hf_mcore_bridge.progress import progress_bar
 
 if TYPE_CHECKING:

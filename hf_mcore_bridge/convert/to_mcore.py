@@ -41,18 +41,19 @@ from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.fp8_checkpoint import SCALES_FILE, Fp8Checkpoint, open_hf_checkpoint
 from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.row_runs import RowRun
-from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.convert.placement import extra_state_module, placement
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.mapping_types import Dims, Direct, is_expert, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.row_runs import RowRun
+from hf_mcore_bridge.models.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.progress import progress_bar
 
 if TYPE_CHECKING:

@@ -49,13 +49,13 @@ from typing import Any
 
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert import mapping_types as mt
-from hf_mcore_bridge.convert.architecture import Architecture, Bias
-from hf_mcore_bridge.convert.config_errors import ConfigError
-from hf_mcore_bridge.convert.mapping_types import LayerKind, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.mappings import REGISTRY, for_config
+from hf_mcore_bridge.models import mapping_types as mt
+from hf_mcore_bridge.models.architecture import Architecture, Bias
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.mapping_types import LayerKind, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import REGISTRY, for_config
 
 ARCHITECTURES: Mapping[str, Architecture] = REGISTRY
 """The registry the engine serves: every architecture in `mappings/`."""

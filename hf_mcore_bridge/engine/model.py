@@ -57,8 +57,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_mcore_bridge.convert.moe_tables import HF_GROUP_SCORE_TOPK
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.engine.arch import (
     Direct,
     Entry,
@@ -101,6 +99,8 @@ from hf_mcore_bridge.engine.tp_shards import (
     vocab_shard,
 )
 from hf_mcore_bridge.engine.triton_rope import fused_rope_write
+from hf_mcore_bridge.models.moe import HF_GROUP_SCORE_TOPK
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 

@@ -183,7 +183,7 @@ class MegatronBackend:
 
     def hf_names(self) -> list[str]:
         from hf_mcore_bridge.convert.model_plan import placed_entries
-        from hf_mcore_bridge.mappings import get_architecture
+        from hf_mcore_bridge.models.registry import get_architecture
 
         model_cfg = self.policy.model_cfg
         return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]

@@ -31,10 +31,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.mappings import for_config
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import for_config
 
 _STYLES = {Parallel.COLUMN: ColwiseParallel, Parallel.GATED_COLUMN: ColwiseParallel, Parallel.ROW: RowwiseParallel}
 _HF_LAYER = "model.layers.{layer}."

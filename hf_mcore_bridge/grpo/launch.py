@@ -153,7 +153,7 @@ def _model_of(path: Path) -> ModelConfig:
 
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint
     from hf_mcore_bridge.convert import config_bridge
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     if (path / "config.json").is_file():
         hf_config = json.loads((path / "config.json").read_text())

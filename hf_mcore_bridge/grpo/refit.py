@@ -46,20 +46,14 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import (
-    EXPERT,
-    LAYER,
-    LOCAL_SPEC_MOE_NORM,
-    MOE_PRE_MLP_NORM,
-    Dims,
-    Entry,
-    at_layer,
-)
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.placement import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Dims, Entry, at_layer
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import get_architecture
 
 __all__ = [
     "Checksums",

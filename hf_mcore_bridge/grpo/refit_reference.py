@@ -4,8 +4,8 @@ worked out on the trainer's side: the reference the refit's transfer check compa
 The engine slices the tensors it is given itself (`engine.tp_shards`); a check whose "sent" side came from that same
 slicing would pass a wrong head split or a KV head on the wrong rank on both sides. So this module never imports
 the engine: each HF name's role comes from the mapping table (the entry that names it and its parallel style,
-`convert.parallel_style.Parallel`, through `model_plan.placed_entries`), the chunking from conversion's
-description of how megatron-core splits a tensor over TP ranks (`convert.tensor_ops.rank_boxes`), and the
+`models.parallel_style.Parallel`, through `model_plan.placed_entries`), the chunking from conversion's
+description of how megatron-core splits a tensor over TP ranks (`models.tensor_ops.rank_boxes`), and the
 attention heads from the model config (HF's grouped-query rule: query head `h` reads KV head
 `h // (heads / kv_heads)`). What is cut from a full tensor is a view (`narrow`): no copy.
 
@@ -43,11 +43,11 @@ from dataclasses import dataclass
 import torch
 
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size, rank_boxes
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tensor_ops import padded_vocab_size, rank_boxes
 
 __all__ = ["EnginePartReference", "Role", "roles"]
 

@@ -151,7 +151,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     log_dir = Path(config.logger.log_dir)
     # the tokenizer (the HF directory's, or the HF assets a Megatron checkpoint keeps) is found before the policy
@@ -211,7 +211,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> 
     tokenizer was found beforehand (in the HF directory, or in the checkpoint's HF assets the export copies)."""
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     hf_dir = hf_policy_dir(Path(config.policy.model_path), log_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())

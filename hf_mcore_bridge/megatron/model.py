@@ -14,7 +14,7 @@ import torch
 
 from hf_mcore_bridge.convert.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.mapping_types import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
+from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
 
 SPEC_NAME_PAIRS = tuple(dict.fromkeys(((LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM), *LOCAL_MLA_SPEC_KEYS.items())))

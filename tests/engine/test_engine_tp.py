@@ -23,8 +23,6 @@ from engine_helpers import (
 )
 from engine_tp_ranks import MAX_TOKENS, TP_ARCHS, tp_engine_rank
 
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
 from hf_mcore_bridge.engine import Engine, ModelConfig
 from hf_mcore_bridge.engine.kv_cache import blocks_for
 from hf_mcore_bridge.engine.model import CausalLM
@@ -40,6 +38,8 @@ from hf_mcore_bridge.engine.tp_shards import (
 )
 from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.megatron.world import run_torch_world
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -298,8 +298,8 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     from hf_mcore_bridge.grpo.generation import engine_part
     from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
     from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
-    from hf_mcore_bridge.mappings import get_architecture
     from hf_mcore_bridge.megatron.model import build_gpt_model
+    from hf_mcore_bridge.models.registry import get_architecture
 
     results = {}
     for directory in hf_dirs:

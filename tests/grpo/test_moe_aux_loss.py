@@ -13,8 +13,8 @@ import torch
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.grpo.config import MegatronConfig
 from hf_mcore_bridge.grpo.policy import _transformer_config, layout_of
-from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 TINY_MOE = {
     "MixtralForCausalLM": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 32},

@@ -37,8 +37,8 @@ from hf_mcore_bridge.grpo.generation import engine_part
 from hf_mcore_bridge.grpo.refit import PhaseTimes, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
 from hf_mcore_bridge.grpo.trainer import _check_transfer, _stream_into_engine
-from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 from .refit_ranks import kv_on_wrong_rank, shifted_head_shard
 

@@ -1,44 +1,58 @@
-"""Table entries and config helpers shared by the mixture-of-experts architectures in `mappings/`.
+"""The mixture-of-experts part of a model, and the HF config readers its architectures share.
 
-Softmax routers (Mixtral, Qwen-MoE) need only `routed_experts` and a layer pattern. The sigmoid router with an
-expert score bias and group-limited top-k (GLM-4.5, DeepSeek-V3) is `sigmoid_router` (HF config -> `MoeConfig`,
-with its refusals) and `sigmoid_router_to_hf`, its bias entry `expert_score_bias`, an ungated shared expert
-`shared_experts`, and leading dense layers (`first_k_dense_replace`) `leading_dense_layers` / `leading_dense_count`.
-Their multi-token-prediction layers (HF's layers after the decoder's, megatron-core's `mtp.layers.{i}`) are
-`mtp_layer`, with `MTP_COPIES`.
+Softmax routers (Mixtral, Qwen-MoE) need a layer pattern (`moe_layer_pattern` / `layer_pattern_to_hf`) and `topk`.
+The sigmoid router with an expert score bias and group-limited top-k (GLM-4.5, DeepSeek-V3) is `sigmoid_router`
+(HF config -> `MoeConfig` fields, with its refusals) and `sigmoid_router_to_hf`; leading dense layers
+(`first_k_dense_replace`) are `leading_dense_layers` / `leading_dense_count`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.mapping_types import Direct, Entry, FusedGateUp, LayerKind, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
-
-if TYPE_CHECKING:
-    from hf_mcore_bridge.convert.config_bridge import MoeConfig
-
-MC_LAYER = "decoder.layers.{layer}"
-MC_EXPERT = "decoder.layers.{layer}.mlp.experts.local_experts.{expert}"
+from hf_mcore_bridge.models.config_errors import ConfigError, refuse_unless, require
 
 
-def dense_only(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
-    """The same entries, present only on dense-MLP layers."""
-    return tuple(replace(e, layers=LayerKind.DENSE) for e in entries)
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a model."""
 
-
-def routed_experts(norm: str, router: str, gate: str, up: str, down: str) -> tuple[Entry, ...]:
-    """Pre-MLP norm, router and routed experts of a MoE layer, from their HF name templates."""
-    moe = LayerKind.MOE
-    return (
-        Direct(f"{MC_LAYER}.pre_mlp_layernorm.weight", norm, Parallel.REPLICATED, (Size.HIDDEN,), layers=moe),
-        Direct(f"{MC_LAYER}.mlp.router.weight", router, Parallel.REPLICATED, (Size.EXPERTS, Size.HIDDEN), layers=moe),
-        FusedGateUp(f"{MC_EXPERT}.linear_fc1.weight", gate=gate, up=up, width=Size.EXPERT_FFN, layers=moe),
-        Direct(f"{MC_EXPERT}.linear_fc2.weight", down, Parallel.ROW, (Size.HIDDEN, Size.EXPERT_FFN), layers=moe),
-    )
+    num_experts: int
+    ffn_hidden_size: int
+    """FFN width of one routed expert."""
+    topk: int
+    """Experts each token is routed to."""
+    moe_layers: tuple[bool, ...]
+    """Per decoder layer: a routed MoE (True) or a dense MLP (False)."""
+    pre_softmax: bool
+    """Softmax over all experts, then top-k without renormalising (HF `norm_topk_prob=False`); otherwise top-k of
+    the logits then softmax over the k, which equals HF's softmax -> top-k -> renormalise."""
+    aux_loss_coeff: float
+    """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
+    a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
+    shared_expert_size: int | None = None
+    """FFN width of the shared expert (Qwen2-MoE; GLM-4.5's `n_shared_experts` experts fused into one), if any."""
+    shared_expert_gate: bool = False
+    """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
+    score_function: str = "softmax"
+    """The router's score of each expert: `softmax` over the experts, or an independent `sigmoid` per expert
+    (DeepSeek-V3, GLM-4.5; megatron-core's `moe_router_score_function`). Sigmoid scores of the chosen experts are
+    always renormalised to sum to 1 by megatron-core (HF `norm_topk_prob=True`)."""
+    expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing the experts only, not to their weights (HF
+    `e_score_correction_bias`; megatron-core's `moe_router_enable_expert_bias`, its `router.expert_bias`)."""
+    topk_scaling_factor: float | None = None
+    """The chosen experts' weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts are cut into this many groups (HF `n_group`); None: no groups."""
+    group_topk: int | None = None
+    """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
+    `topk / group_topk` scores (megatron-core's rule)."""
+    router_fp32: bool = False
+    """The router's logits are computed in float32 from float32 copies of its input and weight, whatever the
+    model's dtype (HF GLM-4.5 and DeepSeek-V3; megatron-core's `moe_router_dtype='fp32'`)."""
 
 
 def moe_layer_pattern(config: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -62,38 +76,6 @@ def topk(config: Mapping[str, Any], experts: int) -> int:
     if not 0 < k <= experts:
         raise ConfigError(f"config field num_experts_per_tok={k} must be between 1 and the {experts} experts")
     return k
-
-
-def expert_score_bias(hf: str) -> Direct:
-    """The router's per-expert score bias of a MoE layer: HF `mlp.gate.e_score_correction_bias` [experts],
-    megatron-core's `mlp.router.expert_bias` (a persistent buffer, saved in its sharded state dict). Both sides
-    hold it in float32; it is added to the sigmoid scores only to choose the experts (`sigmoid_router`)."""
-    return Direct(
-        f"{MC_LAYER}.mlp.router.expert_bias",
-        hf,
-        Parallel.REPLICATED,
-        (Size.EXPERTS,),
-        layers=LayerKind.MOE,
-        float32=True,
-    )
-
-
-def shared_experts(gate: str, up: str, down: str) -> tuple[Entry, ...]:
-    """An ungated shared expert of a MoE layer, added to the routed experts' output (megatron-core's
-    `mlp.shared_experts` with `moe_shared_expert_gate=False`), from its HF gate/up/down name templates."""
-    moe = LayerKind.MOE
-    return (
-        FusedGateUp(
-            f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight", gate=gate, up=up, width=Size.SHARED_FFN, layers=moe
-        ),
-        Direct(
-            f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight",
-            down,
-            Parallel.ROW,
-            (Size.HIDDEN, Size.SHARED_FFN),
-            layers=moe,
-        ),
-    )
 
 
 def leading_dense_layers(config: Mapping[str, Any], num_layers: int, field: str) -> tuple[bool, ...]:
@@ -186,41 +168,3 @@ def sigmoid_router_to_hf(moe: MoeConfig) -> dict[str, Any]:
         "routed_scaling_factor": moe.topk_scaling_factor or 1.0,
         "norm_topk_prob": moe.topk > 1,
     }
-
-
-HF_LAYER = "model.layers.{layer}"
-MC_MTP = "mtp.layers.{layer}"
-
-
-def mtp_layer(decoder: tuple[Entry, ...]) -> tuple[Entry, ...]:
-    """A multi-token-prediction layer (DeepSeek-V3, GLM-4.5; `{layer}` is its HF layer index in HF names and its
-    MTP index in megatron-core names): the norms of the next token's embedding and of the hidden state, their
-    projection `eh_proj` (over `[embedding; hidden]` in both), a decoder layer made of `decoder`'s layer entries
-    (megatron-core's `transformer_layer`), and the norm before the shared output layer."""
-    mtp = LayerKind.MTP
-
-    def inside(entry: Entry) -> Entry:
-        return replace(entry, mcore=entry.mcore.replace(f"{MC_LAYER}.", f"{MC_MTP}.transformer_layer."), layers=mtp)
-
-    norm, replicated = (Size.HIDDEN,), Parallel.REPLICATED
-    return (
-        Direct(f"{MC_MTP}.enorm.weight", f"{HF_LAYER}.enorm.weight", replicated, norm, layers=mtp),
-        Direct(f"{MC_MTP}.hnorm.weight", f"{HF_LAYER}.hnorm.weight", replicated, norm, layers=mtp),
-        Direct(
-            f"{MC_MTP}.eh_proj.weight",
-            f"{HF_LAYER}.eh_proj.weight",
-            Parallel.COLUMN,
-            (Size.HIDDEN, Size.TWO_HIDDEN),
-            layers=mtp,
-        ),
-        *(inside(e) for e in decoder if e.mcore.startswith(f"{MC_LAYER}.")),
-        Direct(f"{MC_MTP}.final_layernorm.weight", f"{HF_LAYER}.shared_head.norm.weight", replicated, norm, layers=mtp),
-    )
-
-
-MTP_COPIES = {
-    f"{HF_LAYER}.embed_tokens.weight": "model.embed_tokens.weight",
-    f"{HF_LAYER}.shared_head.head.weight": "lm_head.weight",
-}
-"""An MTP layer's own copies of the embedding and output layer, which megatron-core's MTP shares with the model
-(`Architecture.mtp_copies`)."""

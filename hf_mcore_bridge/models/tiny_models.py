@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.convert.mapping_types import keeps_float32
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import keeps_float32
+from hf_mcore_bridge.models.registry import get_architecture
 
 TINY_BASE: dict[str, Any] = {
     "hidden_size": 64,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 if TYPE_CHECKING:
     import torch

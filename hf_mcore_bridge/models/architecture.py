@@ -4,7 +4,7 @@ An `Architecture` holds its HF names, its mapping table (every tensor, both nami
 style), the hooks of the HF config <-> megatron-core translation (refusals, mixture-of-experts fields, fields
 written back on export), the few options of the engine's shared decoder that are not in the table (`EngineOptions`)
 and its tiny test configuration. Conversion, export, verify, the engine, the DTensor path and the trainer all read
-it from one registry (`hf_mcore_bridge.mappings`); nothing else branches on an architecture's name.
+it from one registry (`models.registry`); nothing else branches on an architecture's name.
 
 Optional parts that an HF config switches on per checkpoint (GLM-4.5's q/k norms and q/k/v biases) are a
 `Switch`: the name of the config field; table entries of such a part say so (`mapping_types.Feature`).
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from hf_mcore_bridge.convert.mapping_types import Entry, LayerKind, Size
+from hf_mcore_bridge.models.mapping_types import Entry, LayerKind, Size
 
 if TYPE_CHECKING:
-    from hf_mcore_bridge.convert.config_bridge import MoeConfig
+    from hf_mcore_bridge.models.moe import MoeConfig
 
 Switch = bool | str
 """Whether an architecture has an optional part: always (True), never (False), or where the HF config field of
@@ -83,7 +83,7 @@ class Architecture:
     names them in its messages)."""
     score_function: str = "softmax"
     """The router score function its MoE layers use (`MoeConfig.score_function`): how Megatron `args` that name
-    no architecture find it (`mappings.with_features`), and what export refuses to write otherwise."""
+    no architecture find it (`registry.with_features`), and what export refuses to write otherwise."""
     moe_from_hf: Callable[[Mapping[str, Any], int], MoeConfig] | None = None
     """Reads the mixture-of-experts fields of an HF config (given the layer count); None for dense models."""
     moe_to_hf: Callable[[MoeConfig], dict[str, Any]] | None = None

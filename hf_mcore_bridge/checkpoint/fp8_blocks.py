@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_mcore_bridge.convert.fp8_geometry import BLOCK, scale_shape
-from hf_mcore_bridge.convert.fp8_geometry import blocks as _blocks
+from hf_mcore_bridge.checkpoint.fp8_geometry import BLOCK, scale_shape
+from hf_mcore_bridge.checkpoint.fp8_geometry import blocks as _blocks
 
 __all__ = [
     "BLOCK",

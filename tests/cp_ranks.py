@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, padded_vocab, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import padded_vocab, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.grpo.batching import MicroBatch, pad_sequences_to_multiple, pad_to_multiple, response_values
 from hf_mcore_bridge.grpo.losses import LossConfig, grpo_loss
 from hf_mcore_bridge.megatron.model import gpt_model, load_distributed_checkpoint
+from hf_mcore_bridge.models.spec import ModelSpec
 
 LAYOUTS = {
     "tp1cp1": (Layout(), False),
@@ -33,7 +34,7 @@ def _reinit(layout: Layout) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp, context_parallel_size=layout.cp)
 
 
-def _model(model_cfg: ModelConfig, layout: Layout, sequence_parallel: bool, vocab: int) -> torch.nn.Module:
+def _model(model_cfg: ModelSpec, layout: Layout, sequence_parallel: bool, vocab: int) -> torch.nn.Module:
     from megatron.core.transformer import TransformerConfig
 
     kwargs = transformer_config_kwargs(model_cfg, layout, torch.float32)
@@ -50,7 +51,7 @@ def _prepared(batch: MicroBatch, layout: Layout, sequence_parallel: bool) -> Mic
     return pad_to_multiple(batch, multiple)
 
 
-def cp_rank(model_cfg: ModelConfig, batches: dict[str, MicroBatch], checkpoint: str, out: str) -> None:
+def cp_rank(model_cfg: ModelSpec, batches: dict[str, MicroBatch], checkpoint: str, out: str) -> None:
     """For every layout of `LAYOUTS` and every micro-batch: the completion tokens' log-probs (the trainer's
     `token_logprobs`), a GRPO loss over them and every parameter's gradient summed over the CP ranks (as DDP
     reduces it), saved by the ranks of CP rank 0 and DP rank 0 as `<out>/<layout>.tp<r>.pt`."""

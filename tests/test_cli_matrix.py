@@ -559,15 +559,15 @@ def test_verify_interrupted_by_ctrl_c_exits_130_and_cleans_up(workspace, tmp_pat
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_expert_parallel_sizes_checked_against_the_config(variant, tiny_moe_models):
     """EP must divide the expert count the config states under its family's key (8, 8 and 4 experts here)."""
-    from hf_mcore_bridge.convert.layout import validate_layout_for_hf_config
+    from hf_mcore_bridge.cli.validate import layout_fits
     from hf_mcore_bridge.errors import LayoutError
 
     config = json.loads((tiny_moe_models[variant] / "config.json").read_text())
     experts = config.get("num_local_experts") or config["num_experts"]
-    validate_layout_for_hf_config(Layout(tp=2, ep=2), config)
-    validate_layout_for_hf_config(Layout(ep=experts), config)
+    layout_fits(Layout(tp=2, ep=2), config)
+    layout_fits(Layout(ep=experts), config)
     with pytest.raises(LayoutError, match=f"num_experts={experts} is not divisible by ep=3"):
-        validate_layout_for_hf_config(Layout(ep=3), config)
+        layout_fits(Layout(ep=3), config)
 
 
 def test_debug_raises_the_up_front_error_with_its_traceback(workspace):

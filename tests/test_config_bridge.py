@@ -11,7 +11,7 @@ from published_configs import LAYOUTS, PUBLISHED
 from transformers import AutoConfig
 
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.registry import get_architecture, supported
@@ -45,9 +45,8 @@ def _auto(config: dict) -> object:
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_round_trips(name):
     original = PUBLISHED[name]
-    arch = get_architecture(original["architectures"][0])
-    model = config_bridge.from_hf(original, arch)
-    back = config_bridge.to_hf(model, arch)
+    model = config_bridge.megatron_spec(original)
+    back = model.to_hf()
     a, b = _auto(original), _auto(back)
     for field in ARCH_FIELDS:
         if hasattr(a, field):
@@ -61,10 +60,10 @@ def test_published_config_builds_megatron_transformer_config(name):
 
     original = PUBLISHED[name]
     arch = get_architecture(original["architectures"][0])
-    model = config_bridge.from_hf(original, arch)
+    model = config_bridge.megatron_spec(original)
     tp, pp = LAYOUTS[name]
     layout = Layout(tp=tp, pp=pp)
-    model.validate(layout)
+    validate_layout(layout, model)
     config = TransformerConfig(**config_bridge.transformer_config_kwargs(model, layout, torch.bfloat16))
     assert config.kv_channels == original.get("head_dim", original["hidden_size"] // original["num_attention_heads"])
     assert config.num_query_groups == original["num_key_value_heads"]
@@ -83,8 +82,7 @@ def test_published_config_builds_megatron_transformer_config(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_megatron_args_round_trip(name):
     original = PUBLISHED[name]
-    arch = get_architecture(original["architectures"][0])
-    model = config_bridge.from_hf(original, arch)
+    model = config_bridge.megatron_spec(original)
     tp, pp = LAYOUTS[name]
     args = config_bridge.megatron_args(model, Layout(tp=tp, pp=pp), torch.bfloat16)
     assert args.tensor_model_parallel_size == tp and args.pipeline_model_parallel_size == pp
@@ -145,9 +143,8 @@ LLAMA = "meta-llama/Llama-3.1-8B"
     ],
 )
 def test_unrepresentable_values_are_refused_by_name(config, field):
-    arch = get_architecture(config["architectures"][0])
     with pytest.raises(ConfigError, match=field):
-        config_bridge.from_hf(config, arch)
+        config_bridge.megatron_spec(config)
 
 
 def test_transformers5_rope_parameters_are_read():
@@ -158,8 +155,8 @@ def test_transformers5_rope_parameters_are_read():
         "factor": 8.0,
         **{"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     }
-    model = config_bridge.from_hf(config, get_architecture("LlamaForCausalLM"))
-    assert model.rope_theta == 500000.0 and model.rope_scaling_factor == 8.0
+    model = config_bridge.megatron_spec(config)
+    assert model.rope.theta == 500000.0 and (model.rope.rope_type, model.rope.factor) == ("llama3", 8.0)
 
 
 def test_unknown_architecture_lists_the_supported_ones():

@@ -20,7 +20,6 @@ from hf_mcore_bridge.grpo.batching import (
 )
 from hf_mcore_bridge.megatron.context_parallel import chunks_of_rank, cp_positions, merge_sequence, split_sequence
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.models.registry import get_architecture
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
@@ -129,7 +128,7 @@ def test_cp2_and_cp2_tp2_equal_cp1(tmp_path):
     gradient (summed over CP ranks) equal CP1's within 1e-5 in fp32; TP2 layouts are compared shard by shard
     against TP2 x CP1."""
     config = tiny_config("LlamaForCausalLM", num_hidden_layers=2)
-    model_cfg = config_bridge.from_hf(config, get_architecture("LlamaForCausalLM"))
+    model_cfg = config_bridge.megatron_spec(config)
     rollouts = _rollouts([13, 9, 11], 1)
     batches = {"padded": make_microbatches(rollouts, 3)[0], "packed": pack_microbatches(rollouts, 64)[0]}
     run_world(cp_rank, Layout(), model_cfg, batches, str(tmp_path / "ckpt"), str(tmp_path), world=4)

@@ -27,7 +27,7 @@ from transformers import AutoConfig
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
@@ -117,9 +117,9 @@ def test_published_config_builds_megatron_mla_config_and_round_trips(variant):
     from megatron.core.transformer import MLATransformerConfig
 
     original = DEEPSEEK_V3 if variant == "as published" else _with(**FULL_RANK_Q)
-    model = config_bridge.from_hf(original, ARCH)
+    model = config_bridge.megatron_spec(original)
     layout = Layout(tp=8, ep=8, pp=1)
-    model.validate(layout)
+    validate_layout(layout, model)
     config = MLATransformerConfig(**config_bridge.transformer_config_kwargs(model, layout, torch.bfloat16))
     assert (config.q_lora_rank, config.kv_lora_rank) == (original["q_lora_rank"], 512)
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (128, 64, 128)
@@ -138,7 +138,7 @@ def test_published_config_builds_megatron_mla_config_and_round_trips(variant):
         assert config.original_max_position_embeddings == 4096 and (config.beta_fast, config.beta_slow) == (32, 1)
     else:
         assert config.moe_router_num_groups is None and config.rope_type == "rope"
-    back = config_bridge.to_hf(model, ARCH)
+    back = model.to_hf()
     a, b = _auto(original), _auto(back)
     for field in (
         "q_lora_rank",
@@ -197,16 +197,16 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
         {"type": "yarn", "factor": 32, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0},
     ):
         original = _with(rope_scaling=rope)
-        yarn = config_bridge.from_hf(original, ARCH).yarn
+        yarn = config_bridge.transformer_config_kwargs(config_bridge.megatron_spec(original), Layout(), torch.float32)
         rotary = YarnRotaryEmbedding(
             64,
             rotary_base=10000,
-            scaling_factor=yarn.factor,
-            original_max_position_embeddings=yarn.original_max_position_embeddings,
-            beta_fast=yarn.beta_fast,
-            beta_slow=yarn.beta_slow,
-            mscale=yarn.mscale,
-            mscale_all_dim=yarn.mscale_all_dim,
+            scaling_factor=yarn["rotary_scaling_factor"],
+            original_max_position_embeddings=yarn["original_max_position_embeddings"],
+            beta_fast=yarn["beta_fast"],
+            beta_slow=yarn["beta_slow"],
+            mscale=yarn["mscale"],
+            mscale_all_dim=yarn["mscale_all_dim"],
             use_cpu_initialization=True,
         )
         emb, concentration = rotary.get_emb(16)
@@ -214,7 +214,7 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
         assert torch.equal(emb[:, 0, 0, :32], torch.outer(torch.arange(16.0), inv_freq))
         assert concentration == pytest.approx(attention_factor, rel=1e-12)
-        scale = _yarn_get_mscale(yarn.factor, yarn.mscale_all_dim) ** 2 / math.sqrt(192)
+        scale = _yarn_get_mscale(yarn["rotary_scaling_factor"], yarn["mscale_all_dim"]) ** 2 / math.sqrt(192)
         assert scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5), rel=1e-12)
 
 
@@ -226,7 +226,7 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
         ({"moe_layer_freq": 2}, "moe_layer_freq"),
         ({"topk_group": 2}, "topk_group"),  # groups ranked by their top 4 in megatron-core, top 2 in HF
         ({"norm_topk_prob": False}, "norm_topk_prob"),
-        ({"num_experts_per_tok": 1, "n_group": 1}, "norm_topk_prob"),  # one expert: HF renormalises to 1
+        ({"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "norm_topk_prob"),  # one expert: HF renormalises it
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ({"num_key_value_heads": 8}, "num_key_value_heads"),
         ({"attention_bias": True}, "attention_bias"),
@@ -242,14 +242,14 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
 )  # fmt: skip
 def test_what_megatron_core_computes_otherwise_is_refused_by_name(changes, field):
     with pytest.raises(ConfigError, match=field):
-        config_bridge.from_hf(_with(**changes), ARCH)
+        config_bridge.megatron_spec(_with(**changes))
 
 
 def test_trivial_groups_and_one_unnormalised_expert_are_represented():
-    assert config_bridge.from_hf(_with(topk_group=8), ARCH).moe.num_groups is None  # every group chosen
-    one = config_bridge.from_hf(_with(num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False), ARCH)
+    assert config_bridge.megatron_spec(_with(topk_group=8)).moe.num_groups is None  # every group chosen
+    one = config_bridge.megatron_spec(_with(num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False))
     assert one.moe.topk == 1 and one.moe.num_groups is None
-    assert config_bridge.from_hf(_with(num_experts_per_tok=9), ARCH).moe.group_topk == 4  # 9 // 4 == 2 as well
+    assert config_bridge.megatron_spec(_with(num_experts_per_tok=9)).moe.group_topk == 4  # 9 // 4 == 2 as well
 
 
 def _reference_interleave(weight: torch.Tensor, period: int, offset: int, width: int) -> torch.Tensor:
@@ -464,6 +464,6 @@ def test_megatron_args_rebuild_the_model_with_its_rotary_row_order(tiny_moe_mode
     (Moonlight-like) must come back rotate-half, or its rotary rows would be streamed interleaved."""
     for name in ("deepseek_v3", "moonlight"):
         config = json.loads((tiny_moe_models[name] / "config.json").read_text())
-        model = config_bridge.from_hf(config, ARCH)
+        model = config_bridge.megatron_spec(config)
         assert config_bridge.from_megatron_args(config_bridge.megatron_args(model, Layout(), torch.float32)) == model
-    assert model.mla.rotate_half and model.mla.q_lora_rank is None
+    assert not model.mla.rope_interleave and model.mla.q_lora_rank is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from test_roundtrip import assert_same_weights
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.hf_dir import read_json
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
@@ -174,7 +175,7 @@ def test_moe_checkpoint_saved_by_megatron_core_exports_to_matching_hf(tiny_moe_m
     for name in ("qwen2_moe", "glm4_moe"):
         hf_dirs[name] = tiny_moe_models[name]
         config = read_json(hf_dirs[name] / "config.json")
-        model_cfg = config_bridge.from_hf(config, get_architecture(config["architectures"][0]))
+        model_cfg = config_bridge.megatron_spec(config)
         jobs.append((model_cfg, str(tmp_path / f"{name}-saved"), str(tmp_path / f"{name}.pt")))
     run_world(random_save_ranks, layout, jobs, layout, tokens)
     for name, hf_dir in hf_dirs.items():
@@ -375,8 +376,8 @@ def test_published_moe_config_round_trips_and_builds_megatron_config(name):
 
     original = PUBLISHED_MOE[name]
     arch = get_architecture(original["architectures"][0])
-    model = config_bridge.from_hf(original, arch)
-    back = config_bridge.to_hf(model, arch)
+    model = config_bridge.megatron_spec(original)
+    back = model.to_hf()
     a = AutoConfig.for_model(original["model_type"], **{k: v for k, v in original.items() if k != "model_type"})
     b = AutoConfig.for_model(back["model_type"], **{k: v for k, v in back.items() if k != "model_type"})
     for field in MOE_FIELDS:
@@ -387,7 +388,7 @@ def test_published_moe_config_round_trips_and_builds_megatron_config(name):
         ):
             assert getattr(b, field) == getattr(a, field), field
     layout = Layout(tp=2, ep=4)
-    model.validate(layout)
+    validate_layout(layout, model)
     config = TransformerConfig(**config_bridge.transformer_config_kwargs(model, layout, torch.bfloat16))
     assert config.num_moe_experts == model.moe.num_experts and config.moe_router_topk == original["num_experts_per_tok"]
     assert config.moe_router_pre_softmax is (not original.get("norm_topk_prob", True))
@@ -395,28 +396,26 @@ def test_published_moe_config_round_trips_and_builds_megatron_config(name):
 
 def test_router_mapping():
     q3 = dict(PUBLISHED_MOE["Qwen/Qwen3-30B-A3B"])
-    arch = get_architecture("Qwen3MoeForCausalLM")
-    assert config_bridge.from_hf(q3, arch).moe.pre_softmax is False  # renormalised top-k: megatron's default
-    assert config_bridge.from_hf({**q3, "norm_topk_prob": False}, arch).moe.pre_softmax is True
-    layers = config_bridge.from_hf({**q3, "num_hidden_layers": 4, "mlp_only_layers": [0, 3]}, arch).moe.moe_layers
+    assert config_bridge.megatron_spec(q3).moe.pre_softmax is False  # renormalised top-k: megatron's default
+    assert config_bridge.megatron_spec({**q3, "norm_topk_prob": False}).moe.pre_softmax is True
+    layers = config_bridge.megatron_spec({**q3, "num_hidden_layers": 4, "mlp_only_layers": [0, 3]}).moe.moe_layers
     assert layers == (False, True, True, False)
-    q2 = config_bridge.from_hf(PUBLISHED_MOE["Qwen/Qwen1.5-MoE-A2.7B"], get_architecture("Qwen2MoeForCausalLM"))
+    q2 = config_bridge.megatron_spec(PUBLISHED_MOE["Qwen/Qwen1.5-MoE-A2.7B"])
     assert q2.moe.shared_expert_size == 5632 and q2.moe.shared_expert_gate and q2.moe.pre_softmax
     mixtral = dict(PUBLISHED_MOE["mistralai/Mixtral-8x7B-v0.1"], router_jitter_noise=0.01)
     with pytest.raises(ConfigError, match="router_jitter_noise"):
-        config_bridge.from_hf(mixtral, get_architecture("MixtralForCausalLM"))
+        config_bridge.megatron_spec(mixtral)
 
 
 def test_glm_router_mapping():
     """GLM-4.5's router fields as megatron-core's `moe_router_*` options; dense layers as `moe_layer_freq`."""
     from megatron.core.transformer import TransformerConfig
 
-    arch = get_architecture("Glm4MoeForCausalLM")
-    glm = config_bridge.from_hf(PUBLISHED_MOE["zai-org/GLM-4.5"], arch)
+    glm = config_bridge.megatron_spec(PUBLISHED_MOE["zai-org/GLM-4.5"])
     assert glm.moe.moe_layers == (False,) * 3 + (True,) * 89 and glm.moe.shared_expert_size == 1536
     assert (glm.moe.topk_scaling_factor, glm.moe.num_groups, glm.moe.group_topk) == (2.5, None, None)
-    assert (glm.qk_norm, glm.qkv_bias, glm.rotary_percent) == (True, True, 0.5)
-    air = config_bridge.from_hf(PUBLISHED_MOE["zai-org/GLM-4.5-Air"], arch)
+    assert (glm.qk_norm, glm.qkv_bias, glm.rope.partial_rotary_factor) == (True, True, 0.5)
+    air = config_bridge.megatron_spec(PUBLISHED_MOE["zai-org/GLM-4.5-Air"])
     assert (air.qk_norm, air.qkv_bias, air.moe.topk_scaling_factor) == (False, True, None)
     kwargs = config_bridge.transformer_config_kwargs(glm, Layout(tp=2, ep=4), torch.bfloat16)
     config = TransformerConfig(**kwargs)
@@ -425,7 +424,7 @@ def test_glm_router_mapping():
     assert config.moe_layer_freq == [0, 0, 0] + [1] * 89 and config.moe_shared_expert_intermediate_size == 1536
     assert not config.moe_shared_expert_gate and config.moe_router_bias_update_rate == 0.0
     assert config_bridge.gpt_model_kwargs(glm, 151552)["rotary_percent"] == 0.5
-    grouped = config_bridge.from_hf(tiny_config("Glm4MoeForCausalLM"), arch)
+    grouped = config_bridge.megatron_spec(tiny_config("Glm4MoeForCausalLM"))
     assert (grouped.moe.num_groups, grouped.moe.group_topk) == (4, 2)
     # transformers' defaults for fields a config.json lacks (Glm4MoeConfig): half-rotary, one dense layer
     sparse = {
@@ -433,16 +432,15 @@ def test_glm_router_mapping():
         for k, v in PUBLISHED_MOE["zai-org/GLM-4.5"].items()
         if k not in ("partial_rotary_factor", "first_k_dense_replace")
     }
-    assert config_bridge.from_hf(sparse, arch).rotary_percent == 0.5
-    assert config_bridge.from_hf(sparse, arch).moe.moe_layers[:2] == (False, True)
+    assert config_bridge.megatron_spec(sparse).rope.partial_rotary_factor == 0.5
+    assert config_bridge.megatron_spec(sparse).moe.moe_layers[:2] == (False, True)
 
 
 @pytest.mark.parametrize("name", ["zai-org/GLM-4.5", "zai-org/GLM-4.5-Air"])
 def test_glm_megatron_args_round_trip(name):
     """Megatron-LM `args` carry the partial rotary and the router; without `hf_architecture` (a checkpoint that
     Megatron-LM wrote) the sigmoid router alone finds GLM, not Qwen2-MoE (the other shared-expert MoE with biases)."""
-    arch = get_architecture("Glm4MoeForCausalLM")
-    model = config_bridge.from_hf(PUBLISHED_MOE[name], arch)
+    model = config_bridge.megatron_spec(PUBLISHED_MOE[name])
     args = config_bridge.megatron_args(model, Layout(tp=2, ep=4), torch.bfloat16)
     assert args.rotary_percent == 0.5 and args.moe_router_score_function == "sigmoid"
     assert config_bridge.from_megatron_args(args) == model
@@ -455,7 +453,7 @@ def test_glm_megatron_args_round_trip(name):
     else:
         assert config_bridge.from_megatron_args(args).architecture == "Qwen2MoeForCausalLM"
     with pytest.raises(ConfigError, match="routes with softmax scores; this model's router uses sigmoid"):
-        config_bridge.to_hf(model, get_architecture("Qwen2MoeForCausalLM"))
+        replace(model, architecture="Qwen2MoeForCausalLM").to_hf()
 
 
 @pytest.mark.parametrize(
@@ -486,7 +484,7 @@ def test_glm_megatron_args_round_trip(name):
 def test_glm_settings_megatron_core_cannot_represent_are_refused_by_name(change, message):
     config = {**tiny_config("Glm4MoeForCausalLM"), **change}  # head_dim 16
     with pytest.raises(ConfigError, match=message):
-        config_bridge.from_hf(config, get_architecture("Glm4MoeForCausalLM"))
+        config_bridge.megatron_spec(config)
 
 
 def test_moe_bad_input(tiny_moe_models, tmp_path):

@@ -20,7 +20,6 @@ from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.megatron.verify import VerifyJob, _hf_logits, verify
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.models.registry import get_architecture
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +78,7 @@ def test_checkpoint_saved_by_megatron_core_exports_to_matching_hf(variant, tiny_
     """A GPTModel saved by megatron-core at TP2PP2 (4 gloo ranks) exports to an HF model with the same logits."""
     hf_dir = tiny_models[variant]
     config = read_json(hf_dir / "config.json")
-    model_cfg = config_bridge.from_hf(config, get_architecture(config["architectures"][0]))
+    model_cfg = config_bridge.megatron_spec(config)
     layout = Layout(tp=2, pp=2)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     logits_path = tmp_path / "logits.pt"

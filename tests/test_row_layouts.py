@@ -23,7 +23,7 @@ from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.models.mapping_types import Dims, Direct, Entry, FusedQKV, RotaryRows, Size
 from hf_mcore_bridge.models.parallel_style import Parallel
-from hf_mcore_bridge.models.registry import REGISTRY, get_architecture
+from hf_mcore_bridge.models.registry import REGISTRY
 from hf_mcore_bridge.models.row_runs import MCORE, RowRun
 from hf_mcore_bridge.models.tensor_ops import padded_vocab_size
 from hf_mcore_bridge.models.tiny_models import tiny_config
@@ -57,13 +57,12 @@ Tensors = list[tuple[Entry, dict[str, tuple[int, ...]], tuple[int, ...]]]
 
 def _tensors(case: Case) -> tuple[Dims, Tensors]:
     """The dims and every placed entry of a case's tiny model, with its HF shapes and megatron-core shape."""
-    arch = get_architecture(case.architecture)
     config = tiny_config(case.architecture, **case.overrides)
-    model = config_bridge.from_hf(config, arch)
+    model = config_bridge.megatron_spec(config)
     dims = model.dims(padded_vocab_size(model.vocab_size, case.divisible_by, 1))
     sizes = hf_sizes(model, config)
     out = []
-    for placed in placed_entries(arch, model):
+    for placed in placed_entries(model):
         entry = placed.entry
         shapes = {name: concrete(shape, sizes) for name, shape in entry.hf_expected().items()}
         out.append((entry, shapes, entry.mcore_shape(shapes, dims)))

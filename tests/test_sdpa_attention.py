@@ -13,7 +13,6 @@ from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.megatron.sdpa_attention import FLEX_BLOCK, block_causal_mask, document_block_mask, packed_attention
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.models.registry import get_architecture
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
@@ -37,7 +36,7 @@ def test_sdpa_matches_local_attention_and_packing(tmp_path, layout):
     """SDPA and packed rows (the trainer's `PackedSeqParams` path, dense and flex backends) against megatron-core's
     own attention run sequence by sequence: logits, log-probs and gradients, fp32, at TP1 and TP2."""
     config = tiny_config("Qwen3ForCausalLM")  # GQA and q/k norms
-    model_cfg = config_bridge.from_hf(config, get_architecture("Qwen3ForCausalLM"))
+    model_cfg = config_bridge.megatron_spec(config)
     lengths = [5, 11, 3, 9]
     run_world(sdpa_rank, layout, model_cfg, layout, lengths, str(tmp_path / "logits.pt"))
     results = torch.load(tmp_path / "logits.pt", weights_only=True)
@@ -173,7 +172,7 @@ def test_packed_training_step_does_not_synchronise_on_cuda(tmp_path):
     from megatron_ranks import packed_step_sync_rank
 
     config = tiny_config("LlamaForCausalLM")
-    model_cfg = config_bridge.from_hf(config, get_architecture("LlamaForCausalLM"))
+    model_cfg = config_bridge.megatron_spec(config)
     out = tmp_path / "sync.txt"
     run_world(packed_step_sync_rank, Layout(), model_cfg, [40, 7, 81], str(out))
     assert out.read_text() == "no synchronisation"

@@ -14,20 +14,20 @@ import pytest
 import torch
 
 from hf_mcore_bridge.convert import transformer_impl
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_hf, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import megatron_spec, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.placement import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.grpo.refit import _local_name
 from hf_mcore_bridge.megatron.model import layer_spec
-from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from random_checkpoint import TINY_SHAPE
 
 
 @pytest.fixture
-def tiny_model_cfg() -> ModelConfig:
-    return from_hf(TINY_SHAPE, get_architecture(TINY_SHAPE["architectures"][0]))
+def tiny_model_cfg() -> ModelSpec:
+    return megatron_spec(TINY_SHAPE)
 
 
 @pytest.mark.parametrize(

@@ -4,5 +4,6 @@ the safety of every output (atomic temporary siblings, the destination check and
 the 128 x 128 block geometry and math of FP8 weights (`fp8_geometry`, `fp8_blocks`: read by conversion and the
 engine alike).
 
-Nothing here imports megatron-core or the mapping tables; `models` and `convert` build on these pieces.
+Nothing here imports the mapping tables, nor megatron-core beyond the enum classes a checkpoint's pickles may hold
+(`megatron_dirs`); `models` and `convert` build on these pieces.
 """

@@ -183,10 +183,9 @@ class MegatronBackend:
 
     def hf_names(self) -> list[str]:
         from hf_mcore_bridge.convert.model_plan import placed_entries
-        from hf_mcore_bridge.models.registry import get_architecture
 
         model_cfg = self.policy.model_cfg
-        return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
+        return [n for p in placed_entries(model_cfg) for n in p.hf_names()]
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights

@@ -1,59 +1,31 @@
 """What an architecture file in `mappings/` declares: everything that differs between architectures.
 
 An `Architecture` holds its HF names, its mapping table (every tensor, both naming schemes, with its parallel
-style), the hooks of the HF config <-> megatron-core translation (refusals, mixture-of-experts fields, fields
-written back on export), the few options of the engine's shared decoder that are not in the table (`EngineOptions`)
-and its tiny test configuration. Conversion, export, verify, the engine, the DTensor path and the trainer all read
-it from one registry (`models.registry`); nothing else branches on an architecture's name.
+style), how its HF config is read where that differs between families (which config fields switch optional parts
+on, the values transformers gives absent fields, the mixture-of-experts reader and writer), the few facts of
+transformers' model of it that no config field states (how routing weights are rounded, the latent norms'
+epsilon) and its tiny test configuration. The model description (`models.spec.ModelSpec`) is read through it;
+conversion, export, verify, the engine, the DTensor path and the trainer all find it in one registry
+(`models.registry`); nothing else branches on an architecture's name.
 
-Optional parts that an HF config switches on per checkpoint (GLM-4.5's q/k norms and q/k/v biases) are a
-`Switch`: the name of the config field; table entries of such a part say so (`mapping_types.Feature`).
+Optional parts that an HF config switches on per checkpoint (GLM-4.5's q/k norms and q/k/v biases, Llama's
+`attention_bias`) are a `Switch`: the name of the config field; table entries of such a part say so
+(`mapping_types.Feature`).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hf_mcore_bridge.models.mapping_types import Entry, LayerKind, Size
-
-if TYPE_CHECKING:
-    from hf_mcore_bridge.models.moe import MoeConfig
+from hf_mcore_bridge.models.mapping_types import Entry, Feature, LayerKind, Size
+from hf_mcore_bridge.models.moe import MoeSpec
 
 Switch = bool | str
 """Whether an architecture has an optional part: always (True), never (False), or where the HF config field of
 this name is true (absent: false, unless `Architecture.hf_absent` says otherwise)."""
-
-
-class Bias(enum.Enum):
-    """Whether the engine gives a projection a bias (HF configs switch some of them on per checkpoint)."""
-
-    NEVER = "never"
-    ALWAYS = "always"
-    FROM_CONFIG = "from_config"
-    """Follows the HF config's `attention_bias` flag."""
-    FROM_QKV_BIAS = "from_qkv_bias"
-    """Follows the HF config's `qkv_bias` flag, true when absent (Qwen2-MoE)."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What the engine's shared decoder needs beyond the mapping table (whose HF names it loads from)."""
-
-    qkv_bias: Bias = Bias.NEVER
-    """Bias on the q, k and v projections. Where the table has no q/k/v bias entry but the config asks for one
-    (Llama's `attention_bias`), the engine derives its names from the q/k/v weights'."""
-    o_bias: Bias = Bias.NEVER
-    """Bias on the output projection (`o_proj.bias`, a name derived from `o_proj.weight`)."""
-    round_routing_weights: bool = False
-    """Routing weights are rounded to the activation dtype before they scale the expert outputs (Qwen); Mixtral
-    scales in float32 and rounds the product. Identical in float32."""
-    latent_norm_eps: float | None = None
-    """Multi-latent attention: the epsilon of the query and key/value latents' RMSNorms (`q_a_layernorm`,
-    `kv_a_layernorm`); None: `rms_norm_eps`. HF's DeepSeek-V3 hard-codes 1e-6."""
 
 
 @dataclass(frozen=True)
@@ -67,36 +39,49 @@ class Architecture:
     table: tuple[Entry, ...]
     """The mapping table: every tensor of the model, in both naming schemes."""
     qkv_bias: Switch = False
-    """Biases on q/k/v (megatron `add_qkv_bias`), as in Qwen2; GLM-4.5 switches them with `attention_bias`."""
+    """Biases on q/k/v, as in Qwen2; Llama, Qwen3 and GLM-4.5 switch them with `attention_bias`, Qwen2-MoE with
+    `qkv_bias`. Where the table has no q/k/v bias entries (Llama, Qwen3), the engine derives their names from the
+    weights' and conversion refuses them."""
+    o_bias: Switch = False
+    """A bias on the attention's output projection (`o_proj.bias`, a name derived from `o_proj.weight`): Llama's
+    and Qwen3's `attention_bias` (GLM-4.5's leaves `o_proj` without one)."""
     qk_norm: Switch = False
     """RMSNorm on each head of q and k (megatron `qk_layernorm`), as in Qwen3; GLM-4.5 switches it with
     `use_qk_norm`."""
-    check: Callable[[Mapping[str, Any]], None] | None = None
-    """Refuses HF config values this architecture has but megatron-core cannot represent (raises `ConfigError`)."""
+    sliding_window_switch: str | None = None
+    """The config field that switches sliding-window attention on (Qwen's `use_sliding_window`); None: a set
+    `sliding_window` is on (Mistral)."""
     hf_defaults: Mapping[str, Any] | None = None
     """Architecture-specific HF config fields written on export (e.g. Mistral's `sliding_window: null`)."""
     hf_absent: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    """The values transformers gives fields a `config.json` lacks, where they matter to the conversion (GLM-4.5:
+    """The values transformers gives fields a `config.json` lacks, where they matter to the model (GLM-4.5:
     `partial_rotary_factor` 0.5, `first_k_dense_replace` 1): read configs as transformers would run them."""
     hf_size_fields: Mapping[Size, str] = field(default_factory=lambda: MappingProxyType({}))
     """The HF config fields a model dimension comes from, where they are not the usual ones (`input_checks`
     names them in its messages)."""
     score_function: str = "softmax"
-    """The router score function its MoE layers use (`MoeConfig.score_function`): how Megatron `args` that name
+    """The router score function its MoE layers use (`MoeSpec.score_function`): how Megatron `args` that name
     no architecture find it (`registry.with_features`), and what export refuses to write otherwise."""
-    moe_from_hf: Callable[[Mapping[str, Any], int], MoeConfig] | None = None
-    """Reads the mixture-of-experts fields of an HF config (given the layer count); None for dense models."""
-    moe_to_hf: Callable[[MoeConfig], dict[str, Any]] | None = None
+    moe_from_hf: Callable[[Mapping[str, Any], int], MoeSpec] | None = None
+    """Reads the mixture-of-experts fields of an HF config (given the layer count); None for dense models. Refuses
+    only what it cannot describe (`ConfigError`): consumers refuse what they cannot compute."""
+    moe_to_hf: Callable[[MoeSpec], dict[str, Any]] | None = None
     """Writes the mixture-of-experts fields back into an HF config."""
+    round_routing_weights: bool = False
+    """transformers' model rounds the routing weights to the activation dtype before they scale the expert
+    outputs (Qwen); otherwise it scales in float32 and rounds the product (Mixtral). Identical in float32."""
+    latent_norm_eps: float | None = None
+    """Multi-latent attention: the epsilon transformers' model gives the query and key/value latents' RMSNorms
+    (`q_a_layernorm`, `kv_a_layernorm`) whatever the config says (DeepSeek-V3: 1e-6); None: `rms_norm_eps`."""
     fused_experts: Mapping[str, tuple[str, str]] | None = None
-    """Alternative HF layouts to read: per-expert name template -> (fused `[num_experts, ...]` tensor template,
-    part: `gate` / `up` half of dim 1, or `all`). Export always writes the per-expert names."""
+    """transformers 5's in-memory names, where they differ from the checkpoint's: per-expert name template ->
+    (fused `[num_experts, ...]` tensor template, part: `gate` / `up` half of dim 1, or `all`; Mixtral's router
+    renamed whole). Conversion and the engine read either layout; export writes the checkpoint's names. The engine's
+    stacked expert parameters carry the fused names."""
     mtp_copies: Mapping[str, str] | None = None
     """A multi-token-prediction layer's own copies of model tensors that megatron-core's MTP shares: HF name
     template (with `{layer}`) -> the HF name of the shared tensor (`embed_tokens` and `shared_head.head` of
     DeepSeek-V3's and GLM-4.5's MTP layers). Checked equal on import, written again on export."""
-    engine: EngineOptions = EngineOptions()
-    """The engine decoder's options beyond the table."""
     tiny: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """The tiny test model: HF config fields over `tiny_models.TINY_BASE` (small, but exercising what conversions
     get wrong: grouped KV heads, an odd vocabulary, this architecture's own features)."""
@@ -110,6 +95,10 @@ class Architecture:
         if isinstance(switch, bool):
             return switch
         return bool(self.with_absent(config).get(switch) or False)
+
+    def table_has(self, feature: Feature) -> bool:
+        """Whether the table has entries of an optional part (q/k/v biases, q/k norms, ...)."""
+        return any(entry.requires is feature for entry in self.table)
 
     @property
     def is_moe(self) -> bool:

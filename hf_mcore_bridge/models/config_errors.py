@@ -1,4 +1,4 @@
-"""Refusing HF config values that megatron-core cannot represent, naming the field."""
+"""Refusing HF config values, naming the field."""
 
 from __future__ import annotations
 
@@ -9,21 +9,15 @@ from hf_mcore_bridge.errors import BridgeError
 
 
 class ConfigError(BridgeError):
-    """An HF config value that cannot be represented in megatron-core (or is missing)."""
-
-
-def refuse_if(config: Mapping[str, Any], field: str, bad: Any) -> None:
-    """Raise when `config[field] == bad`."""
-    if config.get(field) == bad:
-        raise ConfigError(f"config field {field}={bad!r} cannot be represented in megatron-core")
+    """An HF config value that is missing or malformed, or that a consumer cannot compute as transformers does
+    (megatron-core's refusals name megatron-core; the engine's its decoder)."""
 
 
 def refuse_unless(config: Mapping[str, Any], field: str, good: Any) -> None:
-    """Raise when `config[field]` is present and differs from `good`."""
+    """Raise when `config[field]` is present and differs from `good` (a field transformers' model of the
+    architecture ignores, so any other value would be computed as `good` is)."""
     if field in config and config[field] != good:
-        raise ConfigError(
-            f"config field {field}={config[field]!r} cannot be represented in megatron-core (only {good!r})"
-        )
+        raise ConfigError(f"config field {field}={config[field]!r} is not supported (only {good!r})")
 
 
 def require(config: Mapping[str, Any], field: str) -> Any:

@@ -52,7 +52,7 @@ class LayerKind(enum.Enum):
 class Feature(enum.Enum):
     """An optional part of a model that its HF config switches on or off (`Architecture.qk_norm` / `qkv_bias` name
     the switch; `q_lora_rank` the query's form under multi-latent attention); an entry that `requires` one is
-    present only in models that have it (`ModelConfig.has`)."""
+    present only in models that have it (`ModelSpec.has`)."""
 
     QK_NORM = "q/k norm"
     """RMSNorm on each head of q and k (megatron `qk_layernorm`)."""

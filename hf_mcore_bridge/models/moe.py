@@ -2,7 +2,7 @@
 
 Softmax routers (Mixtral, Qwen-MoE) need a layer pattern (`moe_layer_pattern` / `layer_pattern_to_hf`) and `topk`.
 The sigmoid router with an expert score bias and group-limited top-k (GLM-4.5, DeepSeek-V3) is `sigmoid_router`
-(HF config -> `MoeConfig` fields, with its refusals) and `sigmoid_router_to_hf`; leading dense layers
+(HF config -> `MoeSpec` fields) and `sigmoid_router_to_hf`; leading dense layers
 (`first_k_dense_replace`) are `leading_dense_layers` / `leading_dense_count`.
 """
 
@@ -16,43 +16,52 @@ from hf_mcore_bridge.models.config_errors import ConfigError, refuse_unless, req
 
 
 @dataclass(frozen=True)
-class MoeConfig:
-    """The mixture-of-experts part of a model."""
+class MoeSpec:
+    """The mixture of experts of a model, as its HF config describes it (`Architecture.moe_from_hf`)."""
 
     num_experts: int
+    """Routed experts per MoE layer."""
     ffn_hidden_size: int
     """FFN width of one routed expert."""
     topk: int
-    """Experts each token is routed to."""
+    """Experts each token is routed to (`num_experts_per_tok`)."""
     moe_layers: tuple[bool, ...]
     """Per decoder layer: a routed MoE (True) or a dense MLP (False)."""
-    pre_softmax: bool
-    """Softmax over all experts, then top-k without renormalising (HF `norm_topk_prob=False`); otherwise top-k of
-    the logits then softmax over the k, which equals HF's softmax -> top-k -> renormalise."""
+    renormalize: bool
+    """The chosen experts' weights are divided by their sum (HF `norm_topk_prob`; Mixtral always): for a softmax
+    router, softmax -> top-k -> renormalise; otherwise the chosen experts keep their scores."""
     aux_loss_coeff: float
     """HF `router_aux_loss_coef`: recorded in a checkpoint's `args` and written back on export, never turned into
     a training loss here (`transformer_config_kwargs` sets megatron-core's `moe_aux_loss_coeff` to 0)."""
     shared_expert_size: int | None = None
     """FFN width of the shared expert (Qwen2-MoE; GLM-4.5's `n_shared_experts` experts fused into one), if any."""
     shared_expert_gate: bool = False
-    """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE)."""
+    """Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE); otherwise it is added as it is."""
     score_function: str = "softmax"
     """The router's score of each expert: `softmax` over the experts, or an independent `sigmoid` per expert
-    (DeepSeek-V3, GLM-4.5; megatron-core's `moe_router_score_function`). Sigmoid scores of the chosen experts are
-    always renormalised to sum to 1 by megatron-core (HF `norm_topk_prob=True`)."""
+    (DeepSeek-V3, GLM-4.5; megatron-core's `moe_router_score_function`)."""
     expert_bias: bool = False
     """A per-expert bias added to the scores for choosing the experts only, not to their weights (HF
-    `e_score_correction_bias`; megatron-core's `moe_router_enable_expert_bias`, its `router.expert_bias`)."""
+    `e_score_correction_bias`, held in float32; megatron-core's `moe_router_enable_expert_bias`)."""
     topk_scaling_factor: float | None = None
     """The chosen experts' weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
     num_groups: int | None = None
-    """Group-limited routing: the experts are cut into this many groups (HF `n_group`); None: no groups."""
+    """Group-limited routing: the experts are cut into this many groups (HF `n_group`); None: no groups (also
+    where the groups restrict nothing)."""
     group_topk: int | None = None
-    """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their top
-    `topk / group_topk` scores (megatron-core's rule)."""
+    """Group-limited routing: the groups each token may use (HF `topk_group`), ranked by the sum of their
+    `HF_GROUP_SCORE_TOPK` largest biased scores."""
     router_fp32: bool = False
     """The router's logits are computed in float32 from float32 copies of its input and weight, whatever the
     model's dtype (HF GLM-4.5 and DeepSeek-V3; megatron-core's `moe_router_dtype='fp32'`)."""
+    jitter_noise: float = 0.0
+    """HF `router_jitter_noise` (Mixtral): multiplicative noise on the router's input, in training only."""
+
+    @property
+    def pre_softmax(self) -> bool:
+        """A softmax router that does not renormalise (megatron-core's `moe_router_pre_softmax`: softmax over all
+        experts, then top-k; otherwise top-k of the logits then softmax over the k, which renormalises)."""
+        return self.score_function == "softmax" and not self.renormalize
 
 
 def moe_layer_pattern(config: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -104,21 +113,16 @@ biased scores. megatron-core sums the largest `topk // group_topk`: the same whe
 
 
 def sigmoid_router(config: Mapping[str, Any], num_experts: int, topk: int) -> dict[str, Any]:
-    """`MoeConfig` fields of transformers' sigmoid router with expert score bias (DeepSeek-V3's `noaux_tc`,
+    """`MoeSpec` fields of transformers' sigmoid router with expert score bias (DeepSeek-V3's `noaux_tc`,
     GLM-4.5): scores s = sigmoid(logits) in float32; experts chosen by top-k of s + bias within the `topk_group`
-    best of `n_group` groups; weights s of the chosen, divided by their sum (+1e-20) when `norm_topk_prob`, times
-    `routed_scaling_factor`. megatron-core's `topk_routing_with_score_function` computes the same except where
-    refused here by name: it renormalises exactly when top-k > 1 (so `norm_topk_prob` must say the same), and its
-    group score sums the top `topk // topk_group` scores where transformers sums the top 2. Groups that do not
-    restrict anything (`n_group` 1, or `topk_group == n_group`) are mapped to no groups."""
+    best of `n_group` groups (ranked by the sum of their 2 largest biased scores); weights s of the chosen, divided
+    by their sum (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`. Groups that do not restrict anything
+    (`n_group` 1, or `topk_group == n_group`) are read as no groups. Refused: another `scoring_func` or
+    `topk_method` (transformers' model computes this router whatever they say), and groups transformers cannot
+    rank (fewer than 2 experts each)."""
     refuse_unless(config, "scoring_func", "sigmoid")
     refuse_unless(config, "topk_method", "noaux_tc")
     normalise = require(config, "norm_topk_prob")
-    if bool(normalise) != (topk > 1):
-        raise ConfigError(
-            f"config field norm_topk_prob={normalise!r} cannot be represented in megatron-core: with sigmoid scores "
-            f"it renormalises the top-k weights exactly when num_experts_per_tok > 1 (here {topk})"
-        )
     groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
     if num_experts % groups:
         raise ConfigError(f"config field n_group={groups} does not divide the {num_experts} routed experts")
@@ -128,24 +132,13 @@ def sigmoid_router(config: Mapping[str, Any], num_experts: int, topk: int) -> di
     restricted = chosen < groups
     if restricted and per_group < HF_GROUP_SCORE_TOPK:
         raise ConfigError(f"config field n_group={groups} leaves {per_group} expert per group; the group score needs 2")
-    if restricted and topk // chosen != HF_GROUP_SCORE_TOPK:
-        raise ConfigError(
-            f"config fields num_experts_per_tok={topk}, topk_group={chosen} cannot be represented in megatron-core: "
-            f"it ranks groups by their top {topk // chosen} scores (num_experts_per_tok // topk_group), transformers "
-            f"by their top {HF_GROUP_SCORE_TOPK}"
-        )
-    if restricted and topk > chosen * per_group:
-        raise ConfigError(
-            f"config field num_experts_per_tok={topk} exceeds the {chosen * per_group} experts of topk_group={chosen} "
-            f"groups of {per_group}"
-        )
     scale = config.get("routed_scaling_factor")
     scale = 1.0 if scale is None else float(scale)
     if scale <= 0:
         raise ConfigError(f"config field routed_scaling_factor={scale:g} must be positive")
     return {
         "score_function": "sigmoid",
-        "pre_softmax": False,
+        "renormalize": bool(normalise),
         "expert_bias": True,
         "topk_scaling_factor": None if scale == 1.0 else scale,
         "num_groups": groups if restricted else None,
@@ -154,7 +147,7 @@ def sigmoid_router(config: Mapping[str, Any], num_experts: int, topk: int) -> di
     }
 
 
-def sigmoid_router_to_hf(moe: MoeConfig) -> dict[str, Any]:
+def sigmoid_router_to_hf(moe: MoeSpec) -> dict[str, Any]:
     """The HF config fields of a `sigmoid_router` (the inverse; a softmax router or one without expert bias is
     refused: transformers' sigmoid router always has both)."""
     if moe.score_function != "sigmoid" or not moe.expert_bias:
@@ -166,5 +159,5 @@ def sigmoid_router_to_hf(moe: MoeConfig) -> dict[str, Any]:
         "n_group": moe.num_groups or 1,
         "topk_group": moe.group_topk or 1,
         "routed_scaling_factor": moe.topk_scaling_factor or 1.0,
-        "norm_topk_prob": moe.topk > 1,
+        "norm_topk_prob": moe.renormalize,
     }

@@ -23,7 +23,8 @@ from hf_mcore_bridge.mappings import (
     qwen3,
     qwen3_moe,
 )
-from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.architecture import Architecture, Switch
+from hf_mcore_bridge.models.mapping_types import Feature
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch
@@ -75,17 +76,20 @@ def with_features(
     *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax", mla: bool = False
 ) -> Architecture:
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
-    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. A feature an
-    architecture switches per config (`Switch`, GLM-4.5's q/k norms) matches either value."""
+    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
+    part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
+    norms) matches either value."""
 
-    def matches(switch: bool | str, wanted: bool) -> bool:
-        return isinstance(switch, str) or switch == wanted
+    def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
+        if wanted:
+            return switch is not False and arch.table_has(feature)
+        return switch is not True
 
     for arch in REGISTRY.values():
         if (
             (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
-            and matches(arch.qk_norm, qk_norm)
-            and matches(arch.qkv_bias, qkv_bias)
+            and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
+            and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
             and (not moe or arch.score_function == score_function)
         ):
             return arch

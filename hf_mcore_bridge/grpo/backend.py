@@ -222,7 +222,7 @@ class MegatronBackend:
 
     def _megatron_args(self) -> Any:
         from hf_mcore_bridge.convert.config_bridge import megatron_args
-        from hf_mcore_bridge.grpo.policy import layout_of
+        from hf_mcore_bridge.grpo.config import layout_of
 
         mcfg = self.config.policy.megatron_cfg
         return megatron_args(
@@ -340,6 +340,6 @@ def start_world(config: GRPOConfig, fn: Callable[..., None], *args: Any) -> None
     if config.policy.dtensor_cfg.enabled:
         run_torch_world(fn, world_of(config), *args)
         return
-    from hf_mcore_bridge.grpo.policy import layout_of
+    from hf_mcore_bridge.grpo.config import layout_of
 
     run_world(fn, layout_of(config.policy.megatron_cfg), *args, world=world_of(config))

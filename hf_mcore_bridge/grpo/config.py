@@ -31,10 +31,12 @@ from typing import Any
 
 import yaml
 
+from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
 from hf_mcore_bridge.engine.attention import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.advantages import LeaveOneOutStd
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
 
 __all__ = [
@@ -43,7 +45,6 @@ __all__ = [
     "DTensorConfig",
     "DataConfig",
     "GRPOConfig",
-    "GRPOConfigError",
     "GRPOSection",
     "GenerationConfig",
     "LoggerConfig",
@@ -55,12 +56,9 @@ __all__ = [
     "WandbConfig",
     "apply_overrides",
     "config_from_dict",
+    "layout_of",
     "load_config",
 ]
-
-
-class GRPOConfigError(BridgeError):
-    """A configuration that cannot run: unknown key, wrong type or inconsistent values; the message says where."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +118,17 @@ class MegatronConfig:
     """`DistributedDataParallelConfig` keys, forwarded as given (e.g. `overlap_grad_reduce`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Learning-rate and weight-decay schedule."""
+
+
+def layout_of(megatron: MegatronConfig) -> Layout:
+    """The parallel layout a `MegatronConfig` asks for."""
+    return Layout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -721,7 +730,6 @@ def cluster_ranks(config: GRPOConfig) -> int | None:
 
 def world_of(config: GRPOConfig) -> int:
     """The number of ranks the run starts."""
-    from hf_mcore_bridge.grpo.policy import layout_of
     from hf_mcore_bridge.megatron.world import world_size
 
     if config.policy.dtensor_cfg.enabled:
@@ -741,8 +749,6 @@ def data_parallel_size(config: GRPOConfig) -> int:
 
 
 def _validate_world(config: GRPOConfig) -> None:
-    from hf_mcore_bridge.errors import BridgeError
-    from hf_mcore_bridge.grpo.policy import layout_of
     from hf_mcore_bridge.megatron.world import check_world
 
     nodes = config.cluster.num_nodes

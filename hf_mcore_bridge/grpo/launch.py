@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname
 from hf_mcore_bridge.errors import BridgeError, RunStopped
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, world_of
+from hf_mcore_bridge.grpo.config import GRPOConfig, world_of
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = ["check_resumable", "check_shared_storage", "check_start", "prepare_once", "stopped_message"]

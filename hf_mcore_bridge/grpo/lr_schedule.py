@@ -11,10 +11,12 @@ configured with a constant weight decay).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from hf_mcore_bridge.grpo.config import SchedulerConfig
+if TYPE_CHECKING:
+    from hf_mcore_bridge.grpo.config import SchedulerConfig
 
 __all__ = ["SUPPORTED_STYLES", "decay_steps", "lr_scheduler", "scheduled_lr"]
 

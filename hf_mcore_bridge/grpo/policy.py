@@ -52,7 +52,7 @@ from hf_mcore_bridge.grpo.batching import (
     pad_to_multiple,
     sequence_padding_index,
 )
-from hf_mcore_bridge.grpo.config import MegatronConfig
+from hf_mcore_bridge.grpo.config import MegatronConfig, layout_of
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.megatron.cpu_patches import cuda_type_names
 from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
@@ -63,21 +63,9 @@ __all__ = [
     "build_policy",
     "cast_parameters",
     "ddp_settings",
-    "layout_of",
     "token_logprobs",
     "use_fused_adamw",
 ]
-
-
-def layout_of(megatron: MegatronConfig) -> Layout:
-    """The parallel layout a `MegatronConfig` asks for."""
-    return Layout(
-        tp=megatron.tensor_model_parallel_size,
-        pp=megatron.pipeline_model_parallel_size,
-        cp=megatron.context_parallel_size,
-        ep=megatron.expert_model_parallel_size,
-        etp=megatron.expert_tensor_parallel_size,
-    )
 
 
 @dataclass

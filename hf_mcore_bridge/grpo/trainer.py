@@ -74,7 +74,8 @@ from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, generation_tensor_parallel_size
+from hf_mcore_bridge.grpo.config import GRPOConfig, generation_tensor_parallel_size, layout_of
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.generation import (
     build_engine,
     engine_replicas,
@@ -86,7 +87,6 @@ from hf_mcore_bridge.grpo.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
-from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version

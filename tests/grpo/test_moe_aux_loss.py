@@ -12,8 +12,8 @@ import torch
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.grpo.config import MegatronConfig
-from hf_mcore_bridge.grpo.policy import _transformer_config, layout_of
+from hf_mcore_bridge.grpo.config import MegatronConfig, layout_of
+from hf_mcore_bridge.grpo.policy import _transformer_config
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import tiny_config
 

@@ -52,6 +52,7 @@ ARCHITECTURE = Architecture(
         ),
     ),
     hf_defaults={"sliding_window": None},
+    hf_absent={"router_aux_loss_coef": 0.001},
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts={

@@ -66,6 +66,7 @@ ARCHITECTURE = Architecture(
     o_bias="attention_bias",
     sliding_window_switch="use_sliding_window",
     hf_defaults={"use_sliding_window": False},
+    hf_absent={"router_aux_loss_coef": 0.001},
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     round_routing_weights=True,

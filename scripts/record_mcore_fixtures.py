@@ -1,4 +1,4 @@
-"""Record tiny checkpoints saved by the installed megatron-core itself, for `tests/test_mcore_fixtures.py`.
+"""Record tiny checkpoints saved by the installed megatron-core itself, for `tests/convert/test_mcore_fixtures.py`.
 
 megatron-core 0.17 and newer need Python >= 3.12, which the development machines lack: run this where there is
 one (the GPU machine; it runs on the CPU, in gloo worlds), with the megatron-core wheels in `.whl/`:

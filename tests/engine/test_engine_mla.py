@@ -1,6 +1,6 @@
 """Multi-latent attention (DeepSeek-V3 and Moonlight) in the engine, against transformers.
 
-The tiny models of `tests/conftest.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
+The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
 experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
 `generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU), prompts of different
 lengths in one batch, past several 4-token KV blocks; the cache holds the latent (kv_lora_rank + qk_rope_head_dim

@@ -8,7 +8,7 @@ For each one's tiny model (`Architecture.tiny`, built by transformers from the c
   equal those of transformers' forward pass (fp32);
 - conversion to megatron-core at TP2 x PP2 (x EP2 for mixture-of-experts) and back gives the checkpoint's tensors
   bit for bit.
-Logit parity through megatron-core itself (multi-process worlds) covers the tiny models of `conftest.VARIANTS` and
+Logit parity through megatron-core itself (multi-process worlds) covers the tiny models of `tiny_variants.VARIANTS` and
 `MOE_VARIANTS`; `test_every_architecture_has_a_tiny_model_in_the_suites` keeps every architecture in them.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MOE_VARIANTS, VARIANTS
-from test_roundtrip import assert_same_weights
+from hf_weights import assert_same_weights
+from tiny_variants import MOE_VARIANTS, VARIANTS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_mcore_bridge.convert import config_bridge

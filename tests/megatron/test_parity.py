@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_weights import assert_same_weights
 from megatron_ranks import random_save_rank, resave_rank
-from test_roundtrip import assert_same_weights
 
 from hf_mcore_bridge.checkpoint.hf_dir import read_json
 from hf_mcore_bridge.convert import config_bridge

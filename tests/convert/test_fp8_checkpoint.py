@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import assert_one_line_error, run
 from safetensors.torch import load_file, save_file
-from test_bad_input import assert_one_line_error, run
 
 from hf_mcore_bridge.checkpoint.fp8_blocks import dequantize_blockwise, dequantize_rows, quantize_blockwise
 from hf_mcore_bridge.convert.inspect import inspect_path

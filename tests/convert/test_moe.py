@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import assert_one_line_error, run
+from hf_weights import assert_same_weights
 from megatron_ranks import legacy_load_ranks, random_save_ranks
 from safetensors.torch import load_file, save_file
-from test_bad_input import assert_one_line_error, run
-from test_roundtrip import assert_same_weights
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.hf_dir import read_json

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_roundtrip import assert_same_weights
+from hf_weights import assert_same_weights
 from typer.testing import CliRunner
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import installed_mcore_version, read_common

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
+from hf_weights import assert_same_weights, read_weights
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.convert.layout import Layout
@@ -19,21 +17,6 @@ LAYOUTS = {
     "tp4pp1": Layout(tp=4),
     "tp1pp4vpp2": Layout(pp=4, vpp=2),
 }
-
-
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def assert_same_weights(original: Path, exported: Path) -> None:
-    a, b = _weights(original), _weights(exported)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype, name
-        assert torch.equal(a[name], b[name]), name
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
@@ -64,7 +47,7 @@ def test_checkpoint_is_chunked_for_the_target_layout(tiny_models, tmp_path):
 def test_dtype_cast_on_the_way_in(tiny_models, tmp_path):
     convert_hf_to_mcore(tiny_models["qwen2"], tmp_path / "m", dtype="bf16", show_progress=False)
     convert_mcore_to_hf(tmp_path / "m", tmp_path / "h", show_progress=False)
-    a, b = _weights(tiny_models["qwen2"]), _weights(tmp_path / "h")
+    a, b = read_weights(tiny_models["qwen2"]), read_weights(tmp_path / "h")
     assert all(b[n].dtype == torch.bfloat16 and torch.equal(b[n], a[n].to(torch.bfloat16)) for n in a)
 
 

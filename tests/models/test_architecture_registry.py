@@ -14,7 +14,7 @@ from hf_mcore_bridge.grpo.dtensor_parallel import layer_tp_plan
 from hf_mcore_bridge.models.registry import REGISTRY, for_config, with_features
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 NAMES = {arch.hf_name for arch in REGISTRY.values()} | {arch.model_type for arch in REGISTRY.values()}
 
 

@@ -21,7 +21,7 @@ from hf_mcore_bridge.grpo.refit import _local_name
 from hf_mcore_bridge.megatron.model import layer_spec
 from hf_mcore_bridge.models.spec import ModelSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from random_checkpoint import TINY_SHAPE
 
 

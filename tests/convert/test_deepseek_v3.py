@@ -2,7 +2,7 @@
 
 Logit parity through megatron-core runs in the shared worlds of `test_moe` (EP2, TP2 x EP2, PP2 x EP2) and
 `test_parity` (TP2, PP2), and the bit-exact round trips in `test_moe`'s, for the two tiny variants of
-`conftest.MOE_VARIANTS`: DeepSeek-V3-like (low-rank query, YaRN, 4 groups of 4 experts) and Moonlight-like
+`tiny_variants.MOE_VARIANTS`: DeepSeek-V3-like (low-rank query, YaRN, 4 groups of 4 experts) and Moonlight-like
 (full-rank `q_proj`, plain RoPE in rotate-half order, no groups). Here: the published config through
 megatron-core's own `MLATransformerConfig` and back, the refusals, the rotary-row permutation against a layout
 written out in the test, and what the checkpoint holds.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import assert_one_line_error, run
+from hf_weights import assert_same_weights
 from megatron_ranks import mtp_logits_rank
 from safetensors.torch import load_file, save_file
-from test_bad_input import assert_one_line_error, run
-from test_roundtrip import assert_same_weights
 from transformers import AutoConfig
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint

@@ -8,27 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import assert_one_line_error, run
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from hf_mcore_bridge.cli.main import app
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
-
-runner = CliRunner()
-
-
-def run(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error: ") and "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.megatron.verify import _hf_logits
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 VERSIONS = ["0.16", "0.17", "0.18", "0.19"]
 CASES = ["llama-tp2pp2", "mixtral-ep2"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_weights import assert_same_weights
 from megatron_ranks import legacy_load_rank
-from test_roundtrip import LAYOUTS, assert_same_weights
+from test_roundtrip import LAYOUTS
 
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf

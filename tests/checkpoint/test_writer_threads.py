@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from hf_mcore_bridge.checkpoint import byte_copy
 from hf_mcore_bridge.cli.main import app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, signal, sys, threading, time

@@ -29,7 +29,7 @@ from hf_mcore_bridge.cli.main import app
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MARKER = ".hf-mcore-bridge.json"
 runner = CliRunner()
 

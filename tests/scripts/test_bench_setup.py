@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # three venvs and two pip installs: I/O-bound, tens of seconds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

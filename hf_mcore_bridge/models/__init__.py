@@ -5,6 +5,8 @@
   tensor transforms they call (`tensor_ops`), and the entries shared by mixture-of-experts families (`moe_tables`);
 - what an architecture file declares (`architecture.Architecture`) and the HF config readers its hooks share
   (`moe`, `config_errors`);
+- the one description of a model, read once from its `config.json` (`spec.ModelSpec`), which conversion, export,
+  verify, the engine, the DTensor path and the trainer all read; each refuses over it what it cannot compute;
 - the explicit registry of the files in `mappings/` (`registry`);
 - the tiny test models built from each architecture's config (`tiny_models`) and the real trained one
   (`real_models`).

@@ -24,8 +24,9 @@ from typing import Any
 
 from hf_mcore_bridge.checkpoint.destination import check_name_length
 from hf_mcore_bridge.checkpoint.paths import lookup
-from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.models.spec import ModelSpec
 
 SIZE_HINT = "a byte count or a number with KB, MB, GB or TB (e.g. 500MB, 5GB)"
 
@@ -174,8 +175,9 @@ def writable_destination(destination: Path) -> None:
 
 
 def layout_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
-    """The layout must be buildable for the model the HF config describes (heads, groups, FFN, layers, experts)."""
-    validate_layout_for_hf_config(layout, hf_config)
+    """The layout must be buildable for the model the HF config describes (heads, groups, FFN, layers, experts):
+    read into its description (`ModelSpec`, cheap: no torch), not yet refused for what megatron-core lacks."""
+    validate_layout(layout, ModelSpec.from_hf(hf_config))
 
 
 def grpo_paths(model_path: str, tokenizer: str | None) -> None:

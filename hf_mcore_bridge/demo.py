@@ -16,8 +16,9 @@ import torch
 from hf_mcore_bridge.checkpoint.atomic import atomic_directory
 from hf_mcore_bridge.checkpoint.destination import check_destination
 from hf_mcore_bridge.checkpoint.write_errors import reported_write_errors
-from hf_mcore_bridge.convert.layout import Layout, validate_layout_for_hf_config
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.models.spec import ModelSpec
 
 ARCHITECTURE = "LlamaForCausalLM"
 """The demo's model: `tiny_models.tiny_config` of this architecture."""
@@ -28,16 +29,16 @@ def run_demo(
 ) -> Iterator[str]:
     """Build, convert, verify and export back; yields progress lines. Raises if anything disagrees; a layout the
     tiny model cannot take or a destination that may not be written is refused before anything is built."""
-    from hf_mcore_bridge.tiny_models import tiny_config
+    from hf_mcore_bridge.models.tiny_models import tiny_config
 
-    validate_layout_for_hf_config(Layout(tp=tp, pp=pp), tiny_config(ARCHITECTURE))
+    validate_layout(Layout(tp=tp, pp=pp), ModelSpec.from_hf(tiny_config(ARCHITECTURE)))
     check_destination(workdir, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
     from safetensors.torch import load_file
 
     from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.megatron.verify import VerifyJob, verify
-    from hf_mcore_bridge.tiny_models import build_tiny_model
+    from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
     with (
         reported_write_errors(None, workdir),

@@ -1,7 +1,7 @@
 """DeepSeek-V3 / V3.1 / R1, Kimi-K2 and Moonlight (`DeepseekV3ForCausalLM`): multi-latent attention, a sigmoid
 router with an expert-score correction bias and group-limited top-k, shared experts, dense first layers.
 
-Multi-latent attention maps onto megatron-core's MLA (`config_bridge.MlaConfig`): the query's down/up projections
+Multi-latent attention (`spec.MlaSpec`) maps onto megatron-core's MLA: the query's down/up projections
 (or Moonlight's single `q_proj`), the key/value down-projection with the shared rotary key, their RMSNorms (fused
 into the up-projections under Transformer Engine's names) and the key/value up-projection, whose rows are laid out
 per head as `[k_nope; v]` in both. The router is megatron-core's sigmoid `TopKRouter` with `expert_bias`.
@@ -10,12 +10,12 @@ Multi-token-prediction layers (`num_nextn_predict_layers`, HF layers numbered af
 megatron-core's MTP (`mtp.layers.{i}`: `enorm`, `hnorm`, `eh_proj`, a MoE decoder layer, `final_layernorm`); their
 copies of the embedding and output layer, which megatron-core shares, must equal the model's (`convert.mtp`).
 
-Refused, because megatron-core computes something else: groups ranked other than by their top-2 scores
-(megatron-core sums the top `topk // topk_group`), unnormalised sigmoid weights of several experts (megatron-core
-renormalises them) or a renormalised single one, `topk_method` other than `noaux_tc`, `scoring_func` other than
-`sigmoid`, MoE layers placed other than after the first `first_k_dense_replace` (`moe_layer_freq` other than 1),
-and `rms_norm_eps` other than 1e-6 (HF's latent norms use 1e-6 whatever it says, megatron-core's use it). The
-correction bias is float32 on both sides (`expert_score_bias`).
+transformers' model hard-codes what some config fields seem to choose: the latent norms' epsilon is 1e-6 whatever
+`rms_norm_eps` says (`latent_norm_eps`; conversion refuses a different `rms_norm_eps`, since megatron-core's
+latent norms use it), the router is sigmoid `noaux_tc` (`sigmoid_router` refuses another `scoring_func` or
+`topk_method`), and the MoE layers are those from `first_k_dense_replace` on (another `moe_layer_freq` is
+refused). `attention_bias` would bias `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`: neither conversion nor the
+engine has them. The correction bias is float32 on both sides (`expert_score_bias`).
 """
 
 from __future__ import annotations
@@ -23,27 +23,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.mapping_types import Direct, Feature, RotaryRows, Size
-from hf_mcore_bridge.convert.moe_tables import (
-    MTP_COPIES,
-    dense_only,
-    expert_score_bias,
+from hf_mcore_bridge.mappings.llama import ATTENTION as LLAMA_ATTENTION
+from hf_mcore_bridge.mappings.llama import DENSE_MLP, HF_LAYER, MC_LAYER
+from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import ConfigError, refuse_unless, require
+from hf_mcore_bridge.models.mapping_types import Direct, Feature, RotaryRows, Size
+from hf_mcore_bridge.models.moe import (
+    MoeSpec,
     leading_dense_count,
     leading_dense_layers,
-    mtp_layer,
-    routed_experts,
-    shared_experts,
     sigmoid_router,
     sigmoid_router_to_hf,
     topk,
 )
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.mappings.llama import ATTENTION as LLAMA_ATTENTION
-from hf_mcore_bridge.mappings.llama import DENSE_MLP, HF_LAYER, MC_LAYER
-from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE
+from hf_mcore_bridge.models.moe_tables import (
+    MTP_COPIES,
+    dense_only,
+    expert_score_bias,
+    mtp_layer,
+    routed_experts,
+    shared_experts,
+)
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 HF_ATTN = f"{HF_LAYER}.self_attn"
 MC_ATTN = f"{MC_LAYER}.self_attention"
@@ -128,36 +130,24 @@ TABLE = (EMBEDDING, *MLA, *dense_only(DENSE_MLP), *MOE, *mtp_layer((*MLA, *MOE))
 
 
 LATENT_NORM_EPS = 1e-6
-"""The epsilon of HF's `q_a_layernorm` / `kv_a_layernorm`, whatever `rms_norm_eps` says (megatron-core gives its
-latent norms `rms_norm_eps`)."""
-
-
-def check(config: Mapping[str, Any]) -> None:
-    """What HF's DeepSeek-V3 model hard-codes: MoE from layer `first_k_dense_replace` on (sigmoid scores and
-    `noaux_tc` top-k: `sigmoid_router`), and latent norms of epsilon 1e-6."""
-    refuse_unless(config, "moe_layer_freq", 1)
-    eps = config.get("rms_norm_eps")
-    if eps is not None and float(eps) != LATENT_NORM_EPS:
-        raise ConfigError(
-            f"config field rms_norm_eps={eps!r} cannot be represented in megatron-core's MLA: HF's q_a_layernorm "
-            f"and kv_a_layernorm use {LATENT_NORM_EPS:g} whatever rms_norm_eps, megatron-core uses rms_norm_eps"
-        )
+"""The epsilon of HF's `q_a_layernorm` / `kv_a_layernorm`, whatever `rms_norm_eps` says."""
 
 
 DENSE_LAYERS = "first_k_dense_replace"
 
 
-def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeSpec:
     """`n_routed_experts` experts of width `moe_intermediate_size`, the sigmoid router (`sigmoid_router`),
     `n_shared_experts` shared experts fused into one MLP (none: no shared expert), and `first_k_dense_replace`
-    dense layers first."""
+    dense layers first (the only placement transformers' model has: `moe_layer_freq` must be 1)."""
+    refuse_unless(config, "moe_layer_freq", 1)
     experts = require(config, "n_routed_experts")
     k = topk(config, experts)
     width = require(config, "moe_intermediate_size")
     shared = config.get("n_shared_experts") or 0
     if not isinstance(shared, int) or shared < 0:
         raise ConfigError(f"config field n_shared_experts={shared!r} must be a non-negative integer")
-    return MoeConfig(
+    return MoeSpec(
         num_experts=experts,
         ffn_hidden_size=width,
         topk=k,
@@ -168,7 +158,7 @@ def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
     )
 
 
-def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
     shared = (moe.shared_expert_size or 0) // moe.ffn_hidden_size
     if shared * moe.ffn_hidden_size != (moe.shared_expert_size or 0):
         raise ConfigError(f"shared expert width {moe.shared_expert_size} is no multiple of {moe.ffn_hidden_size}")
@@ -188,7 +178,8 @@ ARCHITECTURE = Architecture(
     hf_name="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
     table=TABLE,
-    check=check,
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
     hf_defaults={"attention_bias": False},
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
@@ -200,7 +191,7 @@ ARCHITECTURE = Architecture(
         Size.SHARED_FFN: "n_shared_experts * moe_intermediate_size",
     },
     mtp_copies=MTP_COPIES,
-    engine=EngineOptions(latent_norm_eps=LATENT_NORM_EPS),
+    latent_norm_eps=LATENT_NORM_EPS,
     tiny={
         "rms_norm_eps": LATENT_NORM_EPS,
         "num_hidden_layers": 4,

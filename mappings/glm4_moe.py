@@ -13,36 +13,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_if, require
-from hf_mcore_bridge.convert.mapping_types import Size
-from hf_mcore_bridge.convert.moe_tables import (
-    MTP_COPIES,
-    dense_only,
-    expert_score_bias,
-    leading_dense_count,
-    leading_dense_layers,
-    mtp_layer,
-    shared_experts,
-    sigmoid_router,
-    sigmoid_router_to_hf,
-    topk,
-)
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP
 from hf_mcore_bridge.mappings.qwen2 import QKV_BIAS
 from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
 from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS, HF_MOE, ROUTED
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import ConfigError, require
+from hf_mcore_bridge.models.mapping_types import Size
+from hf_mcore_bridge.models.moe import (
+    MoeSpec,
+    leading_dense_count,
+    leading_dense_layers,
+    sigmoid_router,
+    sigmoid_router_to_hf,
+    topk,
+)
+from hf_mcore_bridge.models.moe_tables import MTP_COPIES, dense_only, expert_score_bias, mtp_layer, shared_experts
 
 DENSE_LAYERS = "first_k_dense_replace"
 
 
-def check(config: Mapping[str, Any]) -> None:
-    """GLM's MLP biases do not exist; its attention has no output bias whatever `attention_bias` says."""
-    refuse_if(config, "mlp_bias", True)
-
-
-def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeSpec:
     """`n_routed_experts` experts of width `moe_intermediate_size`, the sigmoid router (`sigmoid_router`), one
     shared expert `n_shared_experts` times as wide, and `first_k_dense_replace` dense layers first."""
     experts = require(config, "n_routed_experts")
@@ -51,7 +42,7 @@ def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
     shared = require(config, "n_shared_experts")
     if not isinstance(shared, int) or shared < 1:
         raise ConfigError(f"config field n_shared_experts={shared!r} is not supported (at least 1 shared expert)")
-    return MoeConfig(
+    return MoeSpec(
         num_experts=experts,
         ffn_hidden_size=width,
         topk=k,
@@ -62,7 +53,7 @@ def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
     )
 
 
-def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
     shared = moe.shared_expert_size or 0
     if shared % moe.ffn_hidden_size or not shared:
         raise ConfigError(
@@ -93,9 +84,8 @@ ARCHITECTURE = Architecture(
     hf_name="Glm4MoeForCausalLM",
     model_type="glm4_moe",
     table=(*LAYER, *dense_only(DENSE_MLP), *MOE, *mtp_layer((*LAYER, *MOE))),
-    qkv_bias="attention_bias",
+    qkv_bias="attention_bias",  # q, k and v only: `o_proj` never has a bias
     qk_norm="use_qk_norm",
-    check=check,
     # what transformers' Glm4MoeConfig gives a config.json that lacks these fields
     hf_absent={
         "partial_rotary_factor": 0.5,
@@ -114,8 +104,6 @@ ARCHITECTURE = Architecture(
     score_function="sigmoid",
     mtp_copies=MTP_COPIES,
     fused_experts=FUSED_EXPERTS,
-    # q/k/v biases follow `attention_bias`, as in HF; `o_proj` never has one
-    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG),
     tiny={
         "num_hidden_layers": 4,
         DENSE_LAYERS: 1,

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, FusedQKV, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 HF_LAYER = "model.layers.{layer}"
 MC_LAYER = "decoder.layers.{layer}"
@@ -59,12 +55,6 @@ DENSE_MLP = (
 TABLE = ATTENTION + DENSE_MLP
 
 
-def check(config: Mapping[str, Any]) -> None:
-    """Llama's optional biases have no megatron-core equivalent in this layer layout."""
-    refuse_if(config, "attention_bias", True)
-    refuse_if(config, "mlp_bias", True)
-
-
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 32.0,
@@ -78,9 +68,10 @@ ARCHITECTURE = Architecture(
     hf_name="LlamaForCausalLM",
     model_type="llama",
     table=TABLE,
-    check=check,
+    # q/k/v and o_proj biases: not in the table (megatron-core's GPT layers have no o_proj bias without MLP biases,
+    # so conversion refuses them); the engine runs them under names derived from the weights'
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
     hf_defaults={"attention_bias": False, "mlp_bias": False},
-    # conversion refuses `attention_bias`; the engine also runs checkpoints that have it
-    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG),
     tiny={"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE},
 )

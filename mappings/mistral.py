@@ -1,25 +1,14 @@
-"""Mistral (`MistralForCausalLM`): the Llama table; sliding-window attention is refused."""
+"""Mistral (`MistralForCausalLM`): the Llama table; a set `sliding_window` is attention through that window."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_errors import refuse_unless
 from hf_mcore_bridge.mappings.llama import TABLE
-
-
-def check(config: Mapping[str, Any]) -> None:
-    """Mistral 7B v0.1 attends through a 4096-token sliding window; megatron-core's dense GPT layers do not."""
-    refuse_unless(config, "sliding_window", None)
-
+from hf_mcore_bridge.models.architecture import Architecture
 
 ARCHITECTURE = Architecture(
     hf_name="MistralForCausalLM",
     model_type="mistral",
     table=TABLE,
-    check=check,
     hf_defaults={"sliding_window": None},
     tiny={"sliding_window": None, "head_dim": 16},
 )

@@ -5,39 +5,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError, refuse_unless, require
-from hf_mcore_bridge.convert.moe_tables import routed_experts, topk
 from hf_mcore_bridge.mappings.llama import ATTENTION, HF_LAYER
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import require
+from hf_mcore_bridge.models.moe import MoeSpec, topk
+from hf_mcore_bridge.models.moe_tables import routed_experts
 
 HF_MOE = f"{HF_LAYER}.block_sparse_moe"
 
 
-def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
-    """Mixtral's router renormalises the top-k softmax weights: megatron's default (top-k of logits, softmax)."""
-    refuse_unless(config, "sliding_window", None)
-    jitter = config.get("router_jitter_noise") or 0.0
-    if jitter:
-        raise ConfigError(f"config field router_jitter_noise={jitter} cannot be represented in megatron-core")
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeSpec:
+    """Mixtral's router always renormalises the top-k softmax weights; its experts' width is `intermediate_size`."""
     experts = require(config, "num_local_experts")
-    return MoeConfig(
+    return MoeSpec(
         num_experts=experts,
         ffn_hidden_size=require(config, "intermediate_size"),
         topk=topk(config, experts),
         moe_layers=(True,) * num_layers,
-        pre_softmax=False,
+        renormalize=True,
         aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+        jitter_noise=float(config.get("router_jitter_noise") or 0.0),
     )
 
 
-def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
     return {
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.topk,
         "intermediate_size": moe.ffn_hidden_size,
         "router_aux_loss_coef": moe.aux_loss_coeff,
-        "router_jitter_noise": 0.0,
+        "router_jitter_noise": moe.jitter_noise,
     }
 
 
@@ -55,6 +52,7 @@ ARCHITECTURE = Architecture(
         ),
     ),
     hf_defaults={"sliding_window": None},
+    hf_absent={"router_aux_loss_coef": 0.001},
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
     fused_experts={

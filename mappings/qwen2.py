@@ -1,20 +1,11 @@
-"""Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): the Llama table plus q/k/v biases."""
+"""Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): the Llama table plus q/k/v biases; `use_sliding_window` switches its
+sliding window on."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Feature, FusedQKV
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
-
-
-def check(config: Mapping[str, Any]) -> None:
-    """Qwen2's optional sliding window is not representable."""
-    refuse_if(config, "use_sliding_window", True)
-
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import Feature, FusedQKV
 
 QKV_BIAS = FusedQKV(
     f"{MC_LAYER}.self_attention.linear_qkv.bias",
@@ -30,8 +21,7 @@ ARCHITECTURE = Architecture(
     model_type="qwen2",
     table=(*TABLE, QKV_BIAS),
     qkv_bias=True,
-    check=check,
+    sliding_window_switch="use_sliding_window",
     hf_defaults={"use_sliding_window": False},
-    engine=EngineOptions(qkv_bias=Bias.ALWAYS),
     tiny={"rope_theta": 1000000.0},
 )

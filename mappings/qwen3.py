@@ -1,22 +1,12 @@
-"""Qwen3 (`Qwen3ForCausalLM`): the Llama table plus per-head RMSNorm on q and k, with an explicit head_dim."""
+"""Qwen3 (`Qwen3ForCausalLM`): the Llama table plus per-head RMSNorm on q and k, with an explicit head_dim;
+`attention_bias` switches q/k/v and o_proj biases on (as Llama's), `use_sliding_window` its sliding window."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_errors import refuse_if
-from hf_mcore_bridge.convert.mapping_types import Direct, Feature, Size
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.mappings.llama import HF_LAYER, MC_LAYER, TABLE
-
-
-def check(config: Mapping[str, Any]) -> None:
-    """Qwen3's attention bias would also bias `o_proj`, and its optional sliding window is not representable."""
-    refuse_if(config, "attention_bias", True)
-    refuse_if(config, "use_sliding_window", True)
-
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import Direct, Feature, Size
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 QK_NORMS = (
     Direct(
@@ -40,8 +30,9 @@ ARCHITECTURE = Architecture(
     model_type="qwen3",
     table=(*TABLE, *QK_NORMS),
     qk_norm=True,
-    check=check,
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    sliding_window_switch="use_sliding_window",
     hf_defaults={"use_sliding_window": False, "attention_bias": False},
-    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG),
     tiny={"head_dim": 32, "rope_theta": 1000000.0},
 )

@@ -1,42 +1,42 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3 attention (q/k norms), routed experts, optional dense layers."""
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3 attention (q/k norms), routed experts, optional dense layers; the
+routing weights are rounded to the activation dtype before they scale the experts' outputs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from hf_mcore_bridge.convert.architecture import Architecture, Bias, EngineOptions
-from hf_mcore_bridge.convert.config_bridge import MoeConfig
-from hf_mcore_bridge.convert.config_errors import require
-from hf_mcore_bridge.convert.moe_tables import dense_only, layer_pattern_to_hf, moe_layer_pattern, routed_experts, topk
 from hf_mcore_bridge.mappings.llama import ATTENTION, DENSE_MLP, HF_LAYER
 from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
-from hf_mcore_bridge.mappings.qwen3 import check as qwen3_check
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.config_errors import require
+from hf_mcore_bridge.models.moe import MoeSpec, layer_pattern_to_hf, moe_layer_pattern, topk
+from hf_mcore_bridge.models.moe_tables import dense_only, routed_experts
 
 HF_MOE = f"{HF_LAYER}.mlp"
 
 
-def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeConfig:
-    """`norm_topk_prob=True` renormalises the top-k weights (megatron's default); False keeps the softmax values
-    of the chosen experts (megatron's `moe_router_pre_softmax`)."""
+def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeSpec:
+    """Softmax over the experts, top-k, renormalised where `norm_topk_prob` (absent: not); MoE layers by
+    `decoder_sparse_step` and `mlp_only_layers`."""
     # the Hub's configs say num_experts; transformers 5 saves the same field as num_local_experts
     experts = config.get("num_experts") or require(config, "num_local_experts")
-    return MoeConfig(
+    return MoeSpec(
         num_experts=experts,
         ffn_hidden_size=require(config, "moe_intermediate_size"),
         topk=topk(config, experts),
         moe_layers=moe_layer_pattern(config, num_layers),
-        pre_softmax=not config.get("norm_topk_prob", False),
+        renormalize=bool(config.get("norm_topk_prob", False)),
         aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
     )
 
 
-def moe_to_hf(moe: MoeConfig) -> dict[str, Any]:
+def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
     return {
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.topk,
         "moe_intermediate_size": moe.ffn_hidden_size,
-        "norm_topk_prob": not moe.pre_softmax,
+        "norm_topk_prob": moe.renormalize,
         "router_aux_loss_coef": moe.aux_loss_coeff,
         **layer_pattern_to_hf(moe.moe_layers),
     }
@@ -62,12 +62,15 @@ ARCHITECTURE = Architecture(
     model_type="qwen3_moe",
     table=(*ATTENTION, *QK_NORMS, *dense_only(DENSE_MLP), *ROUTED),
     qk_norm=True,
-    check=qwen3_check,
+    qkv_bias="attention_bias",
+    o_bias="attention_bias",
+    sliding_window_switch="use_sliding_window",
     hf_defaults={"use_sliding_window": False},
+    hf_absent={"router_aux_loss_coef": 0.001},
     moe_from_hf=moe_from_hf,
     moe_to_hf=moe_to_hf,
+    round_routing_weights=True,
     fused_experts=FUSED_EXPERTS,
-    engine=EngineOptions(qkv_bias=Bias.FROM_CONFIG, o_bias=Bias.FROM_CONFIG, round_routing_weights=True),
     tiny={
         "num_hidden_layers": 4,
         "num_experts": 8,

@@ -292,13 +292,12 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     docstring. Returns its training step."""
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.convert.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
     from hf_mcore_bridge.grpo.config import MegatronConfig
     from hf_mcore_bridge.grpo.losses import LossConfig
     from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
-    from hf_mcore_bridge.mappings import get_architecture
 
-    model_cfg = from_hf(shape, get_architecture(shape["architectures"][0]))
+    model_cfg = megatron_spec(shape)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
     megatron = MegatronConfig(

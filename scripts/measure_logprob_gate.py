@@ -44,12 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_dir(name: str, root: Path) -> Path:
     if name == "smollm2":
-        from hf_mcore_bridge.real_models import smollm2_dir
+        from hf_mcore_bridge.models.real_models import smollm2_dir
 
         return smollm2_dir()
     if name == "tiny-qwen3-moe":  # a random 2-layer Qwen3-MoE with the tiny chat tokenizer: no trained MoE is at hand
         from hf_mcore_bridge.grpo.tiny_chat import CHAT_WORDS, build_chat_tokenizer
-        from hf_mcore_bridge.tiny_models import build_tiny_model
+        from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
         directory = root / "tiny-qwen3-moe"
         overrides = {"num_hidden_layers": 2, "vocab_size": len(CHAT_WORDS), "router_aux_loss_coef": 0.0}

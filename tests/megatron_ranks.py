@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.config_bridge import from_megatron_args, padded_vocab
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.megatron.model import build_gpt_model, load_distributed_checkpoint
 from hf_mcore_bridge.megatron.verify import forward_stage
 from hf_mcore_bridge.megatron.world import device
+from hf_mcore_bridge.models.spec import ModelSpec
 
 
 def _save(model: torch.nn.Module, directory: Path) -> None:
@@ -39,18 +40,18 @@ def resave_rank(source: str, destination: str, layout: Layout) -> None:
     _save(model, Path(destination))
 
 
-def random_save_rank(model_cfg: ModelConfig, layout: Layout, destination: str, tokens: torch.Tensor, out: str):
+def random_save_rank(model_cfg: ModelSpec, layout: Layout, destination: str, tokens: torch.Tensor, out: str):
     """A randomly initialised megatron-core GPTModel: saved by megatron-core, and its logits on `tokens`."""
     random_save_ranks([(model_cfg, destination, out)], layout, tokens)
 
 
-def random_save_ranks(jobs: list[tuple[ModelConfig, str, str]], layout: Layout, tokens: torch.Tensor) -> None:
+def random_save_ranks(jobs: list[tuple[ModelSpec, str, str]], layout: Layout, tokens: torch.Tensor) -> None:
     """`random_save_rank` for several (model, destination, logits file) in one world."""
     for model_cfg, destination, out in jobs:
         _random_save(model_cfg, layout, destination, tokens, out)
 
 
-def _random_save(model_cfg: ModelConfig, layout: Layout, destination: str, tokens: torch.Tensor, out: str) -> None:
+def _random_save(model_cfg: ModelSpec, layout: Layout, destination: str, tokens: torch.Tensor, out: str) -> None:
     torch.manual_seed(1234)
     model = build_gpt_model(model_cfg, layout, torch.float32, padded_vocab(model_cfg, layout), device=device())
     saved = set(model.state_dict())
@@ -105,7 +106,7 @@ def _legacy_load(root: str, layout: Layout, tokens: torch.Tensor, out: str) -> N
         torch.save(logits, out)
 
 
-def sdpa_rank(model_cfg: ModelConfig, layout: Layout, lengths: list[int], out: str) -> None:
+def sdpa_rank(model_cfg: ModelSpec, layout: Layout, lengths: list[int], out: str) -> None:
     """One randomly initialised model at `layout`, its core attention either SDPA or megatron-core's own local
     (unfused) attention, same weights. Saved by rank 0, logits gathered over TP:
     - `sdpa` / `local`: logits of each sequence run alone (causal);
@@ -180,7 +181,7 @@ def sdpa_rank(model_cfg: ModelConfig, layout: Layout, lengths: list[int], out: s
         torch.save({k: [t.float().cpu() for t in v] for k, v in results.items()}, out)
 
 
-def packed_step_sync_rank(model_cfg: ModelConfig, lengths: list[int], out: str) -> None:
+def packed_step_sync_rank(model_cfg: ModelSpec, lengths: list[int], out: str) -> None:
     """A bf16 model (under megatron-core's `Float16Module`) trains one packed row through the trainer's
     `_forward_step` twice: the second forward and backward under `torch.cuda.set_sync_debug_mode("error")`, which
     raises at any operation that synchronises the host with the device. Rank 0 saves whether it did."""

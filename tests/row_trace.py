@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from hf_mcore_bridge.convert.row_runs import RowRun
+from hf_mcore_bridge.models.row_runs import RowRun
 
 _COLUMNS = 3
 _ROW_BITS = 40

@@ -29,9 +29,9 @@ import yaml
 
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_dirs import LATEST_TRAIN_STATE
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.spec import ModelSpec
 
 RUN_CONFIG = "run_config.yaml"
 TRAIN_STATE = "train_state.pt"
@@ -93,7 +93,7 @@ def _dtype_reference(dtype: Any) -> dict[str, Any]:
 
 
 def run_config(
-    model: ModelConfig, layout: Layout, dtype: Any, *, make_vocab_size_divisible_by: int = 128
+    model: ModelSpec, layout: Layout, dtype: Any, *, make_vocab_size_divisible_by: int = 128
 ) -> dict[str, Any]:
     """A `run_config.yaml` whose `model` section is a `GPTModelProvider` for this model and layout."""
     section: dict[str, Any] = {
@@ -114,10 +114,10 @@ def run_config(
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "position_embedding_type": "rope",
-        "rotary_base": model.rope_theta,
-        "rotary_percent": model.rotary_percent,
-        "rope_scaling": model.rope_scaling_factor is not None,
-        "rope_scaling_factor": model.rope_scaling_factor or 1.0,
+        "rotary_base": model.rope.theta,
+        "rotary_percent": model.rope.partial_rotary_factor,
+        "rope_scaling": model.rope.rope_type == "llama3",
+        "rope_scaling_factor": model.rope.factor,
         "seq_length": model.max_position_embeddings,
         "vocab_size": model.vocab_size,
         "should_pad_vocab": True,  # the provider pads as Megatron-LM does: to make_vocab_size_divisible_by * TP

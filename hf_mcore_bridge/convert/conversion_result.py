@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,7 @@ class ConversionResult:
     """What a conversion wrote."""
 
     destination: Path
-    model: ModelConfig
+    model: ModelSpec
     layout: Layout
     tensors: int
     bytes_written: int

@@ -47,12 +47,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint.fp8_geometry import BLOCK, scale_shape
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint, TensorInfo
-from hf_mcore_bridge.convert.config_errors import ConfigError
-from hf_mcore_bridge.convert.fp8_geometry import BLOCK, scale_shape
-from hf_mcore_bridge.convert.mapping_types import Entry
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.mapping_types import Entry
+from hf_mcore_bridge.models.parallel_style import Parallel
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,7 @@ class Fp8Checkpoint(HFCheckpoint):
         """As `HFCheckpoint.read`; an FP8 weight is dequantized `SPAN_ROWS` rows at a time into its output."""
         import torch
 
-        from hf_mcore_bridge.convert.fp8_blocks import dequantize_rows
+        from hf_mcore_bridge.checkpoint.fp8_blocks import dequantize_rows
 
         if name not in self.scales:
             return super().read(name, rows)
@@ -318,7 +318,7 @@ class Fp8Export:
         are independent)."""
         import torch
 
-        from hf_mcore_bridge.convert.fp8_blocks import FP8_DTYPE, quantize_blockwise
+        from hf_mcore_bridge.checkpoint.fp8_blocks import FP8_DTYPE, quantize_blockwise
 
         if name not in self.names:
             return [(name, value)]

@@ -1,7 +1,7 @@
 """Every tensor's full shape and dtype checked against the model config before anything is written.
 
 The expected shapes come from the architecture's table (each entry states its HF tensors' shapes in model
-dimensions, `Size`) resolved with the `ModelConfig`; only headers are read (safetensors headers, DCP metadata,
+dimensions, `Size`) resolved with the `ModelSpec`; only headers are read (safetensors headers, DCP metadata,
 the shard shapes of legacy files), never tensor data. The same expectations serve both directions: HF tensors
 against `config.json`, and the global megatron-core tensors of a Megatron checkpoint (built from the HF shapes
 by the entry's own `mcore_shape`) against the config the checkpoint is exported with (its HF assets or `args`).
@@ -20,43 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_mcore_bridge.checkpoint.dtypes import FLOAT32, DType, of
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import Dims, Shape, Size
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.mapping_types import Dims, Shape, Size
+from hf_mcore_bridge.models.spec import ModelSpec
 
 Resolved = dict[Size, tuple[int, str]]
 """Each model dimension's size and the config field(s) it comes from."""
-
-
-def _sizes(model: ModelConfig) -> dict[Size, int | None]:
-    moe = model.moe
-    return _mla_sizes(model) | {
-        Size.HIDDEN: model.hidden_size,
-        Size.Q: model.num_attention_heads * model.head_dim,
-        Size.KV: model.num_query_groups * model.head_dim,
-        Size.HEAD_DIM: model.head_dim,
-        Size.FFN: model.ffn_hidden_size,
-        Size.EXPERT_FFN: moe.ffn_hidden_size if moe else None,
-        Size.SHARED_FFN: moe.shared_expert_size if moe else None,
-        Size.VOCAB: model.vocab_size,
-        Size.EXPERTS: moe.num_experts if moe else None,
-        Size.ONE: 1,
-        Size.TWO_HIDDEN: 2 * model.hidden_size,
-    }
-
-
-def _mla_sizes(model: ModelConfig) -> dict[Size, int | None]:
-    mla, heads = model.mla, model.num_attention_heads
-    if mla is None:
-        return {}
-    return {
-        Size.MLA_Q: heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim),
-        Size.Q_LORA: mla.q_lora_rank,
-        Size.KV_LORA: mla.kv_lora_rank,
-        Size.KV_DOWN: mla.kv_lora_rank + mla.qk_rope_head_dim,
-        Size.KV_UP: heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-        Size.MLA_V: heads * mla.v_head_dim,
-    }
 
 
 _MLA_MEGATRON_LABELS = {
@@ -70,12 +39,10 @@ _MLA_MEGATRON_LABELS = {
 }
 
 
-def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
+def hf_sizes(model: ModelSpec, config: Mapping[str, Any]) -> Resolved:
     """Model dimensions labelled with the HF `config.json` fields they come from (the architecture's own names
     where it has them, `Architecture.hf_size_fields`)."""
-    from hf_mcore_bridge.mappings import get_architecture
-
-    fields = get_architecture(model.architecture).hf_size_fields
+    fields = model.arch.hf_size_fields
     labels = {
         Size.HIDDEN: "hidden_size",
         Size.Q: "num_attention_heads * head_dim",
@@ -91,10 +58,10 @@ def hf_sizes(model: ModelConfig, config: Mapping[str, Any]) -> Resolved:
         Size.TWO_HIDDEN: "2 * hidden_size",
         **(fields or {}),
     }
-    return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
+    return {size: (value, labels[size]) for size, value in model.sizes().items() if value is not None}
 
 
-def megatron_sizes(model: ModelConfig) -> Resolved:
+def megatron_sizes(model: ModelSpec) -> Resolved:
     """Model dimensions labelled with the Megatron-LM argument names they correspond to."""
     labels = {
         Size.HIDDEN: "hidden_size",
@@ -109,7 +76,7 @@ def megatron_sizes(model: ModelConfig) -> Resolved:
         Size.ONE: "1",
         **_MLA_MEGATRON_LABELS,
     }
-    return {size: (value, labels[size]) for size, value in _sizes(model).items() if value is not None}
+    return {size: (value, labels[size]) for size, value in model.sizes().items() if value is not None}
 
 
 def concrete(shape: Shape, sizes: Resolved) -> tuple[int, ...]:

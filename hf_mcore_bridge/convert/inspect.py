@@ -124,7 +124,7 @@ def _assets_architecture(root: Path, checkpoint_dir: Path) -> str | None:
 
 def _inspect_legacy(checkpoint_dir: Path) -> Inspection:
     from hf_mcore_bridge.convert.legacy_format import FILE_NAME, LegacySource
-    from hf_mcore_bridge.mappings import get_architecture
+    from hf_mcore_bridge.models.registry import get_architecture
 
     first = sorted(checkpoint_dir.glob(f"mp_rank_*/{FILE_NAME}"))
     if not first:

@@ -2,16 +2,17 @@
 
 A layout is a property of how megatron-core will run the model; the distributed checkpoint itself stores global
 tensors and loads at any layout. The layout still matters for conversion: it pads the vocabulary, chunks tensors
-the way the target ranks will read them, and is recorded in the checkpoint's `args`.
+the way the target ranks will read them, and is recorded in the checkpoint's `args`. `validate_layout` checks one
+against the model's description (`models.spec.ModelSpec`), which is cheap to read: no torch, no megatron-core.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from hf_mcore_bridge.errors import LayoutError
+from hf_mcore_bridge.models.moe import MoeSpec
+from hf_mcore_bridge.models.spec import MlaSpec, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -102,36 +103,37 @@ def validate_layout_sizes(layout: Layout) -> None:
         _require(value is None or value >= 0, f"{name}={value} must not be negative")
 
 
-def validate_layout(
-    layout: Layout,
-    *,
-    num_layers: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    ffn_hidden_size: int,
-    num_experts: int | None = None,
-    moe_ffn_hidden_size: int | None = None,
-) -> None:
+def validate_layout(layout: Layout, model: ModelSpec) -> None:
     """Refuse a layout that megatron-core cannot build for this model, with the reason."""
     validate_layout_sizes(layout)
     tp = layout.tp
-    _require(
-        num_attention_heads % tp == 0,
-        f"num_attention_heads={num_attention_heads} is not divisible by tp={tp}",
-    )
-    _require(num_query_groups % tp == 0, f"num_query_groups={num_query_groups} is not divisible by tp={tp}")
-    _require(ffn_hidden_size % tp == 0, f"ffn_hidden_size={ffn_hidden_size} is not divisible by tp={tp}")
-    _validate_pipeline(layout, num_layers)
-    if num_experts is None:
+    heads, groups, ffn = model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size
+    _require(heads % tp == 0, f"num_attention_heads={heads} is not divisible by tp={tp}")
+    _require(groups % tp == 0, f"num_query_groups={groups} is not divisible by tp={tp}")
+    _require(ffn % tp == 0, f"ffn_hidden_size={ffn} is not divisible by tp={tp}")
+    _validate_pipeline(layout, model.num_layers)
+    _validate_experts(layout, model.moe)
+    if model.mla is not None:
+        _validate_mla(layout, model.mla)
+
+
+def _validate_experts(layout: Layout, moe: MoeSpec | None) -> None:
+    if moe is None:
         _require(layout.ep == 1, f"ep={layout.ep} needs a mixture-of-experts model; this one is dense")
         _require(layout.etp is None, f"etp={layout.etp} needs a mixture-of-experts model; this one is dense")
         return
-    _require(num_experts % layout.ep == 0, f"num_experts={num_experts} is not divisible by ep={layout.ep}")
-    if moe_ffn_hidden_size is not None:
-        _require(
-            moe_ffn_hidden_size % layout.expert_tp == 0,
-            f"moe_ffn_hidden_size={moe_ffn_hidden_size} is not divisible by etp={layout.expert_tp}",
-        )
+    _require(moe.num_experts % layout.ep == 0, f"num_experts={moe.num_experts} is not divisible by ep={layout.ep}")
+    width = moe.ffn_hidden_size
+    _require(width % layout.expert_tp == 0, f"moe_ffn_hidden_size={width} is not divisible by etp={layout.expert_tp}")
+
+
+def _validate_mla(layout: Layout, mla: MlaSpec) -> None:
+    """megatron-core's local layer spec splits MLA's down-projections over TP (column-parallel, then gathered)."""
+    widths = {"kv_lora_rank + qk_rope_head_dim": mla.kv_lora_rank + mla.qk_rope_head_dim}
+    if mla.q_lora_rank is not None:
+        widths["q_lora_rank"] = mla.q_lora_rank
+    for what, width in widths.items():
+        _require(width % layout.tp == 0, f"{what}={width} is not divisible by tp={layout.tp}")
 
 
 def _validate_pipeline(layout: Layout, num_layers: int) -> None:
@@ -161,36 +163,3 @@ def _validate_pipeline(layout: Layout, num_layers: int) -> None:
             num_layers % (pp * vpp) == 0,
             f"num_layers={num_layers} is not divisible by pp*vpp={pp * vpp}",
         )
-
-
-_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""HF config keys that hold the routed-expert count (Mixtral; Qwen-MoE; DeepSeek-style); a config with none of them
-is a dense model. A mixture-of-experts family with another key must add it here."""
-
-
-def validate_layout_for_hf_config(layout: Layout, config: Mapping[str, Any]) -> None:
-    """`validate_layout` from an HF `config.json` read as plain JSON: a cheap check before anything heavy loads.
-
-    Checks the layers, heads, query groups and FFN width the config states, and EP/ETP against the expert count
-    (`_EXPERT_COUNT_KEYS`); a value the config lacks is left to the full conversion to report.
-    Sizes below 1 are refused whatever the config says.
-    """
-
-    def count(key: str, default: int | None = None) -> int | None:
-        value = config.get(key, default)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
-
-    validate_layout_sizes(layout)
-    heads = count("num_attention_heads")
-    layers, ffn = count("num_hidden_layers"), count("intermediate_size")
-    if heads is None or layers is None or ffn is None:
-        return  # the full conversion names the missing or malformed key
-    experts = next((n for key in _EXPERT_COUNT_KEYS if (n := count(key)) is not None), None)
-    validate_layout(
-        layout,
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_query_groups=count("num_key_value_heads") or heads,
-        ffn_hidden_size=ffn,
-        num_experts=experts,
-    )

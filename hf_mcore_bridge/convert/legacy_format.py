@@ -24,19 +24,14 @@ import torch
 
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.megatron_dirs import CHECKPOINT_VERSION, safe_torch_load
+from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.convert.layout import Layout, stage_layer_counts
-from hf_mcore_bridge.convert.mapping_types import (
-    LOCAL_MLA_SPEC_KEYS,
-    Entry,
-    dcp_key,
-    extra_state_module,
-    fill,
-    is_layered,
-)
 from hf_mcore_bridge.convert.model_plan import Placed
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import global_shape, merge_rank_shards, rank_shard
+from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, dcp_key, extra_state_module
 from hf_mcore_bridge.errors import CheckpointError, LayoutError
+from hf_mcore_bridge.models.mapping_types import Entry, is_layered
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.tensor_ops import global_shape, merge_rank_shards, rank_shard
 
 FILE_NAME = "model_optim_rng.pt"
 LOCAL_SPEC_NAMES = {

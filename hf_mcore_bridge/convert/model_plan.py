@@ -5,18 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import (
-    Entry,
-    LayerKind,
-    Placement,
-    at_layer,
-    is_expert,
-    is_layered,
-    placement,
-)
+from hf_mcore_bridge.convert.placement import Placement, placement
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.mapping_types import Entry, LayerKind, at_layer, is_expert, is_layered
+from hf_mcore_bridge.models.spec import ModelSpec
 
 IGNORABLE_HF = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 """HF tensors that carry no weights (old checkpoints saved RoPE buffers)."""
@@ -51,7 +43,7 @@ class Placed:
     def hf_names(self) -> tuple[str, ...]:
         return self.entry.hf_sources
 
-    def placement(self, model: ModelConfig, *, spec: str = "te", stacked: bool | None = None) -> Placement:
+    def placement(self, model: ModelSpec, *, spec: str = "te", stacked: bool | None = None) -> Placement:
         """Where this tensor lives in a distributed checkpoint of `model`."""
         return placement(
             self.template.mcore,
@@ -65,7 +57,7 @@ class Placed:
         )
 
 
-def _applies(entry: Entry, model: ModelConfig, layer: int) -> bool:
+def _applies(entry: Entry, model: ModelSpec, layer: int) -> bool:
     if entry.layers is LayerKind.ALL:
         return True
     if entry.layers is LayerKind.MTP:
@@ -73,14 +65,10 @@ def _applies(entry: Entry, model: ModelConfig, layer: int) -> bool:
     return (entry.layers is LayerKind.MOE) == model.is_moe_layer(layer)
 
 
-def placed_entries(arch: Architecture, model: ModelConfig) -> list[Placed]:
+def placed_entries(model: ModelSpec) -> list[Placed]:
     """Every tensor of the model in table order, layer by layer, expert by expert; then its multi-token-prediction
     layers (HF numbers them after the decoder's layers, megatron-core from 0)."""
-    entries = [
-        e
-        for e in arch.table
-        if not (e.untied_only and model.tie_word_embeddings) and (e.requires is None or model.has(e.requires))
-    ]
+    entries = model.table()
     placed = [Placed(e, None) for e in entries if not is_layered(e.mcore) and e.mcore.startswith("embedding")]
     experts = range(model.moe.num_experts) if model.moe else range(0)
 
@@ -98,7 +86,7 @@ def placed_entries(arch: Architecture, model: ModelConfig) -> list[Placed]:
     return placed
 
 
-def check_hf_names(placed: list[Placed], available: set[str], model: ModelConfig, *, ignore_unknown: bool) -> None:
+def check_hf_names(placed: list[Placed], available: set[str], model: ModelSpec, *, ignore_unknown: bool) -> None:
     """Every expected HF tensor is present; nothing unexpected is (unless `ignore_unknown`)."""
     expected = {name for p in placed for name in p.hf_names()}
     missing = sorted(expected - available)

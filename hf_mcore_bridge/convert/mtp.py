@@ -24,11 +24,10 @@ from dataclasses import dataclass, replace
 
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.checkpoint.names import fill
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import LayerKind
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.errors import CheckpointError
+from hf_mcore_bridge.models.mapping_types import LayerKind
+from hf_mcore_bridge.models.spec import ModelSpec
 
 COMPARE_ROWS = 4096
 """Rows of a copy and of its original compared at a time."""
@@ -39,7 +38,7 @@ _MTP_KEY = re.compile(r"mtp\.layers\.(\d+)\.")
 class MtpImport:
     """What becomes of a checkpoint's MTP layers."""
 
-    model: ModelConfig
+    model: ModelSpec
     """The model with the MTP layers that are converted."""
     note: str | None
     """One line for the user where layers are not converted."""
@@ -47,8 +46,9 @@ class MtpImport:
     """HF tensors that are read but not converted: the copies of shared tensors, or dropped layers."""
 
 
-def copies(arch: Architecture, model: ModelConfig) -> dict[str, str]:
+def copies(model: ModelSpec) -> dict[str, str]:
     """Each MTP layer's copy of a shared tensor (HF name) -> the HF name of the tensor it copies."""
+    arch = model.arch
     if arch.mtp_copies is None:
         return {}
     return {
@@ -58,8 +58,8 @@ def copies(arch: Architecture, model: ModelConfig) -> dict[str, str]:
     }
 
 
-def _layer_names(arch: Architecture, model: ModelConfig) -> set[str]:
-    return {name for p in placed_entries(arch, model) if p.template.layers is LayerKind.MTP for name in p.hf_names()}
+def _layer_names(model: ModelSpec) -> set[str]:
+    return {name for p in placed_entries(model) if p.template.layers is LayerKind.MTP for name in p.hf_names()}
 
 
 def _differs(hf: HFCheckpoint, copy: str, original: str) -> bool:
@@ -77,7 +77,7 @@ def _differs(hf: HFCheckpoint, copy: str, original: str) -> bool:
     return False
 
 
-def _unholdable(arch: Architecture, model: ModelConfig, hf: HFCheckpoint, legacy: bool) -> str | None:
+def _unholdable(model: ModelSpec, hf: HFCheckpoint, legacy: bool) -> str | None:
     """Why megatron-core cannot hold the checkpoint's MTP layers, or None."""
     if legacy:
         return "the legacy torch format is not written with MTP layers (use torch_dist)"
@@ -85,27 +85,25 @@ def _unholdable(arch: Architecture, model: ModelConfig, hf: HFCheckpoint, legacy
         return "with tied embeddings"
     if not model.is_moe_layer(model.num_layers - 1):
         return "megatron-core builds an MTP layer like the last decoder layer, which is dense here"
-    for copy, original in copies(arch, model).items():
+    for copy, original in copies(model).items():
         if _differs(hf, copy, original):
             return f"{copy} differs from {original}, which megatron-core's MTP shares"
     return None
 
 
-def resolve_import(
-    arch: Architecture, model: ModelConfig, hf: HFCheckpoint, *, legacy: bool = False, strict: bool = False
-) -> MtpImport:
+def resolve_import(model: ModelSpec, hf: HFCheckpoint, *, legacy: bool = False, strict: bool = False) -> MtpImport:
     """The MTP layers of an HF checkpoint that conversion takes (see the module docstring)."""
     declared = model.mtp_layers
     if not declared:
         return MtpImport(model, None, frozenset())
-    layers, shared = _layer_names(arch, model), copies(arch, model)
+    layers, shared = _layer_names(model), copies(model)
     if not layers & hf.names():
         note = (
             f"config.json declares num_nextn_predict_layers={declared} but the checkpoint holds none of their "
             "tensors: converted without multi-token-prediction layers"
         )
         return MtpImport(replace(model, mtp_layers=0), note, frozenset())
-    reason = _unholdable(arch, model, hf, legacy)
+    reason = _unholdable(model, hf, legacy)
     if reason is None:
         return MtpImport(model, None, frozenset(shared) & hf.names())
     if strict:
@@ -114,7 +112,7 @@ def resolve_import(
     return MtpImport(replace(model, mtp_layers=0), note, frozenset(layers | set(shared)))
 
 
-def resolve_export(model: ModelConfig, keys: set[str]) -> tuple[ModelConfig, str | None]:
+def resolve_export(model: ModelSpec, keys: set[str]) -> tuple[ModelSpec, str | None]:
     """The model with as many MTP layers as a megatron-core checkpoint holds (`mtp.layers.{i}` keys)."""
     held = len({match.group(1) for key in keys if (match := _MTP_KEY.match(key))})
     if held == model.mtp_layers:

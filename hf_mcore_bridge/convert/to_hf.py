@@ -33,16 +33,16 @@ from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import args_from_run_config, is_bridge_checkpoint, read_run_config
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype, megatron_sizes
-from hf_mcore_bridge.convert.mapping_types import Dims, Entry, Placement, keeps_float32
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
-from hf_mcore_bridge.convert.row_runs import RowRun
+from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.errors import CheckpointError
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
+from hf_mcore_bridge.models.row_runs import RowRun
+from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -87,11 +87,10 @@ def _hf_config(root: Path, checkpoint_dir: Path, args: Any, hf_config: Path | No
         return read_json(assets / "config.json")
     if args is None:
         raise CheckpointError(f"{checkpoint_dir} has neither HF assets nor args; pass --hf-config")
-    model = config_bridge.from_megatron_args(args)
-    return config_bridge.to_hf(model, get_architecture(model.architecture))
+    return config_bridge.from_megatron_args(args).to_hf()
 
 
-def _check_against_args(model: ModelConfig, args: Any) -> None:
+def _check_against_args(model: ModelSpec, args: Any) -> None:
     if args is None:
         return
     for field, arg in (
@@ -114,7 +113,7 @@ class _Planned:
     hf_shapes: dict[str, tuple[int, ...]]
 
 
-def _plan(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelConfig) -> list[_Planned]:
+def _plan(placed: list[Placed], source: McoreSource, dims: Dims, model: ModelSpec) -> list[_Planned]:
     """Every placed entry located in the checkpoint, with its shapes checked against the config.
 
     The layer-spec naming (which differs for MoE layer norms) and the stacking of layers are taken from what the
@@ -189,12 +188,11 @@ def convert_mcore_to_hf(
     args = checkpoint_args(checkpoint_dir)
     config = _hf_config(root, checkpoint_dir, args, hf_config)
     original_config = config
-    arch = get_architecture(str((config.get("architectures") or ["?"])[0]))
-    model = config_bridge.from_hf(config, arch)
-    mcore = open_source(checkpoint_dir, arch.table, tied=model.tie_word_embeddings)
+    model = config_bridge.megatron_spec(config)
+    mcore = open_source(checkpoint_dir, model.arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
     model, mtp_note = resolve_export(model, mcore.keys())
-    placed = placed_entries(arch, model)
+    placed = placed_entries(model)
     padded = _padded_vocab(mcore, placed[0].placement(model).key, model)
     dims = model.dims(padded)
     plan = _plan(placed, mcore, dims, model)
@@ -220,7 +218,7 @@ def convert_mcore_to_hf(
             assets = hf_assets_dir(root, checkpoint_dir)
             fp8 = Fp8Export.of_checkpoint((p.entry for p in placed), fp8_scale_format, original_config, assets)
     copied: dict[str, list[str]] = {}  # a shared tensor -> the MTP layers' copies of it
-    for copy, original in mtp_copies(arch, model).items():
+    for copy, original in mtp_copies(model).items():
         copied.setdefault(original, []).append(copy)
     specs: dict[str, tuple[tuple[int, ...], dtypes.DType]] = {}
     for planned in plan:
@@ -442,7 +440,7 @@ def _nbytes(shape: tuple[int, ...], dtype: dtypes.DType) -> int:
     return count
 
 
-def _padded_vocab(source: McoreSource, embedding_key: str, model: ModelConfig) -> int:
+def _padded_vocab(source: McoreSource, embedding_key: str, model: ModelSpec) -> int:
     """The checkpoint's padded vocabulary: the rows of its word embedding, at least the config's vocab_size."""
     shape = source.shape(embedding_key)
     if len(shape) != 2 or shape[0] < model.vocab_size:

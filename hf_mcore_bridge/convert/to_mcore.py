@@ -40,19 +40,20 @@ from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.bridge_layout import run_config, write_bridge_files
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.config_errors import ConfigError
 from hf_mcore_bridge.convert.conversion_result import ConversionResult
 from hf_mcore_bridge.convert.fp8_checkpoint import SCALES_FILE, Fp8Checkpoint, open_hf_checkpoint
 from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes, choose_dtype, hf_sizes
-from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.mapping_types import Dims, Direct, extra_state_module, is_expert, keeps_float32, placement
+from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.row_runs import RowRun
-from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.convert.placement import extra_state_module, placement
+from hf_mcore_bridge.models.config_errors import ConfigError
+from hf_mcore_bridge.models.mapping_types import Dims, Direct, is_expert, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.registry import get_architecture
+from hf_mcore_bridge.models.row_runs import RowRun
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 
 def check_hf_tensors(
-    hf: HFCheckpoint, placed: list[Placed], model: ModelConfig, dtype: str | None
+    hf: HFCheckpoint, placed: list[Placed], model: ModelSpec, dtype: str | None
 ) -> tuple[dtypes.DType, str | None]:
     """Every HF tensor's full shape against the config, then the dtype to write (and a note if that casts);
     tensors kept in float32 (`Direct.float32`) stay out of that choice."""
@@ -188,7 +189,7 @@ class Producer:
 def plan_chunks(
     placed: list[Placed],
     hf: HFCheckpoint,
-    model: ModelConfig,
+    model: ModelSpec,
     dims: Dims,
     layout: Layout,
     producer: Producer,
@@ -273,9 +274,10 @@ def convert_hf_to_mcore(
     started = time.perf_counter()
     layout = layout or Layout()
     hf = open_hf_checkpoint(source, allow_pickle=allow_pickle)
-    arch = get_architecture(hf.architecture)
-    model = config_bridge.from_hf(hf.config, arch)
-    model.validate(layout)
+    get_architecture(hf.architecture)  # a config without `architectures`, or of an unsupported one, refused by name
+    model = config_bridge.megatron_spec(hf.config)
+    arch = model.arch
+    validate_layout(layout, model)
     if checkpoint_format == "torch":
         from hf_mcore_bridge.convert.legacy_format import check_legacy_layout
 
@@ -285,9 +287,9 @@ def convert_hf_to_mcore(
             "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"
             " them by Megatron-Bridge's DeepSeek providers, not written here); use --layout megatron-lm"
         )
-    mtp = resolve_mtp(arch, model, hf, legacy=checkpoint_format == "torch", strict=strict_mtp)
+    mtp = resolve_mtp(model, hf, legacy=checkpoint_format == "torch", strict=strict_mtp)
     model = mtp.model
-    placed = placed_entries(arch, model)
+    placed = placed_entries(model)
     if arch.fused_experts:
         hf.add_fused_aliases(
             dict(arch.fused_experts), [(t, p.layer, p.expert) for p in placed for t in p.template.hf_sources]

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hf_mcore_bridge.engine.arch import ModelConfig
+from hf_mcore_bridge.engine.arch import read_spec
 from hf_mcore_bridge.engine.attention import (
     FP8_CACHE_DTYPE,
     DecodeMetadata,
@@ -337,7 +337,7 @@ class Engine:
         tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.config = config or EngineConfig()
-        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_config = read_spec(hf_config)
         self.tp = TensorParallel.of(tp_group)
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
@@ -431,7 +431,7 @@ class Engine:
         q/k/v projections fill slices of the fused `qkv_proj`, gate/up fill `gate_up_proj`, and each expert's
         tensors (HF's per-expert names, as saved on the Hub, or a transformers-5 model's fused in-memory
         `mlp.experts.gate_up_proj` / `down_proj`, so `hf_model.named_parameters()` loads as it is) fill its slice of
-        the stacked `experts.w13` / `experts.w2`; a tied `lm_head` is skipped. Unknown names raise
+        the stacked `experts.gate_up_proj` / `down_proj`; a tied `lm_head` is skipped. Unknown names raise
         `UnknownWeightError`. Returns the HF names loaded by this call. Allowed while awake or asleep at level 1;
         after `sleep(level=2)`, call `wake_up()` first, then reload every weight.
         """

@@ -1,6 +1,6 @@
 """Per-block FP8 (e4m3) weights for the rollout engine: quantize, dequantize, and the FP8 linear map.
 
-Weights are 128 x 128 blocks of e4m3 with a float32 `scale_inv` each (`convert.fp8_blocks`, which checkpoint
+Weights are 128 x 128 blocks of e4m3 with a float32 `scale_inv` each (`checkpoint.fp8_blocks`, which checkpoint
 conversion shares; re-exported here). Activations, for the CUDA FP8 GEMM, are quantized the same way per 1 x 128
 group of each row (DeepSeek's and NeMo-RL's blockwise FP8 recipe).
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_mcore_bridge.convert.fp8_blocks import BLOCK, E4M3_MAX, FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+from hf_mcore_bridge.checkpoint.fp8_blocks import BLOCK, E4M3_MAX, FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from hf_mcore_bridge.engine.compiled import CompiledOrEager
 
 __all__ = [

@@ -10,7 +10,7 @@ The query: q_b_proj(q_a_layernorm(q_a_proj(x))), or one q_proj (Moonlight), per 
 then `qk_rope_head_dim` rotary ones. RoPE pairs dims 2i, 2i + 1 where `rope_interleave` (DeepSeek's weights; done
 as transformers' `apply_rotary_pos_emb_interleave` does, whose output lists the pairs' first then second
 elements, for q and k alike), else rotate-half pairs. The softmax scale is qk_head_dim^-0.5, times
-mscale(factor, mscale_all_dim)^2 under YaRN (`arch.MlaConfig.softmax_scale`).
+mscale(factor, mscale_all_dim)^2 under YaRN (`ModelSpec.softmax_scale`).
 
 - Prefill decompresses, for the prompt's own causal attention only: kv_b_proj(c_kv) gives each head's
   [k_nope; v], its key is cat(k_nope, k_pe) and its query cat(q_nope, q_pe) (transformers' computation), through
@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_mcore_bridge.engine.arch import MlaConfig, ModelConfig
 from hf_mcore_bridge.engine.attention import DecodeMetadata, PrefillMetadata, prefill_attention, with_key_bias
 from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
 from hf_mcore_bridge.engine.tp_group import TensorParallel
+from hf_mcore_bridge.models.spec import MlaSpec, ModelSpec
 
 CACHE_PLANES = 1
 """Planes of a latent cache (`attention.allocate_kv_cache`): one entry per token, no separate keys and values."""
@@ -103,7 +103,7 @@ class LatentAttention(nn.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         num_heads: int,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -112,8 +112,9 @@ class LatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         assert cfg.mla is not None
-        mla: MlaConfig = cfg.mla
+        mla: MlaSpec = cfg.mla
         self.mla, self.ops, self.num_heads = mla, ops, num_heads
+        self.softmax_scale = cfg.softmax_scale
         hidden, qk_head = cfg.hidden_size, mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.q_a_proj: Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
@@ -121,12 +122,12 @@ class LatentAttention(nn.Module):
         self.q_proj: Linear | None = None
         if mla.q_lora_rank is not None:
             self.q_a_proj = Linear(hidden, mla.q_lora_rank, False, dtype, device)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, mla.latent_norm_eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.latent_norm_eps, dtype, device)
             self.q_b_proj = Linear(mla.q_lora_rank, num_heads * qk_head, False, dtype, device)
         else:
             self.q_proj = Linear(hidden, num_heads * qk_head, False, dtype, device)
         self.kv_a_proj_with_mqa = Linear(hidden, mla.cache_width, False, dtype, device)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, mla.latent_norm_eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.latent_norm_eps, dtype, device)
         kv_rows = num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         self.kv_b_proj = Linear(mla.kv_lora_rank, kv_rows, False, dtype, device)
         self.o_proj = RowLinear(num_heads * mla.v_head_dim, hidden, cfg.o_bias, dtype, device, tp)
@@ -152,7 +153,7 @@ class LatentAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, -1)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE of the rotary dims x [T, heads, R] (interleaved pairs or rotate-half, `MlaConfig.rope_interleave`)."""
+        """RoPE of the rotary dims x [T, heads, R] (interleaved pairs or rotate-half, `MlaSpec.rope_interleave`)."""
         return self.ops.rope(deinterleave(x) if self.mla.rope_interleave else x, cos, sin)
 
     def forward(
@@ -170,7 +171,7 @@ class LatentAttention(nn.Module):
         write_latent(layer_cache, torch.cat((c_kv, k_pe.squeeze(1)), dim=-1), meta.slot_mapping)
         if isinstance(meta, DecodeMetadata):
             w_uk, w_uv = self.absorbed()
-            out = absorbed_decode(q_nope, q_pe, w_uk, w_uv, layer_cache, meta, mla.softmax_scale)
+            out = absorbed_decode(q_nope, q_pe, w_uk, w_uv, layer_cache, meta, self.softmax_scale)
         else:
             k_nope, v = (
                 self.kv_b_proj(c_kv)
@@ -178,5 +179,5 @@ class LatentAttention(nn.Module):
                 .split((mla.qk_nope_head_dim, mla.v_head_dim), dim=-1)
             )
             k = torch.cat((k_nope, k_pe.expand(tokens, self.num_heads, -1)), dim=-1)
-            out = prefill_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, meta, mla.softmax_scale)
+            out = prefill_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, meta, self.softmax_scale)
         return self.o_proj(out.reshape(tokens, -1))

@@ -19,8 +19,8 @@ weighted outputs in transformers' order, then a shared expert (sigmoid-gated or 
 simple, exact path, not the fast one: each MoE layer syncs with the host once (the per-expert row counts) and
 launches a few kernels per active expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a
 grouped GEMM over the expert-sorted rows with on-device offsets (vLLM's fused-MoE Triton kernel, or
-`torch._grouped_mm`): sync-free, graph-capturable, and taking the same stacked `experts.w13` [E, 2F, H] /
-`experts.w2` [E, H, F] parameters, so only `routed_experts` would change.
+`torch._grouped_mm`): sync-free, graph-capturable, and taking the same stacked `experts.gate_up_proj` [E, 2F, H] /
+`experts.down_proj` [E, H, F] parameters, so only `routed_experts` would change.
 
 Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
 single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
@@ -36,14 +36,14 @@ implemented.
 
 Weights: parameters are created empty and filled only through `load_weights`, which takes HF names and full
 (unsharded) tensors in any order and in any number of calls (under tensor parallelism each rank copies its slice,
-`Target.shard`); `{q,k,v}_proj` go into row slices of `qkv_proj`,
-`{gate,up}_proj` into `gate_up_proj`, and each expert's tensors (HF's per-expert names) into slice `[expert]` of
-the stacked `experts.w13` / `experts.w2` (the name table is `arch.weight_table`); a transformers-5 model's fused
-in-memory expert tensors (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, Mixtral's `mlp.gate.weight`) are
-split into those per-expert names first (`arch.fused_expert_pieces`), so `load_weights(hf_model.named_parameters())`
-works for every architecture. Copies are in place, so a refit
-keeps every parameter's storage (and any CUDA graph captured over it) valid. `check_loaded` names whatever has not
-been loaded since the weights were (re)allocated.
+`Target.shard`), by the type of the architecture's table entry that names them (`arch.layer_entries`,
+`arch.engine_param`): `{q,k,v}_proj` go into row slices of `qkv_proj`, `{gate,up}_proj` into `gate_up_proj`, and
+each expert's tensors (HF's per-expert names) into slice `[expert]` of the stacked `experts.gate_up_proj` /
+`experts.down_proj`; a transformers-5 model's fused in-memory expert tensors (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`, Mixtral's `mlp.gate.weight`) are split into those per-expert names first
+(`arch.fused_expert_pieces`), so `load_weights(hf_model.named_parameters())` works for every architecture. Copies
+are in place, so a refit keeps every parameter's storage (and any CUDA graph captured over it) valid.
+`check_loaded` names whatever has not been loaded since the weights were (re)allocated.
 """
 
 from __future__ import annotations
@@ -57,24 +57,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_mcore_bridge.convert.moe_tables import HF_GROUP_SCORE_TOPK
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.engine.arch import (
-    Direct,
-    Entry,
-    ExpertGateUp,
-    ExpertSlice,
-    FusedGateUp,
     FusedPiece,
-    FusedQKV,
-    MlpKind,
-    ModelConfig,
-    MoeConfig,
-    RopeConfig,
+    engine_param,
     fused_expert_pieces,
     ignored_names,
     ignored_prefixes,
-    weight_table,
+    layer_entries,
+    shared_expert_module,
 )
 from hf_mcore_bridge.engine.attention import (
     DecodeMetadata,
@@ -101,6 +92,10 @@ from hf_mcore_bridge.engine.tp_shards import (
     vocab_shard,
 )
 from hf_mcore_bridge.engine.triton_rope import fused_rope_write
+from hf_mcore_bridge.models.mapping_types import Entry, FusedGateUp, FusedQKV, LayerKind, Size, is_expert
+from hf_mcore_bridge.models.moe import HF_GROUP_SCORE_TOPK, MoeSpec
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec, RopeSpec
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
 
@@ -128,9 +123,9 @@ class UnknownWeightError(KeyError):
     """`load_weights` got an HF name the model has no place for."""
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies, computed with transformers' float32 op order. `head_dim` is the
-    rotated width (`RopeConfig.rotary_dim` of a partial rotary embedding)."""
+    rotated width (`RopeSpec.rotary_dim` of a partial rotary embedding)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
@@ -150,7 +145,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+def _yarn_inv_freq(rope: RopeSpec, dim: int) -> torch.Tensor:
     """YaRN's inverse frequencies (transformers' `_compute_yarn_parameters`, truncated correction range): those of
     more than `beta_fast` rotations over the original context kept, of fewer than `beta_slow` divided by `factor`,
     a linear ramp between."""
@@ -175,7 +170,7 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 
 def rope_tables(inv_freq: torch.Tensor, num_positions: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [num_positions, head_dim] float32 (each frequency twice, as in `rotate_half` layout), times
-    `scale` (YaRN's concentration, `RopeConfig.attention_factor`)."""
+    `scale` (YaRN's concentration, `RopeSpec.attention_scaling`)."""
     positions = torch.arange(num_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -216,7 +211,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         sizes: LocalSizes,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -228,11 +223,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
         q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
         self.split = (q_rows, kv_rows, kv_rows)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.softmax_scale
         self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), cfg.qkv_bias, dtype, device)
         self.o_proj = RowLinear(q_rows, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -372,24 +367,25 @@ def routed_experts(
 
 
 class Experts(nn.Module):
-    """Routed experts stacked on a leading expert axis: `w13` [E, 2F, H] and `w2` [E, H, F] (F: this rank's slice of
-    every expert's width under tensor parallelism)."""
+    """Routed experts stacked on a leading expert axis, under transformers 5's names: `gate_up_proj` [E, 2F, H]
+    (gate rows, then up rows) and `down_proj` [E, H, F] (F: this rank's slice of every expert's width under tensor
+    parallelism)."""
 
-    def __init__(self, moe: MoeConfig, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, moe: MoeSpec, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.w13 = empty_param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
-        self.w2 = empty_param(moe.num_experts, hidden, width, dtype=dtype, device=device)
+        self.gate_up_proj = empty_param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
+        self.down_proj = empty_param(moe.num_experts, hidden, width, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x, self.w13, self.w2, weights, experts)
+        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
 
 
 class Router(nn.Module):
     """A MoE layer's router (HF `mlp.gate`): `weight` [E, H] in the model's dtype and, for biased routing,
     `e_score_correction_bias` [E] in float32 (as transformers and megatron-core hold it). Logits in the model's
-    dtype, or in float32 from float32 copies of input and weight (`MoeConfig.router_fp32`)."""
+    dtype, or in float32 from float32 copies of input and weight (`MoeSpec.router_fp32`)."""
 
-    def __init__(self, moe: MoeConfig, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, moe: MoeSpec, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight = empty_param(moe.num_experts, hidden, dtype=dtype, device=device)
         self.e_score_correction_bias = (
@@ -405,7 +401,8 @@ class Router(nn.Module):
 
 class SparseMoe(nn.Module):
     """Router (`gate`), routed experts and, where the architecture has one, a shared expert (sigmoid-gated, as
-    Qwen2-MoE's, or added as it is, as GLM-4.5's).
+    Qwen2-MoE's, or added as it is, as GLM-4.5's), registered under the table's name for it (`shared_expert`,
+    `shared_experts`: `arch.shared_expert_module`).
 
     Under tensor parallelism the router and the shared expert's gate are whole on every rank (so every rank routes
     alike), the routed and shared experts hold this rank's slice of their widths, and the rank's partial output of
@@ -413,7 +410,7 @@ class SparseMoe(nn.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         sizes: LocalSizes,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -423,12 +420,15 @@ class SparseMoe(nn.Module):
         super().__init__()
         assert cfg.moe is not None and sizes.expert_width is not None
         self.moe = cfg.moe
+        self.round_routing_weights = cfg.arch.round_routing_weights
         self.tp = tp
         moe = cfg.moe
         self.gate = Router(moe, cfg.hidden_size, dtype, device)
         self.experts = Experts(moe, sizes.expert_width, cfg.hidden_size, dtype, device)
         shared = sizes.shared_expert_width
-        self.shared_expert = MLP(cfg.hidden_size, shared, dtype, device, ops) if shared is not None else None
+        self.shared_name = shared_expert_module(cfg) if shared is not None else None
+        if self.shared_name is not None and shared is not None:
+            self.add_module(self.shared_name, MLP(cfg.hidden_size, shared, dtype, device, ops))
         gated = shared is not None and moe.shared_expert_gate
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if gated else None
 
@@ -436,19 +436,19 @@ class SparseMoe(nn.Module):
         moe = self.moe
         weights, experts = route(
             self.gate(x),
-            moe.top_k,
+            moe.topk,
             moe.renormalize,
             score_function=moe.score_function,
             expert_bias=self.gate.e_score_correction_bias,
             num_groups=moe.num_groups,
             group_topk=moe.group_topk,
-            scaling_factor=moe.scaling_factor,
+            scaling_factor=moe.topk_scaling_factor or 1.0,
         )
-        if moe.round_routing_weights:
+        if self.round_routing_weights:
             weights = weights.to(x.dtype)
         out = self.experts(x, weights, experts)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+        if self.shared_name is not None:
+            shared = self._modules[self.shared_name](x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
@@ -458,9 +458,9 @@ class SparseMoe(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         sizes: LocalSizes,
-        mlp: MlpKind,
+        mlp: LayerKind,
         dtype: torch.dtype,
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
@@ -468,16 +468,16 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
         self.self_attn: nn.Module = (
             Attention(cfg, sizes, dtype, device, ops, tp)
             if cfg.mla is None
             else LatentAttention(cfg, sizes.num_heads, dtype, device, ops, tp)
         )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
         self.mlp: nn.Module = (
             SparseMoe(cfg, sizes, dtype, device, ops, tp)
-            if mlp is MlpKind.MOE
+            if mlp is LayerKind.MOE
             else MLP(cfg.hidden_size, sizes.intermediate_size, dtype, device, ops, tp)
         )
 
@@ -506,7 +506,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         sizes: LocalSizes,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -518,9 +518,9 @@ class Backbone(nn.Module):
             sizes.vocab_rows, cfg.hidden_size, dtype, device, tp, sizes.vocab_start, sizes.vocab_held
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sizes, cfg.mlp_kind(layer), dtype, device, ops, tp) for layer in range(cfg.num_layers)
+            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp) for layer in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
 
 
 @dataclass(frozen=True)
@@ -541,7 +541,7 @@ class CausalLM(nn.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         dtype: torch.dtype,
         device: torch.device | str,
         max_positions: int,
@@ -570,16 +570,16 @@ class CausalLM(nn.Module):
         place = tp.place if tp is not None else TPRank(1, 0)
         if cfg.mla is not None and place.size > 1:
             raise NotImplementedError(
-                f"multi-latent attention ({cfg.arch.hf_name}) is not implemented in the tensor-parallel engine "
+                f"multi-latent attention ({cfg.architecture}) is not implemented in the tensor-parallel engine "
                 f"(tensor-parallel size {place.size}); run it on one device per engine"
             )
         moe = cfg.moe
         self.sizes = local_sizes(
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.intermediate_size,
-            moe.expert_width if moe is not None else None,
-            moe.shared_expert_width if moe is not None else None,
+            cfg.num_attention_heads,
+            cfg.num_query_groups,
+            cfg.ffn_hidden_size,
+            moe.ffn_hidden_size if moe is not None else None,
+            moe.shared_expert_size if moe is not None else None,
             cfg.vocab_size,
             place,
         )
@@ -590,8 +590,8 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, self.sizes.vocab_rows, False, dtype, device)
         )
-        inv_freq = rope_inv_freq(cfg.rope, cfg.rope.rotary_dim(cfg.head_dim))
-        cos, sin = rope_tables(inv_freq, max_positions, cfg.rope.attention_factor)
+        inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)
+        cos, sin = rope_tables(inv_freq, max_positions, cfg.rope.attention_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
@@ -789,13 +789,14 @@ def _expand(templates: Iterable[str], num_layers: int) -> set[str]:
 
 
 def _expand_targets(
-    cfg: ModelConfig, sizes: LocalSizes, tp: TPRank, shapes: dict[str, tuple[int, ...]]
+    cfg: ModelSpec, sizes: LocalSizes, tp: TPRank, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, Target]:
     """HF name -> target, for every layer and expert (the table's placeholders filled in); `shapes`: the engine
     parameters' (this rank's) shapes."""
     targets: dict[str, Target] = {}
+    entries = {kind: layer_entries(cfg, kind) for kind in (LayerKind.DENSE, LayerKind.MOE)}
     for layer in range(cfg.num_layers):
-        for entry in weight_table(cfg, cfg.mlp_kind(layer)):
+        for entry in entries[cfg.layer_kind(layer)]:
             targets.update(_entry_targets(cfg, sizes, tp, shapes, entry, layer))
     if tp.size == 1:  # one device: every tensor whole, nothing narrowed on load
         targets = {name: replace(target, shard=None) for name, target in targets.items()}
@@ -803,38 +804,47 @@ def _expand_targets(
 
 
 def _entry_targets(
-    cfg: ModelConfig,
+    cfg: ModelSpec,
     sizes: LocalSizes,
     tp: TPRank,
     shapes: dict[str, tuple[int, ...]],
     entry: Entry,
     layer: int,
 ) -> dict[str, Target]:
-    """The targets of one table entry in one layer (model-level entries come out the same for every layer)."""
-    if isinstance(entry, Direct):
-        name = entry.name.format(layer=layer)
-        param = (entry.target or entry.name).format(layer=layer)
-        if entry.parallel is Parallel.VOCAB:
-            shard = vocab_shard(cfg.vocab_size, tp)
-            return {name: Target(param, (0, shard.size), shard=shard)}
-        return {name: Target(param, shard=_row_shard(entry.parallel, shapes[param], tp))}
+    """The targets of one table entry in one layer (model-level entries come out the same for every layer), by the
+    entry's type: q/k/v rows of `qkv_proj`, gate/up rows of `gate_up_proj`, a routed expert's slice of a stacked
+    parameter, or one whole parameter (`Direct`, `RotaryRows`: split by rows or columns under tensor
+    parallelism as its style says)."""
+    if any(is_expert(name) for name in entry.hf_sources):
+        return _expert_targets(cfg, tp, shapes, entry, layer)
+    param = fill(engine_param(cfg.arch, entry), layer)
     if isinstance(entry, FusedQKV):
-        param = entry.target.format(layer=layer)
         q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
-        q, kv = head_shard(cfg.num_heads, cfg.head_dim, tp), kv_shard(cfg.num_kv_heads, cfg.head_dim, tp)
+        q = head_shard(cfg.num_attention_heads, cfg.head_dim, tp)
+        kv = kv_shard(cfg.num_query_groups, cfg.head_dim, tp)
         return {
-            entry.q.format(layer=layer): Target(param, (0, q_rows), shard=q),
-            entry.k.format(layer=layer): Target(param, (q_rows, q_rows + kv_rows), shard=kv),
-            entry.v.format(layer=layer): Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows), shard=kv),
+            fill(entry.q, layer): Target(param, (0, q_rows), shard=q),
+            fill(entry.k, layer): Target(param, (q_rows, q_rows + kv_rows), shard=kv),
+            fill(entry.v, layer): Target(param, (q_rows + kv_rows, q_rows + 2 * kv_rows), shard=kv),
         }
     if isinstance(entry, FusedGateUp):
-        param = entry.target.format(layer=layer)
-        shard = column_shard(entry.width, tp, param)
+        shard = column_shard(_width(cfg, entry.width), tp, param)
         return {
-            entry.gate.format(layer=layer): Target(param, (0, shard.size), shard=shard),
-            entry.up.format(layer=layer): Target(param, (shard.size, 2 * shard.size), shard=shard),
+            fill(entry.gate, layer): Target(param, (0, shard.size), shard=shard),
+            fill(entry.up, layer): Target(param, (shard.size, 2 * shard.size), shard=shard),
         }
-    return _expert_targets(cfg, tp, shapes, entry, layer)
+    (name,) = entry.hf_sources
+    if entry.parallel is Parallel.VOCAB:
+        shard = vocab_shard(cfg.vocab_size, tp)
+        return {fill(name, layer): Target(param, (0, shard.size), shard=shard)}
+    return {fill(name, layer): Target(param, shard=_row_shard(entry.parallel, shapes[param], tp))}
+
+
+def _width(cfg: ModelSpec, size: Size) -> int:
+    """The full width (rows of gate and of up) of a gated MLP: dense, routed expert or shared expert."""
+    width = cfg.sizes()[size]
+    assert width is not None, f"{cfg.architecture} has no {size.value}"
+    return width
 
 
 def _row_shard(parallel: Parallel, local_shape: tuple[int, ...], tp: TPRank) -> Shard | None:
@@ -849,23 +859,24 @@ def _row_shard(parallel: Parallel, local_shape: tuple[int, ...], tp: TPRank) -> 
 
 
 def _expert_targets(
-    cfg: ModelConfig,
+    cfg: ModelSpec,
     tp: TPRank,
     shapes: dict[str, tuple[int, ...]],
-    entry: ExpertSlice | ExpertGateUp,
+    entry: Entry,
     layer: int,
 ) -> dict[str, Target]:
-    """One target per expert, in slice `[expert]` of the stacked parameter."""
+    """One target per expert, in slice `[expert]` of the stacked parameter (gate rows, then up rows, of a
+    `FusedGateUp`; the whole slice, split by columns as its style says, of a `Direct`)."""
     assert cfg.moe is not None
-    param = entry.target.format(layer=layer)
+    param = fill(engine_param(cfg.arch, entry), layer)
     targets: dict[str, Target] = {}
     for expert in range(cfg.moe.num_experts):
-        fill = {"layer": layer, "expert": expert}
-        if isinstance(entry, ExpertSlice):
-            shard = _row_shard(entry.parallel, shapes[param][1:], tp)
-            targets[entry.source.format(**fill)] = Target(param, expert=expert, shard=shard)
+        if isinstance(entry, FusedGateUp):
+            shard = column_shard(_width(cfg, entry.width), tp, param)
+            targets[fill(entry.gate, layer, expert)] = Target(param, (0, shard.size), expert, shard)
+            targets[fill(entry.up, layer, expert)] = Target(param, (shard.size, 2 * shard.size), expert, shard)
         else:
-            shard = column_shard(entry.width, tp, param)
-            targets[entry.gate.format(**fill)] = Target(param, (0, shard.size), expert, shard)
-            targets[entry.up.format(**fill)] = Target(param, (shard.size, 2 * shard.size), expert, shard)
+            (name,) = entry.hf_sources
+            shard = _row_shard(entry.parallel, shapes[param][1:], tp)
+            targets[fill(name, layer, expert)] = Target(param, expert=expert, shard=shard)
     return targets

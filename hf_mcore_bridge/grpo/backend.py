@@ -183,10 +183,9 @@ class MegatronBackend:
 
     def hf_names(self) -> list[str]:
         from hf_mcore_bridge.convert.model_plan import placed_entries
-        from hf_mcore_bridge.mappings import get_architecture
 
         model_cfg = self.policy.model_cfg
-        return [n for p in placed_entries(get_architecture(model_cfg.architecture), model_cfg) for n in p.hf_names()]
+        return [n for p in placed_entries(model_cfg) for n in p.hf_names()]
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights
@@ -223,7 +222,7 @@ class MegatronBackend:
 
     def _megatron_args(self) -> Any:
         from hf_mcore_bridge.convert.config_bridge import megatron_args
-        from hf_mcore_bridge.grpo.policy import layout_of
+        from hf_mcore_bridge.grpo.config import layout_of
 
         mcfg = self.config.policy.megatron_cfg
         return megatron_args(
@@ -341,6 +340,6 @@ def start_world(config: GRPOConfig, fn: Callable[..., None], *args: Any) -> None
     if config.policy.dtensor_cfg.enabled:
         run_torch_world(fn, world_of(config), *args)
         return
-    from hf_mcore_bridge.grpo.policy import layout_of
+    from hf_mcore_bridge.grpo.config import layout_of
 
     run_world(fn, layout_of(config.policy.megatron_cfg), *args, world=world_of(config))

@@ -35,6 +35,7 @@ from hf_mcore_bridge.convert.layout import Layout, check_world, world_size
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
 from hf_mcore_bridge.engine.options import DECODE_KERNELS
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.options import Aggregation, LeaveOneOutStd, LossConfig
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "DTensorConfig",
     "DataConfig",
     "GRPOConfig",
-    "GRPOConfigError",
     "GRPOSection",
     "GenerationConfig",
     "LoggerConfig",
@@ -58,10 +58,6 @@ __all__ = [
     "layout_of",
     "load_config",
 ]
-
-
-class GRPOConfigError(BridgeError):
-    """A configuration that cannot run: unknown key, wrong type or inconsistent values; the message says where."""
 
 
 SUPPORTED_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -125,6 +121,17 @@ class MegatronConfig:
     """`DistributedDataParallelConfig` keys, forwarded as given (e.g. `overlap_grad_reduce`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Learning-rate and weight-decay schedule."""
+
+
+def layout_of(megatron: MegatronConfig) -> Layout:
+    """The parallel layout a `MegatronConfig` asks for."""
+    return Layout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -738,17 +745,6 @@ def cluster_ranks(config: GRPOConfig) -> int | None:
     """`cluster.gpus_per_node x cluster.num_nodes`, or None where `gpus_per_node` is not given."""
     given = config.cluster.gpus_per_node
     return None if given is None else given * config.cluster.num_nodes
-
-
-def layout_of(megatron: MegatronConfig) -> Layout:
-    """The parallel layout a `MegatronConfig` asks for."""
-    return Layout(
-        tp=megatron.tensor_model_parallel_size,
-        pp=megatron.pipeline_model_parallel_size,
-        cp=megatron.context_parallel_size,
-        ep=megatron.expert_model_parallel_size,
-        etp=megatron.expert_tensor_parallel_size,
-    )
 
 
 def world_of(config: GRPOConfig) -> int:

@@ -1,6 +1,6 @@
 """Prompt datasets for GRPO: JSONL and Parquet files, optional HF `datasets`, and a seeded, resumable prompt iterator.
 
-Every source is reduced to a list of `PromptRecord` (`{"prompt": str, "answer": str}`), read into memory whole;
+Every source is reduced to a list of `records.PromptRecord` (`{"prompt": str, "answer": str}`), read into memory whole;
 prompt sets for RL are small next to pre-training corpora. Field names in the source are configurable, or set by a
 named row format (`grpo.processors`); `load_train_val` reads what a config's `data` section names.
 
@@ -18,12 +18,12 @@ import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
+
+from hf_mcore_bridge.grpo.records import DataError, PromptRecord
 
 __all__ = [
-    "DataError",
     "PromptIterator",
-    "PromptRecord",
     "load_hf_dataset",
     "load_jsonl",
     "load_parquet",
@@ -31,17 +31,6 @@ __all__ = [
     "load_train_val",
     "records_from_rows",
 ]
-
-
-class PromptRecord(TypedDict):
-    """One training prompt and the answer its reward is checked against."""
-
-    prompt: str
-    answer: str
-
-
-class DataError(ValueError):
-    """A dataset row that cannot become a `PromptRecord`; the message names where it is."""
 
 
 def _to_record(row: object, prompt_field: str, answer_field: str, where: str) -> PromptRecord:

@@ -31,10 +31,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from hf_mcore_bridge.convert.architecture import Architecture
-from hf_mcore_bridge.convert.parallel_style import Parallel
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.mappings import for_config
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec
 
 _STYLES = {Parallel.COLUMN: ColwiseParallel, Parallel.GATED_COLUMN: ColwiseParallel, Parallel.ROW: RowwiseParallel}
 _HF_LAYER = "model.layers.{layer}."
@@ -68,14 +68,21 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def _architecture(model: torch.nn.Module, tp: int) -> Architecture:
-    config = model.config
-    arch = for_config(config.to_dict())
-    if arch.is_moe:
-        raise BridgeError(f"tensor parallelism over DTensor is for dense models; {arch.hf_name} has routed experts")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, field) % tp:
-            raise BridgeError(f"{field}={getattr(config, field)} is not divisible by tensor_parallel_size={tp}")
-    return arch
+    """The architecture of a transformers model, refused unless its description (`ModelSpec`) is dense and its
+    heads, key/value heads and MLP width divide by `tp`."""
+    spec = ModelSpec.from_hf(model.config)
+    if spec.moe is not None:
+        raise BridgeError(
+            f"tensor parallelism over DTensor is for dense models; {spec.architecture} has routed experts"
+        )
+    for field, value in (
+        ("num_attention_heads", spec.num_attention_heads),
+        ("num_key_value_heads", spec.num_query_groups),
+        ("intermediate_size", spec.ffn_hidden_size),
+    ):
+        if value % tp:
+            raise BridgeError(f"{field}={value} is not divisible by tensor_parallel_size={tp}")
+    return spec.arch
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.errors import BridgeError, RunStopped
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, world_of
+from hf_mcore_bridge.grpo.config import GRPOConfig, world_of
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
+from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = ["check_resumable", "check_shared_storage", "check_start", "prepare_once", "stopped_message"]
 
@@ -141,7 +142,7 @@ def _reads(path: Path, text: str) -> bool:
         return False
 
 
-def _describe(model: ModelConfig) -> str:
+def _describe(model: ModelSpec) -> str:
     return (
         f"{model.architecture} ({model.num_layers} layers, hidden {model.hidden_size}, FFN {model.ffn_hidden_size},"
         f" {model.num_attention_heads} heads / {model.num_query_groups} KV groups, vocab {model.vocab_size}"
@@ -150,17 +151,16 @@ def _describe(model: ModelConfig) -> str:
     )
 
 
-def _model_of(path: Path) -> ModelConfig:
+def _model_of(path: Path) -> ModelSpec:
     """The model an HF directory (its `config.json`) or a Megatron checkpoint (its `args`) holds; nothing loaded."""
     import json
 
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common, resolve_checkpoint
     from hf_mcore_bridge.convert import config_bridge
-    from hf_mcore_bridge.mappings import get_architecture
 
     if (path / "config.json").is_file():
         hf_config = json.loads((path / "config.json").read_text())
-        return config_bridge.from_hf(hf_config, get_architecture(str((hf_config.get("architectures") or ["?"])[0])))
+        return config_bridge.megatron_spec(hf_config)
     _, checkpoint_dir = resolve_checkpoint(path)
     return config_bridge.from_megatron_args(read_common(checkpoint_dir)["args"])
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.batching import (
@@ -56,13 +56,13 @@ from hf_mcore_bridge.grpo.config import MegatronConfig, layout_of
 from hf_mcore_bridge.grpo.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.megatron.cpu_patches import cuda_type_names
 from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
+from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = [
     "Policy",
     "build_policy",
     "cast_parameters",
     "ddp_settings",
-    "layout_of",
     "token_logprobs",
     "use_fused_adamw",
 ]
@@ -78,7 +78,7 @@ class Policy:
     """`MegatronOptimizer` from `get_megatron_optimizer`."""
     scheduler: Any
     """`OptimizerParamScheduler`."""
-    model_cfg: ModelConfig
+    model_cfg: ModelSpec
     padded_vocab: int
     dtype: torch.dtype
     reference: list[torch.Tensor] | None = None
@@ -92,7 +92,7 @@ class Policy:
 
 
 def _transformer_config(
-    model_cfg: ModelConfig, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig, on_device_init: bool = False
+    model_cfg: ModelSpec, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig, on_device_init: bool = False
 ) -> Any:
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
     # weights loaded from a checkpoint are built on the CPU first; random ones are initialised where they live
@@ -109,7 +109,7 @@ def _transformer_config(
     return transformer_config(kwargs)
 
 
-def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.nn.Module:
+def _gpt_model(config: Any, model_cfg: ModelSpec, padded_vocab: int) -> torch.nn.Module:
     """The policy's `GPTModel`: the project's layer spec (SDPA core attention, which also takes the block-diagonal
     masks of packed rows)."""
     from hf_mcore_bridge.megatron.model import gpt_model
@@ -118,7 +118,7 @@ def _gpt_model(config: Any, model_cfg: ModelConfig, padded_vocab: int) -> torch.
 
 
 def build_policy(
-    model_cfg: ModelConfig,
+    model_cfg: ModelSpec,
     megatron: MegatronConfig,
     dtype: torch.dtype,
     padded_vocab: int,

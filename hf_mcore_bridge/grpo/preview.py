@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError
+from hf_mcore_bridge.grpo.config import GRPOConfig
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
 __all__ = ["Preview", "PromptPreview", "preview_run"]
 
@@ -43,7 +44,8 @@ class Preview:
 def preview_run(config: GRPOConfig, count: int = 3) -> Preview:
     """The first `count` training prompts of `config`'s run, rendered, and its stop tokens."""
     from hf_mcore_bridge.grpo.chat import PromptRenderer, load_hf_tokenizer, template_stop_ids
-    from hf_mcore_bridge.grpo.data import DataError, PromptIterator, load_train_val
+    from hf_mcore_bridge.grpo.data import PromptIterator, load_train_val
+    from hf_mcore_bridge.grpo.records import DataError
     from hf_mcore_bridge.grpo.stop_tokens import model_assets_dir, stop_token_ids
     from hf_mcore_bridge.grpo.trainer import _tokenizer_file
 

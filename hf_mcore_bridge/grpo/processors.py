@@ -16,7 +16,7 @@ import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hf_mcore_bridge.grpo.data import DataError, PromptRecord
+from hf_mcore_bridge.grpo.records import DataError, PromptRecord
 
 __all__ = ["PROCESSORS", "Processor", "apply_processor", "check_processor", "gsm8k_answer"]
 

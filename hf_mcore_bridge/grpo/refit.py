@@ -46,20 +46,13 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import (
-    EXPERT,
-    LAYER,
-    LOCAL_SPEC_MOE_NORM,
-    MOE_PRE_MLP_NORM,
-    Dims,
-    Entry,
-    at_layer,
-)
+from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.convert.parallel_style import Parallel
+from hf_mcore_bridge.convert.placement import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Dims, Entry, at_layer
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = [
     "Checksums",
@@ -240,7 +233,7 @@ class _Step:
 _PLANS: WeakKeyDictionary[torch.nn.Module, list[_Step]] = WeakKeyDictionary()
 
 
-def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
+def _plan(module: torch.nn.Module, model_cfg: ModelSpec) -> list[_Step]:
     """This stage's parameters in table order, with their entries: built once per module (a refit per step)."""
     from megatron.core import parallel_state
 
@@ -252,7 +245,7 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
     ep = parallel_state.get_expert_model_parallel_world_size()
     per_rank = model_cfg.moe.num_experts // ep if model_cfg.moe else 0
     steps: list[_Step] = []
-    for placed in placed_entries(get_architecture(model_cfg.architecture), model_cfg):
+    for placed in placed_entries(model_cfg):
         if placed.expert is None:
             local_name = _local_name(by_template, placed.template.mcore, placed.layer)
             if local_name is not None:  # else another pipeline stage holds it
@@ -270,7 +263,7 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
 
 
 def _local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes
+    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
 
@@ -313,7 +306,7 @@ def finish_param_gather(model: torch.nn.Module) -> None:
 
 
 def hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
+    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model as (HF name, full tensor), on every rank (each rank's engine loads its part of them).
 
@@ -332,7 +325,7 @@ def hf_weights(
 
 
 def shard_local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
+    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's tensor-parallel part of every HF tensor, straight from its own megatron-core shards through the
     mapping table (`entry.to_hf` with the rank's head counts): for an engine sharded over the trainer's own TP
@@ -358,7 +351,7 @@ def shard_local_hf_weights(
 
 
 def _shard_local_parts(
-    module: torch.nn.Module, model_cfg: ModelConfig, dims: Dims, local: Dims, tp: int, times: PhaseTimes
+    module: torch.nn.Module, model_cfg: ModelSpec, dims: Dims, local: Dims, tp: int, times: PhaseTimes
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's part of `shard_local_hf_weights`."""
     for step in _plan(module, model_cfg):

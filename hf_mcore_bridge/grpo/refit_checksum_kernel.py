@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_mcore_bridge.grpo.refit_checksums import CHECKSUM_LANES, MIXERS, RowLayout
+from hf_mcore_bridge.grpo.refit_hash import CHECKSUM_LANES, MIXERS, RowLayout
 
 BLOCK = 2048
 """Elements per program per iteration (8 per thread at 8 warps: one 16-byte load of 2-byte elements)."""

@@ -8,7 +8,7 @@ arithmetic on words is mod 2^32.
 
 - Words: for elements of up to 4 bytes, u0 = u1 = b. For 8-byte elements, with lo = b mod 2^32 and
   hi = b >> 32: u0 = lo ^ F0(hi), u1 = hi ^ F0(u0) (two Feistel rounds: (u0, u1) determines b).
-- Column c (c = 0, 1; its constants in `MIXERS[c]`): x = (u_c ^ (p * a)) * ((2p + 1) * b), then
+- Column c (c = 0, 1; its constants in `refit_hash.MIXERS[c]`): x = (u_c ^ (p * a)) * ((2p + 1) * b), then
   v_c = F_c(x), where F_c(x) is x ^= x >> 16; x *= m1; x ^= x >> shift; x *= m2; x ^= x >> 16 (MurmurHash3's
   32-bit finaliser for column 0, "lowbias32" for column 1).
 - The tensor's row: column c is the sum over all elements of v_c (unsigned 32-bit values) mod 2^64, as a signed
@@ -44,15 +44,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["CHECKSUM_BATCH_ELEMENTS", "CHECKSUM_LANES", "MIXERS", "Mixer", "tensor_checksums"]
+from hf_mcore_bridge.grpo.refit_hash import CHECKSUM_LANES, MIXERS, Mixer, RowLayout
 
-CHECKSUM_LANES = 4096
-"""Elements per row of a batch's buffer (the small tensors' path): a tensor occupies whole rows of it."""
+__all__ = ["CHECKSUM_BATCH_ELEMENTS", "tensor_checksums"]
 
 CHECKSUM_BATCH_ELEMENTS = 1 << 26
 """Elements of one batch's buffer at most (small tensors padded to whole rows; its one temporary): below 2^31, so
@@ -70,24 +68,6 @@ TORCH_CHUNK_ELEMENTS = 1 << 20
 
 _M32 = 0xFFFFFFFF
 
-
-@dataclass(frozen=True)
-class Mixer:
-    """The constants of one column of the hash: odd multipliers below 2^32 and F's middle shift."""
-
-    a: int
-    b: int
-    m1: int
-    shift: int
-    m2: int
-
-
-MIXERS = (
-    Mixer(a=0x9E3779B1, b=0x85EBCA77, m1=0x85EBCA6B, shift=13, m2=0xC2B2AE35),
-    Mixer(a=0xC2B2AE3D, b=0x27D4EB2F, m1=0x7FEB352D, shift=15, m2=0x846CA68B),
-)
-"""Column 0 and column 1: position constants a, b and the finaliser of MurmurHash3 (column 0) and of "lowbias32"
-(column 1)."""
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type a tensor's elements are read as (their bit pattern), by element size."""
@@ -145,16 +125,6 @@ def _torch_flat(bits: torch.Tensor, base: int, out_row: torch.Tensor) -> None:
 
 
 # --- batching -------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Per row of a batch's buffer: the row's index within its tensor, its count of elements (the rest is padding)
-    and the index of its tensor in the call's output ([rows] int64 each, on the device)."""
-
-    within: torch.Tensor
-    counts: torch.Tensor
-    owner: torch.Tensor
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,8 +4,8 @@ worked out on the trainer's side: the reference the refit's transfer check compa
 The engine slices the tensors it is given itself (`engine.tp_shards`); a check whose "sent" side came from that same
 slicing would pass a wrong head split or a KV head on the wrong rank on both sides. So this module never imports
 the engine: each HF name's role comes from the mapping table (the entry that names it and its parallel style,
-`convert.parallel_style.Parallel`, through `model_plan.placed_entries`), the chunking from conversion's
-description of how megatron-core splits a tensor over TP ranks (`convert.tensor_ops.rank_boxes`), and the
+`models.parallel_style.Parallel`, through `model_plan.placed_entries`), the chunking from conversion's
+description of how megatron-core splits a tensor over TP ranks (`models.tensor_ops.rank_boxes`), and the
 attention heads from the model config (HF's grouped-query rule: query head `h` reads KV head
 `h // (heads / kv_heads)`). What is cut from a full tensor is a view (`narrow`): no copy.
 
@@ -42,12 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig
-from hf_mcore_bridge.convert.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import padded_vocab_size, rank_boxes
-from hf_mcore_bridge.mappings import get_architecture
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tensor_ops import padded_vocab_size, rank_boxes
 
 __all__ = ["EnginePartReference", "Role", "roles"]
 
@@ -74,12 +73,12 @@ _DIRECT = {
 }
 
 
-def roles(model_cfg: ModelConfig) -> tuple[dict[str, Role], frozenset[str]]:
+def roles(model_cfg: ModelSpec) -> tuple[dict[str, Role], frozenset[str]]:
     """(HF name -> role, the names the table keeps in float32) for every tensor of the model's mapping table, every
     layer and expert filled in."""
     found: dict[str, Role] = {}
     float32: set[str] = set()
-    for placed in placed_entries(get_architecture(model_cfg.architecture), model_cfg):
+    for placed in placed_entries(model_cfg):
         entry = placed.entry
         if isinstance(entry, FusedQKV):
             found.update({entry.q: Role.QUERY, entry.k: Role.KEY_VALUE, entry.v: Role.KEY_VALUE})
@@ -107,7 +106,7 @@ class EnginePartReference:
     """The part of each streamed HF tensor that rank `rank` of an engine of `size` tensor-parallel ranks must hold
     (see the module docstring), and the dtype the engine holds it in. Built once per run; `part` is a view."""
 
-    def __init__(self, model_cfg: ModelConfig, size: int, rank: int) -> None:
+    def __init__(self, model_cfg: ModelSpec, size: int, rank: int) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"engine tensor-parallel rank {rank} of {size} is out of range")
         heads, groups = model_cfg.num_attention_heads, model_cfg.num_query_groups

@@ -85,7 +85,7 @@ def eos_token_ids(assets: Path | None, tokenizer: str | None) -> tuple[int, ...]
 
 def stop_token_ids(config: GRPOConfig) -> tuple[int, ...]:
     """`generation.stop_token_ids` if set, else the model's EOS ids; raises `GRPOConfigError` if there are none."""
-    from hf_mcore_bridge.grpo.config import GRPOConfigError
+    from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
     if config.generation.stop_token_ids is not None:
         return config.generation.stop_token_ids

@@ -17,7 +17,7 @@ import functools
 import random
 from collections.abc import Callable
 
-from hf_mcore_bridge.grpo.data import PromptRecord
+from hf_mcore_bridge.grpo.records import PromptRecord
 
 __all__ = [
     "TASKS",

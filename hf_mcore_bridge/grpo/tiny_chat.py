@@ -16,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-from hf_mcore_bridge.tiny_models import build_tiny_model
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
 __all__ = ["CHAT_WORDS", "IM_END", "IM_START", "TEMPLATE", "build_chat_policy", "build_chat_tokenizer", "write_recipe"]
 

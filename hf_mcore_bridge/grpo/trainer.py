@@ -68,12 +68,14 @@ import torch
 import torch.distributed
 
 from hf_mcore_bridge.checkpoint import dtypes
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.config_bridge import from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.layout import validate_layout
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.backend import TrainingBackend, build_backend, start_world
 from hf_mcore_bridge.grpo.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, generation_tensor_parallel_size
+from hf_mcore_bridge.grpo.config import GRPOConfig, generation_tensor_parallel_size, layout_of
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.generation import (
     build_engine,
     engine_replicas,
@@ -85,12 +87,12 @@ from hf_mcore_bridge.grpo.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.metrics import MetricsLogger, read_metrics
 from hf_mcore_bridge.grpo.plot import PLOT_FILE, plot_metrics
-from hf_mcore_bridge.grpo.policy import layout_of
 from hf_mcore_bridge.grpo.refit import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit_replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.scoring import ScoreResult
 from hf_mcore_bridge.grpo.stop_tokens import model_assets_dir, with_stop_token_ids
+from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
 
@@ -121,7 +123,7 @@ class PreparedRun:
     checkpoint_dir: Path
     """What the policy starts from: a `torch_dist` checkpoint (iteration directory) for megatron-core, an HF
     directory for DTensor."""
-    model_cfg: ModelConfig
+    model_cfg: ModelSpec
     hf_config: dict[str, Any]
     """The engine's HF config."""
     tokenizer_file: Path
@@ -149,10 +151,8 @@ def _tokenizer_file(config: GRPOConfig, candidates: list[Path]) -> Path:
 def prepare_run(config: GRPOConfig) -> PreparedRun:
     """Resolve the policy checkpoint (converting an HF directory), the engine's HF config and the tokenizer."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
-    from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.grpo.chat import check_rendering
-    from hf_mcore_bridge.mappings import get_architecture
 
     log_dir = Path(config.logger.log_dir)
     # the tokenizer (the HF directory's, or the HF assets a Megatron checkpoint keeps) is found before the policy
@@ -180,7 +180,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     # multi-token-prediction layers are not trained (megatron-core computes them only with labels, for their own
     # loss): the policy is built, refit, saved and exported without them
     model_cfg = dataclasses.replace(from_megatron_args(read_common(checkpoint_dir)["args"]), mtp_layers=0)
-    model_cfg.validate(layout)
+    validate_layout(layout, model_cfg)
     if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
         raise GRPOConfigError(
             "a mixture-of-experts policy at pipeline_model_parallel_size > 1 needs CUDA (megatron-core's all-to-all"
@@ -195,7 +195,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     if assets is not None and (assets / "config.json").exists():
         hf_config = json.loads((assets / "config.json").read_text())
     else:
-        hf_config = config_bridge.to_hf(model_cfg, get_architecture(model_cfg.architecture))
+        hf_config = model_cfg.to_hf()
     divisible_by = config.policy.megatron_cfg.make_vocab_size_divisible_by
     return PreparedRun(
         checkpoint_dir=checkpoint_dir,
@@ -213,11 +213,11 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> 
     tokenizer was found beforehand (in the HF directory, or in the checkpoint's HF assets the export copies)."""
     from hf_mcore_bridge.convert import config_bridge
     from hf_mcore_bridge.grpo.dtensor_policy import hf_policy_dir
-    from hf_mcore_bridge.mappings import get_architecture
 
     hf_dir = hf_policy_dir(Path(config.policy.model_path), log_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
-    model_cfg = config_bridge.from_hf(hf_config, get_architecture(str((hf_config.get("architectures") or ["?"])[0])))
+    # the refit's reference (`refit_reference`) is cut by the conversion table: the run takes what conversion takes
+    model_cfg = config_bridge.megatron_spec(hf_config)
     return PreparedRun(
         checkpoint_dir=hf_dir,
         model_cfg=model_cfg,

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import gpt_model_kwargs, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.convert.mapping_types import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
+from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
+from hf_mcore_bridge.models.spec import ModelSpec
 
 SPEC_NAME_PAIRS = tuple(dict.fromkeys(((LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM), *LOCAL_MLA_SPEC_KEYS.items())))
 """Names one tensor has in the two layer specs' checkpoints (local spec, Transformer Engine's, with and without
@@ -31,7 +32,7 @@ def transformer_config(kwargs: dict[str, Any]) -> Any:
 
 
 def build_gpt_model(
-    model: ModelConfig,
+    model: ModelSpec,
     layout: Layout,
     dtype: torch.dtype,
     padded_vocab: int,
@@ -60,7 +61,7 @@ def build_gpt_model(
     return gpt.to(device)
 
 
-def layer_spec(model: ModelConfig, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
+def layer_spec(model: ModelSpec, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
     """The layer spec of `config.transformer_impl` (`transformer_impl`): Transformer Engine's, or the local spec
     with SDPA core attention (unless `core_attention="local"`, megatron-core's unfused attention) and norms that
     take sequence parallelism where the config asks for it (`sequence_parallel_norm`)."""
@@ -112,7 +113,7 @@ def use_te_names_for_mla(spec: object) -> object:
     return spec
 
 
-def _transformer_engine_spec(model: ModelConfig, config: object, vp_stage: int | None):
+def _transformer_engine_spec(model: ModelSpec, config: object, vp_stage: int | None):
     """megatron-core's Transformer Engine spec: its own fused attention (packed rows as THD), norms fused into the
     following linear layers, sequence parallelism handled by its modules."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -127,7 +128,7 @@ def _transformer_engine_spec(model: ModelConfig, config: object, vp_stage: int |
 
 
 def gpt_model(
-    config: object, model: ModelConfig, padded_vocab: int, *, vp_stage: int | None = None, core_attention: str = "sdpa"
+    config: object, model: ModelSpec, padded_vocab: int, *, vp_stage: int | None = None, core_attention: str = "sdpa"
 ) -> torch.nn.Module:
     """A `GPTModel` of this rank's pipeline stage for a ready `TransformerConfig` (parameters where it says)."""
     from megatron.core import parallel_state

@@ -27,11 +27,12 @@ import torch
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.checkpoint.megatron_dirs import check_installed_reads, resolve_checkpoint
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_megatron_args, padded_vocab
+from hf_mcore_bridge.convert.config_bridge import from_megatron_args, padded_vocab
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 from hf_mcore_bridge.megatron.world import device as rank_device
 from hf_mcore_bridge.megatron.world import reports_here, run_world
+from hf_mcore_bridge.models.spec import ModelSpec
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.15, "fp16": 0.05}
 """Max |dlogit| allowed per compute dtype."""
@@ -208,7 +209,7 @@ def stage_logits(checkpoint: Path, layout: Layout, dtype: torch.dtype, tokens: t
     return forward_stage(model, model_cfg, tokens, dtype)
 
 
-def forward_stage(model: torch.nn.Module, model_cfg: ModelConfig, tokens: torch.Tensor, dtype: torch.dtype):
+def forward_stage(model: torch.nn.Module, model_cfg: ModelSpec, tokens: torch.Tensor, dtype: torch.dtype):
     """One forward pass through this rank's pipeline stage; activations travel between stages point to point.
     Under context parallelism each rank runs its share of the sequence (`context_parallel`, causal attention
     without a mask) and the logits are gathered back in sequence order.

@@ -12,21 +12,28 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from hf_mcore_bridge.engine import Engine, EngineConfig, ModelConfig
-from hf_mcore_bridge.engine.arch import RopeConfig, read_rope
+from hf_mcore_bridge.engine import Engine, EngineConfig, read_spec
 from hf_mcore_bridge.engine.model import rope_inv_freq
 from hf_mcore_bridge.mappings.qwen2 import ARCHITECTURE as QWEN2
 from hf_mcore_bridge.mappings.qwen3 import ARCHITECTURE as QWEN3
+from hf_mcore_bridge.models.spec import RopeSpec
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def read_rope(rope_fields: dict) -> RopeSpec:
+    """The engine's reading of a Llama config whose RoPE fields are `rope_fields` (and no others)."""
+    llama = CONFIGS["llama"]().to_dict()
+    base = {k: v for k, v in llama.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return read_spec({**base, **rope_fields}).rope
 
 
 def test_rope_is_read_from_both_spellings():
     new = read_rope({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}})
     old = read_rope({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}})
     older = read_rope({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}})
-    assert new == old == older == RopeConfig(theta=500000.0, rope_type="llama3", **LLAMA3)
-    assert read_rope({"rope_theta": 1e6}) == RopeConfig(theta=1e6)
+    assert new == old == older == RopeSpec(theta=500000.0, rope_type="llama3", **LLAMA3)
+    assert read_rope({"rope_theta": 1e6}) == RopeSpec(theta=1e6)
 
 
 def test_missing_rope_theta_is_an_error():
@@ -56,26 +63,26 @@ def test_inverse_frequencies_equal_transformers(rope_parameters):
         expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     else:
         expected, _ = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
-    got = rope_inv_freq(ModelConfig.from_hf(config).rope, 64)
+    got = rope_inv_freq(read_spec(config).rope, 64)
     assert torch.equal(got, expected)
 
 
 def test_architecture_comes_from_the_explicit_registry():
     qwen2 = CONFIGS["qwen2"]().to_dict()
-    assert ModelConfig.from_hf(qwen2).arch is QWEN2
-    assert ModelConfig.from_hf({**qwen2, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}).arch is QWEN3
+    assert read_spec(qwen2).arch is QWEN2
+    assert read_spec({**qwen2, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}).arch is QWEN3
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel"):
-        ModelConfig.from_hf({**qwen2, "architectures": ["GPT2LMHeadModel"]})
+        read_spec({**qwen2, "architectures": ["GPT2LMHeadModel"]})
 
 
 def test_per_architecture_data_resolves_biases_and_norms():
-    llama = ModelConfig.from_hf(CONFIGS["llama"]())
-    qwen2 = ModelConfig.from_hf(CONFIGS["qwen2"]())
-    qwen3 = ModelConfig.from_hf(CONFIGS["qwen3"]())
+    llama = read_spec(CONFIGS["llama"]())
+    qwen2 = read_spec(CONFIGS["qwen2"]())
+    qwen3 = read_spec(CONFIGS["qwen3"]())
     assert (llama.qkv_bias, llama.o_bias, llama.arch.qk_norm) == (False, False, False)
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.arch.qk_norm) == (True, False, False)
     assert (qwen3.qkv_bias, qwen3.head_dim, qwen3.arch.qk_norm, qwen3.tie_word_embeddings) == (False, 32, True, True)
-    llama_biased = ModelConfig.from_hf({**CONFIGS["llama"]().to_dict(), "attention_bias": True})
+    llama_biased = read_spec({**CONFIGS["llama"]().to_dict(), "attention_bias": True})
     assert (llama_biased.qkv_bias, llama_biased.o_bias) == (True, True)
 
 
@@ -84,11 +91,12 @@ def test_unsupported_configs_are_refused():
     with pytest.raises(NotImplementedError, match="sliding"):
         Engine({**mistral, "sliding_window": 32}, EngineConfig(device="cpu", max_model_len=64, dtype=torch.float32))
     with pytest.raises(NotImplementedError, match="hidden_act"):
-        ModelConfig.from_hf({**mistral, "hidden_act": "gelu"})
+        read_spec({**mistral, "hidden_act": "gelu"})
     with pytest.raises(NotImplementedError, match="mlp_bias"):
-        ModelConfig.from_hf({**CONFIGS["llama"]().to_dict(), "mlp_bias": True})
+        read_spec({**CONFIGS["llama"]().to_dict(), "mlp_bias": True})
+    qwen2_window = {**CONFIGS["qwen2"]().to_dict(), "use_sliding_window": True, "sliding_window": 16}
     with pytest.raises(NotImplementedError, match="sliding"):
-        ModelConfig.from_hf({**CONFIGS["qwen2"]().to_dict(), "use_sliding_window": True, "sliding_window": 16})
+        Engine(qwen2_window, EngineConfig(device="cpu", max_model_len=64, dtype=torch.float32))
 
 
 def test_kv_budget_must_hold_one_full_sequence():
@@ -120,9 +128,9 @@ def test_partial_rotary_factor_is_read_in_either_spelling_and_an_odd_rotation_re
     from engine_helpers import MOE_CONFIGS
 
     config = MOE_CONFIGS["glm4_moe"]().to_dict()  # head_dim 32, rope_parameters' partial_rotary_factor 0.5
-    assert ModelConfig.from_hf(config).rope.rotary_dim(32) == 16
+    assert read_spec(config).rope.rotary_dim(32) == 16
     older = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 1e6}
-    assert ModelConfig.from_hf({**older, "partial_rotary_factor": 0.25}).rope.rotary_dim(32) == 8
-    assert ModelConfig.from_hf(older).rope.partial_rotary_factor == 0.5  # absent: transformers' GLM default
+    assert read_spec({**older, "partial_rotary_factor": 0.25}).rope.rotary_dim(32) == 8
+    assert read_spec(older).rope.partial_rotary_factor == 0.5  # absent: transformers' GLM default
     with pytest.raises(ValueError, match="rotates 3 of the 32 dimensions"):
-        ModelConfig.from_hf({**older, "partial_rotary_factor": 0.1})
+        read_spec({**older, "partial_rotary_factor": 0.1})

@@ -62,8 +62,9 @@ def test_fused_expert_tensors_fill_each_experts_slice(arch, get_hf_model):
     width = gate_up.shape[1] // 2
     for expert in range(gate_up.shape[0]):
         gate, up = gate_up[expert].chunk(2, dim=0)  # transformers: linear(x, gate_up_proj[e]).chunk(2, dim=-1)
-        assert torch.equal(experts.w13[expert][:width], gate) and torch.equal(experts.w13[expert][width:], up)
-        assert torch.equal(experts.w2[expert], down[expert])
+        stacked = experts.gate_up_proj[expert]
+        assert torch.equal(stacked[:width], gate) and torch.equal(stacked[width:], up)
+        assert torch.equal(experts.down_proj[expert], down[expert])
 
 
 def test_a_fused_tensor_with_the_wrong_expert_count_is_refused(get_hf_model):

@@ -1,6 +1,6 @@
 """Multi-latent attention (DeepSeek-V3 and Moonlight) in the engine, against transformers.
 
-The tiny models of `tests/conftest.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
+The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
 experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
 `generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU), prompts of different
 lengths in one batch, past several 4-token KV blocks; the cache holds the latent (kv_lora_rank + qk_rope_head_dim
@@ -28,7 +28,7 @@ from engine_helpers import (
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_mcore_bridge.engine import Engine, ModelConfig
+from hf_mcore_bridge.engine import Engine, read_spec
 from hf_mcore_bridge.engine.mla import LatentAttention
 from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
 from hf_mcore_bridge.engine.tp_shards import TPRank
@@ -119,14 +119,14 @@ def test_the_config_reading_equals_transformers(mla_models):
     """Softmax scale (YaRN's mscale^2), the YaRN inverse frequencies and concentration, as transformers has them."""
     for name in MLA_MODELS:
         _, model = mla_models[name]
-        cfg = ModelConfig.from_hf(model.config)
+        cfg = read_spec(model.config)
         assert cfg.mla is not None
-        assert cfg.mla.softmax_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
+        assert cfg.softmax_scale == pytest.approx(model.model.layers[0].self_attn.scaling, rel=1e-12)
         rotary = model.model.rotary_emb
-        assert torch.equal(rope_inv_freq(cfg.rope, cfg.head_dim), rotary.inv_freq)
-        assert cfg.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+        assert torch.equal(rope_inv_freq(cfg.rope, cfg.rotary_dim), rotary.inv_freq)
+        assert cfg.rope.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-12)
         assert cfg.mla.rope_interleave is model.config.rope_interleave
-    assert ModelConfig.from_hf(mla_models["deepseek_v3"][1].config).rope.rope_type == "yarn"
+    assert read_spec(mla_models["deepseek_v3"][1].config).rope.rope_type == "yarn"
 
 
 def test_kv_bytes_per_token_of_grouped_query_attention(get_hf_model):
@@ -143,4 +143,4 @@ def test_what_multi_latent_attention_refuses(mla_models):
         Engine(config, tiny_engine_config(kv_cache_dtype="fp8"))
     tp = SimpleNamespace(place=TPRank(2, 0))
     with pytest.raises(NotImplementedError, match=r"multi-latent attention .* tensor-parallel engine"):
-        CausalLM(ModelConfig.from_hf(config), torch.float32, "cpu", 64, tp=tp)  # type: ignore[arg-type]
+        CausalLM(read_spec(config), torch.float32, "cpu", 64, tp=tp)  # type: ignore[arg-type]

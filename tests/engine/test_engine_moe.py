@@ -34,7 +34,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
-from hf_mcore_bridge.engine import Engine, MissingWeightsError, ModelConfig, SamplingParams, UnknownWeightError
+from hf_mcore_bridge.engine import Engine, MissingWeightsError, SamplingParams, UnknownWeightError, read_spec
 from hf_mcore_bridge.engine.model import route, routed_experts
 
 
@@ -143,19 +143,19 @@ def test_dense_layers_follow_mlp_only_layers_and_sparse_step():
     hf_layers = AutoModelForCausalLM.from_config(config).model.layers
     expected = {i for i, layer in enumerate(hf_layers) if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)}
     assert expected == {1, 5}
-    moe = ModelConfig.from_hf(config).moe
-    assert moe is not None and moe.layers == expected
+    moe = read_spec(config).moe
+    assert moe is not None and {layer for layer, routed in enumerate(moe.moe_layers) if routed} == expected
 
 
 def test_expert_count_is_read_from_either_config_key():
     saved = MOE_CONFIGS["qwen3_moe"]().to_dict()  # transformers 5 writes num_local_experts
     assert "num_experts" not in saved
-    moe = ModelConfig.from_hf(saved).moe
-    assert moe is not None and (moe.num_experts, moe.top_k, moe.expert_width) == (8, 2, 32)
+    moe = read_spec(saved).moe
+    assert moe is not None and (moe.num_experts, moe.topk, moe.ffn_hidden_size) == (8, 2, 32)
     renamed = {k: v for k, v in saved.items() if k != "num_local_experts"} | {"num_experts": 8}
-    assert ModelConfig.from_hf(renamed).moe == moe
+    assert read_spec(renamed).moe == moe
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        ModelConfig.from_hf({**saved, "num_experts_per_tok": 9})
+        read_spec({**saved, "num_experts_per_tok": 9})
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -192,7 +192,7 @@ def test_qwen2_moe_attention_bias_follows_its_qkv_bias_flag(qkv_bias):
     config = MOE_CONFIGS["qwen2_moe"]()
     config.qkv_bias = qkv_bias
     attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
-    assert (attention.q_proj.bias is not None) == qkv_bias == ModelConfig.from_hf(config).qkv_bias
+    assert (attention.q_proj.bias is not None) == qkv_bias == read_spec(config).qkv_bias
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_air"])
@@ -207,23 +207,23 @@ def test_sigmoid_routing_equals_transformers_router(arch):
     x = torch.randn(40, 64, generator=generator)
     with torch.no_grad():
         logits, hf_weights, hf_experts = router(x)
-    moe = ModelConfig.from_hf(config).moe
+    moe = read_spec(config).moe
     assert moe is not None and moe.score_function == "sigmoid" and moe.renormalize
     weights, experts = route(
         logits,
-        moe.top_k,
+        moe.topk,
         moe.renormalize,
         score_function=moe.score_function,
         expert_bias=router.e_score_correction_bias,
         num_groups=moe.num_groups,
         group_topk=moe.group_topk,
-        scaling_factor=moe.scaling_factor,
+        scaling_factor=moe.topk_scaling_factor or 1.0,
     )
     order, hf_order = experts.argsort(-1), hf_experts.argsort(-1)  # transformers' top-k is unsorted
     assert torch.equal(experts.gather(-1, order), hf_experts.gather(-1, hf_order))
     # equal up to the order of the renormalising sum (transformers adds in its unsorted top-k order)
     assert torch.allclose(weights.gather(-1, order), hf_weights.gather(-1, hf_order), rtol=0, atol=1e-6)
-    unbiased = route(logits, moe.top_k, True, score_function="sigmoid", num_groups=moe.num_groups, group_topk=2)[1]
+    unbiased = route(logits, moe.topk, True, score_function="sigmoid", num_groups=moe.num_groups, group_topk=2)[1]
     assert not torch.equal(unbiased.sort(-1)[0], hf_experts.sort(-1)[0])  # the bias changes choices here
 
 

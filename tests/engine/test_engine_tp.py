@@ -23,9 +23,7 @@ from engine_helpers import (
 )
 from engine_tp_ranks import MAX_TOKENS, TP_ARCHS, tp_engine_rank
 
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
-from hf_mcore_bridge.engine import Engine, ModelConfig
+from hf_mcore_bridge.engine import Engine, read_spec
 from hf_mcore_bridge.engine.kv_cache import blocks_for
 from hf_mcore_bridge.engine.model import CausalLM
 from hf_mcore_bridge.engine.tp_group import TensorParallel
@@ -38,8 +36,11 @@ from hf_mcore_bridge.engine.tp_shards import (
     row_shard,
     vocab_shard,
 )
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, generation_tensor_parallel_size
+from hf_mcore_bridge.grpo.config import config_from_dict, generation_tensor_parallel_size
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.megatron.world import run_torch_world
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -174,7 +175,7 @@ def test_generation_tensor_parallel_size_defaults_to_the_policy_tp_and_must_divi
 def _rank_model(hf_config: object, tp: int, rank: int) -> CausalLM:
     """One rank's model, built without a world: loading only needs the rank's place, not its collectives."""
     place = SimpleNamespace(place=TPRank(tp, rank))
-    return CausalLM(ModelConfig.from_hf(hf_config), torch.float32, "cpu", max_positions=16, tp=place)  # type: ignore[arg-type]
+    return CausalLM(read_spec(hf_config), torch.float32, "cpu", max_positions=16, tp=place)  # type: ignore[arg-type]
 
 
 SHARED_NAMES = ("shared_expert", "shared_experts")
@@ -185,7 +186,7 @@ SHARED_NAMES = ("shared_expert", "shared_experts")
 def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_model):
     """Every parameter of a TP2 rank equals megatron-core's shard of the full HF tensor (`tensor_ops.rank_shard`;
     the vocabulary padded by Megatron-LM's rule): attention with biases and q/k norms, dense and shared-expert
-    MLPs (Qwen2-MoE's `shared_expert`, GLM's `shared_experts`: the engine's `shared_expert`), routed experts, router
+    MLPs (Qwen2-MoE's `shared_expert`, GLM's `shared_experts`, each held under its own name), routed experts, router
     and its score bias (whole, float32), embedding and output layer."""
     model = get_hf_model(arch)
     weights = dict(hub_weights(model))
@@ -214,12 +215,12 @@ def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_mod
             for norm in ("q_norm", "k_norm"):
                 if f"{attn}.{norm}.weight" in weights:
                     assert torch.equal(params[f"{attn}.{norm}.weight"], weights[f"{attn}.{norm}.weight"])
-            for prefix, held in ((mlp, mlp), *((f"{mlp}.{s}", f"{mlp}.shared_expert") for s in SHARED_NAMES)):
+            for prefix in (mlp, *(f"{mlp}.{s}" for s in SHARED_NAMES)):
                 if f"{prefix}.gate_proj.weight" in weights:  # a dense MLP or the shared expert
                     gate_up = fused(f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
-                    assert torch.equal(params[f"{held}.gate_up_proj.weight"], gate_up)
+                    assert torch.equal(params[f"{prefix}.gate_up_proj.weight"], gate_up)
                     assert torch.equal(
-                        params[f"{held}.down_proj.weight"], shard(f"{prefix}.down_proj.weight", Parallel.ROW)
+                        params[f"{prefix}.down_proj.weight"], shard(f"{prefix}.down_proj.weight", Parallel.ROW)
                     )
                     checked += 1
             bias = f"{mlp}.gate.e_score_correction_bias"
@@ -228,10 +229,10 @@ def test_each_rank_loads_megatron_slices_of_the_full_hf_tensors(arch, get_hf_mod
             experts = getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", 0)
             for expert in range(experts if f"{mlp}.gate.weight" in weights else 0):
                 source = f"{mlp}.experts.{expert}"
-                w13 = fused(f"{source}.gate_proj.weight", f"{source}.up_proj.weight")
-                assert torch.equal(params[f"{mlp}.experts.w13"][expert], w13)
+                gate_up = fused(f"{source}.gate_proj.weight", f"{source}.up_proj.weight")
+                assert torch.equal(params[f"{mlp}.experts.gate_up_proj"][expert], gate_up)
                 assert torch.equal(
-                    params[f"{mlp}.experts.w2"][expert], shard(f"{source}.down_proj.weight", Parallel.ROW)
+                    params[f"{mlp}.experts.down_proj"][expert], shard(f"{source}.down_proj.weight", Parallel.ROW)
                 )
                 assert torch.equal(params[f"{mlp}.gate.weight"], weights[f"{mlp}.gate.weight"])
                 checked += 1

@@ -276,19 +276,18 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.convert.config_bridge import from_hf, padded_vocab
+    from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
     from hf_mcore_bridge.convert.layout import Layout
     from hf_mcore_bridge.engine import Engine, EngineConfig
     from hf_mcore_bridge.grpo.generation import engine_part
     from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
     from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
-    from hf_mcore_bridge.mappings import get_architecture
     from hf_mcore_bridge.megatron.model import build_gpt_model
 
     results = {}
     for directory in hf_dirs:
         hf_config = json.loads((Path(directory) / "config.json").read_text())
-        model_cfg = from_hf(hf_config, get_architecture(hf_config["architectures"][0]))
+        model_cfg = megatron_spec(hf_config)
         layout = Layout(tp=2)
         vocab = padded_vocab(model_cfg, layout)
         torch.manual_seed(0)

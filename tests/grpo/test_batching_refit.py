@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mcore_bridge.convert.parallel_style import Parallel
-from hf_mcore_bridge.convert.tensor_ops import shard_boxes, take_box
 from hf_mcore_bridge.grpo.batching import Rollout, make_microbatches, pack_microbatches, response_values
 from hf_mcore_bridge.grpo.refit import PhaseTimes, assemble_shards
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.tensor_ops import shard_boxes, take_box
 
 ROLLOUTS = [
     Rollout((5, 6, 7), (8, 9), (-0.1, -0.2), reward=1.0, advantage=0.5),

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_mcore_bridge.grpo.config import GRPOConfig, GRPOConfigError, apply_overrides, config_from_dict, load_config
+from hf_mcore_bridge.grpo.config import GRPOConfig, apply_overrides, config_from_dict, load_config
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.losses import Aggregation, LossConfig
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo_tiny.yaml"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_mcore_bridge.grpo.data import DataError, PromptIterator, PromptRecord, load_hf_dataset, load_jsonl
+from hf_mcore_bridge.grpo.data import PromptIterator, load_hf_dataset, load_jsonl
+from hf_mcore_bridge.grpo.records import DataError, PromptRecord
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

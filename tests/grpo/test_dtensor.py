@@ -301,7 +301,8 @@ def test_resume_from_the_middle_checkpoint_repeats_the_run(grpo_run, tmp_path: P
     ],
 )
 def test_backend_switch_errors(tmp_path: Path, policy: dict, message: str) -> None:
-    from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
     data = {"policy": {"model_path": str(tmp_path), **policy}, "data": {"task": "repeat_digit"}}
     with pytest.raises(GRPOConfigError, match=re.escape(message)):
@@ -309,7 +310,8 @@ def test_backend_switch_errors(tmp_path: Path, policy: dict, message: str) -> No
 
 
 def test_dtensor_world_follows_the_config(tmp_path: Path) -> None:
-    from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, data_parallel_size, world_of
+    from hf_mcore_bridge.grpo.config import config_from_dict, data_parallel_size, world_of
+    from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
     base = {
         "policy": {"model_path": str(tmp_path), "megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}},

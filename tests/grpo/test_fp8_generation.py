@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hf_mcore_bridge.grpo import trainer
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+from hf_mcore_bridge.grpo.config import config_from_dict
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.logprob_gate import FP8_MAX_TOKEN_MULT_PROB_ERROR, limit_of
 
 from .tiny_policy import build_tiny_policy

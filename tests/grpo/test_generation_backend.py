@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 import hf_mcore_bridge.engine
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+from hf_mcore_bridge.grpo.config import config_from_dict
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.generation import VLLM_MODEL_DIR, VllmGeneration, build_engine, readable_tensor
 
 from .tiny_policy import build_tiny_policy

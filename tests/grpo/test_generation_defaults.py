@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hf_mcore_bridge.grpo.advantages import LeaveOneOutStd
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+from hf_mcore_bridge.grpo.config import config_from_dict
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.stop_tokens import stop_token_ids, with_stop_token_ids
 
 from .tiny_policy import WORDS, build_tokenizer

@@ -22,7 +22,8 @@ import yaml
 from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, iteration_dirname
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.checkpoint import latest_step
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict, world_of
+from hf_mcore_bridge.grpo.config import config_from_dict, world_of
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
 from .tiny_policy import build_tiny_policy
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from hf_mcore_bridge.convert import config_bridge
-from hf_mcore_bridge.grpo.config import MegatronConfig
-from hf_mcore_bridge.grpo.policy import _transformer_config, layout_of
-from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.tiny_models import tiny_config
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.grpo.config import MegatronConfig, layout_of
+from hf_mcore_bridge.grpo.policy import _transformer_config
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 TINY_MOE = {
     "MixtralForCausalLM": {"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 32},
@@ -29,7 +30,7 @@ TINY_MOE = {
 }
 
 
-def _model(architecture: str) -> config_bridge.ModelConfig:
+def _model(architecture: str) -> ModelSpec:
     hf = {
         "architectures": [architecture],
         "hidden_size": 64,
@@ -46,7 +47,7 @@ def _model(architecture: str) -> config_bridge.ModelConfig:
         "hidden_act": "silu",
         **TINY_MOE[architecture],
     }
-    return config_bridge.from_hf(hf, get_architecture(architecture))
+    return config_bridge.megatron_spec(hf)
 
 
 @pytest.mark.parametrize("architecture", sorted(TINY_MOE))
@@ -64,17 +65,16 @@ def test_hf_router_aux_loss_coef_adds_no_loss_unless_asked(architecture: str) ->
 
 def test_conversion_args_keep_the_hf_coefficient_for_export() -> None:
     model = _model("Qwen3MoeForCausalLM")
-    arch = get_architecture("Qwen3MoeForCausalLM")
-    args = config_bridge.megatron_args(model, config_bridge.Layout(), torch.float32)
+    args = config_bridge.megatron_args(model, Layout(), torch.float32)
     assert args.moe_aux_loss_coeff == 0.01
     back = config_bridge.from_megatron_args(args)
-    assert config_bridge.to_hf(back, arch)["router_aux_loss_coef"] == 0.01
+    assert back.to_hf()["router_aux_loss_coef"] == 0.01
 
 
 def test_expert_bias_updates_are_off_unless_asked() -> None:
     from megatron.core.transformer import TransformerConfig
 
-    model = config_bridge.from_hf(tiny_config("Glm4MoeForCausalLM"), get_architecture("Glm4MoeForCausalLM"))
+    model = config_bridge.megatron_spec(tiny_config("Glm4MoeForCausalLM"))
     default = MegatronConfig()
     config = _transformer_config(model, layout_of(default), torch.float32, default)
     assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
@@ -83,5 +83,5 @@ def test_expert_bias_updates_are_off_unless_asked() -> None:
     # what megatron-core would do on its own: move the biases after every step
     assert TransformerConfig.__dataclass_fields__["moe_router_bias_update_rate"].default == 1e-3
     # the conversion's args record the router, not a training rate
-    args = config_bridge.megatron_args(model, config_bridge.Layout(), torch.float32)
+    args = config_bridge.megatron_args(model, Layout(), torch.float32)
     assert args.moe_router_enable_expert_bias and not hasattr(args, "moe_router_bias_update_rate")

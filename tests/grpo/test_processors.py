@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from hf_mcore_bridge.grpo.config import DataConfig
-from hf_mcore_bridge.grpo.data import DataError, load_train_val
+from hf_mcore_bridge.grpo.data import load_train_val
 from hf_mcore_bridge.grpo.processors import check_processor, gsm8k_answer
+from hf_mcore_bridge.grpo.records import DataError
 
 ROWS = {
     "gsm8k": [{"question": "How many?", "answer": "Add them.\n48 + 24 = <<48+24=72>>72\n#### 1,072"}],
@@ -89,7 +90,8 @@ def test_errors(tmp_path: Path) -> None:
 def test_config_refusals(overrides: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.errors import GRPOConfigError
 
     real = importlib.util.find_spec
     missing = ("wandb", "math_verify")

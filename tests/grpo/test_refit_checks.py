@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.config import GRPOConfigError, config_from_dict
+from hf_mcore_bridge.grpo.config import config_from_dict
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.logprob_gate import LogprobMismatchError, check_logprob_agreement, limit_of
 from hf_mcore_bridge.grpo.refit import tensor_checksums
 

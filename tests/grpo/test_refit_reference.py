@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_mcore_bridge.convert.config_bridge import ModelConfig, from_hf
+from hf_mcore_bridge.convert.config_bridge import megatron_spec
 from hf_mcore_bridge.engine import Engine, EngineConfig, tp_shards
 from hf_mcore_bridge.engine import model as engine_model
 from hf_mcore_bridge.errors import BridgeError
@@ -37,8 +37,8 @@ from hf_mcore_bridge.grpo.generation import engine_part
 from hf_mcore_bridge.grpo.refit import PhaseTimes, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
 from hf_mcore_bridge.grpo.trainer import _check_transfer, _stream_into_engine
-from hf_mcore_bridge.mappings import get_architecture
-from hf_mcore_bridge.tiny_models import build_tiny_model, tiny_config
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 from .refit_ranks import kv_on_wrong_rank, shifted_head_shard
 
@@ -52,8 +52,8 @@ def one_cpu_thread():
     torch.set_num_threads(previous)
 
 
-def _model_cfg(architecture: str, **overrides: Any) -> ModelConfig:
-    return from_hf(tiny_config(architecture, **overrides), get_architecture(architecture))
+def _model_cfg(architecture: str, **overrides: Any) -> ModelSpec:
+    return megatron_spec(tiny_config(architecture, **overrides))
 
 
 # --- the reference against megatron-core's layout, written here -----------------------------------------------
@@ -222,7 +222,7 @@ def _rank_engine(hf_config: dict[str, Any], tp: int, rank: int) -> Any:
     """One rank of a TP engine, built without a world (loading needs only the rank's place): its model, and
     `load_weights` as the embedded engine's."""
     place = SimpleNamespace(place=tp_shards.TPRank(tp, rank))
-    model = engine_model.CausalLM(engine_model.ModelConfig.from_hf(hf_config), torch.float32, "cpu", 16, tp=place)  # type: ignore[arg-type]
+    model = engine_model.CausalLM(engine_model.ModelSpec.from_hf(hf_config), torch.float32, "cpu", 16, tp=place)  # type: ignore[arg-type]
     return SimpleNamespace(model=model, load_weights=model.load_weights)
 
 
@@ -237,7 +237,7 @@ def _engine(hf_config: dict[str, Any]) -> Engine:
 def _ctx(directory: Path, engine: Any, tp: int = 1, rank: int = 0) -> Any:
     """What `_stream_into_engine` and `_check_transfer` read of the trainer's `_RankContext`."""
     hf_config = json.loads((directory / "config.json").read_text())
-    model_cfg = from_hf(hf_config, get_architecture(hf_config["architectures"][0]))
+    model_cfg = megatron_spec(hf_config)
     return SimpleNamespace(
         config=SimpleNamespace(policy=SimpleNamespace(refit_bucket_mb=1)),
         engine=engine,

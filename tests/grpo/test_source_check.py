@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hf_mcore_bridge.grpo.refit_faults import inject
 from hf_mcore_bridge.grpo.source_check import InitialWeightsError, compare_with_source
-from hf_mcore_bridge.tiny_models import build_tiny_model
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hf_mcore_bridge.grpo.data import PromptRecord
+from hf_mcore_bridge.grpo.records import PromptRecord
 from hf_mcore_bridge.grpo.rewards import math_reward
 from hf_mcore_bridge.grpo.tasks import TASKS, generate_records
 

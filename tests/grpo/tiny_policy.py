@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_mcore_bridge.tiny_models import build_tiny_model
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
 EOS = "[EOS]"
 WORDS = (EOS, *(str(d) for d in range(10)), "Repeat", "the", "digit", ".", "Answer", ":", "Say", "[UNK]")

@@ -1,0 +1,102 @@
+"""The explicit registry of architectures: one file per architecture in `mappings/`, looked up by the HF
+`architectures` entry (or, where a config has none, its `model_type`).
+
+Conversion, export, verify, the engine, the DTensor path and the trainer all find an architecture here; nothing
+registers itself by being imported. Adding an architecture: its file in `mappings/` and one line in `REGISTRY`
+(`docs/adding-an-architecture.md`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_mcore_bridge.errors import UnsupportedArchitectureError
+from hf_mcore_bridge.mappings import (
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
+from hf_mcore_bridge.models.architecture import Architecture, Switch
+from hf_mcore_bridge.models.mapping_types import Feature
+
+REGISTRY: dict[str, Architecture] = {
+    arch.hf_name: arch
+    for arch in (
+        llama.ARCHITECTURE,
+        mistral.ARCHITECTURE,
+        qwen2.ARCHITECTURE,
+        qwen3.ARCHITECTURE,
+        mixtral.ARCHITECTURE,
+        qwen3_moe.ARCHITECTURE,
+        qwen2_moe.ARCHITECTURE,
+        glm4_moe.ARCHITECTURE,
+        deepseek_v3.ARCHITECTURE,
+    )
+}
+
+
+def supported() -> list[str]:
+    """The HF `architectures` names that can be converted."""
+    return sorted(REGISTRY)
+
+
+def get_architecture(hf_name: str) -> Architecture:
+    """The architecture registered for an HF `architectures` entry."""
+    try:
+        return REGISTRY[hf_name]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {hf_name!r}; supported: {', '.join(supported())}"
+        ) from None
+
+
+def for_config(config: Mapping[str, Any]) -> Architecture:
+    """The architecture of an HF config (dict): by its `architectures` entry, else (no such list) its
+    `model_type`."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in REGISTRY:
+            return REGISTRY[name]
+    by_type = {arch.model_type: arch for arch in REGISTRY.values()}
+    if not names and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {names or config.get('model_type')!r}; supported: {', '.join(supported())}"
+    )
+
+
+def with_features(
+    *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax", mla: bool = False
+) -> Architecture:
+    """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
+    Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
+    part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
+    norms) matches either value."""
+
+    def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
+        if wanted:
+            return switch is not False and arch.table_has(feature)
+        return switch is not True
+
+    for arch in REGISTRY.values():
+        if (
+            (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
+            and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
+            and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
+            and (not moe or arch.score_function == score_function)
+        ):
+            return arch
+    raise UnsupportedArchitectureError(
+        f"no supported architecture has moe={moe}, shared expert={shared_expert}, qk_norm={qk_norm}, "
+        f"qkv_bias={qkv_bias}"
+        + (f", {score_function} router" if moe else "")
+        + (", multi-latent attention" if mla else "")
+        + "; pass --hf-config"
+    )

@@ -5,7 +5,7 @@ ends in the table's own export direction (`entry.to_hf`), so it is the same conv
 trainer's refit and the engine's loading. Per table entry:
 
 1. the pipeline stage that holds it makes the whole megatron-core tensor: its tensor-parallel shards all-gathered
-   (`grpo.refit.gather_tp`; a routed expert's over expert TP, by the expert-parallel rank that holds it, which then
+   (`parallel.gather_tp`; a routed expert's over expert TP, by the expert-parallel rank that holds it, which then
    broadcasts it over the expert-parallel group);
 2. with PP > 1 that stage broadcasts it over the pipeline group (one tensor, not the stage: memory holds one whole
    tensor and its HF pieces, whatever the model's size);
@@ -20,7 +20,7 @@ name, shape and dtype before any is made (`ExportPlan.specs`, which `save_hf` sh
 Collective over every rank of the model: each must exhaust the stream (or none start it). Yielded tensors may
 share storage with the model's parameters (where nothing was gathered, cast or split): use them before the next
 optimizer step, or clone them. A model wrapped in megatron-core's `DistributedDataParallel` with the overlapped
-parameter all-gather is synchronised first (`grpo.refit.finish_param_gather`).
+parameter all-gather is synchronised first (`parallel.finish_param_gather`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from weakref import WeakKeyDictionary
 
+from hf_mcore_bridge.bridge.parallel import buckets, finish_param_gather, gather_tp, tp_gathers
 from hf_mcore_bridge.bridge.plan import Held, Ranks, as_chunks, bare, build_plan, parallel_ranks
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
@@ -188,8 +189,6 @@ def export_hf_weights(
     phases: Phases | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model as (HF name, full tensor), on every rank (see the module docstring)."""
-    from hf_mcore_bridge.grpo.refit import finish_param_gather
-
     for model in as_chunks(models):
         finish_param_gather(model)
     plan = export_plan(models, model_cfg)
@@ -228,8 +227,6 @@ def _whole(step: Step, plan: ExportPlan, timer: Phases) -> torch.Tensor:
     """The whole megatron-core tensor of `step`, on every rank (collective as the module docstring says)."""
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.grpo.refit import gather_tp, tp_gathers
-
     ranks, expert = plan.ranks, step.placed.expert is not None
     whole = None
     if step.stage == ranks.pp_rank:
@@ -266,8 +263,6 @@ def export_hf_weights_bucketed(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """`export_hf_weights` in lists of at most `bucket_bytes` (a larger tensor makes a list of its own), for
     consumers that load several tensors per call; a list is held only until the next is asked for."""
-    from hf_mcore_bridge.grpo.refit import buckets
-
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     yield from buckets(export_hf_weights(models, model_cfg, **options), bucket_bytes)

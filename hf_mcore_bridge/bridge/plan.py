@@ -3,7 +3,7 @@
 A model is a list of `GPTModel` chunks (one per virtual pipeline stage; a single chunk without VPP), each possibly
 wrapped (megatron-core's `DistributedDataParallel`, `Float16Module`: anything with a `.module`). Every local
 parameter and persistent buffer is named in the table's terms by megatron-core's own key map and its global layer
-number (`grpo.refit.table_names`), so the layer specs' naming differences are handled where megatron-core states
+number (`parallel.table_names`), so the layer specs' naming differences are handled where megatron-core states
 them; where a spec keeps a norm under its module name (megatron-core's local spec with multi-latent attention, a
 MoE layer's pre-MLP norm) the table entry is looked up under the other spec's name too (`megatron.model.
 SPEC_NAME_PAIRS`). A routed expert of global index `g` lives on expert-parallel rank `g // (experts / EP)` as
@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hf_mcore_bridge.bridge.parallel import model_tensors, table_names
 from hf_mcore_bridge.checkpoint.names import EXPERT
 from hf_mcore_bridge.convert.config_bridge import ModelConfig
 from hf_mcore_bridge.convert.layout import Layout
@@ -172,8 +173,6 @@ def spec_names(template: str) -> list[str]:
 
 def _local_index(chunks: list[torch.nn.Module]) -> tuple[dict[tuple[str, int | None], str], dict[str, Any]]:
     """(table name, global layer) -> local name, and local name -> tensor, over every chunk."""
-    from hf_mcore_bridge.grpo.refit import model_tensors, table_names
-
     by_table: dict[tuple[str, int | None], str] = {}
     tensors: dict[str, Any] = {}
     for index, chunk in enumerate(chunks):

@@ -57,6 +57,9 @@ class Job:
     wrong_dirs: tuple[str, ...] = ()
     """Record what the API says to bad calls: a layout other than the world's, a load from each of these
     directories (other models), a save into the source directory."""
+    bridge_spec: bool = False
+    """Build the model with `AutoBridge.get_model` (the bridge's spec) rather than the test's own code: for layouts
+    megatron-core's local spec cannot run (context parallelism, which its attention refuses)."""
     misbuilt: bool = False
     """Build the model without its q/k norms (otherwise than its config says) and record only what loading and
     exporting it say."""
@@ -77,7 +80,7 @@ def layout_rank(jobs: list[Job], tokens: torch.Tensor, out_dir: str) -> None:
 
 def run_job(job: Job, bridge: Any, tokens: torch.Tensor) -> dict[str, Any]:
     config = bridge.model_config
-    chunks = build_chunks(bridge)
+    chunks = bridge.get_model(dtype=torch.float32, initialize=False) if job.bridge_spec else build_chunks(bridge)
     result: dict[str, Any] = {"read": 0}
     with counting(result):
         bridge.load_hf_weights(chunks)
@@ -209,9 +212,19 @@ def held_elements(chunks: list[torch.nn.Module], vocab_size: int) -> int:
 
 def forward(chunks: list[torch.nn.Module], tokens: torch.Tensor, hidden: int, vocab: int) -> torch.Tensor | None:
     """The logits `[batch, seq, vocab]` of `tokens` through every stage and virtual stage (causal mask), on the
-    last stage's TP rank 0 of the first data-parallel replica; None elsewhere."""
+    last stage's TP rank 0 of the first data-parallel replica; None elsewhere. Under context parallelism (one
+    chunk), `megatron.verify.forward_stage`, which runs each rank's share of the sequence and gathers them."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if ps.get_context_parallel_world_size() > 1:
+        from types import SimpleNamespace
+
+        from hf_mcore_bridge.megatron.verify import forward_stage
+
+        (chunk,) = chunks
+        model = SimpleNamespace(hidden_size=hidden, vocab_size=vocab)
+        return forward_stage(chunk.eval(), model, tokens, torch.float32)
 
     batch, seq = tokens.shape
     positions = torch.arange(seq).expand(batch, -1)

@@ -1,6 +1,7 @@
 """The bridge API in gloo worlds at TP2, PP2 (with two virtual stages), EP2 and TP2 x PP2, on a dense, a MoE, a
-DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all), at PP2 on the real SmolLM2-135M-Instruct,
-and an FP8 DeepSeek-V3 checkpoint at TP2.
+DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all), at TP2 x EP2 with expert TP 1 and at CP2
+(the bridge's own spec: megatron-core's local one refuses CP), at PP2 on the real SmolLM2-135M-Instruct, and an FP8
+DeepSeek-V3 checkpoint at TP2.
 
 Each model is built by the test's own megatron-core code from the bridge's config (`ranks.build_chunks`), loaded by
 `load_hf_weights`, and must give transformers' logits (fp32, max |dlogit| <= 1e-4) on random tokens; its
@@ -182,6 +183,22 @@ def test_tp2_pp2(models, tmp_path):
     tokens, results = _run(Layout(tp=2, pp=2), jobs, tmp_path)
     for job in jobs:
         _check(job, results[job.name], tokens, 4)
+
+
+def test_tp2_ep2_with_experts_unsplit(models, tmp_path):
+    """Expert tensor parallelism 1 beside TP2: dense tensors split over TP, experts whole on their EP rank."""
+    jobs = [Job(name, models[name]) for name in ("qwen3_moe", "deepseek_v3", "glm4_moe")]
+    tokens, results = _run(Layout(tp=2, ep=2, etp=1), jobs, tmp_path)
+    for job in jobs:
+        _check(job, results[job.name], tokens, 4)
+
+
+def test_cp2_with_the_bridge_spec(models, tmp_path):
+    """Context parallelism: megatron-core's local spec refuses it, so the model is `get_model`'s."""
+    jobs = [Job(name, models[name], bridge_spec=True) for name in ("llama", "deepseek_v3")]
+    tokens, results = _run(Layout(cp=2), jobs, tmp_path)
+    for job in jobs:
+        _check(job, results[job.name], tokens, 2)
 
 
 @pytest.mark.real_model

@@ -1,11 +1,12 @@
 """Refit: the trained policy's weights, gathered over TP, EP (and PP), streamed as HF-named tensors into the engine.
 
-The stream is built from the SAME mapping table as conversion and export (`model_plan.placed_entries`, then
-`entry.to_hf`), so refit cannot drift from the checkpoint converters. Each parameter of the local-spec
-`GPTModel` is named in the table's terms by megatron-core's own key map (`sharded_state_dict_keys_map` of the
-layer spec, the one its checkpoints use) and its global layer number; its TP shards are all-gathered by the
-entry's parallel style (`gather_tp`, the inverse of `tensor_ops.shard_boxes`). Those primitives on a live model
-are the bridge API's (`bridge.parallel`, re-exported here).
+The full-tensor stream is the bridge API's (`bridge.export.export_hf_weights`, which the megatron backend calls):
+built from the SAME mapping table as conversion and export (`model_plan.placed_entries`, then `entry.to_hf`), so
+refit cannot drift from the checkpoint converters; TP / expert-TP shards all-gathered, experts broadcast from their
+EP rank, one pipeline broadcast per tensor. Each parameter of the `GPTModel` is named in the table's terms by
+megatron-core's own key map (`sharded_state_dict_keys_map` of the layer spec, the one its checkpoints use) and its
+global layer number; its TP shards are all-gathered by the entry's parallel style (`gather_tp`, the inverse of
+`tensor_ops.shard_boxes`). Those primitives on a live model are the bridge's (`bridge.parallel`, re-exported here).
 
 Cost: the per-parameter plan (local parameter, table entry) is built once per module; TP shards arrive in one
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
@@ -27,13 +28,12 @@ q/k split, gate/up or expert order in the table), which the engine-vs-trainer lo
 
 Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
 models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
-vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (`hf_weights`)
-full tensors are made and each engine rank keeps its part of them.
+vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (the bridge's
+stream) full tensors are made and each engine rank keeps its part of them.
 
-Simplifications: every rank of a TP group gathers (each rank's engine keeps its part of the full tensors); with
-PP > 1 the stages exchange their HF tensors (or parts) as pickled objects (`all_gather_object`), fine for small
-models, not for large ones; a routed expert's weight is gathered over expert TP, then all-gathered over EP local
-index by local index (every EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
+Simplifications: every rank of a TP group receives every full tensor (each rank's engine keeps its part of them);
+in a shard-local refit with PP > 1 the stages exchange their parts as pickled objects (`all_gather_object`), fine
+for small models, not for large ones.
 """
 
 from __future__ import annotations
@@ -76,9 +76,7 @@ __all__ = [
     "assemble_shards",
     "buckets",
     "finish_param_gather",
-    "gather_experts",
     "gather_tp",
-    "hf_weights",
     "mismatched",
     "model_tensors",
     "shard_local_hf_weights",
@@ -97,20 +95,6 @@ def _local_name(by_template: dict[tuple[str, int | None], str], template: str, l
     """The local parameter of a table entry: named as the table names it (Transformer Engine's spec), or as the
     local spec's key map does; None where another pipeline stage holds it."""
     return by_template.get((template, layer)) or by_template.get((_local_spec_key(template), layer))
-
-
-def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
-    """This local expert's tensor from every expert-parallel rank, in EP rank order (collective over the EP group):
-    EP rank r holds global experts `r * local_count ...`, so entry r is global expert `r * local_count + j`."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_expert_model_parallel_world_size()
-    if size == 1:
-        return [local]
-    everyone = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(everyone, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
-    return everyone
 
 
 class PhaseTimes:
@@ -203,50 +187,6 @@ def _plan(module: torch.nn.Module, model_cfg: ModelConfig) -> list[_Step]:
             steps.append(_Step(params[local_name], placed.entry, communicates, experts))
     _PLANS[module] = steps
     return steps
-
-
-def _local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
-
-    dims = model_cfg.dims(padded_vocab)
-    for step in _plan(module, model_cfg):
-        param, parallel = step.param, step.entry.parallel
-        if step.expert_entries is None:
-            if step.communicates:
-                with times.phase("gather"):
-                    full = gather_tp(param, parallel)
-            else:
-                full = param.detach()
-            yield from step.entry.to_hf(full, dims).items()
-            continue
-        if step.communicates:
-            with times.phase("gather"):
-                experts = gather_experts(gather_tp(param, parallel, expert=True))
-        else:
-            experts = [param.detach()]
-        for entry, tensor in zip(step.expert_entries, experts, strict=True):
-            yield from entry.to_hf(tensor, dims).items()
-
-
-def hf_weights(
-    module: torch.nn.Module, model_cfg: ModelConfig, padded_vocab: int, times: PhaseTimes | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model as (HF name, full tensor), on every rank (each rank's engine loads its part of them).
-
-    Collective: every rank must exhaust it. After the TP / EP gathers every rank holds its pipeline stage's
-    tensors in full; with PP > 1 the stages exchange theirs over the pipeline group (`all_gather_object`, in stage
-    order). `times` collects the time of the TP/EP gathers (`gather`) and of that exchange (`transfer`).
-    """
-    from megatron.core import parallel_state
-
-    times = times or PhaseTimes()
-    local = _local_hf_weights(module, model_cfg, padded_vocab, times)
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        yield from local
-        return
-    yield from _exchange_stages(module, local, times)
 
 
 def shard_local_hf_weights(

@@ -31,6 +31,7 @@ GROUPS = {
     "convert": "convert",
     "engine": "engine",
     "megatron": "megatron",
+    "bridge": "bridge",
     "grpo": "grpo",
     "cli": "commands",
     "demo": "commands",
@@ -44,8 +45,9 @@ ALLOWED = {
     "convert": {"base", "checkpoint", "models"},
     "engine": {"base", "checkpoint", "models"},
     "megatron": {"base", "checkpoint", "models", "convert"},
-    "grpo": {"base", "checkpoint", "models", "convert", "engine", "megatron"},
-    "commands": {"base", "checkpoint", "models", "convert", "engine", "megatron", "grpo"},
+    "bridge": {"base", "checkpoint", "models", "convert", "megatron"},
+    "grpo": {"base", "checkpoint", "models", "convert", "engine", "megatron", "bridge"},
+    "commands": {"base", "checkpoint", "models", "convert", "engine", "megatron", "bridge", "grpo"},
 }
 """The layers each layer may import (besides its own)."""
 

@@ -123,7 +123,7 @@ def _assets(prepared: PreparedRun) -> dict[str, str]:
 
 @dataclass
 class MegatronBackend:
-    """The megatron-core policy (`grpo.policy`), refit through the mapping table, megatron checkpoints."""
+    """The megatron-core policy (`grpo.policy`), refit through the bridge API's stream, megatron checkpoints."""
 
     policy: Policy
     config: GRPOConfig
@@ -188,10 +188,11 @@ class MegatronBackend:
         return [n for p in placed_entries(model_cfg) for n in p.hf_names()]
 
     def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        from hf_mcore_bridge.grpo.refit import finish_param_gather, hf_weights
+        """The bridge API's stream (`export_hf_weights`), which first completes DDP's deferred parameter all-gather
+        on every rank (a stream read before it would hold stale shards)."""
+        from hf_mcore_bridge.bridge import export
 
-        finish_param_gather(self.policy.model)  # now, on every rank: a deferred all-gather would leave stale shards
-        return hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
+        return export.export_hf_weights([self.policy.model], self.policy.model_cfg, phases=times)
 
     def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
         from hf_mcore_bridge.grpo.refit import finish_param_gather, shard_local_hf_weights

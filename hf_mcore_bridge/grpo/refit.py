@@ -1,10 +1,12 @@
 """Refit: the trained policy's weights, gathered over TP, EP (and PP), streamed as HF-named tensors into the engine.
 
-The stream is built from the SAME mapping table as conversion and export (`model_plan.placed_entries`, then
-`entry.to_hf`), so refit cannot drift from the checkpoint converters. Each parameter of the local-spec
-`GPTModel` is named in the table's terms by megatron-core's own key map (`sharded_state_dict_keys_map` of the
-layer spec, the one its checkpoints use) and its global layer number; its TP shards are all-gathered by the
-entry's parallel style (`gather_tp`, the inverse of `tensor_ops.shard_boxes`).
+The full-tensor stream is the bridge API's (`bridge.export.export_hf_weights`, which the megatron backend calls):
+built from the SAME mapping table as conversion and export (`model_plan.placed_entries`, then `entry.to_hf`), so
+refit cannot drift from the checkpoint converters; TP / expert-TP shards all-gathered, experts broadcast from their
+EP rank, one pipeline broadcast per tensor. Each parameter of the `GPTModel` is named in the table's terms by
+megatron-core's own key map (`sharded_state_dict_keys_map` of the layer spec, the one its checkpoints use) and its
+global layer number; its TP shards are all-gathered by the entry's parallel style (`gather_tp`, the inverse of
+`tensor_ops.shard_boxes`). Those primitives on a live model are the bridge's (`bridge.parallel`, re-exported here).
 
 Cost: the per-parameter plan (local parameter, table entry) is built once per module; TP shards arrive in one
 `all_gather_into_tensor` each (column-parallel tensors are then views, not copies); phases are timed with CUDA
@@ -26,13 +28,12 @@ q/k split, gate/up or expert order in the table), which the engine-vs-trainer lo
 
 Shard-local refit (`shard_local_hf_weights`): where the engine is sharded over the trainer's own TP group (dense
 models), each rank converts its own shards into its engine's parts with the same table, no all-gather but the
-vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (`hf_weights`)
-full tensors are made and each engine rank keeps its part of them.
+vocabulary's (with PP > 1 the ranks of one TP rank then exchange their stages' parts). Otherwise (the bridge's
+stream) full tensors are made and each engine rank keeps its part of them.
 
-Simplifications: every rank of a TP group gathers (each rank's engine keeps its part of the full tensors); with
-PP > 1 the stages exchange their HF tensors (or parts) as pickled objects (`all_gather_object`), fine for small
-models, not for large ones; a routed expert's weight is gathered over expert TP, then all-gathered over EP local
-index by local index (every EP rank receives every expert: simple, and one expert tensor per EP rank in flight).
+Simplifications: every rank of a TP group receives every full tensor (each rank's engine keeps its part of them);
+in a shard-local refit with PP > 1 the stages exchange their parts as pickled objects (`all_gather_object`), fine
+for small models, not for large ones.
 """
 
 from __future__ import annotations
@@ -46,7 +47,16 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER
+from hf_mcore_bridge.bridge.parallel import (
+    assemble_shards,
+    buckets,
+    finish_param_gather,
+    gather_tp,
+    model_tensors,
+    table_names,
+    tp_gathers,
+)
+from hf_mcore_bridge.checkpoint.names import EXPERT
 from hf_mcore_bridge.convert.model_plan import placed_entries
 from hf_mcore_bridge.convert.placement import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
@@ -58,105 +68,16 @@ __all__ = [
     "Checksums",
     "PhaseTimes",
     "assemble_shards",
+    "buckets",
     "finish_param_gather",
-    "gather_experts",
     "gather_tp",
-    "hf_weights",
     "mismatched",
+    "model_tensors",
     "shard_local_hf_weights",
     "table_names",
     "tensor_checksums",
     "tp_gathers",
 ]
-
-
-def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
-    """The global tensor from the TP shards in rank order (pure; the inverse of megatron-core's sharding)."""
-    if parallel is Parallel.REPLICATED or (len(shards) == 1 and parallel is not Parallel.GATED_COLUMN):
-        return shards[0]
-    if parallel in (Parallel.COLUMN, Parallel.VOCAB):
-        return torch.cat(shards, dim=0)
-    if parallel is Parallel.ROW:
-        return torch.cat(shards, dim=1)
-    if parallel is Parallel.GATED_COLUMN:  # each rank holds [gate_r; up_r]
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    raise ValueError(f"unknown parallel style {parallel}")
-
-
-def _tp_group(expert: bool) -> tuple[int, object]:
-    """(size, group) of this rank's TP group, or of its expert-TP group for a routed expert's weight."""
-    from megatron.core import parallel_state
-
-    if expert:
-        return (
-            parallel_state.get_expert_tensor_parallel_world_size(),
-            parallel_state.get_expert_tensor_parallel_group(),
-        )
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_group()
-
-
-def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> torch.Tensor:
-    """All-gather one parameter over this rank's TP group (the expert-TP group for a routed expert's weight) and
-    assemble it (collective over that group). One `all_gather_into_tensor`; a column-parallel tensor is then a
-    view of the gathered buffer, with no further copy."""
-    import torch.distributed as dist
-
-    if not tp_gathers(parallel, expert):
-        return local.detach()
-    size, group = _tp_group(expert)
-    gathered = local.new_empty((size * local.shape[0], *local.shape[1:]))  # the shards one after another
-    dist.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
-    if parallel in (Parallel.COLUMN, Parallel.VOCAB):
-        return gathered
-    return assemble_shards(list(gathered.chunk(size, dim=0)), parallel)
-
-
-def tp_gathers(parallel: Parallel, expert: bool = False) -> bool:
-    """Whether `gather_tp` communicates for a tensor of this style on this rank."""
-    return parallel is not Parallel.REPLICATED and _tp_group(expert)[0] > 1
-
-
-def gather_experts(local: torch.Tensor) -> list[torch.Tensor]:
-    """This local expert's tensor from every expert-parallel rank, in EP rank order (collective over the EP group):
-    EP rank r holds global experts `r * local_count ...`, so entry r is global expert `r * local_count + j`."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_expert_model_parallel_world_size()
-    if size == 1:
-        return [local]
-    everyone = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(everyone, local.contiguous(), group=parallel_state.get_expert_model_parallel_group())
-    return everyone
-
-
-def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's parameters and persistent buffers by local name: what the mapping table covers (megatron-core
-    keeps the router's `expert_bias` as a buffer)."""
-    saved = set(module.state_dict())
-    buffers = {name: buffer for name, buffer in module.named_buffers() if name in saved}
-    return {**dict(module.named_parameters()), **buffers}
-
-
-def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """Local parameter (or persistent buffer) name -> (table template name, global layer index or None) for a
-    `GPTModel` of either spec (the local spec's names pass through its `sharded_state_dict_keys_map`; Transformer
-    Engine's need none)."""
-    names: dict[str, tuple[str, int | None]] = {}
-    layers = module.decoder.layers if hasattr(module, "decoder") else []
-    for name in model_tensors(module):
-        if not name.startswith("decoder.layers."):
-            names[name] = (name, None)
-            continue
-        index, rest = name.removeprefix("decoder.layers.").split(".", 1)
-        layer = layers[int(index)]
-        for old, new in layer.submodules_config.sharded_state_dict_keys_map.items():
-            if rest.startswith(old):
-                rest = new + rest[len(old) :]
-                break
-        names[name] = (f"decoder.layers.{LAYER}.{rest}", layer.layer_number - 1)
-    return names
 
 
 def _local_spec_key(template: str) -> str:
@@ -262,68 +183,6 @@ def _plan(module: torch.nn.Module, model_cfg: ModelSpec) -> list[_Step]:
     return steps
 
 
-def _local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's HF tensors, gathered over TP, expert TP and EP (collective over those groups)."""
-
-    dims = model_cfg.dims(padded_vocab)
-    for step in _plan(module, model_cfg):
-        param, parallel = step.param, step.entry.parallel
-        if step.expert_entries is None:
-            if step.communicates:
-                with times.phase("gather"):
-                    full = gather_tp(param, parallel)
-            else:
-                full = param.detach()
-            yield from step.entry.to_hf(full, dims).items()
-            continue
-        if step.communicates:
-            with times.phase("gather"):
-                experts = gather_experts(gather_tp(param, parallel, expert=True))
-        else:
-            experts = [param.detach()]
-        for entry, tensor in zip(step.expert_entries, experts, strict=True):
-            yield from entry.to_hf(tensor, dims).items()
-
-
-def finish_param_gather(model: torch.nn.Module) -> None:
-    """Completes the parameter all-gather that megatron-core's `DistributedDataParallel` defers past
-    `optimizer.step()` (collective over the data-parallel group; call it on every rank before a refit).
-
-    With the distributed optimizer and `ddp.overlap_param_gather`, a step updates only this rank's shard of the
-    parameter buffer; the other ranks' shards arrive in the next forward's pre-hooks. A refit right after the
-    step would stream stale shards. This runs the gather now, synchronously (megatron-core's own
-    `start_param_sync(force_sync=True)`, which also waits on one already in flight); the next forward's hooks
-    then find it done. Nothing to do without that combination, or with one data-parallel rank."""
-    from megatron.core import parallel_state
-
-    ddp_config = getattr(model, "ddp_config", None)
-    if ddp_config is None or not (ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather):
-        return
-    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        model.start_param_sync(force_sync=True)
-
-
-def hf_weights(
-    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model as (HF name, full tensor), on every rank (each rank's engine loads its part of them).
-
-    Collective: every rank must exhaust it. After the TP / EP gathers every rank holds its pipeline stage's
-    tensors in full; with PP > 1 the stages exchange theirs over the pipeline group (`all_gather_object`, in stage
-    order). `times` collects the time of the TP/EP gathers (`gather`) and of that exchange (`transfer`).
-    """
-    from megatron.core import parallel_state
-
-    times = times or PhaseTimes()
-    local = _local_hf_weights(module, model_cfg, padded_vocab, times)
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        yield from local
-        return
-    yield from _exchange_stages(module, local, times)
-
-
 def shard_local_hf_weights(
     module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -406,18 +265,3 @@ def mismatched(names: Sequence[str], sent: torch.Tensor, held: torch.Tensor) -> 
         return []
     differs = (sent != held.to(sent.device)).any(1).tolist()
     return [name for name, bad in zip(names, differs, strict=True) if bad]
-
-
-def buckets(stream: Iterable[tuple[str, torch.Tensor]], limit_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of at most `limit_bytes` (a larger tensor forms its own list)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in stream:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -67,9 +67,8 @@ def for_config(config: Mapping[str, Any]) -> Architecture:
     by_type = {arch.model_type: arch for arch in REGISTRY.values()}
     if not names and config.get("model_type") in by_type:
         return by_type[config["model_type"]]
-    raise UnsupportedArchitectureError(
-        f"unsupported architecture {names or config.get('model_type')!r}; supported: {', '.join(supported())}"
-    )
+    named = ", ".join(repr(name) for name in names) if names else repr(config.get("model_type"))
+    raise UnsupportedArchitectureError(f"unsupported architecture {named}; supported: {', '.join(supported())}")
 
 
 def with_features(

@@ -12,12 +12,12 @@ exports are compared, byte for byte, with the source file's tensors read with sa
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from cli_errors import assert_one_line_error, run
+from fp8_sources import QUANTIZATION, SHAPE, V31_QUANTIZATION, block_amax, expand, fp8_source
 from safetensors.torch import load_file, save_file
 
 from hf_mcore_bridge.checkpoint.fp8_blocks import dequantize_blockwise, dequantize_rows, quantize_blockwise
@@ -28,75 +28,6 @@ from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.tiny_models import build_tiny_model
-
-LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections DeepSeek-V3's checkpoints hold in FP8 (the router `mlp.gate` and embeddings stay bfloat16)."""
-FLOAT32 = ("mlp.gate.weight", "e_score_correction_bias")
-SHAPE = {"hidden_size": 160, "intermediate_size": 272, "moe_intermediate_size": 136, "num_hidden_layers": 2}
-QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-V31_QUANTIZATION = {**QUANTIZATION, "scale_fmt": "ue8m0"}
-"""DeepSeek-V3.1's: DeepSeek-V3's (`QUANTIZATION`) has no `scale_fmt`, its scales are any float32."""
-SCALES = ("random ue8m0", "random float32", "v3", "v3.1")
-"""How the source's scales are made: random (powers of two or float32; blocks clamped to +-448 where they do not
-fit), or from each block's amax as DeepSeek-V3 (amax / 448) and DeepSeek-V3.1 (rounded up to a power of two)."""
-
-
-def _expand(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Each block's scale on each of its elements (written out block by block)."""
-    full = torch.empty(shape)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            full[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = scale[i, j]
-    return full
-
-
-def _block_amax(weight: torch.Tensor) -> torch.Tensor:
-    """Each 128 x 128 block's largest |value| (written out block by block)."""
-    amax = torch.empty(-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
-    for i in range(amax.shape[0]):
-        for j in range(amax.shape[1]):
-            amax[i, j] = weight[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max()
-    return amax
-
-
-def _scales(weight: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """A float32 weight's `weight_scale_inv`, made as `kind` (`SCALES`) says."""
-    blocks = (-(-weight.shape[0] // 128), -(-weight.shape[1] // 128))
-    if kind == "random ue8m0":  # powers of two around amax / 448
-        return torch.exp2(torch.randint(-9, -6, blocks, generator=generator).float())
-    if kind == "random float32":
-        return torch.rand(blocks, generator=generator) * 1e-3 + 5e-4
-    scale = _block_amax(weight) / 448
-    return torch.exp2(torch.ceil(torch.log2(scale))) if kind == "v3.1" else scale
-
-
-def _fp8_source(directory: Path, bf16: Path, *, kind: str) -> dict[str, torch.Tensor]:
-    """`bf16`'s weights as an FP8 checkpoint in `directory` with scales made as `kind` says (`SCALES`); returns the
-    expected bfloat16 value of every tensor. DeepSeek's kinds quantize float32 weights (the bfloat16 ones plus
-    noise below bfloat16's resolution), some of whose elements are -0 (written as the e4m3 code 0x80)."""
-    shutil.copytree(bf16, directory)
-    tensors, expected = load_file(directory / "model.safetensors"), {}
-    generator = torch.Generator().manual_seed(5)
-    for name in list(tensors):
-        weight = tensors[name].float()
-        if any(name.endswith(f"{part}.weight") for part in FLOAT32) or name.endswith("e_score_correction_bias"):
-            tensors[name] = expected[name] = weight  # float32, as HF keeps them
-        elif any(f".{part}.weight" in name for part in LINEAR):
-            if kind in ("v3", "v3.1"):
-                weight = weight + torch.randn(weight.shape, generator=generator) * weight.abs() * 2**-10
-                weight[0, :3] = -0.0
-            scale = _scales(weight, kind, generator)
-            full = _expand(scale, weight.shape)
-            q = (weight / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-            tensors[name], tensors[f"{name}_scale_inv"] = q, scale
-            expected[name] = (q.float() * full).to(torch.bfloat16)
-        else:
-            expected[name] = tensors[name]
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = V31_QUANTIZATION if kind == "v3.1" else QUANTIZATION
-    (directory / "config.json").write_text(json.dumps(config))
-    return expected
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +53,7 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("pow2", [True, False], ids=["ue8m0 scales", "float32 scales"])
 def test_fp8_checkpoint_round_trip(pow2, bf16_model, tmp_path):
     source = tmp_path / "fp8"
-    expected = _fp8_source(source, bf16_model, kind="random ue8m0" if pow2 else "random float32")
+    expected = fp8_source(source, bf16_model, kind="random ue8m0" if pow2 else "random float32")
     result = convert_hf_to_mcore(source, tmp_path / "mcore", layout=Layout(tp=2, ep=2), show_progress=False)
     assert any("FP8 weights" in note and "dequantized to bfloat16" in note for note in result.notes)
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "bf16", show_progress=False)
@@ -144,7 +75,7 @@ def test_fp8_checkpoint_round_trip(pow2, bf16_model, tmp_path):
             assert torch.equal(blocks[name], value), name
             continue
         assert blocks[name].dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, name
-        dequantized = (blocks[name].float() * _expand(scale, value.shape)).to(torch.bfloat16)
+        dequantized = (blocks[name].float() * expand(scale, value.shape)).to(torch.bfloat16)
         assert torch.equal(dequantized, value), name  # the source's blocks and scales (kept in the HF assets)
     assert_same_tensors(tmp_path / "fp8-out", source)
     scales = sum(n.endswith("_scale_inv") for n in load_file(source / "model.safetensors"))
@@ -179,7 +110,7 @@ def test_power_of_two_scales_make_dequantized_weights_exact_fixed_points():
 
 def test_other_quantizations_and_broken_blocks_are_refused(bf16_model, tmp_path):
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind="random ue8m0")
+    fp8_source(source, bf16_model, kind="random ue8m0")
     config = json.loads((source / "config.json").read_text())
     for field, value in (("weight_block_size", [64, 64]), ("activation_scheme", "static"), ("fmt", "e5m2")):
         changed = {**config, "quantization_config": {**QUANTIZATION, field: value}}
@@ -230,7 +161,7 @@ def test_deepseek_fp8_checkpoints_round_trip_bit_identical_through_the_cli(kind,
     """`bridge convert` to mcore at TP2 EP2 and back with `--fp8-blockwise`: the source's FP8 codes (-0 included),
     scales and `quantization_config`, bit for bit, whatever rounding the bfloat16 checkpoint did."""
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind=kind)
+    fp8_source(source, bf16_model, kind=kind)
     tensors = load_file(source / "model.safetensors")
     scales = [t for n, t in tensors.items() if n.endswith("_scale_inv")]
     powers = all(torch.equal(s, torch.exp2(torch.log2(s).round())) for s in scales)
@@ -248,11 +179,11 @@ def test_bfloat16_values_do_not_determine_float32_scales():
     float32 in practically every block (the bfloat16 amax keeps 8 of the scale's 24 significant bits)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(128 * 16, 128 * 16, generator=generator) * 0.02
-    scale = _block_amax(weight) / 448
-    full = _expand(scale, weight.shape)
+    scale = block_amax(weight) / 448
+    full = expand(scale, weight.shape)
     q = (weight / full).clamp(-448, 448).to(torch.float8_e4m3fn)
     bf16 = (q.float() * full).to(torch.bfloat16)
-    recomputed = _block_amax(bf16.float()) / 448
+    recomputed = block_amax(bf16.float()) / 448
     assert (recomputed == scale).float().mean() < 0.05
     assert torch.allclose(recomputed, scale, rtol=2**-8, atol=0)
 
@@ -272,7 +203,7 @@ def test_export_without_the_kept_scales_computes_them(bf16_model, tmp_path):
     """The kept scales are what makes the float32 export exact: without them (a checkpoint converted by an older
     version) the scales are amax / 448 of the bfloat16 blocks, within 2^-8 of the source's but not equal."""
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind="v3")
+    fp8_source(source, bf16_model, kind="v3")
     convert_hf_to_mcore(source, tmp_path / "mcore", layout=Layout(tp=2, ep=2), show_progress=False)
     (tmp_path / "mcore" / "hf_assets" / "fp8_scales.safetensors").unlink()
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", show_progress=False, fp8_blockwise=True)
@@ -292,7 +223,7 @@ def test_another_scale_format_when_asked(kind, fmt, bf16_model, tmp_path):
     rounding); `float32` of power-of-two scales keeps them (powers of two are float32 scales), with DeepSeek-V3's
     config (no `scale_fmt`)."""
     source = tmp_path / "fp8"
-    expected = _fp8_source(source, bf16_model, kind=kind)
+    expected = fp8_source(source, bf16_model, kind=kind)
     _convert("--to", "mcore", "--tp", "2", "--ep", "2", source, tmp_path / "mcore")
     _convert("--to", "hf", "--fp8-blockwise", "--fp8-scale-format", fmt, tmp_path / "mcore", tmp_path / "back")
     config = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -307,7 +238,7 @@ def test_another_scale_format_when_asked(kind, fmt, bf16_model, tmp_path):
         if scale is None:
             continue
         assert torch.equal(scale, torch.exp2(torch.log2(scale).round())), name
-        dequantized = got[name].float() * _expand(scale, got[name].shape)
+        dequantized = got[name].float() * expand(scale, got[name].shape)
         assert torch.allclose(dequantized, expected[name].float(), rtol=2**-3, atol=1e-6), name
 
 
@@ -316,8 +247,8 @@ def test_a_block_changed_since_import_gets_a_scale_of_its_own():
     the format: a changed block, a non-finite scale, and (for powers of two) a float32 scale are recomputed."""
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 260, generator=generator) * 0.02
-    scale = _block_amax(weight) / 448
-    full = _expand(scale, weight.shape)
+    scale = block_amax(weight) / 448
+    full = expand(scale, weight.shape)
     q = (weight / full).clamp(-448, 448).to(torch.float8_e4m3fn)
     values = (q.float() * full).to(torch.bfloat16)
     changed = values.clone()
@@ -328,13 +259,13 @@ def test_a_block_changed_since_import_gets_a_scale_of_its_own():
     kept = torch.ones_like(scale, dtype=torch.bool)
     kept[1, 0] = kept[2, 2] = False
     assert torch.equal(scale2[kept], scale[kept])
-    own = _block_amax(changed.float()) / 448
+    own = block_amax(changed.float()) / 448
     assert torch.equal(scale2[~kept], own[~kept])
     rows, cols = torch.meshgrid(torch.arange(300) // 128, torch.arange(260) // 128, indexing="ij")
     mask = kept[rows, cols]
     assert torch.equal(_bits(q2)[mask], _bits(q)[mask])
     _, pow2_scale = quantize_blockwise(values, pow2=True, keep=scale)
-    assert torch.equal(pow2_scale, torch.exp2(torch.ceil(torch.log2(_block_amax(values.float()) / 448))))
+    assert torch.equal(pow2_scale, torch.exp2(torch.ceil(torch.log2(block_amax(values.float()) / 448))))
 
 
 def _damaged(source: Path, change) -> tuple[str, str]:
@@ -378,7 +309,7 @@ def _overflow(q_bytes: torch.Tensor, scale: torch.Tensor) -> None:
 )
 def test_non_finite_scales_and_weights_are_refused_by_name(change, named, fragments, bf16_model, tmp_path):
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind="v3")
+    fp8_source(source, bf16_model, kind="v3")
     weight, scale = _damaged(source, change)
     result = run("convert", "--to", "mcore", "--tp", "2", "--ep", "2", source, tmp_path / "out", "--no-progress")
     assert_one_line_error(result, weight if named == "weight" else scale, "in model.safetensors", *fragments)
@@ -388,7 +319,7 @@ def test_non_finite_scales_and_weights_are_refused_by_name(change, named, fragme
 
 def test_fp8_weights_without_a_quantization_config_name_the_missing_config(bf16_model, tmp_path):
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind="v3")
+    fp8_source(source, bf16_model, kind="v3")
     config = json.loads((source / "config.json").read_text())
     del config["quantization_config"]
     (source / "config.json").write_text(json.dumps(config))
@@ -403,7 +334,7 @@ def test_fp8_weights_without_a_quantization_config_name_the_missing_config(bf16_
 
 def test_kept_scales_that_do_not_fit_the_model_are_refused_before_anything_is_written(bf16_model, tmp_path):
     source = tmp_path / "fp8"
-    _fp8_source(source, bf16_model, kind="v3")
+    fp8_source(source, bf16_model, kind="v3")
     convert_hf_to_mcore(source, tmp_path / "mcore", show_progress=False)
     kept_file = tmp_path / "mcore" / "hf_assets" / "fp8_scales.safetensors"
     kept = load_file(kept_file)

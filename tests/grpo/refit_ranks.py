@@ -1,10 +1,11 @@
 """Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
 deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
 
-Corruptions touch the refit's stream only (`refit._local_hf_weights` and `refit.shard_local_hf_weights`, after the
-mapping table's `to_hf`), its recording, one rank's engine copy right after loading (`rank1_copy`), or the engine's
-own slicing (`engine_head_shift`, `engine_kv_wrong_rank`: `shifted_head_shard`, `kv_on_wrong_rank`, also used
-in-process by `test_refit_reference.py`); the trainer's model and its checkpoint are untouched.
+Corruptions touch the refit's stream only (the bridge's `export.export_hf_weights`, which the megatron backend
+streams, and `refit.shard_local_hf_weights`, after the mapping table's `to_hf`), its recording, one rank's engine
+copy right after loading (`rank1_copy`), or the engine's own slicing (`engine_head_shift`, `engine_kv_wrong_rank`:
+`shifted_head_shard`, `kv_on_wrong_rank`, also used in-process by `test_refit_reference.py`); the trainer's model
+and its checkpoint are untouched.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     embedded one, whose tensors `readable_tensor` cannot read), `engine_head_shift`, `engine_kv_wrong_rank` (the
     engine's own slicing, `ENGINE_SLICING`; the stream is sound)."""
     import hf_mcore_bridge.engine
+    from hf_mcore_bridge.bridge import export
     from hf_mcore_bridge.engine import model as engine_model
     from hf_mcore_bridge.grpo import backend, refit, trainer
     from hf_mcore_bridge.grpo.refit_replay import RefitReplay
@@ -124,15 +126,16 @@ def corrupted_rank(kind: str, config: Any, prepared: Any) -> None:
     refits = [0]
 
     def corrupting(original: Any) -> Any:
-        def corrupted(*args: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        def corrupted(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
             refits[0] += 1
             later = kind.startswith("later_") and refits[0] == 1  # `later_`: the initial refit is left intact
-            return original(*args) if later else _corrupt(original(*args), kinds, prepared.hf_config)
+            stream = original(*args, **kwargs)
+            return stream if later else _corrupt(stream, kinds, prepared.hf_config)
 
         return corrupted
 
     # both streams: full tensors, and each rank's own parts (an engine sharded over the trainer's TP group)
-    refit._local_hf_weights = corrupting(refit._local_hf_weights)
+    export.export_hf_weights = corrupting(export.export_hf_weights)
     refit.shard_local_hf_weights = corrupting(refit.shard_local_hf_weights)
     if kind == "vllm_qk":
         hf_mcore_bridge.engine.VllmEngine = _EmbeddedAsVllm
@@ -218,12 +221,12 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
+    from hf_mcore_bridge.bridge.export import export_hf_weights
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
     from hf_mcore_bridge.convert.config_bridge import from_megatron_args
     from hf_mcore_bridge.convert.layout import Layout
     from hf_mcore_bridge.grpo.backend import MegatronBackend
     from hf_mcore_bridge.grpo.policy import Policy
-    from hf_mcore_bridge.grpo.refit import hf_weights
     from hf_mcore_bridge.megatron.model import build_gpt_model, load_distributed_checkpoint
     from hf_mcore_bridge.megatron.world import device
 
@@ -244,7 +247,7 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
         shard_buffer(buffer, size)[rank].add_(0.5 * (rank + 1))  # this rank's step
 
     def stream() -> list[tuple[str, torch.Tensor]]:
-        return [(name, tensor.clone()) for name, tensor in hf_weights(gpt, model_cfg, args.padded_vocab_size)]
+        return [(name, tensor.clone()) for name, tensor in export_hf_weights([gpt], model_cfg)]
 
     stale = stream()
     # the trainer's refit stream: the megatron backend's `hf_weights`, which runs `finish_param_gather` first
@@ -276,11 +279,12 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from hf_mcore_bridge.bridge.export import export_hf_weights
     from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
     from hf_mcore_bridge.convert.layout import Layout
     from hf_mcore_bridge.engine import Engine, EngineConfig
     from hf_mcore_bridge.grpo.generation import engine_part
-    from hf_mcore_bridge.grpo.refit import hf_weights, shard_local_hf_weights
+    from hf_mcore_bridge.grpo.refit import shard_local_hf_weights
     from hf_mcore_bridge.grpo.refit_reference import EnginePartReference
     from hf_mcore_bridge.megatron.model import build_gpt_model
 
@@ -292,7 +296,7 @@ def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
         vocab = padded_vocab(model_cfg, layout)
         torch.manual_seed(0)
         gpt = build_gpt_model(model_cfg, layout, torch.float32, vocab, device=torch.device("cpu"))
-        full = {name: tensor.clone() for name, tensor in hf_weights(gpt, model_cfg, vocab)}
+        full = {name: tensor.clone() for name, tensor in export_hf_weights([gpt], model_cfg)}
         parts = [(name, tensor.clone()) for name, tensor in shard_local_hf_weights(gpt, model_cfg, vocab)]
         config = EngineConfig(dtype=torch.float32, device="cpu", max_num_seqs=2, max_model_len=32)
         engine = Engine(hf_config, config, tp_group=parallel_state.get_tensor_model_parallel_group())

@@ -1,0 +1,1 @@
+"""The public bridge API (`hf_mcore_bridge.bridge`)."""

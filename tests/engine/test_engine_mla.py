@@ -2,11 +2,12 @@
 
 The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
 experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
-`generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU), prompts of different
-lengths in one batch, past several 4-token KV blocks; the cache holds the latent (kv_lora_rank + qk_rope_head_dim
-values a token and layer) and `EngineStats` reports its bytes; a corrupted absorbed projection fails the comparison
-from the first decoded token on (the prefilled one still matches); a refit and a sleep/wake cycle update the
-absorbed projections; the config reading (softmax scale, YaRN tables) equals transformers' own; refusals.
+`generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU; with the exact and the fast
+expert path), prompts of different lengths in one batch, past several 4-token KV blocks; the cache holds the latent
+(kv_lora_rank + qk_rope_head_dim values a token and layer) and `EngineStats` reports its bytes; a corrupted absorbed
+projection fails the comparison from the first decoded token on (the prefilled one still matches); a refit and a
+sleep/wake cycle update the absorbed projections; the config reading (softmax scale, YaRN tables) equals transformers'
+own; refusals.
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def test_greedy_tokens_and_logprobs_match_transformers_from_a_latent_cache(name,
     per_token = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * torch.float32.itemsize
     assert engine.last_stats.kv_bytes_per_token == per_token
     assert cache[:, :, 0, 0].numel() * cache.element_size() == per_token
+
+
+@pytest.mark.parametrize("name", MLA_MODELS)
+def test_fast_moe_path_with_latent_attention_matches_transformers(name, mla_models):
+    """DeepSeek-V3's sigmoid router with score bias and groups, and its shared expert, over the fast expert path
+    (the Triton grouped GEMM, in Triton's interpreter here)."""
+    directory, model = mla_models[name]
+    engine = Engine.from_pretrained(directory, tiny_engine_config(moe_kernel="triton"))
+    assert engine.model.moe_kernel == "triton"
+    prompts = random_prompts([3, 9, 14], seed=31)
+    for prompt, output in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        reference = hf_greedy(model, prompt, NEW_TOKENS)
+        for sample in output.samples:
+            assert sample.token_ids == reference
+            assert max(_max_logprob_error(model, prompt, sample.token_ids, sample.logprobs)) < 1e-5
 
 
 def test_a_corrupted_absorbed_projection_fails_from_the_first_decoded_token(mla_models, monkeypatch):

@@ -23,8 +23,8 @@ Shapes (each from its published config.json; `--layers` below the full depth whe
 - `qwen3-30b-a3b` (default `--layers` 48, all): Qwen3-30B-A3B, 128 experts of width 768, top-8; 61 GB in bf16.
 - `glm4.5-air` (default 16 of 46): a dense first layer, then 128 experts of width 1408 and a shared expert, top-8.
 - `deepseek-v3` (default 5 of 61: 3 dense, 2 MoE): multi-latent attention, 256 experts of width 2048 and a shared
-  expert, top-8 within 4 of 8 groups. Its latent attention decodes in torch over the gathered latent blocks
-  (`engine.mla`): no GPU MLA kernel yet.
+  expert, top-8 within 4 of 8 groups. Its latent attention decodes through the Triton latent kernel
+  (`engine.triton_mla`; `--decode-attention gather`: torch over the gathered latent blocks, as before it).
 
 On the GPU machine, in the project's environment (`TORCH_SPEC= EXTRAS= bash scripts/setup.sh; . .venv/bin/activate`):
 
@@ -60,7 +60,7 @@ from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, read_sp
 from hf_mcore_bridge.engine.fused_moe import Tiles, fused_experts, grouped_mm_experts
 from hf_mcore_bridge.engine.kv_cache import blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, Experts, SparseMoe, route, routed_experts
-from hf_mcore_bridge.engine.options import MOE_KERNELS
+from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
 from hf_mcore_bridge.engine.scheduler import DecodeStep
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
@@ -102,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--moe-kernel", default="auto", choices=("auto", *MOE_KERNELS))
+    parser.add_argument("--decode-attention", default="auto", choices=("auto", *DECODE_KERNELS))
     parser.add_argument("--tiles", help="the Triton kernel's tile: block_m,block_n,block_k,warps,stages")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--count-steps", type=int, default=16, help="eager decode steps counting touched experts")
@@ -365,6 +366,7 @@ def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Engine:
         max_num_batched_tokens=max(8192, max_model_len, args.prompts * args.prompt_tokens),
         use_cuda_graphs=not args.no_cuda_graphs,
         moe_kernel=args.moe_kernel,
+        decode_attention=args.decode_attention,
     )
     fits(config, engine_config, device)
     engine = Engine(config, engine_config)
@@ -461,10 +463,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{name}: {config['num_hidden_layers']} layers, {sizes.weight_bytes / 1e9:.2f} GB of weights "
         f"({sizes.moe_layers} MoE layers of {sizes.experts_per_layer} experts, {sizes.expert_bytes / 1e6:.1f} MB "
         f"each; dense {sizes.dense_bytes / 1e9:.2f} GB), drawn on {device.type} in {load_s:.1f} s; "
-        f"experts through {engine.model.moe_kernel}; KV cache {engine.config.kv_cache_memory_bytes / 1e9:.1f} GB"
+        f"experts through {engine.model.moe_kernel}, decode attention {engine.model.decode_kernel}; KV cache "
+        f"{engine.config.kv_cache_memory_bytes / 1e9:.1f} GB"
     )
     record: dict[str, Any] = {"model": name, "args": {k: str(v) for k, v in vars(args).items()}, "sizes": asdict(sizes)}
     record |= {"layers": config["num_hidden_layers"], "moe_kernel": engine.model.moe_kernel}
+    record["decode_attention"] = engine.model.decode_kernel
 
     def save() -> None:
         if args.json:

@@ -12,9 +12,9 @@ A mixture-of-experts model's decode step is captured too where its experts run t
 (`fused_moe`: tokens sorted by expert and a grouped GEMM, all on the device; `EngineConfig.moe_kernel`, the choice
 on CUDA); with the exact per-expert loop, which sizes each expert's batch on the host (`model.routed_experts`, the
 choice on CPU), it decodes eagerly. A multi-latent-attention model (DeepSeek-V3) caches each
-token's compressed latent, not its keys and values, and decodes through the absorbed projections (`mla.py`), in
-torch over the gathered blocks on every device: the Triton and FlexAttention kernels read no latent cache (a GPU
-MLA decode kernel is future work), nor is an FP8 cache or tensor parallelism implemented for it.
+token's compressed latent, not its keys and values, and decodes through the absorbed projections (`mla.py`): on
+CUDA through a Triton kernel reading the latent blocks in place (`triton_mla`), elsewhere in torch over the gathered
+blocks; FlexAttention reads no latent cache, nor is an FP8 cache or tensor parallelism implemented for it.
 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
@@ -78,6 +78,7 @@ from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
+from hf_mcore_bridge.engine.triton_mla import check_usable as mla_check
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Values of `EngineConfig.kv_cache_dtype`."""
@@ -126,8 +127,8 @@ class EngineConfig:
     `flex` (FlexAttention over the blocks; compiled on CUDA, once per batch bucket), `gather` (the blocks are
     gathered, then SDPA; any device), or `auto`: `triton` on CUDA where Triton is installed, else `flex` on CUDA,
     `gather` elsewhere (eager FlexAttention scores every cache slot, and Triton runs on CPU tensors only in its
-    interpreter: both exact, for tests only) and for multi-latent attention on every device (which refuses
-    `triton` and `flex`: they read no latent cache)."""
+    interpreter: both exact, for tests only). Multi-latent attention takes `triton` (its own kernel, `triton_mla`)
+    or `gather`, and refuses `flex` (FlexAttention reads no latent cache)."""
     flex_min_batch: int = 64
     """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
@@ -209,15 +210,18 @@ class EngineConfig:
     def decode_kernel(self, head_dim: int | None = None, latent: bool = False) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device (for a model of
         `head_dim`, when given: `auto` takes `flex` where the Triton kernel does not support it). A multi-latent
-        model (`latent`) decodes through `gather` on every device: the Triton and FlexAttention kernels read no
-        latent cache (`mla.py`)."""
+        model (`latent`) decodes through `triton` (`triton_mla`; `auto` on CUDA where Triton is installed) or
+        `gather`: FlexAttention reads no latent cache (`mla.py`)."""
         if latent:
-            if self.decode_attention not in ("auto", "gather"):
+            if self.decode_attention == "flex":
                 raise ValueError(
-                    f"decode_attention={self.decode_attention!r}: multi-latent attention decodes through gather "
-                    "(torch over the gathered latent blocks); use auto or gather"
+                    "decode_attention='flex': multi-latent attention decodes through triton (its latent kernel) or "
+                    "gather (torch over the gathered latent blocks); use auto, triton or gather"
                 )
-            return "gather"
+            if self.decode_attention != "auto":
+                return self.decode_attention
+            cuda = torch.device(self.device).type == "cuda"
+            return "triton" if cuda and triton_available() else "gather"
         if self.decode_attention != "auto":
             return self.decode_attention
         if torch.device(self.device).type != "cuda":
@@ -373,7 +377,9 @@ class Engine:
         kernel = cfg.decode_kernel(mc.head_dim, latent=mc.mla is not None)
         if mc.mla is not None and cfg.kv_cache_dtype == "fp8":
             raise NotImplementedError("kv_cache_dtype fp8 is not implemented for multi-latent attention")
-        if kernel == "triton":
+        if kernel == "triton" and mc.mla is not None:
+            mla_check(self.device, cfg.block_size)
+        elif kernel == "triton":
             triton_check(self.device, mc.head_dim, cfg.block_size)
         if cfg.kv_cache_dtype == "fp8" and kernel == "flex":
             raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")

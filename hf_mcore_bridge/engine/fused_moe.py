@@ -34,7 +34,6 @@ kernel is first used.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -44,6 +43,7 @@ import torch
 from hf_mcore_bridge.engine.options import MOE_KERNELS
 from hf_mcore_bridge.engine.pointwise import silu_mul
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
+from hf_mcore_bridge.engine.triton_decode import interpreted
 
 GROUPED_MM_ALIGN = 16
 """Rows each expert's group is padded to for `torch._grouped_mm` (CUTLASS wants 16-byte aligned group starts)."""
@@ -107,14 +107,10 @@ def default_tiles(pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloa
     """The tile for `pairs` (token, expert) pairs over `num_experts` experts: `DECODE_TILES` where experts get
     fewer than 16 rows on average, else `PREFILL_TILES` (vLLM's default rule, M <= E), with `FLOAT32_BLOCK_K` for
     float32 operands; `INTERPRETER_TILES` in Triton's interpreter."""
-    if _interpreted():
+    if interpreted():
         return INTERPRETER_TILES
     tiles = DECODE_TILES if pairs <= 16 * num_experts else PREFILL_TILES
     return replace(tiles, block_k=FLOAT32_BLOCK_K) if dtype.itemsize > 2 else tiles
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -140,7 +136,7 @@ def check_usable(kernel: str, device: torch.device, dtype: torch.dtype) -> None:
     if kernel == "triton":
         if not triton_available():
             raise ValueError("moe_kernel triton needs Triton (shipped with torch's CUDA builds on Linux)")
-        if device.type != "cuda" and not _interpreted():
+        if device.type != "cuda" and not interpreted():
             raise ValueError(
                 "moe_kernel triton runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, "
                 "set before Triton is imported)"
@@ -246,7 +242,7 @@ def _launch(
     if b.stride(2) != 1 or a.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("the grouped GEMM needs contiguous rows of its operands and output")
     gated = a_div != 1
-    interpret = _interpreted()
+    interpret = interpreted()
     fp32 = a.dtype == torch.float32
     grid = (order.block_expert.numel(), -(-n // tiles.block_n))
     launch: Callable[..., Any] = _kernel()[grid]

@@ -106,22 +106,22 @@ def _run_moe_generation(args: list[str]):
 
 
 @pytest.mark.parametrize(
-    "model, kernel",
-    [("qwen3-30b-a3b", "triton"), ("glm4.5-air", "grouped_mm"), ("deepseek-v3", "exact")],
+    "model, kernel, decode",
+    [("qwen3-30b-a3b", "triton", "gather"), ("glm4.5-air", "grouped_mm", "gather"), ("deepseek-v3", "exact", "triton")],
 )
-def test_bench_moe_generation_tiny_runs_on_cpu(tmp_path, model, kernel):
-    """The MoE generation benchmark end to end on each shape's tiny model on CPU (the Triton kernel in its
+def test_bench_moe_generation_tiny_runs_on_cpu(tmp_path, model, kernel, decode):
+    """The MoE generation benchmark end to end on each shape's tiny model on CPU (the Triton kernels in their
     interpreter): every sample runs to its length, the mean decode step is set beside a bound counted from the
     engine's parameters (their parts add up to the weights it holds) and the experts the batch touched, and three
     decode steps are profiled."""
     out = tmp_path / "moe.json"
     args = [model, "--tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--prompt-tokens", "8"]
     args += ["--max-new-tokens", "8", "--count-steps", "3", "--moe-kernel", kernel, "--json", str(out)]
-    result = _run_moe_generation(args)
+    result = _run_moe_generation([*args, "--decode-attention", decode])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mean decode step" in result.stdout and "x the bound" in result.stdout
     record = json.loads(out.read_text())
-    assert record["moe_kernel"] == kernel and record["layers"] == 3
+    assert (record["moe_kernel"], record["decode_attention"], record["layers"]) == (kernel, decode, 3)
     run, sizes = record["run"], record["sizes"]
     assert run["generated_tokens"] == 4 * 8 and run["decode_steps"] == 7 and run["prefill_steps"] == 1
     assert 0 < run["bound_ms"] <= run["bound_every_expert_ms"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_helpers import (
     ARCH_NAMES,
     MOE_ARCH_NAMES,
@@ -198,3 +199,55 @@ def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel):
         static.copy_(fresh)
         graph.replay()
         assert torch.equal(captured, layer(fresh))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_latent_decode_kernel_matches_transformers(graphs, tiny_moe_models):
+    """DeepSeek-V3's tiny model decoding through the Triton latent kernel (`triton_mla`) and the fast expert path,
+    eager and in CUDA graphs, against transformers' log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    directory = tiny_moe_models["deepseek_v3"]
+    reference_model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    config = tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16, decode_attention="triton")
+    engine = Engine.from_pretrained(directory, config)
+    assert (engine.model.decode_kernel, engine.model.moe_kernel) == ("triton", "triton")
+    prompts = random_prompts([5, 20, 33], seed=14)
+    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=5))
+    assert (engine.num_cuda_graphs > 0) == graphs
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for sample in output.samples:
+            expected = hf_token_logprobs(reference_model, prompt, sample.token_ids, 0.8)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_latent_decode_kernel_in_bf16_at_deepseek_v3_shape(rows):
+    """DeepSeek-V3's latent (rank 512, rotary 64) and 128 heads, 32-token blocks, contexts up to 1000 tokens (split
+    over the length at 4 rows, not at 64): within the gathered SDPA path's own bf16 error of a float64 reference."""
+    from hf_mcore_bridge.engine.mla import gather_latent
+    from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
+
+    rank, rope, heads, block = 512, 64, 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    lengths = torch.randint(1, 1000, (rows,), device="cuda", generator=gen)
+    n_blocks = 32
+    cache = torch.randn(1, rows * n_blocks + 1, block, 1, rank + rope, device="cuda", generator=gen).bfloat16()
+    tables = 1 + torch.randperm(rows * n_blocks, device="cuda", generator=gen).view(rows, n_blocks)
+    q_latent = torch.randn(rows, heads, rank, device="cuda", generator=gen).bfloat16()
+    q_rope = torch.randn(rows, heads, rope, device="cuda", generator=gen).bfloat16()
+    scale = 0.02
+    entries = gather_latent(cache, tables).double()  # [B, L, rank + rope]
+    scores = torch.einsum("bhc,blc->bhl", torch.cat((q_latent, q_rope), -1).double(), entries) * scale
+    valid = torch.arange(entries.shape[1], device="cuda")[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    expected = torch.einsum("bhl,blc->bhc", torch.softmax(scores, -1), entries[..., :rank])
+    query = torch.cat((q_latent, q_rope), -1).unsqueeze(1)
+    mask = torch.zeros(rows, 1, 1, entries.shape[1], device="cuda").masked_fill(~valid[:, None, None, :], -torch.inf)
+    sdpa_latent = entries.bfloat16()[..., :rank].unsqueeze(1)
+    sdpa_entries = entries.bfloat16().unsqueeze(1)
+    sdpa = F.scaled_dot_product_attention(query, sdpa_entries, sdpa_latent, attn_mask=mask.bfloat16(), scale=scale)
+    gathered_error = (sdpa.squeeze(1).double() - expected).abs().max()
+    got = paged_mla_decode(q_latent, q_rope, cache, tables, lengths, scale)
+    assert (got.double() - expected).abs().max() <= max(1.5 * gathered_error, 1e-2)

@@ -38,6 +38,8 @@ from hf_mcore_bridge.engine.tp_shards import TPRank
 from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
 
 MLA_MODELS = ("deepseek_v3", "moonlight")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton latent kernel runs alone: compiled on a GPU, else in Triton's interpreter (see conftest)."""
 NEW_TOKENS = GREEDY.max_tokens
 
 
@@ -183,7 +185,8 @@ def test_triton_latent_kernel_matches_a_dense_reference(splits, dtype):
     lengths = torch.tensor([14, 9, 20, 17, 1])
     q_latent = torch.randn(5, heads, rank, generator=gen).to(dtype)
     q_rope = torch.randn(5, heads, rope, generator=gen).to(dtype)
-    got = paged_mla_decode(q_latent, q_rope, cache, tables, lengths, 0.3, splits=splits)
+    on = TRITON_DEVICE
+    got = paged_mla_decode(*(t.to(on) for t in (q_latent, q_rope, cache, tables, lengths)), 0.3, splits=splits).cpu()
     assert got.dtype == dtype and got.shape == (5, heads, rank)
     expected = _dense_latent_reference(q_latent, q_rope, cache, tables, lengths, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2

@@ -32,6 +32,25 @@ from hf_mcore_bridge.models.moe import MoeSpec
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
 FAST = {"triton": fused_experts, "grouped_mm": grouped_mm_experts}
+PATHS = {"exact": routed_experts, **FAST}
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton kernel runs: compiled on a GPU, else in Triton's interpreter (see conftest); the other paths run
+on CPU (`torch._grouped_mm` takes only bf16 on CUDA)."""
+
+
+def _device(kernel: str) -> str:
+    return TRITON_DEVICE if kernel == "triton" else "cpu"
+
+
+def _call(kernel: str, *args: object, **kwargs: object) -> torch.Tensor:
+    """`kernel`'s path on its device (tensor arguments moved there), the result on CPU."""
+
+    def move(value: object) -> object:
+        return value.to(_device(kernel)) if isinstance(value, torch.Tensor) else value
+
+    return PATHS[kernel](*map(move, args), **{k: move(v) for k, v in kwargs.items()}).cpu()
+
+
 CASES = {
     # tokens, hidden, width, experts, top-k
     "decode": (6, 64, 48, 8, 2),  # fewer pairs than experts: some experts get none
@@ -60,7 +79,7 @@ def test_fast_paths_equal_the_exact_path_in_float32(kernel, case, activation, bi
     if biased:
         options |= dict(gate_up_bias=gate_up_bias, down_bias=down_bias)
     expected = routed_experts(x, gate_up, down, weights, chosen, **options)
-    got = FAST[kernel](x, gate_up, down, weights, chosen, **options)
+    got = _call(kernel, x, gate_up, down, weights, chosen, **options)
     assert got.dtype == x.dtype and got.shape == x.shape
     # float32 to rounding: only the order of the products' sums differs
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -102,20 +121,12 @@ def test_biased_clamped_experts_equal_transformers_gpt_oss_experts(kernel):
     gate_up = torch.cat((hf.gate_up_proj[..., ::2], hf.gate_up_proj[..., 1::2]), dim=2).transpose(1, 2)
     gate_up_bias = torch.cat((hf.gate_up_proj_bias[:, ::2], hf.gate_up_proj_bias[:, 1::2]), dim=1)
     down = hf.down_proj.transpose(1, 2)
-    path = {"exact": routed_experts, **FAST}[kernel]
     activation = ExpertActivation(config.swiglu_limit, config.swiglu_alpha)
     with torch.no_grad():
-        got = path(
-            x,
-            gate_up.contiguous(),
-            down.contiguous(),
-            weights,
-            chosen,
-            gate_up_bias=gate_up_bias,
-            down_bias=hf.down_proj_bias,
-            activation=activation,
-        )
-        unclamped = path(x, gate_up.contiguous(), down.contiguous(), weights, chosen, gate_up_bias=gate_up_bias)
+        operands = (x, gate_up.contiguous(), down.contiguous(), weights, chosen)
+        options = dict(gate_up_bias=gate_up_bias, down_bias=hf.down_proj_bias, activation=activation)
+        got = _call(kernel, *operands, **options)
+        unclamped = _call(kernel, *operands, gate_up_bias=gate_up_bias)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(unclamped, expected, atol=1e-3)
 
@@ -158,7 +169,9 @@ def test_expert_tensor_parallel_halves_sum_to_the_whole_experts(kernel):
     rank), and twice where both ranks add it."""
     moe = _moe_spec(expert_mlp_bias=True, swiglu_limit=0.5)
     x, gate_up, down, gate_up_bias, down_bias, weights, chosen = _case(*CASES["decode"])
-    whole = Experts(moe, 48, 64, torch.float32, "cpu", kernel)
+    device = _device(kernel)
+    x, weights, chosen = x.to(device), weights.to(device), chosen.to(device)
+    whole = Experts(moe, 48, 64, torch.float32, device, kernel)
     for name, value in (("gate_up_proj", gate_up), ("down_proj", down)):
         getattr(whole, name).data.copy_(value)
     whole.gate_up_proj_bias.data.copy_(gate_up_bias)
@@ -166,7 +179,7 @@ def test_expert_tensor_parallel_halves_sum_to_the_whole_experts(kernel):
     ranks = []
     for rank in range(2):
         cols = slice(24 * rank, 24 * (rank + 1))
-        part = Experts(moe, 24, 64, torch.float32, "cpu", kernel, adds_down_bias=rank == 0)
+        part = Experts(moe, 24, 64, torch.float32, device, kernel, adds_down_bias=rank == 0)
         part.gate_up_proj.data.copy_(torch.cat((gate_up[:, :48][:, cols], gate_up[:, 48:][:, cols]), dim=1))
         part.gate_up_proj_bias.data.copy_(torch.cat((gate_up_bias[:, :48][:, cols], gate_up_bias[:, 48:][:, cols]), 1))
         part.down_proj.data.copy_(down[:, :, cols])
@@ -177,7 +190,8 @@ def test_expert_tensor_parallel_halves_sum_to_the_whole_experts(kernel):
     torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-5)
     ranks[1].adds_down_bias = True
     twice = ranks[0](x, weights, chosen) + ranks[1](x, weights, chosen)
-    torch.testing.assert_close(twice - summed, (weights[..., None] * down_bias[chosen]).sum(1), rtol=1e-4, atol=1e-4)
+    once_more = (weights[..., None] * down_bias.to(device)[chosen]).sum(1)
+    torch.testing.assert_close(twice - summed, once_more, rtol=1e-4, atol=1e-4)
 
 
 def _meta_decode_step(spec, moe_kernel: str, rows: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from engine_helpers import (
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_mcore_bridge.engine import Engine, read_spec
+from hf_mcore_bridge.engine import Engine, read_spec, triton_mla
 from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
 from hf_mcore_bridge.engine.mla import LatentAttention
 from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
@@ -191,6 +191,28 @@ def test_triton_latent_kernel_matches_a_dense_reference(splits, dtype):
     expected = _dense_latent_reference(q_latent, q_rope, cache, tables, lengths, 0.3)
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_what_the_triton_latent_kernel_refuses(monkeypatch):
+    """Queries that do not fit the cache, a cache that is not one latent head, rows that are not contiguous, a
+    block size that is not a power of two, a CPU device outside the interpreter, Triton missing."""
+    cache = torch.zeros(1, 4, 4, 1, 32)
+    tables, lengths = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    q_latent, q_rope = torch.zeros(2, 16, 24), torch.zeros(2, 16, 8)
+    with pytest.raises(ValueError, match="do not fit a latent cache"):
+        paged_mla_decode(q_latent, torch.zeros(2, 16, 9), cache, tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="do not fit a latent cache"):
+        paged_mla_decode(q_latent, q_rope, torch.zeros(1, 4, 4, 2, 32), tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        paged_mla_decode(torch.zeros(2, 24, 16).transpose(1, 2), q_rope, cache, tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        triton_mla.check_usable(torch.device("cuda"), 6)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="interpreter"):
+        paged_mla_decode(q_latent, q_rope, cache, tables, lengths, 1.0)
+    monkeypatch.setattr(triton_mla, "available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        triton_mla.check_usable(torch.device("cuda"), 16)
 
 
 def test_what_multi_latent_attention_refuses(mla_models):

@@ -276,3 +276,18 @@ def test_default_tiles_fit_an_sms_shared_memory(monkeypatch):
             per_stage = (tiles.block_m * tiles.block_k + 2 * tiles.block_k * tiles.block_n) * dtype.itemsize
             assert tiles.num_stages * per_stage <= 227 * 1024, (dtype, pairs, tiles)
     assert fused_moe.default_tiles(512, 128).block_m == 16 < fused_moe.default_tiles(65536, 128).block_m
+
+
+def test_what_the_fast_path_refuses(monkeypatch):
+    """An unknown kernel name (the engine's config, the experts module, the usability check), Triton missing, and
+    operands whose rows are not contiguous (the kernel reads them as such)."""
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        Experts(_moe_spec(), 48, 64, torch.float32, "cpu", "fused")
+    with pytest.raises(ValueError, match="moe_kernel must be one of"):
+        check_usable("fused", torch.device("cpu"), torch.float32)
+    x, gate_up, down, _, _, weights, chosen = _case(*CASES["decode"])
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_experts(x, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down, weights, chosen)
+    monkeypatch.setattr(fused_moe, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        check_usable("triton", torch.device("cuda"), torch.bfloat16)

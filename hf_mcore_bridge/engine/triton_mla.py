@@ -88,9 +88,9 @@ def paged_mla_decode(
             f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)} do not fit a latent cache of "
             f"{cache_heads} heads x {width}"
         )
-    check_usable(q_latent.device, block_size)
     if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or layer_cache.stride(-1) != 1:
         raise ValueError("the queries and the cache need a contiguous last dimension")
+    check_usable(q_latent.device, block_size)
     head_blocks = -(-heads // HEADS)
     n_blocks = block_tables.shape[1]
     if splits is None:

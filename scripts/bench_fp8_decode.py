@@ -523,7 +523,7 @@ def main() -> None:
         "attention",
         lambda: (
             section_attention(device, hf_config, args.rows, args.contexts, args.prompt_tokens, args.n)
-            if device.type == "cuda" or triton_decode._interpreted()
+            if device.type == "cuda" or triton_decode.interpreted()
             else "skipped: the Triton kernel runs on CPU only in its interpreter (TRITON_INTERPRET=1)"
         ),
     )
@@ -531,7 +531,7 @@ def main() -> None:
         "sampler",
         lambda: (
             section_sampler(device, hf_config.vocab_size, args.rows)
-            if device.type == "cuda" or triton_decode._interpreted()
+            if device.type == "cuda" or triton_decode.interpreted()
             else "skipped: the Triton kernel runs on CPU only in its interpreter (TRITON_INTERPRET=1)"
         ),
     )

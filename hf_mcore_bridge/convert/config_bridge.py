@@ -150,9 +150,14 @@ def _require_mla(spec: ModelSpec) -> None:
 def _require_router(moe: MoeSpec) -> None:
     """megatron-core's `topk_routing_with_score_function` computes transformers' routers except: sigmoid weights it
     renormalises exactly when top-k > 1; its group score sums the top `topk // topk_group` scores where transformers
-    sums the top 2, over groups that must hold the top-k; no router input noise."""
+    sums the top 2, over groups that must hold the top-k; no router input noise. Biased experts and the clamped
+    activation (GPT-OSS) are not translated yet."""
     if moe.jitter_noise:
         raise _unrepresentable(f"router_jitter_noise={moe.jitter_noise}")
+    if moe.expert_mlp_bias:
+        raise _unrepresentable("gate_up_proj_bias / down_proj_bias (biased experts)")
+    if moe.swiglu_limit is not None:
+        raise _unrepresentable(f"swiglu_limit={moe.swiglu_limit:g} (the clamped expert activation)")
     if moe.score_function == "sigmoid" and moe.renormalize != (moe.topk > 1):
         raise ConfigError(
             f"config field norm_topk_prob={moe.renormalize!r} cannot be represented in megatron-core: with sigmoid "

@@ -8,11 +8,13 @@ steps run eagerly; on CUDA the decode step of a dense model replays a CUDA graph
 and decode attention reads the paged KV blocks in place through a Triton kernel (`triton_decode`; compiled
 FlexAttention without Triton, `attention`); the
 decoder's pointwise steps and the sampler are compiled there too (`pointwise`, `sampling.Sampler`).
-A mixture-of-experts model decodes eagerly: its expert loop sizes each expert's batch on the host
-(`model.routed_experts`), which a graph cannot capture. A multi-latent-attention model (DeepSeek-V3) caches each
-token's compressed latent, not its keys and values, and decodes through the absorbed projections (`mla.py`), in
-torch over the gathered blocks on every device: the Triton and FlexAttention kernels read no latent cache (a GPU
-MLA decode kernel is future work), nor is an FP8 cache or tensor parallelism implemented for it.
+A mixture-of-experts model's decode step is captured too where its experts run through the fast path
+(`fused_moe`: tokens sorted by expert and a grouped GEMM, all on the device; `EngineConfig.moe_kernel`, the choice
+on CUDA); with the exact per-expert loop, which sizes each expert's batch on the host (`model.routed_experts`, the
+choice on CPU), it decodes eagerly. A multi-latent-attention model (DeepSeek-V3) caches each
+token's compressed latent, not its keys and values, and decodes through the absorbed projections (`mla.py`): on
+CUDA through a Triton kernel reading the latent blocks in place (`triton_mla`), elsewhere in torch over the gathered
+blocks; FlexAttention reads no latent cache, nor is an FP8 cache or tensor parallelism implemented for it.
 
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
@@ -57,9 +59,11 @@ from hf_mcore_bridge.engine.attention import (
     copy_blocks,
 )
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
+from hf_mcore_bridge.engine.fused_moe import check_usable as moe_check
+from hf_mcore_bridge.engine.fused_moe import grouped_mm_available
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
-from hf_mcore_bridge.engine.options import DECODE_KERNELS
+from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, compiled_ops
 from hf_mcore_bridge.engine.sampling import Sampler, SamplingBatch, SamplingParams, counter_uniforms, stream_key
 from hf_mcore_bridge.engine.scheduler import (
@@ -74,6 +78,7 @@ from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
+from hf_mcore_bridge.engine.triton_mla import check_usable as mla_check
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Values of `EngineConfig.kv_cache_dtype`."""
@@ -113,7 +118,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     """Prompt tokens prefilled in one step, at most (must be >= max_model_len: no chunked prefill)."""
     use_cuda_graphs: bool = True
-    """Replay CUDA graphs of the decode step (CUDA devices, dense models only: MoE models decode eagerly)."""
+    """Replay CUDA graphs of the decode step (CUDA devices; a MoE model only with a sync-free `moe_kernel`, not
+    `exact`, which decodes eagerly)."""
     graph_block_step: int = 4
     """CUDA-graph buckets of the block-table width are multiples of this many blocks."""
     decode_attention: str = "auto"
@@ -121,8 +127,8 @@ class EngineConfig:
     `flex` (FlexAttention over the blocks; compiled on CUDA, once per batch bucket), `gather` (the blocks are
     gathered, then SDPA; any device), or `auto`: `triton` on CUDA where Triton is installed, else `flex` on CUDA,
     `gather` elsewhere (eager FlexAttention scores every cache slot, and Triton runs on CPU tensors only in its
-    interpreter: both exact, for tests only) and for multi-latent attention on every device (which refuses
-    `triton` and `flex`: they read no latent cache)."""
+    interpreter: both exact, for tests only). Multi-latent attention takes `triton` (its own kernel, `triton_mla`)
+    or `gather`, and refuses `flex` (FlexAttention reads no latent cache)."""
     flex_min_batch: int = 64
     """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
@@ -150,6 +156,12 @@ class EngineConfig:
     """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
     (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed.
     Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
+    moe_kernel: str = "auto"
+    """The routed experts of a mixture-of-experts model: `exact` (the per-expert loop, `model.routed_experts`: a
+    host sync per layer, so no CUDA graphs), `triton` (tokens sorted by expert on the device, then a Triton grouped
+    GEMM: `fused_moe.fused_experts`), `grouped_mm` (the same sort, then `torch._grouped_mm`; bf16 on CUDA), or
+    `auto`: `triton` on CUDA where Triton is installed, else `grouped_mm` on CUDA in bf16 where torch has it,
+    else `exact` (and `exact` on CPU, where Triton runs only in its interpreter, for tests)."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -172,6 +184,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not (self.kv_cache_scale > 0 and math.isfinite(self.kv_cache_scale)):
             raise ValueError(f"kv_cache_scale must be a positive finite number, got {self.kv_cache_scale}")
+        if self.moe_kernel not in ("auto", *MOE_KERNELS):
+            raise ValueError(f"moe_kernel must be one of {', '.join(('auto', *MOE_KERNELS))}, got {self.moe_kernel!r}")
 
     def cache_dtype(self) -> torch.dtype:
         """The dtype the KV cache is allocated in (`kv_cache_dtype`)."""
@@ -183,18 +197,31 @@ class EngineConfig:
             return self.torch_compile
         return torch.device(self.device).type == "cuda"
 
+    def resolved_moe_kernel(self) -> str:
+        """The routed-expert kernel `moe_kernel` resolves to on this config's device and dtype."""
+        if self.moe_kernel != "auto":
+            return self.moe_kernel
+        if torch.device(self.device).type != "cuda":
+            return "exact"
+        if triton_available():
+            return "triton"
+        return "grouped_mm" if grouped_mm_available() and self.dtype == torch.bfloat16 else "exact"
+
     def decode_kernel(self, head_dim: int | None = None, latent: bool = False) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device (for a model of
         `head_dim`, when given: `auto` takes `flex` where the Triton kernel does not support it). A multi-latent
-        model (`latent`) decodes through `gather` on every device: the Triton and FlexAttention kernels read no
-        latent cache (`mla.py`)."""
+        model (`latent`) decodes through `triton` (`triton_mla`; `auto` on CUDA where Triton is installed) or
+        `gather`: FlexAttention reads no latent cache (`mla.py`)."""
         if latent:
-            if self.decode_attention not in ("auto", "gather"):
+            if self.decode_attention == "flex":
                 raise ValueError(
-                    f"decode_attention={self.decode_attention!r}: multi-latent attention decodes through gather "
-                    "(torch over the gathered latent blocks); use auto or gather"
+                    "decode_attention='flex': multi-latent attention decodes through triton (its latent kernel) or "
+                    "gather (torch over the gathered latent blocks); use auto, triton or gather"
                 )
-            return "gather"
+            if self.decode_attention != "auto":
+                return self.decode_attention
+            cuda = torch.device(self.device).type == "cuda"
+            return "triton" if cuda and triton_available() else "gather"
         if self.decode_attention != "auto":
             return self.decode_attention
         if torch.device(self.device).type != "cuda":
@@ -350,10 +377,15 @@ class Engine:
         kernel = cfg.decode_kernel(mc.head_dim, latent=mc.mla is not None)
         if mc.mla is not None and cfg.kv_cache_dtype == "fp8":
             raise NotImplementedError("kv_cache_dtype fp8 is not implemented for multi-latent attention")
-        if kernel == "triton":
+        if kernel == "triton" and mc.mla is not None:
+            mla_check(self.device, cfg.block_size)
+        elif kernel == "triton":
             triton_check(self.device, mc.head_dim, cfg.block_size)
         if cfg.kv_cache_dtype == "fp8" and kernel == "flex":
             raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")
+        moe_kernel = cfg.resolved_moe_kernel() if mc.moe is not None else "exact"
+        if moe_kernel != "exact":
+            moe_check(moe_kernel, self.device, cfg.dtype)
         self.model = CausalLM(
             mc,
             cfg.dtype,
@@ -363,6 +395,7 @@ class Engine:
             flex_min_batch=cfg.flex_min_batch,
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
             tp=self.tp,
+            moe_kernel=moe_kernel,
         )
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
         self.model.fused_rope = cfg.fused_rope
@@ -391,8 +424,10 @@ class Engine:
         if fused is None:
             fused = self.device.type == "cuda" and triton_available()
         self._sampler = Sampler(compile=cfg.compiled(), fused=fused)
+        # the exact expert loop sizes each expert's rows on the host: not capturable
+        capturable = mc.moe is None or moe_kernel != "exact"
         self._graphs = (
-            self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and mc.moe is None else None
+            self._decode_graphs() if cfg.use_cuda_graphs and self.device.type == "cuda" and capturable else None
         )
         self._sleep_level = 0
         self.last_stats: EngineStats | None = None
@@ -464,7 +499,8 @@ class Engine:
 
     @property
     def num_cuda_graphs(self) -> int:
-        """Decode-step CUDA graphs captured so far (0 off CUDA, for MoE models or with `use_cuda_graphs=False`)."""
+        """Decode-step CUDA graphs captured so far (0 off CUDA, for MoE models on the exact expert path or with
+        `use_cuda_graphs=False`)."""
         return self._graphs.num_captured if self._graphs is not None else 0
 
     # Sleep ------------------------------------------------------------------------------------------------------

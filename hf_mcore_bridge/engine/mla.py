@@ -20,15 +20,16 @@ mscale(factor, mscale_all_dim)^2 under YaRN (`ModelSpec.softmax_scale`).
   of each head. q_nope . (W_UK c_kv) = (q_nope W_UK) . c_kv, so a head's score of cached token t is
   (q_latent . c_kv[t] + q_pe . k_pe[t]) * scale with q_latent = q_nope W_UK: attention of the query
   cat(q_latent, q_pe) over the cache entries themselves as keys and their latent part as values, one key/value
-  head for all heads (SDPA over the gathered blocks, the heads on the query axis, as `attention.decode_attention`'s
-  `gather` folds grouped heads); its output, a latent per head, times W_UV^T gives the head's output, then o_proj.
+  head for all heads: a Triton kernel reading the blocks in place (`triton_mla`; the engine's choice on CUDA), or
+  SDPA over the gathered blocks (the heads on the query axis, as `attention.decode_attention`'s `gather` folds
+  grouped heads); its output, a latent per head, times W_UV^T gives the head's output, then o_proj.
   Equal to the decompressed attention up to rounding (float32: within 1e-5 in log-probs of transformers').
   W_UK and W_UV are views of kv_b_proj's weight, not copies: a load or refit (which copies into that storage in
   place) updates them with it, at no cost in memory, and they are taken afresh each pass (after `sleep(level=2)`
   reallocates the storage too).
 
-Simplifications: the decode reads the gathered blocks with torch ops on every device (the Triton and FlexAttention
-decode kernels do not read a latent cache; a GPU kernel for it, such as FlashMLA's, is future work); the cache is in
+Simplifications: FlexAttention reads no latent cache; the Triton kernel is a plain split-KV online softmax over
+blocks of 16 heads (not FlashMLA's tuned pipeline); the cache is in
 the activations' dtype (no FP8 latent cache); no tensor parallelism (the engine refuses MLA at TP > 1: heads would
 split over ranks with the latent replicated, which `tp_shards` does not describe yet); the MLA projections are not
 multiplied by FP8 copies under `EngineConfig.fp8_weights`.
@@ -44,6 +45,7 @@ from hf_mcore_bridge.engine.attention import DecodeMetadata, PrefillMetadata, pr
 from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
 from hf_mcore_bridge.engine.tp_group import TensorParallel
+from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
 from hf_mcore_bridge.models.spec import MlaSpec, ModelSpec
 
 CACHE_PLANES = 1
@@ -83,6 +85,11 @@ def absorbed_decode(
     """
     rank = w_uk.shape[-1]
     q_latent = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+    if meta.triton:  # the blocks read in place (`triton_mla`)
+        context = paged_mla_decode(
+            q_latent.contiguous(), q_pe.contiguous(), layer_cache, meta.block_tables, meta.context_lens, scale
+        )
+        return torch.einsum("bhc,hvc->bhv", context, w_uv)
     query = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(1)  # [B, 1 (KV head), heads, rank + rope]
     entries = gather_latent(layer_cache, meta.block_tables).unsqueeze(1)  # [B, 1, L, rank + rope]
     if meta.key_bias is None:

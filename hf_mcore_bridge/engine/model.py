@@ -13,14 +13,17 @@ kernel rotate q and k and write the cache in one kernel (`triton_rope`; not for 
 (`mla.LatentAttention`) replaces `Attention` in every layer, with a cache of compressed latents (`cache_entry`).
 
 Mixture of experts (`SparseMoe`): a router, `route` (softmax over all experts, or sigmoid scores with an expert
-score bias and group-limited top-k; top-k, optional renormalisation and scaling) and `routed_experts`, which sorts
-the (token, expert) pairs by expert and runs each routed expert's SiLU-gated MLP on its own rows, adding the
-weighted outputs in transformers' order, then a shared expert (sigmoid-gated or not) where there is one. This is the
-simple, exact path, not the fast one: each MoE layer syncs with the host once (the per-expert row counts) and
-launches a few kernels per active expert, so MoE models decode without CUDA graphs. On a GPU the fast path is a
-grouped GEMM over the expert-sorted rows with on-device offsets (vLLM's fused-MoE Triton kernel, or
-`torch._grouped_mm`): sync-free, graph-capturable, and taking the same stacked `experts.gate_up_proj` [E, 2F, H] /
-`experts.down_proj` [E, H, F] parameters, so only `routed_experts` would change.
+score bias and group-limited top-k; top-k, optional renormalisation and scaling), the routed experts (`Experts`),
+then a shared expert (sigmoid-gated or not) where there is one. The routed experts run through one of two paths
+over the same stacked `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F] parameters (the
+`moe_kernel`): `routed_experts`, the simple exact one, which sorts the (token, expert) pairs by expert and runs
+each routed expert's gated MLP on its own rows, adding the weighted outputs in transformers' order (one host sync
+per layer for the per-expert row counts, a few kernels per active expert: the CPU reference, and the engine's
+choice on CPU); or the fast one (`fused_moe`): the pairs sorted by expert on the device and a grouped GEMM over
+the sorted rows with on-device offsets (a Triton kernel in the style of vLLM's fused MoE, or `torch._grouped_mm`),
+sync-free and so captured in the decode CUDA graphs as a dense model's step is. Routing, shared experts, expert
+biases and the clamped activation (`MoeSpec.expert_mlp_bias`, `swiglu_limit`: GPT-OSS's, not yet an
+architecture here) are the same on both.
 
 Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
 single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
@@ -76,10 +79,18 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
+from hf_mcore_bridge.engine.fused_moe import (
+    SILU,
+    ExpertActivation,
+    Tiles,
+    fused_experts,
+    gated_activation,
+    grouped_mm_experts,
+)
 from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear, empty_param
 from hf_mcore_bridge.engine.mla import CACHE_HEADS, CACHE_PLANES, LatentAttention
-from hf_mcore_bridge.engine.options import DECODE_KERNELS
-from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps, silu_mul
+from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
+from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
     LocalSizes,
@@ -340,13 +351,24 @@ def _within_best_groups(choice: torch.Tensor, num_groups: int, group_topk: int) 
 
 
 def routed_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
-    """Sum over each token's experts of weight * down(silu(gate(x)) * up(x)); [T, H] in x's dtype.
+    """Sum over each token's experts of weight * (down(act(gate_up(x) + gate_up_bias)) + down_bias); [T, H] in x's
+    dtype. The exact path (and the CPU reference of `fused_moe`).
 
-    x: [T, H]; w13: [E, 2F, H] (gate rows, then up rows); w2: [E, H, F]; weights, experts: [T, k]. The token rows
-    are grouped by expert with one stable sort and each expert runs once on its rows; contributions are added in
-    ascending expert order, as transformers does. Costs one host sync (the per-expert row counts).
+    x: [T, H]; w13: [E, 2F, H] (gate rows, then up rows); w2: [E, H, F]; weights, experts: [T, k]; the optional
+    biases [E, 2F] and [E, H]; `activation`: silu(gate) * up or the clamped one (`fused_moe.ExpertActivation`).
+    The token rows are grouped by expert with one stable sort and each expert runs once on its rows;
+    contributions are added in ascending expert order, as transformers does. Costs one host sync (the per-expert
+    row counts).
     """
     out = torch.zeros_like(x)
     top_k = experts.shape[1]
@@ -361,7 +383,9 @@ def routed_experts(
         rows = order[start : start + count]
         start += count
         tokens = rows // top_k
-        y = F.linear(silu_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+        b13 = gate_up_bias[expert] if gate_up_bias is not None else None
+        b2 = down_bias[expert] if down_bias is not None else None
+        y = F.linear(gated_activation(F.linear(x[tokens], w13[expert], b13), activation), w2[expert], b2)
         out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
     return out
 
@@ -369,15 +393,46 @@ def routed_experts(
 class Experts(nn.Module):
     """Routed experts stacked on a leading expert axis, under transformers 5's names: `gate_up_proj` [E, 2F, H]
     (gate rows, then up rows) and `down_proj` [E, H, F] (F: this rank's slice of every expert's width under tensor
-    parallelism)."""
+    parallelism); with `MoeSpec.expert_mlp_bias`, `gate_up_proj_bias` [E, 2F] and `down_proj_bias` [E, H]
+    (GPT-OSS's names; the down bias is added by the first tensor-parallel rank only, `adds_down_bias`, since the
+    ranks' outputs are summed).
 
-    def __init__(self, moe: MoeSpec, width: int, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    `kernel` (`options.MOE_KERNELS`): `exact`, the per-expert loop (`routed_experts`), or the sorted grouped GEMM
+    through Triton (`fused_moe.fused_experts`; `tiles`: its tile, None: `fused_moe.default_tiles`) or
+    `torch._grouped_mm` (`fused_moe.grouped_mm_experts`), both free of host syncs and so capturable in a graph."""
+
+    def __init__(
+        self,
+        moe: MoeSpec,
+        width: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kernel: str = "exact",
+        adds_down_bias: bool = True,
+    ) -> None:
         super().__init__()
+        if kernel not in MOE_KERNELS:
+            raise ValueError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
         self.gate_up_proj = empty_param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
         self.down_proj = empty_param(moe.num_experts, hidden, width, dtype=dtype, device=device)
+        biased = moe.expert_mlp_bias
+        self.gate_up_proj_bias = empty_param(moe.num_experts, 2 * width, dtype=dtype, device=device) if biased else None
+        self.down_proj_bias = empty_param(moe.num_experts, hidden, dtype=dtype, device=device) if biased else None
+        self.activation = ExpertActivation(moe.swiglu_limit, moe.swiglu_alpha)
+        self.kernel = kernel
+        self.adds_down_bias = adds_down_bias
+        self.tiles: Tiles | None = None
+        """The Triton kernel's tile (None: `fused_moe.default_tiles` for the pass's number of pairs)."""
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, experts)
+        down_bias = self.down_proj_bias if self.adds_down_bias else None
+        options = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=down_bias, activation=self.activation)
+        if self.kernel == "triton":
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, tiles=self.tiles, **options)
+        if self.kernel == "grouped_mm":
+            return grouped_mm_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
+        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
 
 
 class Router(nn.Module):
@@ -416,6 +471,7 @@ class SparseMoe(nn.Module):
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
+        moe_kernel: str = "exact",
     ) -> None:
         super().__init__()
         assert cfg.moe is not None and sizes.expert_width is not None
@@ -424,7 +480,8 @@ class SparseMoe(nn.Module):
         self.tp = tp
         moe = cfg.moe
         self.gate = Router(moe, cfg.hidden_size, dtype, device)
-        self.experts = Experts(moe, sizes.expert_width, cfg.hidden_size, dtype, device)
+        first_rank = tp is None or tp.place.rank == 0
+        self.experts = Experts(moe, sizes.expert_width, cfg.hidden_size, dtype, device, moe_kernel, first_rank)
         shared = sizes.shared_expert_width
         self.shared_name = shared_expert_module(cfg) if shared is not None else None
         if self.shared_name is not None and shared is not None:
@@ -465,6 +522,7 @@ class DecoderLayer(nn.Module):
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
+        moe_kernel: str = "exact",
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -476,7 +534,7 @@ class DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
         self.mlp: nn.Module = (
-            SparseMoe(cfg, sizes, dtype, device, ops, tp)
+            SparseMoe(cfg, sizes, dtype, device, ops, tp, moe_kernel)
             if mlp is LayerKind.MOE
             else MLP(cfg.hidden_size, sizes.intermediate_size, dtype, device, ops, tp)
         )
@@ -512,13 +570,15 @@ class Backbone(nn.Module):
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
+        moe_kernel: str = "exact",
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(
             sizes.vocab_rows, cfg.hidden_size, dtype, device, tp, sizes.vocab_start, sizes.vocab_held
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp) for layer in range(cfg.num_layers)
+            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp, moe_kernel)
+            for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
 
@@ -549,6 +609,7 @@ class CausalLM(nn.Module):
         flex_min_batch: int = 1,
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
+        moe_kernel: str = "exact",
     ):
         super().__init__()
         if decode_kernel not in DECODE_KERNELS:
@@ -584,7 +645,10 @@ class CausalLM(nn.Module):
             place,
         )
         """This rank's head counts and widths (the model's own without tensor parallelism)."""
-        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp)
+        self.moe_kernel = moe_kernel
+        """The routed experts' kernel (`options.MOE_KERNELS`; `Experts`): `exact` syncs with the host once per MoE
+        layer, the others never, so only they let a MoE model's decode step be captured in a CUDA graph."""
+        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp, moe_kernel)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings

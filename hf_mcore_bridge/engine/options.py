@@ -1,10 +1,15 @@
-"""Engine settings that a run's config names and checks before anything heavy loads: the decode attention kernels.
+"""Engine settings that a run's config names and checks before anything heavy loads: the decode attention kernels
+and the mixture-of-experts kernels.
 
 Standard library only (the package's `__init__` re-exports lazily), so that `grpo.config` validates
 `generation.decode_attention` without importing torch.
 """
 
-__all__ = ["DECODE_KERNELS"]
+__all__ = ["DECODE_KERNELS", "MOE_KERNELS"]
 
 DECODE_KERNELS = ("triton", "flex", "gather")
 """Decode attention kernels (see `engine.attention`)."""
+
+MOE_KERNELS = ("exact", "triton", "grouped_mm")
+"""Routed-expert kernels: the exact per-expert loop (`model.routed_experts`), or the sorted grouped GEMM through
+Triton or `torch._grouped_mm` (`engine.fused_moe`)."""

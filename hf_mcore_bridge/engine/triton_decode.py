@@ -66,7 +66,7 @@ def _kernel() -> Any:
     return triton.jit(paged_decode_kernel)
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (the variable must be set before Triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -93,7 +93,7 @@ def check_usable(device: torch.device, head_dim: int, block_size: int) -> None:
     Triton's interpreter, or a head dimension or block size it does not take."""
     if not available():
         raise ValueError("the triton decode kernel needs Triton (shipped with torch's CUDA builds on Linux)")
-    if device.type != "cuda" and not _interpreted():
+    if device.type != "cuda" and not interpreted():
         raise ValueError(
             "the triton decode kernel runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, "
             "set before Triton is imported)"
@@ -155,7 +155,7 @@ def paged_decode_attention(
     if tile is None:
         tile = tile_blocks(block_size, blocks_per_split)
     group = heads // kv_heads
-    interpret = _interpreted()
+    interpret = interpreted()
     fp32 = q.dtype == torch.float32
     keys, values = layer_cache[0], layer_cache[1]
     if splits == 1:
@@ -197,10 +197,10 @@ def paged_decode_attention(
     )
     if splits == 1:
         return out.squeeze(2)
-    return _combine(out, stats).to(q.dtype)
+    return combine_splits(out, stats).to(q.dtype)
 
 
-def _combine(partial: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+def combine_splits(partial: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """Split-KV epilogue: partial sums [B, H, S, D] with (max, normaliser) [B, H, S, 2] (base 2) -> [B, H, D]."""
     running_max, normaliser = stats.unbind(-1)
     top = running_max.amax(-1, keepdim=True)

@@ -56,6 +56,17 @@ class MoeSpec:
     model's dtype (HF GLM-4.5 and DeepSeek-V3; megatron-core's `moe_router_dtype='fp32'`)."""
     jitter_noise: float = 0.0
     """HF `router_jitter_noise` (Mixtral): multiplicative noise on the router's input, in training only."""
+    expert_mlp_bias: bool = False
+    """Each routed expert's gate/up and down projections have a bias (GPT-OSS's `gate_up_proj_bias` [E, 2F] and
+    `down_proj_bias` [E, H]), added before the activation and before the routing weight respectively. No
+    registered architecture sets it yet (GPT-OSS comes later): the engine's experts compute it, conversion refuses
+    it."""
+    swiglu_limit: float | None = None
+    """The experts' clamped gated activation (GPT-OSS's `swiglu_limit`): (clamp(up, -l, l) + 1) * g *
+    sigmoid(`swiglu_alpha` * g) with g = min(gate, l); None: silu(gate) * up. Set by no registered architecture
+    yet; the engine computes it, conversion refuses it."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid's slope in the clamped activation (GPT-OSS's `swiglu_alpha`); unused without `swiglu_limit`."""
 
     @property
     def pre_softmax(self) -> bool:

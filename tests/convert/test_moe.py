@@ -407,6 +407,16 @@ def test_router_mapping():
         config_bridge.megatron_spec(mixtral)
 
 
+def test_biased_and_clamped_experts_are_refused_by_conversion():
+    """The engine computes GPT-OSS's expert biases and clamped activation (`MoeSpec.expert_mlp_bias`,
+    `swiglu_limit`); conversion does not translate them yet and refuses a spec that has them, naming the field."""
+    spec = config_bridge.megatron_spec(PUBLISHED_MOE["Qwen/Qwen3-30B-A3B"])
+    config_bridge.require_megatron_representable(spec)
+    for change, field in (({"expert_mlp_bias": True}, "gate_up_proj_bias"), ({"swiglu_limit": 7.0}, "swiglu_limit")):
+        with pytest.raises(ConfigError, match=field):
+            config_bridge.require_megatron_representable(replace(spec, moe=replace(spec.moe, **change)))
+
+
 def test_glm_router_mapping():
     """GLM-4.5's router fields as megatron-core's `moe_router_*` options; dense layers as `moe_layer_freq`."""
     from megatron.core.transformer import TransformerConfig

@@ -1,6 +1,7 @@
 """The rank function of the tensor-parallel engine test (`test_engine_tp.py`), run in a 2-rank gloo world.
 
-One world runs every scenario, so process start-up is paid once. Each rank writes what its engine returned to
+One world runs every scenario, so process start-up is paid once. The mixture-of-experts models run through the exact
+expert loop and through the fast path (`fused_moe`). Each rank writes what its engine returned to
 `rank{r}.json`; rank 0 also writes the references (transformers' greedy `generate` and log-probs, and the
 single-device engine), computed outside the tensor-parallel engine. The test compares the files.
 """
@@ -8,6 +9,7 @@ single-device engine), computed outside the tensor-parallel engine. The test com
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from hf_mcore_bridge.engine.attention import bytes_per_block
 
 TP_ARCHS = (*ARCH_NAMES, *(a for a in MOE_ARCH_NAMES if a != "qwen3_moe_unnormalised"), "llama_mqa")
 """Every supported architecture, plus Llama with one KV head (replicated on both ranks)."""
+TP_MOE_ARCHS = tuple(a for a in TP_ARCHS if a in MOE_ARCH_NAMES)
+"""The mixture-of-experts ones, also run through the fast expert path."""
 MAX_TOKENS = 10
 """`engine_helpers.GREEDY`'s max_tokens."""
 
@@ -80,6 +84,15 @@ def tp_engine_rank(out: str) -> None:
         if rank == 0:
             refs["hf"][arch] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
             refs["tp1"][arch] = engine_greedy(engine_from_hf(model), prompts)
+
+    # The fast expert path under expert tensor parallelism: `torch._grouped_mm` (its CPU loop), and the Triton
+    # grouped GEMM where Triton runs on CPU tensors (its interpreter, machines without CUDA: see conftest)
+    kernels = ("grouped_mm", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("grouped_mm",)
+    mine["fast_moe"] = {
+        f"{arch}/{kernel}": engine_greedy(_tp_engine(dirs[arch], group, moe_kernel=kernel), prompts)
+        for arch in TP_MOE_ARCHS
+        for kernel in kernels
+    }
 
     # Continuous batching and preemption: 12 sequences through 4 slots and 17 usable blocks (each rank's cache
     # holds one of the two KV heads).

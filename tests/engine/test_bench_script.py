@@ -1,10 +1,12 @@
-"""The benchmark script runs end to end on the tiny shape on CPU (its GPU figures are reported separately)."""
+"""The benchmark scripts run end to end on tiny shapes on CPU (their GPU figures are reported separately)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 
 @pytest.mark.extended
@@ -80,3 +82,60 @@ def test_bench_fp8_decode_tiny_runs_on_cpu(tmp_path, run_script):
     assert [s["context"] for s in steps] == [8, 24] and all(s["bound_ms"] > 0 for s in steps)
     run = records["generate fp8-both"]
     assert run["tokens"] == 4 * 4 * 16 and run["bound_s"] > 0 and run["token_mult_prob_error"] >= 1.0
+
+
+TINY_ARCHITECTURES = {
+    "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+    "glm4.5-air": "Glm4MoeForCausalLM",
+    "deepseek-v3": "DeepseekV3ForCausalLM",
+}
+"""The architecture of each MoE benchmark shape, whose tiny test model `--tiny` runs."""
+
+
+def _run_moe_generation(args: list[str]):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(repo), "PATH": "", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    env |= {key: os.environ[key] for key in ("HOME", "TMPDIR") if key in os.environ}
+    command = [sys.executable, "scripts/bench_moe_generation.py", *args]
+    return subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize(
+    "model, kernel, decode",
+    [("qwen3-30b-a3b", "triton", "gather"), ("glm4.5-air", "grouped_mm", "gather"), ("deepseek-v3", "exact", "triton")],
+)
+def test_bench_moe_generation_tiny_runs_on_cpu(tmp_path, model, kernel, decode):
+    """The MoE generation benchmark end to end on each shape's tiny model on CPU (the Triton kernels in their
+    interpreter): every sample runs to its length, the mean decode step is set beside a bound counted from the
+    engine's parameters (their parts add up to the weights it holds) and the experts the batch touched, and three
+    decode steps are profiled."""
+    out = tmp_path / "moe.json"
+    args = [model, "--tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--prompt-tokens", "8"]
+    args += ["--max-new-tokens", "8", "--count-steps", "3", "--moe-kernel", kernel, "--json", str(out)]
+    result = _run_moe_generation([*args, "--decode-attention", decode])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mean decode step" in result.stdout and "x the bound" in result.stdout
+    record = json.loads(out.read_text())
+    assert (record["moe_kernel"], record["decode_attention"], record["layers"]) == (kernel, decode, 3)
+    run, sizes = record["run"], record["sizes"]
+    assert run["generated_tokens"] == 4 * 8 and run["decode_steps"] == 7 and run["prefill_steps"] == 1
+    assert 0 < run["bound_ms"] <= run["bound_every_expert_ms"]
+    assert 1 <= record["experts_touched"] <= sizes["moe_layers"] * sizes["experts_per_layer"]
+    config = tiny_config(TINY_ARCHITECTURES[model])
+    embedding = config["vocab_size"] * config["hidden_size"] * 4  # untied, float32 on CPU
+    routed = sizes["moe_layers"] * sizes["experts_per_layer"] * sizes["expert_bytes"]
+    assert sizes["dense_bytes"] + routed + embedding == sizes["weight_bytes"]
+    assert [p["context"] for p in record["profile"]] == [12, 16]
+    assert all(p["decode_ms"] > 0 and p["bound_ms"] > 0 for p in record["profile"])
+
+
+def test_bench_moe_generation_refuses_bad_arguments_in_one_line():
+    for args in (["qwen3-30b-a3b", "--layers", "49"], ["qwen3-30b-a3b", "--tiles", "8,64,64"], ["qwen3"]):
+        result = _run_moe_generation(args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:")

@@ -1,13 +1,17 @@
 """CUDA-only checks: the engine on the GPU against transformers, CUDA-graph decode against eager decode, and the
-mixture-of-experts models, which decode eagerly even when graphs are asked for."""
+mixture-of-experts models: eagerly through the exact expert loop, in graphs through the fast path, whose grouped
+GEMMs (Triton and `torch._grouped_mm`) equal the exact path in bf16 at Qwen3-30B-A3B's expert shape, synchronise
+nothing with the host and replay in a CUDA graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_helpers import (
     ARCH_NAMES,
     MOE_ARCH_NAMES,
+    MOE_CONFIGS,
     build_hf_model,
     hf_token_logprobs,
     hub_weights,
@@ -15,12 +19,29 @@ from engine_helpers import (
     tiny_engine_config,
 )
 
-from hf_mcore_bridge.engine import Engine, SamplingParams
+from hf_mcore_bridge.engine import Engine, SamplingParams, read_spec
+from hf_mcore_bridge.engine.fused_moe import ExpertActivation, fused_experts, grouped_mm_experts
+from hf_mcore_bridge.engine.model import SparseMoe, route, routed_experts
+from hf_mcore_bridge.engine.tp_shards import TPRank, local_sizes
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+
+def local_sizes_of(spec):
+    """The widths of a model on one device."""
+    moe = spec.moe
+    return local_sizes(
+        spec.num_attention_heads,
+        spec.num_query_groups,
+        spec.ffn_hidden_size,
+        moe.ffn_hidden_size,
+        moe.shared_expert_size,
+        spec.vocab_size,
+        TPRank(1, 0),
+    )
 
 
 def _cuda_engine(model, graphs: bool, kernel: str = "auto") -> Engine:
@@ -66,16 +87,167 @@ def test_refit_keeps_captured_graphs_valid():
     assert [o.samples[0].token_ids for o in after] == [o.samples[0].token_ids for o in reference]
 
 
+@pytest.mark.parametrize("moe_kernel", ["exact", "triton"])
 @pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
-def test_moe_decodes_eagerly_and_matches_transformers(arch):
+def test_moe_decode_matches_transformers_eagerly_or_in_graphs(arch, moe_kernel):
+    """The exact expert loop decodes eagerly even when graphs are asked for; the fast path (the Triton grouped GEMM)
+    is captured in the decode graphs, and its graphs give the tokens of its eager decode."""
     torch.backends.cuda.matmul.allow_tf32 = False
     reference_model = build_hf_model(arch, 0)
-    engine = Engine(reference_model.config, tiny_engine_config(device="cuda", use_cuda_graphs=True, block_size=16))
-    engine.load_weights(hub_weights(reference_model))
     prompts = random_prompts([5, 20, 33], seed=13)
-    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=4))
-    assert engine.num_cuda_graphs == 0
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=4)
+    outputs = {}
+    for graphs in (True, False):
+        config = tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16, moe_kernel=moe_kernel)
+        engine = Engine(reference_model.config, config)
+        engine.load_weights(hub_weights(reference_model))
+        outputs[graphs] = engine.generate(prompts, params)
+        if graphs:
+            assert (engine.num_cuda_graphs > 0) == (moe_kernel != "exact")
+    for prompt, graphed, eager in zip(prompts, outputs[True], outputs[False], strict=True):
+        for sample, eager_sample in zip(graphed.samples, eager.samples, strict=True):
+            assert sample.token_ids == eager_sample.token_ids
+            expected = hf_token_logprobs(reference_model, prompt, sample.token_ids, 0.8)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+QWEN3_30B_A3B_LAYER = dict(hidden=2048, width=768, experts=128, top_k=8)
+"""Qwen3-30B-A3B's expert shape."""
+
+
+def _bf16_experts(tokens: int, hidden: int, width: int, experts: int, top_k: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    gate_up = (0.02 * torch.randn(experts, 2 * width, hidden, device="cuda", generator=gen)).bfloat16()
+    down = (0.02 * torch.randn(experts, hidden, width, device="cuda", generator=gen)).bfloat16()
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, chosen = route(logits, top_k, renormalize=True)
+    return x, gate_up, down, weights, chosen
+
+
+@pytest.mark.parametrize("tokens", [64, 2048], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
+def test_fast_moe_equals_the_exact_path_in_bf16(kernel, tokens):
+    """At Qwen3-30B-A3B's expert shape, bf16 operands: both paths against a float64 product of the same operands;
+    the fast path is no further from it than the exact path (it rounds less: the products once, after the
+    activation). Also with biases and the clamped activation, at a smaller shape."""
+    fast = {"triton": fused_experts, "grouped_mm": grouped_mm_experts}[kernel]
+    x, gate_up, down, weights, chosen = _bf16_experts(tokens, **QWEN3_30B_A3B_LAYER)
+    reference = routed_experts(x.double(), gate_up.double(), down.double(), weights.double(), chosen)
+    exact_error = (routed_experts(x, gate_up, down, weights, chosen).double() - reference).abs().max()
+    fast_error = (fast(x, gate_up, down, weights, chosen).double() - reference).abs().max()
+    assert fast_error <= 1.5 * exact_error, (fast_error, exact_error)
+
+    x, gate_up, down, weights, chosen = _bf16_experts(tokens // 4, 256, 128, 16, 4, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    biases = {
+        "gate_up_bias": (0.5 * torch.randn(16, 256, device="cuda", generator=gen)).bfloat16(),
+        "down_bias": (0.5 * torch.randn(16, 256, device="cuda", generator=gen)).bfloat16(),
+    }
+    clamped = ExpertActivation(limit=0.05)
+    in64 = {name: b.double() for name, b in biases.items()}
+    reference = routed_experts(
+        x.double(), gate_up.double(), down.double(), weights.double(), chosen, activation=clamped, **in64
+    )
+    exact = routed_experts(x, gate_up, down, weights, chosen, activation=clamped, **biases)
+    got = fast(x, gate_up, down, weights, chosen, activation=clamped, **biases)
+    assert (got.double() - reference).abs().max() <= 1.5 * (exact.double() - reference).abs().max()
+
+
+@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
+def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel):
+    """A whole MoE layer (router, sort, grouped GEMMs, shared expert) of a Qwen2-MoE-style model at Qwen3-30B-A3B's
+    expert shape: no host synchronisation (`set_sync_debug_mode("error")` raises on one; the exact path trips it),
+    captured in a CUDA graph whose replay on new inputs equals the eager layer."""
+    config = {
+        **MOE_CONFIGS["qwen2_moe"]().to_dict(),
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "shared_expert_intermediate_size": 1024,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+    }
+    spec = read_spec(config)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    layers = {}
+    for name in (kernel, "exact"):
+        layer = SparseMoe(spec, local_sizes_of(spec), torch.bfloat16, "cuda", moe_kernel=name)
+        for p in layer.parameters():
+            p.data.copy_(0.02 * torch.randn(p.shape, device="cuda", generator=gen))
+        layers[name] = layer
+    static = torch.randn(64, 2048, device="cuda", generator=gen).bfloat16()
+    layer = layers[kernel]
+    with torch.inference_mode():
+        layer(static)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(static)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                layers["exact"](static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(static)
+        fresh = torch.randn(64, 2048, device="cuda", generator=gen).bfloat16()
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(captured, layer(fresh))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_latent_decode_kernel_matches_transformers(graphs, tiny_moe_models):
+    """DeepSeek-V3's tiny model decoding through the Triton latent kernel (`triton_mla`) and the fast expert path,
+    eager and in CUDA graphs, against transformers' log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    directory = tiny_moe_models["deepseek_v3"]
+    reference_model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    config = tiny_engine_config(device="cuda", use_cuda_graphs=graphs, block_size=16, decode_attention="triton")
+    engine = Engine.from_pretrained(directory, config)
+    assert (engine.model.decode_kernel, engine.model.moe_kernel) == ("triton", "triton")
+    prompts = random_prompts([5, 20, 33], seed=14)
+    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=5))
+    assert (engine.num_cuda_graphs > 0) == graphs
     for prompt, output in zip(prompts, outputs, strict=True):
         for sample in output.samples:
             expected = hf_token_logprobs(reference_model, prompt, sample.token_ids, 0.8)
             assert sample.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_latent_decode_kernel_in_bf16_at_deepseek_v3_shape(rows):
+    """DeepSeek-V3's latent (rank 512, rotary 64) and 128 heads, 32-token blocks, contexts up to 1000 tokens (split
+    over the length at 4 rows, not at 64): within the gathered SDPA path's own bf16 error of a float64 reference."""
+    from hf_mcore_bridge.engine.mla import gather_latent
+    from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
+
+    rank, rope, heads, block = 512, 64, 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    lengths = torch.randint(1, 1000, (rows,), device="cuda", generator=gen)
+    n_blocks = 32
+    cache = torch.randn(1, rows * n_blocks + 1, block, 1, rank + rope, device="cuda", generator=gen).bfloat16()
+    tables = 1 + torch.randperm(rows * n_blocks, device="cuda", generator=gen).view(rows, n_blocks)
+    q_latent = torch.randn(rows, heads, rank, device="cuda", generator=gen).bfloat16()
+    q_rope = torch.randn(rows, heads, rope, device="cuda", generator=gen).bfloat16()
+    scale = 0.02
+    entries = gather_latent(cache, tables).double()  # [B, L, rank + rope]
+    scores = torch.einsum("bhc,blc->bhl", torch.cat((q_latent, q_rope), -1).double(), entries) * scale
+    valid = torch.arange(entries.shape[1], device="cuda")[None, :] < lengths[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    expected = torch.einsum("bhl,blc->bhc", torch.softmax(scores, -1), entries[..., :rank])
+    query = torch.cat((q_latent, q_rope), -1).unsqueeze(1)
+    mask = torch.zeros(rows, 1, 1, entries.shape[1], device="cuda").masked_fill(~valid[:, None, None, :], -torch.inf)
+    sdpa_latent = entries.bfloat16()[..., :rank].unsqueeze(1)
+    sdpa_entries = entries.bfloat16().unsqueeze(1)
+    sdpa = F.scaled_dot_product_attention(query, sdpa_entries, sdpa_latent, attn_mask=mask.bfloat16(), scale=scale)
+    gathered_error = (sdpa.squeeze(1).double() - expected).abs().max()
+    got = paged_mla_decode(q_latent, q_rope, cache, tables, lengths, scale)
+    assert (got.double() - expected).abs().max() <= max(1.5 * gathered_error, 1e-2)

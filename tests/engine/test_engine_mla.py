@@ -2,11 +2,13 @@
 
 The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
 experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
-`generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU), prompts of different
-lengths in one batch, past several 4-token KV blocks; the cache holds the latent (kv_lora_rank + qk_rope_head_dim
-values a token and layer) and `EngineStats` reports its bytes; a corrupted absorbed projection fails the comparison
-from the first decoded token on (the prefilled one still matches); a refit and a sleep/wake cycle update the
-absorbed projections; the config reading (softmax scale, YaRN tables) equals transformers' own; refusals.
+`generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU; latents gathered or read in
+place by the Triton latent kernel, experts through the exact or the fast path), the Triton latent kernel alone against a
+dense float64 reference, prompts of different lengths in one batch, past several 4-token KV blocks; the cache holds the
+latent (kv_lora_rank + qk_rope_head_dim values a token and layer) and `EngineStats` reports its bytes; a corrupted
+absorbed projection fails the comparison from the first decoded token on (the prefilled one still matches); a refit and
+a sleep/wake cycle update the absorbed projections; the config reading (softmax scale, YaRN tables) equals transformers'
+own; refusals.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from engine_helpers import (
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_mcore_bridge.engine import Engine, read_spec
+from hf_mcore_bridge.engine import Engine, read_spec, triton_mla
+from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
 from hf_mcore_bridge.engine.mla import LatentAttention
 from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
 from hf_mcore_bridge.engine.tp_shards import TPRank
+from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
 
 MLA_MODELS = ("deepseek_v3", "moonlight")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton latent kernel runs alone: compiled on a GPU, else in Triton's interpreter (see conftest)."""
 NEW_TOKENS = GREEDY.max_tokens
 
 
@@ -73,6 +79,22 @@ def test_greedy_tokens_and_logprobs_match_transformers_from_a_latent_cache(name,
     per_token = layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * torch.float32.itemsize
     assert engine.last_stats.kv_bytes_per_token == per_token
     assert cache[:, :, 0, 0].numel() * cache.element_size() == per_token
+
+
+@pytest.mark.parametrize(("decode", "experts"), [("triton", "exact"), ("gather", "triton")])
+@pytest.mark.parametrize("name", MLA_MODELS)
+def test_triton_latent_decode_and_fast_experts_match_transformers(name, decode, experts, mla_models):
+    """The Triton latent decode kernel (`triton_mla`), and DeepSeek-V3's sigmoid router with score bias and groups
+    and its shared expert over the fast expert path (the Triton grouped GEMM), each in Triton's interpreter here."""
+    directory, model = mla_models[name]
+    engine = Engine.from_pretrained(directory, tiny_engine_config(decode_attention=decode, moe_kernel=experts))
+    assert (engine.model.decode_kernel, engine.model.moe_kernel) == (decode, experts)
+    prompts = random_prompts([3, 9, 14], seed=31)
+    for prompt, output in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        reference = hf_greedy(model, prompt, NEW_TOKENS)
+        for sample in output.samples:
+            assert sample.token_ids == reference
+            assert max(_max_logprob_error(model, prompt, sample.token_ids, sample.logprobs)) < 1e-5
 
 
 def test_a_corrupted_absorbed_projection_fails_from_the_first_decoded_token(mla_models, monkeypatch):
@@ -135,10 +157,68 @@ def test_kv_bytes_per_token_of_grouped_query_attention(get_hf_model):
     assert engine.last_stats.kv_bytes_per_token == 2 * 2 * 2 * 16 * torch.float32.itemsize
 
 
+def _dense_latent_reference(q_latent, q_rope, cache, tables, lengths, scale):
+    """Each sequence's entries laid out contiguously; scores q_latent . c_kv + q_rope . k_pe, softmax and the
+    weighted latents, in float64."""
+    rank = q_latent.shape[-1]
+    block = cache.shape[2]
+    out = []
+    for b in range(q_latent.shape[0]):
+        slots = torch.cat([torch.arange(blk * block, blk * block + block) for blk in tables[b].tolist()])
+        entries = cache[0, :, :, 0].reshape(-1, cache.shape[-1])[slots[: int(lengths[b])]].double()
+        scores = q_latent[b].double() @ entries[:, :rank].T + q_rope[b].double() @ entries[:, rank:].T
+        out.append(torch.softmax(scores * scale, dim=-1) @ entries[:, :rank])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_latent_kernel_matches_a_dense_reference(splits, dtype):
+    """A rank and a rotary width that are not powers of two, 20 heads (a partly filled second block of 16), shared
+    prompt blocks, partly filled last blocks and a padding row of the scratch block, split or not over the length;
+    bf16 within the rounding of its inputs and probabilities (the interpreter truncates to bf16)."""
+    rank, rope, heads, num_blocks, block = 24, 8, 20, 24, 4
+    gen = torch.Generator().manual_seed(6)
+    cache = torch.randn(1, num_blocks, block, 1, rank + rope, generator=gen).to(dtype)
+    pad = SCRATCH_BLOCK
+    tables = torch.tensor([[3, 7, 9, 11, pad], [3, 7, 12, pad, pad], [3, 7, 15, 2, 20], [5, 6, 8, 10, 13], [pad] * 5])
+    lengths = torch.tensor([14, 9, 20, 17, 1])
+    q_latent = torch.randn(5, heads, rank, generator=gen).to(dtype)
+    q_rope = torch.randn(5, heads, rope, generator=gen).to(dtype)
+    on = TRITON_DEVICE
+    got = paged_mla_decode(*(t.to(on) for t in (q_latent, q_rope, cache, tables, lengths)), 0.3, splits=splits).cpu()
+    assert got.dtype == dtype and got.shape == (5, heads, rank)
+    expected = _dense_latent_reference(q_latent, q_rope, cache, tables, lengths, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_what_the_triton_latent_kernel_refuses(monkeypatch):
+    """Queries that do not fit the cache, a cache that is not one latent head, rows that are not contiguous, a
+    block size that is not a power of two, a CPU device outside the interpreter, Triton missing."""
+    cache = torch.zeros(1, 4, 4, 1, 32)
+    tables, lengths = torch.zeros(2, 2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    q_latent, q_rope = torch.zeros(2, 16, 24), torch.zeros(2, 16, 8)
+    with pytest.raises(ValueError, match="do not fit a latent cache"):
+        paged_mla_decode(q_latent, torch.zeros(2, 16, 9), cache, tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="do not fit a latent cache"):
+        paged_mla_decode(q_latent, q_rope, torch.zeros(1, 4, 4, 2, 32), tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        paged_mla_decode(torch.zeros(2, 24, 16).transpose(1, 2), q_rope, cache, tables, lengths, 1.0)
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        triton_mla.check_usable(torch.device("cuda"), 6)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="interpreter"):
+        paged_mla_decode(q_latent, q_rope, cache, tables, lengths, 1.0)
+    monkeypatch.setattr(triton_mla, "available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        triton_mla.check_usable(torch.device("cuda"), 16)
+
+
 def test_what_multi_latent_attention_refuses(mla_models):
     config = mla_models["deepseek_v3"][1].config
-    with pytest.raises(ValueError, match="decode_attention='triton': multi-latent attention decodes through gather"):
-        Engine(config, tiny_engine_config(decode_attention="triton"))
+    with pytest.raises(ValueError, match="decode_attention='flex': multi-latent attention decodes through triton"):
+        Engine(config, tiny_engine_config(decode_attention="flex"))
     with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8"):
         Engine(config, tiny_engine_config(kv_cache_dtype="fp8"))
     tp = SimpleNamespace(place=TPRank(2, 0))

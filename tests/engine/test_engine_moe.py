@@ -2,11 +2,12 @@
 transformers.
 
 Weights reach the engine only through `load_weights`, with the per-expert names transformers saves. Checked: greedy
-tokens identical to `generate` and per-token log-probs within 1e-5 of a transformers forward pass (prompts of
-different lengths, n > 1), `norm_topk_prob` on and off, a refit to other weights, a bit-exact read-back of every
+tokens identical to `generate` and per-token log-probs within 1e-5 of a transformers forward pass (prompts of different
+lengths, n > 1), through the exact expert loop and through the fast sorted grouped GEMM (Triton, in its interpreter
+here, and `torch._grouped_mm`), `norm_topk_prob` on and off, a refit to other weights, a bit-exact read-back of every
 saved tensor, the routing and expert pieces alone against transformers' own modules (softmax routers, GLM's sigmoid
-router with score bias and groups), which layers get experts, config keys (expert count, Qwen2-MoE's `qkv_bias`),
-the errors for missing, unknown or misshapen expert tensors, and GLM checkpoints with multi-token-prediction layers
+router with score bias and groups), which layers get experts, config keys (expert count, Qwen2-MoE's `qkv_bias`), the
+errors for missing, unknown or misshapen expert tensors, and GLM checkpoints with multi-token-prediction layers
 (skipped)."""
 
 from __future__ import annotations
@@ -35,13 +36,31 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
 from hf_mcore_bridge.engine import Engine, MissingWeightsError, SamplingParams, UnknownWeightError, read_spec
-from hf_mcore_bridge.engine.model import route, routed_experts
+from hf_mcore_bridge.engine.model import Experts, route, routed_experts
 
 
 @pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
 def test_greedy_matches_transformers_generate(arch, get_hf_model):
     model = get_hf_model(arch)
     engine = engine_from_hf(model)
+    prompts = random_prompts([5, 11, 23], seed=21)
+    outputs = engine.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        reference = hf_greedy(model, prompt, 10)
+        for sample in output.samples:
+            assert sample.token_ids == reference
+            expected = hf_token_logprobs(model, prompt, sample.token_ids, temperature=1.0)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("arch", MOE_ARCH_NAMES)
+def test_fast_moe_path_matches_transformers_generate(arch, kernel, get_hf_model):
+    """The experts through the sorted grouped GEMM (`fused_moe`: the Triton kernel in Triton's interpreter, or
+    `torch._grouped_mm`'s CPU loop) instead of the per-expert loop: the same tokens and log-probs as transformers."""
+    model = get_hf_model(arch)
+    engine = engine_from_hf(model, moe_kernel=kernel)
+    assert {m.kernel for m in engine.model.modules() if isinstance(m, Experts)} == {kernel}
     prompts = random_prompts([5, 11, 23], seed=21)
     outputs = engine.generate(prompts, GREEDY)
     for prompt, output in zip(prompts, outputs, strict=True):

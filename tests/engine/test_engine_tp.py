@@ -1,7 +1,8 @@
 """The tensor-parallel engine: the slicing rules against megatron-core's layout functions (`tensor_ops`), the
 single-device path without collectives, and a 2-rank gloo world (`engine_tp_ranks.py`) where every architecture's
-greedy tokens equal transformers' and the single-device engine's, continuous batching, preemption, prefix sharing
-and sleep/wake with a reload work, and both ranks sample the same tokens."""
+greedy tokens equal transformers' and the single-device engine's (mixture-of-experts models also through the fast
+expert path), continuous batching, preemption, prefix sharing and sleep/wake with a reload work, and both ranks sample
+the same tokens."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from engine_helpers import (
     random_prompts,
     tiny_engine_config,
 )
-from engine_tp_ranks import MAX_TOKENS, TP_ARCHS, tp_engine_rank
+from engine_tp_ranks import MAX_TOKENS, TP_ARCHS, TP_MOE_ARCHS, tp_engine_rank
 
 from hf_mcore_bridge.engine import Engine, read_spec
 from hf_mcore_bridge.engine.kv_cache import blocks_for
@@ -131,6 +132,10 @@ def test_tensor_parallel_engine_in_a_two_rank_world(tmp_path):
         assert mine["greedy"][arch] == refs["tp1"][arch], arch
         assert all(len(tokens) == MAX_TOKENS for tokens in mine["greedy"][arch])
     assert mine["after_wake"] == refs["hf"]["qwen3_moe"]  # sleep(2), wake_up, load_weights(named_parameters())
+    # the fast expert path (sorted grouped GEMM) at TP2: transformers' tokens for every MoE architecture
+    assert {name.split("/")[0] for name in mine["fast_moe"]} == set(TP_MOE_ARCHS)
+    for name, tokens in mine["fast_moe"].items():
+        assert tokens == refs["hf"][name.split("/")[0]], name
 
     stats = mine["batching_stats"]
     assert stats["max_running"] == 4 and stats["joins_while_running"] > 0

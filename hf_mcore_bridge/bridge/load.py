@@ -25,10 +25,10 @@ from hf_mcore_bridge.bridge.plan import EMBEDDING, Held, Ranks, build_plan, para
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.convert.fp8_checkpoint import open_hf_checkpoint
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
-from hf_mcore_bridge.convert.row_runs import RowRun
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims
 from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.row_runs import RowRun
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tensor_ops import Box, global_shape, rank_boxes
 

@@ -69,7 +69,7 @@ from roofline import H200_BYTES_PER_S, H200_FLOPS, matmul_weights
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, fp8, triton_decode
 from hf_mcore_bridge.engine.attention import FP8_CACHE_DTYPE, DecodeMetadata, decode_attention, to_cache
 from hf_mcore_bridge.engine.kv_cache import blocks_for
-from hf_mcore_bridge.grpo.losses import token_mult_prob_error
+from hf_mcore_bridge.grpo.algorithm.losses import token_mult_prob_error
 
 FP8_FLOPS = 2 * H200_FLOPS
 """FP8 matrix-multiply rate taken for the bound: twice the bf16 rate of `roofline.H200_FLOPS`."""

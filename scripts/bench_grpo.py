@@ -170,8 +170,8 @@ def main() -> None:
         args.prompts, args.generations, args.max_new_tokens, args.steps = 2, 2, 8, 2
         args.kv_cache_gib = 0.0625
 
-    from hf_mcore_bridge.grpo.config import config_from_dict
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = args.work / "model"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
+from hf_mcore_bridge.grpo.refit.checksums import tensor_checksums
 
 SWEEP = ((2048, 4, 8), (1024, 4, 8), (4096, 1, 8), (2048, 1, 8), (1024, 4, 4))
 """(elements per iteration, iterations, warps) of the flat kernel's programs timed by `--sweep`."""
@@ -94,7 +94,7 @@ def _check_on_gpu(tensors: list[torch.Tensor], graph: torch.cuda.CUDAGraph, out:
 
 
 def _sweep(tensors: list[torch.Tensor], iters: int) -> dict[str, list[float]]:
-    from hf_mcore_bridge.grpo import refit_checksum_kernel as kernel
+    from hf_mcore_bridge.grpo.refit import checksum_kernel as kernel
 
     saved = kernel.BLOCK, kernel.ITERS, kernel.NUM_WARPS
     rows = {}

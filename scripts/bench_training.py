@@ -293,9 +293,9 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     from megatron.core import parallel_state
 
     from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
-    from hf_mcore_bridge.grpo.config import MegatronConfig
-    from hf_mcore_bridge.grpo.losses import LossConfig
-    from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
+    from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.megatron.policy import build_policy, compute_logprobs, train_minibatch
+    from hf_mcore_bridge.grpo.run.config import MegatronConfig
 
     model_cfg = megatron_spec(shape)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -353,7 +353,7 @@ def megatron_ddp(opts: Options, data_parallel: int) -> dict[str, Any]:
 def row_micro_batch(row: Row) -> Any:
     """One packed row as the trainer's `MicroBatch`: every token but each sequence's last predicts the next one,
     with a random advantage of +-1 per position (their values do not change the work)."""
-    from hf_mcore_bridge.grpo.batching import MicroBatch
+    from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 
     predicted = row.tokens.shape[1] - 1
     generator = torch.Generator().manual_seed(int(row.cu_seqlens[1]))
@@ -405,9 +405,9 @@ def dtensor_layouts(
 def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
     """The trainer's own DTensor policy (`grpo.dtensor_policy.build_dtensor_policy` on a randomly initialised HF
     model) stepped by its own `train_minibatch` (the GRPO loss) over packed rows, in `opts.dtensor_layout`."""
-    from hf_mcore_bridge.grpo.config import DTensorConfig
-    from hf_mcore_bridge.grpo.dtensor_policy import build_dtensor_policy
-    from hf_mcore_bridge.grpo.losses import LossConfig
+    from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.dtensor.policy import build_dtensor_policy
+    from hf_mcore_bridge.grpo.run.config import DTensorConfig
 
     layout = opts.dtensor_layout
     settings = DTensorConfig(

@@ -36,8 +36,8 @@ from hf_mcore_bridge.engine.tp_shards import (
     row_shard,
     vocab_shard,
 )
-from hf_mcore_bridge.grpo.config import config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
+from hf_mcore_bridge.grpo.run.config import config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.megatron.world import run_torch_world
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.tensor_ops import pad_vocab, padded_vocab_size, rank_shard

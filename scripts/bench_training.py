@@ -294,8 +294,8 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
 
     from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
     from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, megatron_layout
     from hf_mcore_bridge.grpo.backends.megatron.policy import build_policy, compute_logprobs, train_minibatch
-    from hf_mcore_bridge.grpo.run.config import MegatronConfig
 
     model_cfg = megatron_spec(shape)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -312,6 +312,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     policy = build_policy(
         model_cfg,
         megatron,
+        megatron_layout(megatron),
         _dtype(opts),
         padded_vocab(model_cfg, Layout(tp=tp)),
         checkpoint_dir=None,
@@ -406,8 +407,8 @@ def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device:
     """The trainer's own DTensor policy (`grpo.dtensor_policy.build_dtensor_policy` on a randomly initialised HF
     model) stepped by its own `train_minibatch` (the GRPO loss) over packed rows, in `opts.dtensor_layout`."""
     from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
     from hf_mcore_bridge.grpo.backends.dtensor.policy import build_dtensor_policy
-    from hf_mcore_bridge.grpo.run.config import DTensorConfig
 
     layout = opts.dtensor_layout
     settings = DTensorConfig(

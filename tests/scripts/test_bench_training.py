@@ -211,8 +211,8 @@ def test_dtensor_search_covers_fsdp_tp_deferred_sync_and_attention() -> None:
 def test_megatron_path_runs_the_trainers_settings() -> None:
     """The Megatron path passes only `policy.megatron_cfg.ddp` keys a user can set; the rest are the trainer's
     defaults: fp32 gradient reduction, and with data parallelism the reduction overlapped with the backward."""
+    from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
     from hf_mcore_bridge.grpo.backends.megatron.policy import ddp_settings
-    from hf_mcore_bridge.grpo.run.config import MegatronConfig
 
     opts = bench_training.Options()
     assert bench_training.megatron_ddp(opts, 1) == {}

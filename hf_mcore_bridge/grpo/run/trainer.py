@@ -82,7 +82,7 @@ from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.refit.reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit.replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.refit.stream import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
-from hf_mcore_bridge.grpo.run.config import GRPOConfig, generation_tensor_parallel_size, layout_of
+from hf_mcore_bridge.grpo.run.config import GRPOConfig
 from hf_mcore_bridge.grpo.run.generation import (
     build_engine,
     engine_replicas,
@@ -91,6 +91,7 @@ from hf_mcore_bridge.grpo.run.generation import (
     readable_tensor,
 )
 from hf_mcore_bridge.grpo.run.metrics import MetricsLogger, read_metrics
+from hf_mcore_bridge.grpo.run.plan import parallel_dims
 from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.models.spec import ModelSpec
 
@@ -163,7 +164,7 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     if config.policy.dtensor_cfg.enabled:
         log_dir.mkdir(parents=True, exist_ok=True)
         return _prepare_hf_run(config, log_dir, tokenizer_file)
-    layout = layout_of(config.policy.megatron_cfg)
+    layout = parallel_dims(config).layout
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
     if _is_hf_dir(source):
@@ -342,7 +343,7 @@ class _RankContext:
 
         self.config, self.prepared = config, prepared
         self.is_rank0 = dist.get_rank() == 0
-        self.replicas = engine_replicas(generation_tensor_parallel_size(config), policy.tp_group)
+        self.replicas = engine_replicas(parallel_dims(config).engine_tp, policy.tp_group)
         self.engine: Any = None
         self.prompts: Any = None
         self.val_records: list[Any] = []

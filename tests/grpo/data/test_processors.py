@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hf_mcore_bridge.grpo.data.config import DataConfig
 from hf_mcore_bridge.grpo.data.processors import check_processor, gsm8k_answer
 from hf_mcore_bridge.grpo.data.prompts import load_train_val
 from hf_mcore_bridge.grpo.data.records import DataError
-from hf_mcore_bridge.grpo.run.config import DataConfig
 
 ROWS = {
     "gsm8k": [{"question": "How many?", "answer": "Add them.\n48 + 24 = <<48+24=72>>72\n#### 1,072"}],

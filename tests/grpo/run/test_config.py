@@ -171,12 +171,14 @@ def test_a_world_that_cannot_hold_the_layout_is_refused(overrides: list[str], me
 
 
 def test_data_parallel_size_is_ranks_over_the_model_parallel_ones() -> None:
-    from hf_mcore_bridge.grpo.run.config import data_parallel_size, world_of
+    from hf_mcore_bridge.grpo.run.plan import parallel_dims
 
     config = config_from_dict(BASE, ["cluster.gpus_per_node=8", "policy.megatron_cfg.tensor_model_parallel_size=2"])
-    assert (world_of(config), data_parallel_size(config)) == (8, 4)
+    dims = parallel_dims(config)
+    assert (dims.world, dims.dp) == (8, 4)
     default = config_from_dict(BASE, ["policy.megatron_cfg.expert_model_parallel_size=2"])
-    assert (world_of(default), data_parallel_size(default)) == (2, 2)  # the EP ranks replicate the dense layers
+    dims = parallel_dims(default)
+    assert (dims.world, dims.dp) == (2, 2)  # the EP ranks replicate the dense layers
 
 
 _VALIDATE = """

@@ -23,7 +23,8 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, iteration_dir
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.backends.megatron.checkpoint import latest_step
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
-from hf_mcore_bridge.grpo.run.config import config_from_dict, world_of
+from hf_mcore_bridge.grpo.run.config import config_from_dict
+from hf_mcore_bridge.grpo.run.plan import parallel_dims
 
 from ..tiny_policy import build_tiny_policy
 
@@ -123,7 +124,7 @@ def test_num_nodes_multiplies_the_ranks_and_needs_gpus_per_node(tmp_path: Path) 
     base = _config(tmp_path, tmp_path / "policy", "run", 1)
     config = config_from_dict(base, ["cluster.gpus_per_node=2", "cluster.num_nodes=2"])
     config.validate()
-    assert world_of(config) == 4
+    assert parallel_dims(config).world == 4
     with pytest.raises(GRPOConfigError, match="num_nodes > 1 needs gpus_per_node"):
         config_from_dict(base, ["cluster.num_nodes=2"]).validate()
     with pytest.raises(GRPOConfigError, match="num_nodes=0 must be >= 1"):

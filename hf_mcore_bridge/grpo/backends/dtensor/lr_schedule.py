@@ -14,9 +14,10 @@ import math
 
 import torch
 
-from hf_mcore_bridge.grpo.run.config import SUPPORTED_STYLES, SchedulerConfig
+from hf_mcore_bridge.grpo.backends.dtensor.config import SUPPORTED_STYLES
+from hf_mcore_bridge.grpo.backends.schedule import SchedulerConfig
 
-__all__ = ["SUPPORTED_STYLES", "decay_steps", "lr_scheduler", "scheduled_lr"]
+__all__ = ["decay_steps", "lr_scheduler", "scheduled_lr"]
 
 
 def decay_steps(schedule: SchedulerConfig, total_optimizer_steps: int) -> int:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, global_valid_count, grpo_loss
+from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
 from hf_mcore_bridge.grpo.backends.dtensor.lr_schedule import lr_scheduler
 from hf_mcore_bridge.grpo.backends.dtensor.parallel import (
     clip_grad_norm,
@@ -51,7 +52,6 @@ from hf_mcore_bridge.grpo.backends.dtensor.parallel import (
     parallelize_hf_model,
 )
 from hf_mcore_bridge.grpo.refit.stream import PhaseTimes
-from hf_mcore_bridge.grpo.run.config import DTensorConfig
 
 __all__ = ["DTensorPolicy", "build_dtensor_policy", "hf_policy_dir", "load_hf_model", "token_logprobs"]
 

@@ -21,7 +21,7 @@ import torch
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
-from hf_mcore_bridge.grpo.run.config import GRPOConfig, world_of
+from hf_mcore_bridge.grpo.run.config import GRPOConfig
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.grpo.backends.dtensor.policy import DTensorPolicy
@@ -222,12 +222,12 @@ class MegatronBackend:
 
     def _megatron_args(self) -> Any:
         from hf_mcore_bridge.convert.config_bridge import megatron_args
-        from hf_mcore_bridge.grpo.run.config import layout_of
+        from hf_mcore_bridge.grpo.backends.megatron.config import megatron_layout
 
         mcfg = self.config.policy.megatron_cfg
         return megatron_args(
             self.prepared.model_cfg,
-            layout_of(mcfg),
+            megatron_layout(mcfg),
             dtypes.FLAGS[self.config.policy.dtype].torch,
             make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
             spec="te" if self.policy.model.config.transformer_impl == "transformer_engine" else "local",
@@ -316,6 +316,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
             prepared.checkpoint_dir, config.policy.dtensor_cfg, dtype, total_steps, keep_reference
         )
         return DTensorBackend(policy, _assets(prepared))
+    from hf_mcore_bridge.grpo.backends.megatron.config import megatron_layout
     from hf_mcore_bridge.grpo.backends.megatron.policy import build_policy
     from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds
 
@@ -323,6 +324,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
     megatron = build_policy(
         prepared.model_cfg,
         config.policy.megatron_cfg,
+        megatron_layout(config.policy.megatron_cfg),
         dtype,
         prepared.padded_vocab,
         prepared.checkpoint_dir,
@@ -333,13 +335,13 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
 
 
 def start_world(config: GRPOConfig, fn: Callable[..., None], *args: Any) -> None:
-    """Run `fn(*args)` on every rank of a world of the enabled backend (`world_of(config)` ranks): spawned here, or
-    the launcher's (torchrun) world this process is a rank of (see `world`)."""
+    """Run `fn(*args)` on every rank of a world of the enabled backend (`parallel_dims(config).world` ranks):
+    spawned here, or the launcher's (torchrun) world this process is a rank of (see `world`)."""
+    from hf_mcore_bridge.grpo.run.plan import parallel_dims
     from hf_mcore_bridge.megatron.world import run_torch_world, run_world
 
+    dims = parallel_dims(config)
     if config.policy.dtensor_cfg.enabled:
-        run_torch_world(fn, world_of(config), *args)
+        run_torch_world(fn, dims.world, *args)
         return
-    from hf_mcore_bridge.grpo.run.config import layout_of
-
-    run_world(fn, layout_of(config.policy.megatron_cfg), *args, world=world_of(config))
+    run_world(fn, dims.layout, *args, world=dims.world)

@@ -53,7 +53,7 @@ from hf_mcore_bridge.grpo.algorithm.batching import (
     sequence_padding_index,
 )
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, global_valid_count, grpo_loss
-from hf_mcore_bridge.grpo.run.config import MegatronConfig, layout_of
+from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
 from hf_mcore_bridge.megatron.cpu_patches import cuda_type_names
 from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
 from hf_mcore_bridge.models.spec import ModelSpec
@@ -120,22 +120,23 @@ def _gpt_model(config: Any, model_cfg: ModelSpec, padded_vocab: int) -> torch.nn
 def build_policy(
     model_cfg: ModelSpec,
     megatron: MegatronConfig,
+    layout: Layout,
     dtype: torch.dtype,
     padded_vocab: int,
     checkpoint_dir: Path | None,
     total_optimizer_steps: int,
     keep_reference: bool,
 ) -> Policy:
-    """This rank's policy loaded from `checkpoint_dir`, with optimizer and scheduler. `checkpoint_dir=None` gives
-    random weights (initialised on this rank's GPU where there is one): how `scripts/bench_training.py` measures
-    the trainer's own training step."""
+    """This rank's policy at `layout` (the run's, as `parallel_state` was initialised with it), loaded from
+    `checkpoint_dir`, with optimizer and scheduler. `checkpoint_dir=None` gives random weights (initialised on this
+    rank's GPU where there is one): how `scripts/bench_training.py` measures the trainer's own training step."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     on_device_init = checkpoint_dir is None and torch.cuda.is_available()
-    config = _transformer_config(model_cfg, layout_of(megatron), dtype, megatron, on_device_init)
+    config = _transformer_config(model_cfg, layout, dtype, megatron, on_device_init)
     gpt = _gpt_model(config, model_cfg, padded_vocab)
     if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization): train on this rank's GPU
         gpt = gpt.cuda(torch.cuda.current_device())

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from hf_mcore_bridge.grpo.algorithm.batching import Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
 from hf_mcore_bridge.grpo.backends.dtensor.policy import build_dtensor_policy
-from hf_mcore_bridge.grpo.run.config import DTensorConfig
 
 
 def logprobs_and_step_rank(

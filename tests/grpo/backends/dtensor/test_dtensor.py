@@ -23,7 +23,7 @@ import torch
 
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, grpo_loss
-from hf_mcore_bridge.grpo.run.config import DTensorConfig
+from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
 from hf_mcore_bridge.megatron.world import run_torch_world
 
 from ...tiny_policy import WORDS, build_tiny_policy
@@ -311,7 +311,8 @@ def test_backend_switch_errors(tmp_path: Path, policy: dict, message: str) -> No
 
 def test_dtensor_world_follows_the_config(tmp_path: Path) -> None:
     from hf_mcore_bridge.grpo.errors import GRPOConfigError
-    from hf_mcore_bridge.grpo.run.config import config_from_dict, data_parallel_size, world_of
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.plan import parallel_dims
 
     base = {
         "policy": {"model_path": str(tmp_path), "megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}},
@@ -319,7 +320,8 @@ def test_dtensor_world_follows_the_config(tmp_path: Path) -> None:
         "data": {"task": "repeat_digit"},
     }
     config = config_from_dict(base, ["policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4"])
-    assert (world_of(config), data_parallel_size(config)) == (4, 2)
+    dims = parallel_dims(config)
+    assert (dims.world, dims.dp) == (4, 2)
     assert config.policy.backend_cfg is config.policy.dtensor_cfg
     with pytest.raises(GRPOConfigError, match=re.escape("must equal policy.dtensor_cfg.data_parallel_shard_size")):
         config_from_dict(base, ["policy.dtensor_cfg.data_parallel_shard_size=2", "cluster.gpus_per_node=4"])

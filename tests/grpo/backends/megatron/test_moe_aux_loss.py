@@ -12,8 +12,8 @@ import torch
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, megatron_layout
 from hf_mcore_bridge.grpo.backends.megatron.policy import _transformer_config
-from hf_mcore_bridge.grpo.run.config import MegatronConfig, layout_of
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
@@ -55,10 +55,10 @@ def test_hf_router_aux_loss_coef_adds_no_loss_unless_asked(architecture: str) ->
     model = _model(architecture)
     assert model.moe is not None and model.moe.aux_loss_coeff == 0.01
     default = MegatronConfig()
-    config = _transformer_config(model, layout_of(default), torch.float32, default)
+    config = _transformer_config(model, megatron_layout(default), torch.float32, default)
     assert config.moe_aux_loss_coeff == 0.0
     asked = MegatronConfig(transformer={"moe_aux_loss_coeff": 0.02})
-    config = _transformer_config(model, layout_of(asked), torch.float32, asked)
+    config = _transformer_config(model, megatron_layout(asked), torch.float32, asked)
     assert config.moe_aux_loss_coeff == 0.02
     assert config.moe_router_load_balancing_type == "aux_loss"  # megatron-core's default: the coefficient acts
 
@@ -76,10 +76,10 @@ def test_expert_bias_updates_are_off_unless_asked() -> None:
 
     model = config_bridge.megatron_spec(tiny_config("Glm4MoeForCausalLM"))
     default = MegatronConfig()
-    config = _transformer_config(model, layout_of(default), torch.float32, default)
+    config = _transformer_config(model, megatron_layout(default), torch.float32, default)
     assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
     asked = MegatronConfig(moe_router_bias_update_rate=1e-3)
-    assert _transformer_config(model, layout_of(asked), torch.float32, asked).moe_router_bias_update_rate == 1e-3
+    assert _transformer_config(model, megatron_layout(asked), torch.float32, asked).moe_router_bias_update_rate == 1e-3
     # what megatron-core would do on its own: move the biases after every step
     assert TransformerConfig.__dataclass_fields__["moe_router_bias_update_rate"].default == 1e-3
     # the conversion's args record the router, not a training rate

@@ -76,9 +76,9 @@ def measure_gate(config: Any, faults: list[str], work: Path) -> dict[str, Any]:
     """Prepare the run as `train_grpo` does (stop tokens, the policy converted), run `measure_gate_rank` in its
     world and return what rank 0 wrote: `values` (`correct`, each fault, `stale_probe`, `stale_check`) and
     `completion_tokens`."""
-    from hf_mcore_bridge.grpo.backends.megatron.backend import start_world
     from hf_mcore_bridge.grpo.data.chat import with_template_stop_ids
     from hf_mcore_bridge.grpo.data.stop_tokens import with_stop_token_ids
+    from hf_mcore_bridge.grpo.run.ranks import start_world
     from hf_mcore_bridge.grpo.run.trainer import prepare_run
 
     config.validate()
@@ -87,7 +87,7 @@ def measure_gate(config: Any, faults: list[str], work: Path) -> dict[str, Any]:
     prepared = prepare_run(config)
     config = with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
     out = work / "gate_margins.json"
-    start_world(config, measure_gate_rank, config, prepared, list(faults), str(out))
+    start_world(prepared.plan.dims, measure_gate_rank, config, prepared, list(faults), str(out))
     return json.loads(out.read_text())
 
 
@@ -142,8 +142,8 @@ def measure_gate_rank(config: Any, prepared: Any, faults: list[str], out_file: s
     apply to the model), then the stale copy's; rank 0 writes `{name: value}` and the token count to `out_file`."""
     import torch.distributed as dist
 
-    from hf_mcore_bridge.grpo.backends.megatron.backend import build_backend
     from hf_mcore_bridge.grpo.run import trainer
+    from hf_mcore_bridge.grpo.run.ranks import build_backend
 
     torch.manual_seed(config.grpo.seed)
     policy = build_backend(config, prepared)

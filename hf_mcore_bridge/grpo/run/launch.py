@@ -31,7 +31,7 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import iteration_dirname
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.run.config import GRPOConfig
-from hf_mcore_bridge.grpo.run.plan import parallel_dims
+from hf_mcore_bridge.grpo.run.plan import ParallelDims
 from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = ["check_resumable", "check_shared_storage", "check_start", "prepare_once", "stopped_message"]
@@ -46,9 +46,9 @@ up to 30 s by default)."""
 T = TypeVar("T")
 
 
-def check_start(config: GRPOConfig) -> None:
-    """Refuse a world the run cannot start in: a launcher's world of another size than the config lays out, or
-    `cluster.num_nodes > 1` without a launcher."""
+def check_start(config: GRPOConfig, dims: ParallelDims) -> None:
+    """Refuse a world the run cannot start in: a launcher's world of another size than the run's (`dims.world`),
+    or `cluster.num_nodes > 1` without a launcher."""
     from hf_mcore_bridge.megatron.world import check_launched_size, launched_world
 
     cluster = config.cluster
@@ -56,7 +56,7 @@ def check_start(config: GRPOConfig) -> None:
         what = f"cluster.gpus_per_node x cluster.num_nodes ({cluster.gpus_per_node} x {cluster.num_nodes})"
     else:
         what = "the config's layout (tensor x pipeline x context x expert parallel sizes; set cluster.gpus_per_node)"
-    check_launched_size(parallel_dims(config).world, what)
+    check_launched_size(dims.world, what)
     if launched_world() is None and cluster.num_nodes > 1:
         raise GRPOConfigError(
             f"cluster.num_nodes={cluster.num_nodes}: a multi-node run is started by a launcher on every node"

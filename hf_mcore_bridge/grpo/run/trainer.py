@@ -67,14 +67,13 @@ from typing import Any
 import torch
 import torch.distributed
 
-from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.convert.config_bridge import from_megatron_args, padded_vocab
 from hf_mcore_bridge.convert.layout import validate_layout
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.algorithm.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
 from hf_mcore_bridge.grpo.algorithm.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
-from hf_mcore_bridge.grpo.backends.megatron.backend import TrainingBackend, build_backend, start_world
+from hf_mcore_bridge.grpo.backends.base import TrainingBackend
 from hf_mcore_bridge.grpo.data.scoring import ScoreResult
 from hf_mcore_bridge.grpo.data.stop_tokens import model_assets_dir, with_stop_token_ids
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
@@ -91,8 +90,9 @@ from hf_mcore_bridge.grpo.run.generation import (
     readable_tensor,
 )
 from hf_mcore_bridge.grpo.run.metrics import MetricsLogger, read_metrics
-from hf_mcore_bridge.grpo.run.plan import parallel_dims
+from hf_mcore_bridge.grpo.run.plan import Backend, ParallelDims, RefitPath, RunPlan, parallel_dims, plan_run
 from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
+from hf_mcore_bridge.grpo.run.ranks import build_backend, start_world
 from hf_mcore_bridge.models.spec import ModelSpec
 
 __all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
@@ -130,6 +130,8 @@ class PreparedRun:
     tokenizer_file: Path
     padded_vocab: int
     log_dir: Path
+    plan: RunPlan
+    """The run's dimensions, refit path and engine config (`run.plan`), computed once here."""
     source_hf_dir: Path | None = None
     """The HF directory the policy was converted from (or, for DTensor, is): the initial refit's reference
     (`grpo.source_check`); None where the run starts from a Megatron checkpoint."""
@@ -149,8 +151,9 @@ def _tokenizer_file(config: GRPOConfig, candidates: list[Path]) -> Path:
     raise BridgeError(f"no tokenizer.json found (looked at {[str(p) for p in paths]}); set policy.tokenizer")
 
 
-def prepare_run(config: GRPOConfig) -> PreparedRun:
-    """Resolve the policy checkpoint (converting an HF directory), the engine's HF config and the tokenizer."""
+def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> PreparedRun:
+    """Resolve the policy checkpoint (converting an HF directory), the engine's HF config and the tokenizer, and
+    plan the run (`run.plan`) at `dims` (None: `parallel_dims(config)`)."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint
     from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
     from hf_mcore_bridge.grpo.data.chat import check_rendering
@@ -161,10 +164,11 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
     found_assets = model_assets_dir(Path(config.policy.model_path))
     tokenizer_file = _tokenizer_file(config, [found_assets] if found_assets else [])
     check_rendering(config.data, tokenizer_file)  # so is a chat template that cannot render the prompts
-    if config.policy.dtensor_cfg.enabled:
+    dims = dims or parallel_dims(config)
+    if dims.backend is Backend.DTENSOR:
         log_dir.mkdir(parents=True, exist_ok=True)
-        return _prepare_hf_run(config, log_dir, tokenizer_file)
-    layout = parallel_dims(config).layout
+        return _prepare_hf_run(config, dims, log_dir, tokenizer_file)
+    layout = dims.layout
     source = Path(config.policy.model_path)
     hf_dir: Path | None = None
     if _is_hf_dir(source):
@@ -205,11 +209,12 @@ def prepare_run(config: GRPOConfig) -> PreparedRun:
         tokenizer_file=tokenizer_file,
         padded_vocab=padded_vocab(model_cfg, layout, divisible_by),
         log_dir=log_dir,
+        plan=plan_run(config, dims, model_cfg),
         source_hf_dir=hf_dir,
     )
 
 
-def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
+def _prepare_hf_run(config: GRPOConfig, dims: ParallelDims, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
     """The DTensor backend's start: an HF directory (a Megatron checkpoint is exported to one first); the
     tokenizer was found beforehand (in the HF directory, or in the checkpoint's HF assets the export copies)."""
     from hf_mcore_bridge.convert import config_bridge
@@ -226,6 +231,7 @@ def _prepare_hf_run(config: GRPOConfig, log_dir: Path, tokenizer_file: Path) -> 
         tokenizer_file=tokenizer_file,
         padded_vocab=model_cfg.vocab_size,
         log_dir=log_dir,
+        plan=plan_run(config, dims, model_cfg),
         source_hf_dir=hf_dir,
     )
 
@@ -243,10 +249,11 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     config.validate()
     explicit_stops = config.generation.stop_token_ids is not None
     config = with_stop_token_ids(config)
-    launch.check_start(config)
+    dims = parallel_dims(config)
+    launch.check_start(config, dims)
 
     def prepare() -> PreparedRun:
-        return _prepare_parent(config, explicit_stops)
+        return _prepare_parent(config, dims, explicit_stops)
 
     def with_template_stops(prepared: PreparedRun) -> GRPOConfig:
         # stop tokens the user listed are taken as given; else the chat template's end of turn joins the EOS ids
@@ -256,7 +263,7 @@ def train_grpo(config: GRPOConfig) -> RunResult:
         try:
             with stop_on_signals():  # also while preparing: a launcher started in the background ignores SIGINT
                 prepared = prepare()
-                start_world(config, _train_rank, with_template_stops(prepared), prepared)
+                start_world(prepared.plan.dims, _train_rank, with_template_stops(prepared), prepared)
         except RunStopped as stopped:
             log_dir = Path(config.logger.log_dir)
             raise RunStopped(stopped.signum, launch.stopped_message(config, log_dir, stopped)) from None
@@ -267,24 +274,24 @@ def train_grpo(config: GRPOConfig) -> RunResult:
         if config.checkpointing.enabled:
             shared["checkpointing.checkpoint_dir"] = Path(config.checkpointing.checkpoint_dir)
         launch.check_shared_storage(shared)
-        start_world(config, _train_rank, with_template_stops(prepared), prepared)
+        start_world(prepared.plan.dims, _train_rank, with_template_stops(prepared), prepared)
     metrics = read_metrics(prepared.log_dir)
     if metrics and reports_here():
         plot_metrics(metrics, prepared.log_dir / PLOT_FILE)
     return RunResult(steps=len(metrics), metrics=metrics, log_dir=prepared.log_dir)
 
 
-def _prepare_parent(config: GRPOConfig, explicit_stops: bool) -> PreparedRun:
-    """What happens once before the ranks start: check a resumed checkpoint against the policy, prepare the policy
-    (and say which step the run resumes from), trim the metrics of steps about to be rerun, save the config (with
-    the chat template's end-of-turn stop token unless `explicit_stops`)."""
+def _prepare_parent(config: GRPOConfig, dims: ParallelDims, explicit_stops: bool) -> PreparedRun:
+    """What happens once before the ranks start: check a resumed checkpoint against the policy, prepare and plan
+    the run at `dims` (and say which step the run resumes from), trim the metrics of steps about to be rerun, save
+    the config (with the chat template's end-of-turn stop token unless `explicit_stops`)."""
     from hf_mcore_bridge.grpo.data.chat import with_template_stop_ids
     from hf_mcore_bridge.grpo.run.launch import check_resumable
 
     resume = _resume_step(config)
     if resume is not None:
         check_resumable(config, resume)
-    prepared = prepare_run(config)
+    prepared = prepare_run(config, dims)
     if resume is not None:
         print(f"resuming from step {resume} ({config.checkpointing.checkpoint_dir})", flush=True)
     config = with_template_stop_ids(config, prepared.tokenizer_file, add_end_of_turn=not explicit_stops)
@@ -343,7 +350,9 @@ class _RankContext:
 
         self.config, self.prepared = config, prepared
         self.is_rank0 = dist.get_rank() == 0
-        self.replicas = engine_replicas(parallel_dims(config).engine_tp, policy.tp_group)
+        self.plan = prepared.plan
+        self.replicas = engine_replicas(self.plan.dims.engine_tp, policy.tp_group)
+        self.plan.check_replicas(self.replicas)
         self.engine: Any = None
         self.prompts: Any = None
         self.val_records: list[Any] = []
@@ -354,7 +363,7 @@ class _RankContext:
         """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
-        self.engine_dtype = dtypes.FLAGS[config.policy.dtype].torch
+        self.engine_dtype = self.plan.engine.dtype
         """The engine's weights' dtype: streamed tensors are checksummed in it (float32 where the table says)."""
         self._set_up()
         self.refit_reference = EnginePartReference(
@@ -366,7 +375,6 @@ class _RankContext:
     def _set_up(self) -> None:
         from tokenizers import Tokenizer
 
-        from hf_mcore_bridge.engine import EngineConfig
         from hf_mcore_bridge.grpo.data.chat import PromptRenderer, load_hf_tokenizer
         from hf_mcore_bridge.grpo.data.prompts import PromptIterator
         from hf_mcore_bridge.grpo.data.rewards import resolve_reward_fn
@@ -375,26 +383,10 @@ class _RankContext:
 
         config, gen = self.config, self.config.generation
         self.tokenizer = Tokenizer.from_file(str(self.prepared.tokenizer_file))
-        samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
-        engine_config = EngineConfig(
-            dtype=dtypes.FLAGS[config.policy.dtype].torch,
-            device=str(_device()),
-            max_num_seqs=max(samples, config.grpo.val_num_prompts * config.grpo.val_num_generations),
-            max_model_len=gen.max_model_len,
-            max_num_batched_tokens=max(gen.max_model_len, 8192),
-            kv_cache_memory_bytes=gen.kv_cache_memory_bytes,
-            use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
-            decode_attention=gen.decode_attention,
-            flex_min_batch=gen.flex_min_batch,
-            torch_compile=gen.torch_compile,
-            fp8_weights=gen.precision == "fp8",
-            kv_cache_dtype=gen.kv_cache_dtype,
-            kv_cache_scale=gen.kv_cache_scale,
-        )
         self.engine = build_engine(
             gen.backend,
             self.prepared.hf_config,
-            engine_config,
+            self.plan.engine_on(str(_device())),
             self.tokenizer,
             self.prepared.log_dir,
             self.replicas.group,
@@ -693,8 +685,9 @@ def _stream_into_engine(
     it read."""
     names: list[str] = []
     sums: list[torch.Tensor] = []
-    # the engine sharded over the trainer's own TP group: each rank its own shards (no all-gather); else full tensors
-    stream = policy.shard_local_weights(times) if ctx.replicas.shared and not ctx.vllm else None
+    # the planned path: each rank its own shards into its engine's part (no all-gather but the vocabulary's); else
+    # full tensors, each engine rank keeping its part
+    stream = policy.shard_local_weights(times) if ctx.plan.refit is RefitPath.SHARD_LOCAL else None
     ctx.refit_shard_local = stream is not None
     groups = buckets(stream or policy.hf_weights(times), ctx.config.policy.refit_bucket_mb << 20)
     while True:

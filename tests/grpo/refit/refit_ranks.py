@@ -251,7 +251,7 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
     stale = stream()
     # the trainer's refit stream: the megatron backend's `hf_weights`, which runs `finish_param_gather` first
     policy = Policy(model, None, None, model_cfg, args.padded_vocab_size, torch.float32)
-    backend = MegatronBackend(policy, None, None)  # type: ignore[arg-type]  # config and run: not read here
+    backend = MegatronBackend(policy, None, None, {})  # type: ignore[arg-type]  # section, layout: not read here
     fresh = [(name, tensor.clone()) for name, tensor in backend.hf_weights()]
     gathered = all(torch.equal(b, e) for b, e in zip(buffers, expected, strict=True))
     for buffer, full in zip(buffers, expected, strict=True):

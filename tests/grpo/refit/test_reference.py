@@ -36,6 +36,7 @@ from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.refit.reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit.stream import PhaseTimes, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.run.generation import engine_part
+from hf_mcore_bridge.grpo.run.plan import RefitPath
 from hf_mcore_bridge.grpo.run.trainer import _check_transfer, _stream_into_engine
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
@@ -242,6 +243,7 @@ def _ctx(directory: Path, engine: Any, tp: int = 1, rank: int = 0) -> Any:
         config=SimpleNamespace(policy=SimpleNamespace(refit_bucket_mb=1)),
         engine=engine,
         replicas=SimpleNamespace(shared=False, tp=tp, tp_rank=rank),
+        plan=SimpleNamespace(refit=RefitPath.FULL),
         vllm=False,
         refit_shard_local=False,
         refit_names=list(load_file(directory / "model.safetensors")),

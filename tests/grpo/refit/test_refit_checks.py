@@ -87,7 +87,7 @@ def _corrupted_run(
     """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`); `engine_tp`:
     `generation.tensor_parallel_size` (None: the trainer's TP). The initial weights check (`grpo.source_check`) is
     off unless `check_initial`: it would stop these runs before the gate sees them."""
-    from hf_mcore_bridge.grpo.backends.megatron.backend import start_world
+    from hf_mcore_bridge.grpo.run.ranks import start_world
     from hf_mcore_bridge.grpo.run.trainer import prepare_run
 
     from .refit_ranks import corrupted_rank
@@ -126,7 +126,8 @@ def _corrupted_run(
     )
     if vllm:  # set after validation, which refuses the vllm backend where vLLM is not installed
         config = dataclasses.replace(config, generation=dataclasses.replace(config.generation, backend="vllm"))
-    start_world(config, corrupted_rank, kind, config, prepare_run(config))
+    prepared = prepare_run(config)
+    start_world(prepared.plan.dims, corrupted_rank, kind, config, prepared)
 
 
 ROLLOUTS_GATE = r"step 1: engine vs trainer log-probs disagree on the step's rollouts: token_mult_prob_error \d"

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from hf_mcore_bridge.grpo.algorithm.batching import Rollout
-from hf_mcore_bridge.grpo.backends.megatron.backend import build_backend
 from hf_mcore_bridge.grpo.refit.logprob_gate import LogprobMismatchError
 from hf_mcore_bridge.grpo.run import trainer
 from hf_mcore_bridge.grpo.run.config import GRPOConfig
+from hf_mcore_bridge.grpo.run.ranks import build_backend
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hf_mcore_bridge.grpo.algorithm.batching import Rollout
-from hf_mcore_bridge.grpo.backends.megatron.backend import start_world
 from hf_mcore_bridge.grpo.run import trainer
 from hf_mcore_bridge.grpo.run.config import config_from_dict
+from hf_mcore_bridge.grpo.run.ranks import start_world
 
 from ..tiny_policy import build_tiny_policy
 from .fused_ranks import fused_step_rank
@@ -70,7 +70,7 @@ def test_one_minibatch_update_equals_the_separate_pass_update(tmp_path: Path, dt
     prepared = trainer.prepare_run(fused)
     configs = {"fused": fused, "separate": separate, "no_kl": no_kl, "refuse_fused": fused}
     out = tmp_path / "results.pt"
-    start_world(fused, fused_step_rank, configs, prepared, _rollouts(), str(out))
+    start_world(prepared.plan.dims, fused_step_rank, configs, prepared, _rollouts(), str(out))
     results = torch.load(out, weights_only=False)
     want, got = results["separate"], results["fused"]
 

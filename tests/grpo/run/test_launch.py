@@ -140,7 +140,7 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
     base = _config(tmp_path, tmp_path / "policy", "run", 1)
     two_nodes = config_from_dict(base, ["cluster.gpus_per_node=1", "cluster.num_nodes=2"])
     with pytest.raises(GRPOConfigError, match=r"cluster.num_nodes=2: a multi-node run is started by a launcher"):
-        check_start(two_nodes)  # no launcher
+        check_start(two_nodes, parallel_dims(two_nodes))  # no launcher
     launcher = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     for name, value in (launcher | {"WORLD_SIZE": "3"}).items():
         monkeypatch.setenv(name, value)
@@ -148,9 +148,9 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
         train_grpo(two_nodes)
     assert not (tmp_path / "run").exists()
     with pytest.raises(BridgeError, match=r"WORLD_SIZE=3 ranks but the config's layout .* needs 1"):
-        check_start(config_from_dict(base))
+        check_start(config_from_dict(base), parallel_dims(config_from_dict(base)))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    check_start(two_nodes)  # the world the config lays out
+    check_start(two_nodes, parallel_dims(two_nodes))  # the world the config lays out
 
 
 def test_only_global_rank_0_reports_an_error_every_rank_meets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

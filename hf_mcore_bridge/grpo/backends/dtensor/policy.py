@@ -281,7 +281,7 @@ def build_dtensor_policy(
     `hf_dir`: how `scripts/bench_training.py` measures the trainer's own DTensor step."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     tp = settings.tensor_parallel_size
-    mesh = make_mesh(dist.get_world_size() // tp, tp, device_type)  # the world is dp_shard x tp (`world_of`)
+    mesh = make_mesh(dist.get_world_size() // tp, tp, device_type)  # the world is dp_shard x tp (`ParallelDims`)
     if model is None:
         if hf_dir is None:
             raise ValueError("build_dtensor_policy needs hf_dir or model")

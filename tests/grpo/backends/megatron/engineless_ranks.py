@@ -16,7 +16,7 @@ import torch.distributed as dist
 def train_step_rank(config: Any, prepared: Any, rollouts: list[Any], out: str) -> None:
     """`build_backend`, then the refit stream of the initial weights (`hf_weights`, full HF tensors gathered over
     TP and EP) and `trainer._train_step` on `rollouts`; rank 0 saves both."""
-    from hf_mcore_bridge.grpo.backends.megatron.backend import build_backend
+    from hf_mcore_bridge.grpo.run.ranks import build_backend
     from hf_mcore_bridge.grpo.run.trainer import _train_step
 
     torch.manual_seed(config.grpo.seed)
@@ -37,7 +37,7 @@ def logprobs_and_gradients_rank(configs: list[Any], prepared: Any, rollouts: lis
     order of the micro-batches), `metrics` and `grads`."""
     from megatron.core import parallel_state
 
-    from hf_mcore_bridge.grpo.backends.megatron.backend import build_backend
+    from hf_mcore_bridge.grpo.run.ranks import build_backend
     from hf_mcore_bridge.grpo.run.trainer import _minibatches, _train_step
 
     results = []

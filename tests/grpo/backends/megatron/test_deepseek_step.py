@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_mcore_bridge.grpo.algorithm.batching import Rollout
-from hf_mcore_bridge.grpo.backends.megatron.backend import start_world
 from hf_mcore_bridge.grpo.run.config import config_from_dict
+from hf_mcore_bridge.grpo.run.ranks import start_world
 from hf_mcore_bridge.grpo.run.trainer import prepare_run
 
 from ...offpolicy_reference import ReferenceSettings, advantages_of, replay
@@ -69,7 +69,7 @@ def test_deepseek_v3_first_step_at_ep2_matches_hf_reference(tmp_path: Path) -> N
     )
     rollouts = _rollouts(tmp_path / "rollouts.jsonl")
     prepared = prepare_run(config)
-    start_world(config, train_step_rank, config, prepared, rollouts, str(tmp_path / "step.pt"))
+    start_world(prepared.plan.dims, train_step_rank, config, prepared, rollouts, str(tmp_path / "step.pt"))
     result = torch.load(tmp_path / "step.pt", weights_only=True)
     settings = ReferenceSettings(group=GROUP, minibatches=1, temperature=1.0, lr=0.0, momentum=0.0, clip_grad=1.0,
                                  kl_coef=KL)  # fmt: skip

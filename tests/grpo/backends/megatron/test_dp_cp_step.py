@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from hf_mcore_bridge.grpo.algorithm.batching import Rollout
-from hf_mcore_bridge.grpo.backends.megatron.backend import start_world
 from hf_mcore_bridge.grpo.run.config import GRPOConfig, config_from_dict
+from hf_mcore_bridge.grpo.run.ranks import start_world
 from hf_mcore_bridge.grpo.run.trainer import prepare_run
 
 from ...offpolicy_reference import ReferenceSettings, advantages_of, first_update
@@ -86,8 +86,9 @@ def test_dp2_cp2_step_matches_hf_reference(tmp_path: Path) -> None:
     policy = build_tiny_policy(tmp_path / "policy", seed=4)
     rows = _rows()
     configs = {"padded": _config(policy, tmp_path, False), "packed": _config(policy, tmp_path, True)}
-    world_args = (list(configs.values()), prepare_run(configs["padded"]), _rollouts(rows), str(tmp_path))
-    start_world(configs["padded"], logprobs_and_gradients_rank, *world_args)
+    prepared = prepare_run(configs["padded"])
+    world_args = (list(configs.values()), prepared, _rollouts(rows), str(tmp_path))
+    start_world(prepared.plan.dims, logprobs_and_gradients_rank, *world_args)
 
     settings = ReferenceSettings(group=GROUP, minibatches=1, temperature=1.0, lr=0.0, momentum=0.0, clip_grad=1.0,
                                  kl_coef=0.0)  # fmt: skip

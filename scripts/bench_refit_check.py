@@ -1,4 +1,4 @@
-"""The refit's transfer check (`grpo.refit_checksums.tensor_checksums`) on a model's tensors, beside a copy.
+"""The refit's transfer check (`grpo.refit.checksums.tensor_checksums`) on a model's tensors, beside a copy.
 
 Builds bf16 tensors of a shape from `scripts/random_checkpoint.py` (default Llama-3.2-1B: 98 tensors, 2.47 GB) on
 the GPU and times, side by side in one process, `tensor_checksums` over all of them (what every refit runs on the

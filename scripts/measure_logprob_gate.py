@@ -1,8 +1,8 @@
 """Measure the GRPO log-prob gate on a model: `token_mult_prob_error` of a correct refit and of each refit fault.
 
 For each rollout precision (`fp32`, `bf16`, `fp8`: FP8 rollouts beside a bf16 trainer) a one-rank GRPO world runs
-`grpo.gate_margins.measure_gate_rank`: step 1's rollouts from an engine refitted correctly and through each fault of
-`grpo.refit_faults` (q/k split, two query heads of a group, k/v, gate/up, two experts), each scored by the trainer
+`grpo.run.gate_margins.measure_gate_rank`: step 1's rollouts from an engine refitted correctly and through each fault of
+`grpo.refit.faults` (q/k split, two query heads of a group, k/v, gate/up, two experts), each scored by the trainer
 as the run's gate scores them, and a stale engine copy (its probe value, and whether the refit's transfer check stops
 it). Prints a table with the gate's default limit per precision; `--json` writes the values.
 

@@ -60,7 +60,7 @@ def test_inspect_megatron_bridge_layout(tiny_models, tmp_path):
 
 
 def test_inspect_dtensor_checkpoint(tiny_models, tmp_path):
-    """A DTensor GRPO checkpoint (laid out as `grpo.dtensor_checkpoint` writes it) is read through its HF copy,
+    """A DTensor GRPO checkpoint (laid out as `grpo.backends.dtensor.checkpoint` writes it) is read through its HF copy,
     given as the checkpoint root or as the iteration directory."""
     from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR
 

@@ -4,8 +4,8 @@
 Conversion to TP3 PP2 and back is bit-exact (against the safetensors file itself); megatron-core at TP3 PP2 gives
 transformers' logits on real text, and on a checkpoint with two query heads of one group exchanged it does not
 (`verify` fails); the engine's greedy chat completions are transformers' `generate`; a short bf16 GRPO run passes
-its gate at every step; and every refit fault of `grpo.refit_faults` stops step 1 of a bf16 and of an FP8-rollout
-run (`grpo.gate_margins`, the run's own refit, rollouts and gate), a stale engine copy through the transfer check.
+its gate at every step; and every refit fault of `grpo.refit.faults` stops step 1 of a bf16 and of an FP8-rollout
+run (`grpo.run.gate_margins`, the run's own refit, rollouts and gate), a stale engine copy through the transfer check.
 """
 
 from __future__ import annotations
@@ -195,10 +195,10 @@ def test_bf16_grpo_on_the_real_model_passes_its_gate_at_every_step(smollm2: Path
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_every_refit_fault_stops_step_one_of_a_real_model_run(smollm2: Path, tmp_path: Path, precision: str) -> None:
     """Step 1 of a run (`gate_margins.measure_gate_rank`: the run's refit, rollouts and gate, 16 samples of up to 48
-    tokens as `scripts/measure_logprob_gate.py` measures) through a refit with each fault of `refit_faults` that a
+    tokens as `scripts/measure_logprob_gate.py` measures) through a refit with each fault of `refit.faults` that a
     dense model has: the gate's value is past the run's default limit for every fault and within it for the correct
     refit; an engine copy left stale after step 1 fails the transfer check. (The same faults stop a run before
-    step 1 at any precision through the initial weights check, `tests/grpo/test_refit_checks.py`.)"""
+    step 1 at any precision through the initial weights check, `tests/grpo/refit/test_refit_checks.py`.)"""
     from hf_mcore_bridge.errors import BridgeError
     from hf_mcore_bridge.grpo.refit.faults import ATTENTION_FAULTS
     from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement, limit_of

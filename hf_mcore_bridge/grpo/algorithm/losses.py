@@ -8,7 +8,7 @@ The pieces, each usable alone: `clipped_surrogate` (PPO clip with separate low/h
 clip), `k3_kl` (KL to a frozen reference), `token_level_mean` / `sequence_level_mean` (normalisation by counts of
 the whole global batch), `tis_weights` / `icepop_weights` (inference-engine vs trainer mismatch), the
 `token_mult_prob_error` metric and the overlong sample masks. `grpo_loss` composes them from a `LossConfig`
-(defined with its enums in the torch-free `grpo.options`, which the run's config is built from).
+(defined with its enums in the torch-free `grpo.algorithm.options`, which the run's config is built from).
 
 Choices and simplifications:
 - The returned loss is minimised, so it is the negated surrogate objective.

@@ -94,7 +94,7 @@ class TrainingBackend(Protocol):
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         """The tensors `hf_weights` reads, where producing it takes no collective and the engine shares the
-        trainer's GPU (the refit can then be recorded and replayed: `refit_replay`); else None."""
+        trainer's GPU (the refit can then be recorded and replayed: `refit.replay`); else None."""
         ...
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:

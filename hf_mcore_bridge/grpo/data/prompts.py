@@ -2,7 +2,7 @@
 
 Every source is reduced to a list of `records.PromptRecord` (`{"prompt": str, "answer": str}`), read into memory whole;
 prompt sets for RL are small next to pre-training corpora. Field names in the source are configurable, or set by a
-named row format (`grpo.processors`); `load_train_val` reads what a config's `data` section names.
+named row format (`grpo.data.processors`); `load_train_val` reads what a config's `data` section names.
 
 The iterator walks an endless stream of epochs, each a permutation of the records drawn from `(seed, epoch)`
 alone, so that its state is two integers (`epoch`, `position`) and a resumed run sees exactly the prompts an

@@ -5,7 +5,7 @@ explicit `BUILTIN_REWARDS` table; anything of the form `"module:function"` is im
 - `math`: Hugging Face's `math-verify` (`math_verify_reward`): LaTeX and plain-expression answers parsed into
   sympy and compared symbolically (`0.5` = `\frac{1}{2}`, `x+1` = `1+x`, `50\%` = `0.5`, intervals, sets); the
   completion's last marked answer is the one compared. It runs with math-verify's own time limits switched off: the
-  per-sample limit is the scorer's (`grpo.scoring`), which works in any process.
+  per-sample limit is the scorer's (`grpo.data.scoring`), which works in any process.
 - `number`: the hand-written reader below, numbers compared as exact fractions (no sympy, no time limit needed).
 - `exact` (alias `exact_match`): the extracted answer character for character.
 
@@ -164,7 +164,7 @@ def math_verify_reward(completion_text: str, answer: str) -> float:
 
     The reference is reduced as for `number` (a GSM8K `#### 72` solution gives `72`) and read as the content of a
     `oxed{}`, so plain `72`, `rac{1}{2}` and `[1, 2)` all parse. A reference math-verify cannot parse falls
-    back to the `number` comparison. No time limit here: call it through `grpo.scoring.RewardScorer`.
+    back to the `number` comparison. No time limit here: call it through `grpo.data.scoring.RewardScorer`.
     """
     from math_verify import parse, verify  # sympy and the LaTeX grammar: imported only where this reward runs
 

@@ -1,5 +1,5 @@
-"""The constants of the refit checksum's hash (`refit_checksums` states the hash), and the row layout of a batch's
-buffer: what both its torch path (`refit_checksums`) and its Triton kernels (`refit_checksum_kernel`) read.
+"""The constants of the refit checksum's hash (`refit.checksums` states the hash), and the row layout of a batch's
+buffer: what both its torch path (`refit.checksums`) and its Triton kernels (`refit.checksum_kernel`) read.
 """
 
 from __future__ import annotations

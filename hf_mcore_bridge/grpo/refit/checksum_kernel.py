@@ -1,10 +1,10 @@
-"""The refit checksum's Triton kernels; `refit_checksums` defines the hash and calls them on CUDA tensors.
+"""The refit checksum's Triton kernels; `refit.checksums` defines the hash and calls them on CUDA tensors.
 
 Kept in a module of its own so that Triton is imported only when a CUDA tensor is first checksummed (or a test runs
 the kernels in Triton's interpreter, TRITON_INTERPRET=1 set before Triton is imported). Each program reads
 `BLOCK x ITERS` elements in their own width, mixes them as 32-bit words in registers, sums each column in int64
 and adds the two sums to its tensor's row of the output with an integer atomic (exact in any order). Positions
-are 32-bit words, so a launch covers fewer than 2^31 elements (`refit_checksums.FLAT_CHUNK`) and takes the
+are 32-bit words, so a launch covers fewer than 2^31 elements (`refit.checksums.FLAT_CHUNK`) and takes the
 position of its first element as `base`.
 """
 

@@ -1,14 +1,14 @@
 """Checksums for the refit's transfer check: a hash of each tensor's bit pattern that mixes every element with its
 position, batched on the tensors' device with no synchronisation.
 
-The hash, exactly (what `tests/grpo/test_refit_checksums.py` re-implements element by element in Python
+The hash, exactly (what `tests/grpo/refit/test_checksums.py` re-implements element by element in Python
 integers). A tensor is read in row-major order of its shape, whatever its memory layout; element i has the bit
 pattern b of its size (1, 2, 4 or 8 bytes) read as an unsigned integer, and position word p = i mod 2^32. All
 arithmetic on words is mod 2^32.
 
 - Words: for elements of up to 4 bytes, u0 = u1 = b. For 8-byte elements, with lo = b mod 2^32 and
   hi = b >> 32: u0 = lo ^ F0(hi), u1 = hi ^ F0(u0) (two Feistel rounds: (u0, u1) determines b).
-- Column c (c = 0, 1; its constants in `refit_hash.MIXERS[c]`): x = (u_c ^ (p * a)) * ((2p + 1) * b), then
+- Column c (c = 0, 1; its constants in `refit.checksum_hash.MIXERS[c]`): x = (u_c ^ (p * a)) * ((2p + 1) * b), then
   v_c = F_c(x), where F_c(x) is x ^= x >> 16; x *= m1; x ^= x >> shift; x *= m2; x ^= x >> 16 (MurmurHash3's
   32-bit finaliser for column 0, "lowbias32" for column 1).
 - The tensor's row: column c is the sum over all elements of v_c (unsigned 32-bit values) mod 2^64, as a signed
@@ -27,7 +27,7 @@ such pairs). Dtype is not part of it: compare tensors of
 one dtype.
 
 How: the sum does not depend on the order of additions, so any batching and any reduction order give the same
-row, on CPU and CUDA alike. On CUDA the kernels are Triton's (`refit_checksum_kernel`: the bits read in their own
+row, on CPU and CUDA alike. On CUDA the kernels are Triton's (`refit.checksum_kernel`: the bits read in their own
 width, mixed in registers, summed per program and added to the tensor's row with an integer atomic). Tensors of at
 least `DIRECT_MIN_ELEMENTS` are hashed where they lie (a non-contiguous one through a contiguous copy), one launch
 per tensor (per `FLAT_CHUNK` elements); smaller ones are copied, per element size and batch of up to

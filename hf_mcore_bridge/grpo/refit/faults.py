@@ -13,8 +13,8 @@ layer, consistently on both sides of the transfer check (so only the engine-vs-t
 that each stops a run at step 1. A stale copy is not a stream rewrite (the engine keeps weights of an earlier
 step); the transfer check's checksums catch it, as measured there too.
 
-Assumes full HF tensors (a refit of `grpo.refit.hf_weights`, not a shard-local one) with HF's names and q/k/v rows
-in head order (every architecture the engine runs, multi-latent attention aside).
+Assumes full HF tensors (a refit of `grpo.refit.stream.hf_weights`, not a shard-local one) with HF's names and q/k/v
+rows in head order (every architecture the engine runs, multi-latent attention aside).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 After each step's rollouts the trainer scores the sampled tokens itself; `token_mult_prob_error` (see
 `losses.token_mult_prob_error`) compares those probabilities with the engine's. The refit's checksums
-(`refit_checksums`) show that the engine holds the tensors the stream sent (a changed element always shows, a
+(`refit.checksums`) show that the engine holds the tensors the stream sent (a changed element always shows, a
 change of several elements unless the hash's columns happen to cancel); they cannot show that the stream's
 conversion was right (a swapped q/k split, gate/up order or expert order is streamed and held consistently).
 This gate is that independent check: the engine then computes a different function from the trainer, so its
@@ -13,7 +13,7 @@ The limit is `grpo.max_token_mult_prob_error`, by default 1.0001 in fp32, 1.25 i
 rollouts; with `grpo.on_logprob_mismatch: warn` a value past it is reported and the run goes on. The defaults come
 from measurement (`scripts/measure_logprob_gate.py`, the table in `docs/refit-checks.md`): on SmolLM2-135M-Instruct,
 step 1 of a run at temperature 1 gives 1.0000063 / 1.042 / 1.171 (fp32 / bf16 / FP8 rollouts, one H200) with a
-correct refit, and at least 181 / 12.1 / 25.4 with each refit fault of `refit_faults` in one layer (q/k split, two
+correct refit, and at least 181 / 12.1 / 25.4 with each refit fault of `refit.faults` in one layer (q/k split, two
 query heads of a group, k/v, gate/up). A stale engine copy moves the gate by less than a precision's rounding noise
 (1.08 in bf16): the transfer check catches it instead.
 """

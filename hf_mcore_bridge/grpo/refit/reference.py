@@ -28,7 +28,7 @@ What rank `r` of `t` holds, as assumed here (megatron-core's tensor parallelism 
 - multi-latent attention: refused for t > 1 (the engine runs it on one device);
 - a name the table does not list: whole (if the engine keeps a part of it, the check fails rather than passes).
 
-Streams: a full-tensor refit (`refit.hf_weights`, or a DTensor policy's) is cut as above; in a shard-local refit
+Streams: a full-tensor refit (`refit.stream.hf_weights`, or a DTensor policy's) is cut as above; in a shard-local refit
 (`refit.shard_local_hf_weights`: engine TP = trainer TP, the same ranks in the same order) each tensor is already
 the trainer's own megatron-core shard in HF terms, which is itself the reference (`trainer_part=True`), except the
 vocabulary tensors, which come whole and are cut. At t = 1 every tensor is its own reference.

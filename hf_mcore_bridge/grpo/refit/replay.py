@@ -15,7 +15,7 @@ the caller as after an eager refit: against the engine's tensors (a replay that 
 the engine fails) and, for the trainer tensors the stream read, against those tensors checksummed again outside
 the recording (a replay that read stale sources fails, although engine and stream then agree). The checksums are
 recorded with the rest: their Triton kernels and torch ops take no host data once the eager refit before the
-recording has built and cached their layout tables (`refit_checksums`; a test shows a repeated call builds no
+recording has built and cached their layout tables (`refit.checksums`; a test shows a repeated call builds no
 tensor from host data).
 
 Assumes: the trainer's parameters keep their storage between refits unless their addresses change (checked: the

@@ -102,7 +102,7 @@ class GRPOSection:
     """Prompts of the validation set scored at each validation."""
     val_num_generations: int = 1
     """Completions per validation prompt: 1 is greedy; more are sampled at `generation.temperature` and give
-    `val_pass_at_1` (their mean reward) and `val_pass_at_k` (see `grpo.validation`)."""
+    `val_pass_at_1` (their mean reward) and `val_pass_at_k` (see `grpo.algorithm.pass_at_k`)."""
     normalize_rewards: bool = True
     """Divide advantages by a reward standard deviation (GRPO; the group's, or with `leave_one_out` the one
     `leave_one_out_std` names); False: Dr. GRPO."""
@@ -111,7 +111,7 @@ class GRPOSection:
     leave_one_out_std: LeaveOneOutStd = LeaveOneOutStd.OTHERS
     """With `leave_one_out` and `normalize_rewards`, what each advantage is divided by: `others`, the sample std of
     the other rewards of its group (NeMo-RL's; an advantage whose others are all equal is left undivided), or
-    `group`, the sample std of the whole group (see `grpo.advantages`)."""
+    `group`, the sample std of the whole group (see `grpo.algorithm.advantages`)."""
     probe_prompt: str | None = None
     """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
     max_token_mult_prob_error: float | None = None
@@ -125,7 +125,7 @@ class GRPOSection:
     and likely causes) or `warn` and go on."""
     check_initial_weights: bool = True
     """Before step 1 of a run that starts from an HF directory, check that the policy's refit stream gives back
-    every tensor of that directory exactly (`grpo.source_check`: one extra stream and one read of the files)."""
+    every tensor of that directory exactly (`grpo.refit.source_check`: one extra stream and one read of the files)."""
 
 
 @dataclass(frozen=True)
@@ -178,12 +178,12 @@ class GenerationConfig:
     (`policy.megatron_cfg.tensor_model_parallel_size`, or `policy.dtensor_cfg.tensor_parallel_size`). Must divide
     the run's world size: every `tensor_parallel_size` consecutive ranks form one engine replica, and the replicas
     share each step's prompts. Equal to the megatron-core policy's TP (dense models), each rank refits its engine
-    part from its own shards, with no all-gather but the vocabulary's (`grpo.refit.shard_local_hf_weights`)."""
+    part from its own shards, with no all-gather but the vocabulary's (`grpo.refit.stream.shard_local_hf_weights`)."""
 
 
 @dataclass(frozen=True)
 class CheckpointingConfig:
-    """Megatron distributed checkpoints of policy and optimizer (see `grpo.checkpoint`)."""
+    """Megatron distributed checkpoints of policy and optimizer (see `grpo.backends.megatron.checkpoint`)."""
 
     enabled: bool = False
     """Write checkpoints (and resume from them)."""
@@ -264,7 +264,7 @@ class GRPOConfig:
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """The outer loop."""
     loss_fn: LossConfig = field(default_factory=LossConfig)
-    """The GRPO loss (see `grpo.losses.LossConfig`)."""
+    """The GRPO loss (see `grpo.algorithm.options.LossConfig` and `grpo.algorithm.losses`)."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Rollouts."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,11 +1,10 @@
 """`bridge export`: a GRPO run's policy as an HF model directory with a model card, optionally uploaded to the Hub.
 
 A megatron-core checkpoint is converted with the ordinary export path (`convert_mcore_to_hf`); a DTensor run's
-checkpoint already holds its policy as an HF directory (`grpo.dtensor_checkpoint`), which is copied. The card names
-the base model and the training backend,
-carries the training config and the reward curve (a PNG and a table). The upload goes through `huggingface_hub`
-with whatever credentials the user has configured (`HF_TOKEN` or `huggingface-cli login`); the token is never
-read, printed or stored here.
+checkpoint already holds its policy as an HF directory (`grpo.backends.dtensor.checkpoint`), which is copied. The card
+names the base model and the training backend, carries the training config and the reward curve (a PNG and a table). The
+upload goes through `huggingface_hub` with whatever credentials the user has configured (`HF_TOKEN` or `huggingface-cli
+login`); the token is never read, printed or stored here.
 
 Order of work, so that nothing is written for a run that cannot finish: the repo id is checked with
 huggingface_hub's own validator, the destination with `destination.check_destination` (never the run itself,

@@ -1,9 +1,9 @@
 """The log-prob gate measured: `token_mult_prob_error` of a correct refit and of each refit fault, on a run's step 1.
 
-`measure_gate_rank` runs on every rank of a GRPO world (`backend.start_world`) with the run's own pieces: the policy
+`measure_gate_rank` runs on every rank of a GRPO world (`run.ranks.start_world`) with the run's own pieces: the policy
 backend, the rank's engine, `trainer._refit` (with its transfer check), `trainer._generate_rollouts` for step 1 and
 `trainer._train_step`'s gate, which sees the rollouts' engine-vs-trainer `token_mult_prob_error` before any optimizer
-step. For each fault of `refit_faults` the engine is refitted through the faulty stream, step 1's rollouts are drawn
+step. For each fault of `refit.faults` the engine is refitted through the faulty stream, step 1's rollouts are drawn
 from it, and the gate's value is recorded and the step stopped before its update, so every measurement starts from
 the same trainer weights. Then the correct refit's step 1 trains for real, and a stale copy is measured: the engine
 keeps the pre-step weights (no refit) and the probe prompt is scored (`stale_probe`), then a refit whose engine copy
@@ -138,7 +138,7 @@ def _step_one_error(ctx: Any, policy: Any, trainer: Any, train: bool) -> tuple[f
 
 
 def measure_gate_rank(config: Any, prepared: Any, faults: list[str], out_file: str) -> None:
-    """On every rank: the gate's value for a correct refit and for each of `faults` (of `refit_faults.FAULTS` that
+    """On every rank: the gate's value for a correct refit and for each of `faults` (of `refit.faults.FAULTS` that
     apply to the model), then the stale copy's; rank 0 writes `{name: value}` and the token count to `out_file`."""
     import torch.distributed as dist
 

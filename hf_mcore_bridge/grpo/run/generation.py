@@ -184,7 +184,7 @@ def engine_part(engine: Any, hf_name: str, tensor: torch.Tensor) -> torch.Tensor
     """The part of a streamed HF tensor this rank's engine keeps by its own slicing (its tensor-parallel shard of a
     full tensor; a tensor already of the part's size, as a shard-local refit streams it, or any tensor at TP 1 or
     where the engine does not say, as it is). Not the refit check's reference, which must not come from the
-    engine's slicing (`refit_reference`); for comparing the engine with that reference in tests."""
+    engine's slicing (`refit.reference`); for comparing the engine with that reference in tests."""
     target = getattr(getattr(engine, "model", None), "targets", {}).get(hf_name)
     shard = getattr(target, "shard", None)
     if shard is None or shard.size == shard.full or tensor.dim() <= shard.dim or tensor.shape[shard.dim] != shard.full:

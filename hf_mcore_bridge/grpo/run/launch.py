@@ -1,4 +1,4 @@
-"""How a GRPO run starts, resumes and stops, around the loop of `grpo.trainer`.
+"""How a GRPO run starts, resumes and stops, around the loop of `grpo.run.trainer`.
 
 Starting: spawned locally (`world.run_world`), the launcher process validates the config and prepares the run
 (converts an HF policy, trims the metrics of steps about to be rerun, saves the resolved config) before any rank

@@ -1,5 +1,5 @@
 """Per-step metrics: appended to `metrics.jsonl` (one JSON object a step), optionally TensorBoard and the
-experiment trackers of `grpo.loggers` (W&B, MLflow), and progress: a progress bar whose text is the step's line
+experiment trackers of `grpo.run.loggers` (W&B, MLflow), and progress: a progress bar whose text is the step's line
 (reward, KL, clip fraction, tokens/s, refit time) on a terminal, the line itself printed otherwise (logs, CI).
 Validation samples (prompt, completion, answer, reward) go to `val_samples.jsonl`, the trackers' tables and,
 with progress on, the output.
@@ -39,7 +39,7 @@ class MetricsLogger:
         self.path = log_dir / METRICS_FILE
         self.samples_path = log_dir / SAMPLES_FILE
         self.trackers = list(trackers)
-        """`grpo.loggers` trackers: each gets every step's metrics and the validation samples."""
+        """`grpo.run.loggers` trackers: each gets every step's metrics and the validation samples."""
         self.print_progress = print_progress
         self._writer: Any = None
         self._bar: Any = None

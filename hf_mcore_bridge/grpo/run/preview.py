@@ -3,7 +3,7 @@
 It goes through the run's own steps up to the first generation: the config is validated, the tokenizer and stop
 tokens resolved as the trainer resolves them (the model's EOS ids, plus the chat template's end-of-turn token), the
 data read through its processor, the first training prompts drawn in the run's order and rendered by
-`grpo.chat`. No process is started, no model converted, nothing written. Errors in the data or the tokenizer come
+`grpo.data.chat`. No process is started, no model converted, nothing written. Errors in the data or the tokenizer come
 out as `GRPOConfigError` (one line on the command line).
 """
 

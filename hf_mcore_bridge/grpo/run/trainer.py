@@ -7,18 +7,20 @@
         result = train_grpo(load_config("examples/grpo_tiny.yaml", ["policy.model_path=/path/to/model"]))
         print(result.series("reward_mean"))
 
-The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed (an HF
-directory is what the DTensor backend reads, so there a Megatron checkpoint is exported to HF instead), and starts
-one process per rank (`backend.start_world`); under `torchrun` each process is a rank and global rank 0 does the
-parent's part (`grpo.launch`, which also covers stopping on signals and the checks before a resume). The trained
-policy is a `backend.TrainingBackend`: megatron-core (`policy.megatron_cfg`, described below) or the HF model under
-FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same for both. On every rank, each step:
+The parent process validates the config, converts an HF policy to a Megatron checkpoint if needed (an HF directory is
+what the DTensor backend reads, so there a Megatron checkpoint is exported to HF instead), plans the run once
+(`run.plan.RunPlan`: its dimensions, the refit path and the engine's config, carried to every rank by `PreparedRun`) and
+starts one process per rank (`run.ranks.start_world`); under `torchrun` each process is a rank and global rank 0 does
+the parent's part (`grpo.run.launch`, which also covers stopping on signals and the checks before a resume). The trained
+policy is a `backends.base.TrainingBackend`: megatron-core (`policy.megatron_cfg`, described below) or the HF model
+under FSDP2 (`policy.dtensor_cfg`, see `grpo.backends.dtensor.policy`); the loop is the same for both. On every rank,
+each step:
 
-1. rollouts: every rank draws the same `num_prompts_per_step` prompts; each engine replica (`grpo.generation`:
+1. rollouts: every rank draws the same `num_prompts_per_step` prompts; each engine replica (`grpo.run.generation`:
    `generation.tensor_parallel_size` ranks, the embedded engine or vLLM) samples `num_generations_per_prompt`
    completions for its share of them (whole prompts), scores them and computes their group advantages; the
    replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order. Each replica's
-   first rank scores its share in reward worker processes (`grpo.scoring`), every sample handed to them as the
+   first rank scores its share in reward worker processes (`grpo.data.scoring`), every sample handed to them as the
    engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
@@ -29,7 +31,7 @@ FSDP2 (`policy.dtensor_cfg`, see `grpo.dtensor_policy`); the loop is the same fo
    step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
 4. refit: the weights are gathered over TP/PP and streamed through the mapping table into every rank's engine
    (each keeps its part); on every rank, every tensor its engine holds is checksummed against the part of the
-   streamed tensor the trainer's side says that rank must hold (`refit_reference`, `_check_transfer`), and a
+   streamed tensor the trainer's side says that rank must hold (`refit.reference`, `_check_transfer`), and a
    fixed probe prompt is scored by the first replica's engine and the trainer and gated the same way
    (`probe_token_mult_prob_error`);
 5. rank 0 logs the step's metrics (`metrics.jsonl`, progress line, TensorBoard if asked) and its rollouts
@@ -46,11 +48,11 @@ generates its share of the prompts (above) and each data-parallel replica trains
 mini-batch (megatron-core's DDP averages the gradients; the loss is normalised by the global token count).
 Gathering the rollouts keeps that split independent of which engine drew a rollout, so the rollouts and loss of a
 run's first step are the same at any number of replicas. Each engine runs on its rank's device with the policy's
-dtype. Prompts are rendered to token ids by `grpo.chat` (the chat template where there is one).
-Simplifications: generation and training alternate (no overlap; only scoring overlaps generation); validation
-samples `val_num_generations` a prompt (greedy when one) on the first replica, scored by the same reward
-(`grpo.validation`); policy+optimizer checkpoints every `save_period` steps (`grpo.checkpoint`) and resume from the
-newest one.
+dtype. Prompts are rendered to token ids by `grpo.data.chat` (the chat template where there is one).
+Simplifications: generation and training alternate (no overlap; only scoring overlaps generation); validation samples
+`val_num_generations` a prompt (greedy when one) on the first replica, scored by the same reward
+(`grpo.algorithm.pass_at_k`); policy+optimizer checkpoints every `save_period` steps
+(`grpo.backends.megatron.checkpoint`) and resume from the newest one.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class PreparedRun:
     """The run's dimensions, refit path and engine config (`run.plan`), computed once here."""
     source_hf_dir: Path | None = None
     """The HF directory the policy was converted from (or, for DTensor, is): the initial refit's reference
-    (`grpo.source_check`); None where the run starts from a Megatron checkpoint."""
+    (`grpo.refit.source_check`); None where the run starts from a Megatron checkpoint."""
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -222,7 +224,7 @@ def _prepare_hf_run(config: GRPOConfig, dims: ParallelDims, log_dir: Path, token
 
     hf_dir = hf_policy_dir(Path(config.policy.model_path), log_dir)
     hf_config = json.loads((hf_dir / "config.json").read_text())
-    # the refit's reference (`refit_reference`) is cut by the conversion table: the run takes what conversion takes
+    # the refit's reference (`refit.reference`) is cut by the conversion table: the run takes what conversion takes
     model_cfg = config_bridge.megatron_spec(hf_config)
     return PreparedRun(
         checkpoint_dir=hf_dir,
@@ -240,7 +242,7 @@ def train_grpo(config: GRPOConfig) -> RunResult:
     """Run GRPO as configured; returns the per-step metrics. Raises `BridgeError` if a rank fails, `RunStopped`
     (with a message naming the last checkpoint) if SIGINT / SIGTERM stopped the spawned ranks.
 
-    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.launch`);
+    Under an env:// launcher (`torchrun`) this process is one rank of the launcher's world (see `grpo.run.launch`);
     the metrics returned are then complete on global rank 0, which writes them."""
     from hf_mcore_bridge.grpo.data.chat import with_template_stop_ids
     from hf_mcore_bridge.grpo.run import launch
@@ -369,7 +371,7 @@ class _RankContext:
         self.refit_reference = EnginePartReference(
             prepared.model_cfg, *((1, 0) if self.vllm else (self.replicas.tp, self.replicas.tp_rank))
         )
-        """What this rank's engine must hold of each streamed tensor, from the trainer's side (`refit_reference`;
+        """What this rank's engine must hold of each streamed tensor, from the trainer's side (`refit.reference`;
         vLLM's tensors are not readable, so nothing is compared with its parts: the streamed tensors stand in)."""
 
     def _set_up(self) -> None:
@@ -637,7 +639,7 @@ _PER_MINIBATCH = ("loss", "grad_norm")
 
 
 def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, float]:
-    """Stream the policy into every rank's engine (or replay the recorded refit, `refit_replay`), then check on
+    """Stream the policy into every rank's engine (or replay the recorded refit, `refit.replay`), then check on
     every rank that its engine holds every streamed tensor (its part of it) exactly as streamed
     (`_check_transfer`). `step`: the step the weights are from (0: the initial refit). Rank 0 returns the
     metrics (its own phases)."""
@@ -716,7 +718,7 @@ def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums,
     """Transfer integrity (on every rank, of its own engine), after every refit, eager or replayed: every HF tensor of
     the table was streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine)
     has the checksum of the part of the streamed tensor this engine rank must hold, as the trainer's side works it out
-    (`refit_reference`: from the full tensor by the mapping table's parallel styles and megatron-core's head and
+    (`refit.reference`: from the full tensor by the mapping table's parallel styles and megatron-core's head and
     query-group split, or the trainer's own shard in a shard-local refit; never through the engine's own slicing); and
     the trainer tensors a recordable refit read have the checksums they have now (a replay that read stale storage).
     Raises `BridgeError` (one line); returns the number of engine tensors compared. Catches lost, duplicated,
@@ -774,7 +776,7 @@ def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
 
 def _validate(ctx: _RankContext, step: int) -> dict[str, float]:
     """Rank 0, every `val_period` steps: `val_num_generations` completions of each validation prompt (greedy when
-    one), scored; `val_reward` and `val_pass_at_{k}` (`grpo.validation`), and a few samples logged."""
+    one), scored; `val_reward` and `val_pass_at_{k}` (`grpo.algorithm.pass_at_k`), and a few samples logged."""
     from hf_mcore_bridge.grpo.algorithm.pass_at_k import validation_metrics
 
     config = ctx.config
@@ -845,7 +847,7 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
 
 
 def _check_initial_weights(ctx: _RankContext, policy: TrainingBackend, hf_dir: Path) -> float:
-    """The policy's full-tensor refit stream against the HF directory it came from (`grpo.source_check`),
+    """The policy's full-tensor refit stream against the HF directory it came from (`grpo.refit.source_check`),
     compared on rank 0, which stops the run on a difference (the world ends with its failing rank); every rank
     exhausts the stream (it gathers). Returns the tensors compared (on rank 0)."""
     from hf_mcore_bridge.grpo.refit.source_check import compare_with_source

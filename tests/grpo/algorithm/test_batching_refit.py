@@ -1,5 +1,5 @@
 """Pure pieces of the trainer: micro-batch layout, TP shard assembly for refit, the CPU clip patch (the refit's
-checksums: `test_refit_checks.py`)."""
+checksums: `refit/test_refit_checks.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Rank functions for the refit-check tests: a GRPO rank with its refit deliberately broken, and a DP2 world for the
 deferred parameter all-gather. They run in spawned processes, so each applies its patches inside the rank.
 
-Corruptions touch the refit's stream only (`refit._local_hf_weights` and `refit.shard_local_hf_weights`, after the
-mapping table's `to_hf`), its recording, one rank's engine copy right after loading (`rank1_copy`), or the engine's
-own slicing (`engine_head_shift`, `engine_kv_wrong_rank`: `shifted_head_shard`, `kv_on_wrong_rank`, also used
-in-process by `test_refit_reference.py`); the trainer's model and its checkpoint are untouched.
+Corruptions touch the refit's stream only (`refit.stream._local_hf_weights` and `refit.stream.shard_local_hf_weights`,
+after the mapping table's `to_hf`), its recording, one rank's engine copy right after loading (`rank1_copy`), or the
+engine's own slicing (`engine_head_shift`, `engine_kv_wrong_rank`: `shifted_head_shard`, `kv_on_wrong_rank`, also used
+in-process by `test_reference.py`); the trainer's model and its checkpoint are untouched.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def varied_reward(completion: str, answer: str) -> float:
 def _corrupt(
     stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str], hf_config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream with each fault of `kinds` (`grpo.refit_faults`: q/k and gate/up in layer 1, experts in the first
+    """The stream with each fault of `kinds` (`grpo.refit.faults`: q/k and gate/up in layer 1, experts in the first
     MoE layer)."""
     from hf_mcore_bridge.grpo.refit.faults import inject
 
@@ -273,7 +273,7 @@ def param_gather_rank(checkpoint_dir: str, out_file: str) -> None:
 def shard_local_rank(hf_dirs: list[str], out_file: str) -> None:
     """TP2, random megatron-core weights per architecture: the shard-local stream (each rank's own shards through
     the table) against the engine's own slices (`tp_shards`) of the gathered full tensors and against the refit
-    check's reference cut on the trainer's side (`refit_reference`), and an engine loaded from it with
+    check's reference cut on the trainer's side (`refit.reference`), and an engine loaded from it with
     `parts=True`. Rank 0 saves, per directory, the comparison's counts."""
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -1,4 +1,4 @@
-"""The refit's transfer checksums (`refit_checksums.tensor_checksums`) against the hash re-implemented here element
+"""The refit's transfer checksums (`refit.checksums.tensor_checksums`) against the hash re-implemented here element
 by element in Python integers, through both paths: torch (the CPU path) and the Triton kernels (compiled on a GPU,
 else in Triton's interpreter, which the conftest selects on machines without CUDA).
 

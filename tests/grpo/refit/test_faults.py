@@ -1,4 +1,4 @@
-"""The refit faults the gate is measured and tested against (`grpo.refit_faults`) do what they say, each checked
+"""The refit faults the gate is measured and tested against (`grpo.refit.faults`) do what they say, each checked
 against tensors rearranged by hand here, and a fault that finds nothing to rewrite is an error, not a no-op."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The refit check's reference for what an engine rank must hold (`grpo.refit_reference`), and the check run on it.
+"""The refit check's reference for what an engine rank must hold (`grpo.refit.reference`), and the check run on it.
 
 - The reference against megatron-core's layout written out in this file (its per-query-group fused `linear_qkv`
   chunked over the ranks, `[gate_r; up_r]`, row and vocabulary blocks) and against HF's grouped-query rule where
   there are fewer KV heads than ranks; the settings it refuses; that it loads no engine module. (Against
   megatron-core's own TP2 shards: `test_engine_layouts.py`, the shard-local test.)
 - No circular check at engine TP > 1 (issue 27, requirement 4, in-process part; the multi-process run is in
-  `test_refit_checks.py`): the real `trainer._stream_into_engine` and `_check_transfer` on every rank of a TP2 (and
-  TP4) engine built without a world, whose own slicing is mutated (`refit_ranks.shifted_head_shard`,
-  `kv_on_wrong_rank`): the check names the tensors, where a check taken through the engine's slicing passes.
+  `test_refit_checks.py`): the real `trainer._stream_into_engine` and `_check_transfer` on every rank of a TP2 (and TP4)
+  engine built without a world, whose own slicing is mutated (`refit_ranks.shifted_head_shard`, `kv_on_wrong_rank`): the
+  check names the tensors, where a check taken through the engine's slicing passes.
 - Every tensor covered (requirement 5): for a dense model with biases (Qwen2), a MoE model with router, experts,
   shared experts, expert score bias, q/k norms and biases (GLM-4.5) and DeepSeek-V3 (multi-latent attention), each
   streamed tensor in turn has one element changed on its way into the engine, after the reference was taken, and

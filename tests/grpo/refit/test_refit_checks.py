@@ -1,7 +1,7 @@
 """The refit's two checks, each shown to fire on a deliberately broken input.
 
-Transfer integrity (`refit.tensor_checksums`, compared by the trainer after every refit): the hash itself is
-checked in `test_refit_checksums.py`; here `trainer._check_transfer` names lost, duplicated, changed and stale
+Transfer integrity (`refit.stream.tensor_checksums`, compared by the trainer after every refit): the hash itself is
+checked in `test_checksums.py`; here `trainer._check_transfer` names lost, duplicated, changed and stale
 tensors on a real engine.
 Functional agreement (`logprob_gate`): the engine-vs-trainer `token_mult_prob_error` of each step's rollouts and
 of the probe prompt stops the run. The slow tests corrupt the refit stream only (the trainer and its checkpoint
@@ -12,7 +12,7 @@ cannot capture CUDA graphs) and the vLLM path (vLLM's engine replaced by the emb
 through `readable_tensor`, so only the gate can see it); a corruption from the second refit on is caught by the
 probe prompt's gate. With the stream sound, the engine's own slicing mutated at engine TP2 (a query head shifted,
 KV groups on the wrong ranks) stops the run at its initial refit: the transfer check's reference is cut on the
-trainer's side (`refit_reference`; its fast tests, and every tensor corrupted in turn: `test_refit_reference.py`).
+trainer's side (`refit.reference`; its fast tests, and every tensor corrupted in turn: `test_reference.py`).
 That uncorrupted runs pass the gate at its fp32 default is shown by `test_layouts.py` (TP1,
 TP2, PP2, DP2, EP2 runs with the gate on). The DP2 test shows the stream stale under megatron-core's deferred
 parameter all-gather and fresh after `finish_param_gather`, against post-step weights set by the test itself.
@@ -85,7 +85,7 @@ def _corrupted_run(
     engine_tp: int | None = None,
 ) -> None:
     """One GRPO step with the refit broken as `kind` says (`refit_ranks.corrupted_rank`); `engine_tp`:
-    `generation.tensor_parallel_size` (None: the trainer's TP). The initial weights check (`grpo.source_check`) is
+    `generation.tensor_parallel_size` (None: the trainer's TP). The initial weights check (`grpo.refit.source_check`) is
     off unless `check_initial`: it would stop these runs before the gate sees them."""
     from hf_mcore_bridge.grpo.run.ranks import start_world
     from hf_mcore_bridge.grpo.run.trainer import prepare_run
@@ -187,10 +187,10 @@ def test_a_mutated_engine_slicing_stops_the_run_at_the_first_step_at_engine_tp2(
     """Issue 27, requirement 4: a PP2 trainer with one TP2 engine over both ranks (full tensors, each rank keeping
     its part), the engine's own slicing mutated (`refit_ranks.shifted_head_shard`: each rank's query heads shifted
     by one head; `kv_on_wrong_rank`: the ranks' KV groups exchanged) while the stream is sound. The transfer check's
-    reference is cut on the trainer's side (`refit_reference`), so the initial refit fails (on whichever rank is
+    reference is cut on the trainer's side (`refit.reference`), so the initial refit fails (on whichever rank is
     reported first: both fail their own check) naming exactly those tensors, before any rollout. The same layout
     unmutated passes every check for two steps (`test_engine_layouts.py`, `pp2_engine_tp2`); in-process checks of
-    both mutations on every rank, and of KV heads replicated over TP4 onto the wrong ranks: `test_refit_reference.py`.
+    both mutations on every rank, and of KV heads replicated over TP4 onto the wrong ranks: `test_reference.py`.
     """
     policy = build_tiny_policy(tmp_path / "policy")
     message = (

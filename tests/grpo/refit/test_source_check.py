@@ -1,5 +1,5 @@
-"""`grpo.source_check.compare_with_source` against a tiny HF directory: the directory's own tensors (in its dtype or
-cast as conversion casts them) pass; each refit fault of `grpo.refit_faults`, a one-ulp change and a name the files
+"""`grpo.refit.source_check.compare_with_source` against a tiny HF directory: the directory's own tensors (in its dtype
+or cast as conversion casts them) pass; each refit fault of `grpo.refit.faults`, a one-ulp change and a name the files
 lack are named in one line."""
 
 from __future__ import annotations

@@ -10,10 +10,10 @@
 - Qwen3-MoE at EP2: an engine on each rank, refit with every expert gathered over EP.
 
 And, at TP2 for every dense architecture, the shard-local stream against the engine's own slices of the gathered
-tensors and against the refit check's reference cut from them on the trainer's side (`refit_reference`).
+tensors and against the refit check's reference cut from them on the trainer's side (`refit.reference`).
 
 Each run's refits pass the transfer check on every rank and the engine-vs-trainer log-prob gate at its fp32
-default on every step (a run stops otherwise; that the checks fire is shown in `test_refit_checks.py`, including
+default on every step (a run stops otherwise; that the checks fire is shown in `refit/test_refit_checks.py`, including
 a bad copy on rank 1 of a TP2 engine). The three engines, refit by three different paths, must sample the same
 first-step rollouts: the reference for each is the others, and the TP1 engine's are those of an engine loaded
 from the HF file directly.
@@ -152,7 +152,7 @@ def test_shard_local_stream_is_the_engines_part_of_the_gathered_tensors(tmp_path
     for arch in ARCHITECTURES:
         got = results[arch]
         assert got["same_names"] and got["equal"] == got["count"], (arch, got)
-        # the refit check's reference (`refit_reference`) is megatron-core's own split of every sharded tensor, on
+        # the refit check's reference (`refit.reference`) is megatron-core's own split of every sharded tensor, on
         # both ranks
         assert got["reference_equal"] == got["reference_count"] == 2 * (got["count"] - len(got["whole"])), (arch, got)
         vocab = {"model.embed_tokens.weight", "lm_head.weight"}

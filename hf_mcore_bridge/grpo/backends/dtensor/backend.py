@@ -24,7 +24,8 @@ __all__ = ["DTensorBackend"]
 
 @dataclass
 class DTensorBackend:
-    """The HF model sharded with FSDP2 (`grpo.dtensor_policy`), names already HF, DCP checkpoints with an HF copy."""
+    """The HF model sharded with FSDP2 (`backends.dtensor.policy`), names already HF, DCP checkpoints with an HF
+    copy."""
 
     policy: DTensorPolicy
     assets: dict[str, str]

@@ -1,7 +1,7 @@
 """Policy + optimizer checkpoints of a DTensor GRPO run, written atomically, each with an HF copy of the policy.
 
-Layout, beside Megatron-LM's tracker so that `grpo.checkpoint.latest_step`, resume and `bridge export` find
-checkpoints of either backend the same way:
+Layout, beside Megatron-LM's tracker so that `grpo.backends.megatron.checkpoint.latest_step`, resume and `bridge export`
+find checkpoints of either backend the same way:
 
     <root>/latest_checkpointed_iteration.txt    the newest complete step
     <root>/iter_0000010/model_optim/            torch.distributed.checkpoint of `get_state_dict(model, optimizer)`

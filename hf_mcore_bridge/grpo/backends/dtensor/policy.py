@@ -1,26 +1,26 @@
 """The DTensor side of GRPO on one rank: the HF transformers policy sharded with FSDP2, its optimizer and steps.
 
-The counterpart of `grpo.policy` (megatron-core) with the same roles: log-probs of sampled tokens, one optimizer
-step per mini-batch, and the weights as `(hf_name, full tensor)` for the engine. Runs inside a world of
-`dp_shard * tp` ranks (process group initialised, no megatron-core state); the model is an
-`AutoModelForCausalLM` read from an HF directory (safetensors only) and sharded by `dtensor_parallel`.
+The counterpart of `grpo.backends.megatron.policy` (megatron-core) with the same roles: log-probs of sampled tokens, one
+optimizer step per mini-batch, and the weights as `(hf_name, full tensor)` for the engine. Runs inside a world of
+`dp_shard * tp` ranks (process group initialised, no megatron-core state); the model is an `AutoModelForCausalLM` read
+from an HF directory (safetensors only) and sharded by `backends.dtensor.parallel`.
 
 - Precision: the parameters are the fp32 master weights; with `bf16` FSDP2 computes in bf16 and reduces
   gradients in fp32, and the refit stream is cast to bf16 (what the forward pass computes with). `fp16` is not
   offered (it would need a gradient scaler).
 - Log-probs: `log_softmax(logits / temperature)` of the sampled token over the model's whole vocabulary, which is
   the real one (HF configs carry no Megatron padding), as the engine computes them.
-- Micro-batches come from `grpo.batching`. Padded rows get the plain causal mask (right padding is invisible to
-  earlier positions). Packed rows are given only their `position_ids`, restarting at 0 per rollout, and no
-  attention mask: transformers' masking utilities (`find_packed_sequence_indices`) then build the block-diagonal
-  causal mask, provided no KV cache is passed (`use_cache=False`).
-- Loss: `grpo.losses.grpo_loss` per micro-batch, normalised by the mini-batch's count summed over the
+- Micro-batches come from `grpo.algorithm.batching`. Padded rows get the plain causal mask (right padding is invisible
+  to earlier positions). Packed rows are given only their `position_ids`, restarting at 0 per rollout, and no attention
+  mask: transformers' masking utilities (`find_packed_sequence_indices`) then build the block-diagonal causal mask,
+  provided no KV cache is passed (`use_cache=False`).
+- Loss: `grpo.algorithm.losses.grpo_loss` per micro-batch, normalised by the mini-batch's count summed over the
   data-parallel ranks; FSDP2 averages gradients over them, so each loss is multiplied by their number. Gradients
   are reduce-scattered after every micro-batch (FSDP2's default, bounded memory), or once per mini-batch with
   `defer_gradient_sync` (`set_requires_gradient_sync` on the last micro-batch only).
 - Optimizer: torch AdamW (its fused kernel on CUDA) on the sharded parameters, weight decay on matrices only
   (megatron-core's default grouping), global-norm clipping over DTensors, megatron-core's LR schedule
-  (`grpo.lr_schedule`).
+  (`grpo.backends.dtensor.lr_schedule`).
 
 Simplifications: every rank reads the whole safetensors checkpoint before sharding it (host memory for one full
 copy per rank while loading; a meta-device build with a broadcast from rank 0 would avoid it); the KL reference is

@@ -26,7 +26,8 @@ __all__ = ["MegatronBackend"]
 
 @dataclass
 class MegatronBackend:
-    """The megatron-core policy (`grpo.policy`), refit through the mapping table, megatron checkpoints."""
+    """The megatron-core policy (`backends.megatron.policy`), refit through the mapping table, megatron
+    checkpoints."""
 
     policy: Policy
     section: MegatronConfig

@@ -8,14 +8,14 @@ Runs inside a `world.run_world` rank (process group and `parallel_state` initial
 parallelism uses megatron-core's schedules.
 
 Log-probs: the sampled token's `log_softmax(logits / temperature)` computed by `vocab_parallel_cross_entropy`
-(megatron-core's torch-compiled version for bf16 on CUDA) over the TP-sharded vocabulary; logits of the padding rows
-of the vocabulary (ids >= the real vocabulary) are pushed to the dtype's minimum first, so they take no probability
-mass, exactly as in the engine whose vocabulary is unpadded. The loss is `grpo.losses.grpo_loss` per micro-batch,
-normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of
-micro-batches and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
+(megatron-core's torch-compiled version for bf16 on CUDA) over the TP-sharded vocabulary; logits of the padding rows of
+the vocabulary (ids >= the real vocabulary) are pushed to the dtype's minimum first, so they take no probability mass,
+exactly as in the engine whose vocabulary is unpadded. The loss is `grpo.algorithm.losses.grpo_loss` per micro-batch,
+normalised by the mini-batch's global count; the schedule divides each micro-batch loss by the number of micro-batches
+and DDP averages over data-parallel ranks, so the loss is multiplied back by both.
 
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
-(THD: attention and RoPE per rollout; `grpo.batching`, `sdpa_attention`).
+(THD: attention and RoPE per rollout; `grpo.algorithm.batching`, `sdpa_attention`).
 
 Context parallelism (`context_parallel_size` > 1): every rank of a CP group holds the same micro-batches, padded per
 sequence to a multiple of 2 x CP; the model gets this rank's share of each sequence (`cp_inputs`), `token_logprobs`

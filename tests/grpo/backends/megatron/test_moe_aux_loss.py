@@ -3,7 +3,7 @@ GRPO trainer's megatron-core `TransformerConfig`; `policy.megatron_cfg.transform
 Conversion still records the HF value in the checkpoint's `args`, from which export writes it back. Likewise
 megatron-core's updates of a sigmoid router's expert bias (GLM-4.5) are off unless
 `policy.megatron_cfg.moe_router_bias_update_rate` asks for them (the effect on a trained model:
-`tests/grpo/test_layouts.py::test_glm_first_step_matches_hf_reference`)."""
+`tests/grpo/run/test_layouts.py::test_glm_first_step_matches_hf_reference`)."""
 
 from __future__ import annotations
 

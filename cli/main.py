@@ -517,7 +517,7 @@ def inspect(
 
     def action() -> None:
         from hf_mcore_bridge.convert.inspect import inspect_path
-        from hf_mcore_bridge.grpo.dtensor_checkpoint import inspection_of
+        from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import inspection_of
 
         report = inspection_of(path) or inspect_path(path)
         if as_json:
@@ -578,7 +578,7 @@ def train_grpo_command(
     _check(lambda: validate.existing_file(config, "--config"))
 
     def action() -> None:
-        from hf_mcore_bridge.grpo.config import load_config
+        from hf_mcore_bridge.grpo.run.config import load_config
 
         # validated before the training stack (torch, megatron-core, transformers) is imported: a mistake in the
         # config is reported in a fraction of a second
@@ -587,7 +587,7 @@ def train_grpo_command(
         if dry_run:
             _print_preview(run_config)
             return
-        from hf_mcore_bridge.grpo.trainer import train_grpo
+        from hf_mcore_bridge.grpo.run.trainer import train_grpo
         from hf_mcore_bridge.megatron.world import reports_here
 
         result = train_grpo(run_config)
@@ -601,7 +601,7 @@ def train_grpo_command(
 
 
 def _print_preview(grpo_config: Any) -> None:
-    from hf_mcore_bridge.grpo.preview import preview_run
+    from hf_mcore_bridge.grpo.run.preview import preview_run
 
     preview = preview_run(grpo_config)
     template = "on" if preview.chat_template else "off"
@@ -651,7 +651,7 @@ def export(
     _check(checks)
 
     def action() -> None:
-        from hf_mcore_bridge.grpo.export import export_run
+        from hf_mcore_bridge.grpo.run.export import export_run
 
         result = export_run(
             run_dir,

@@ -26,10 +26,10 @@ recorded with its error and the run goes on; past `--time-limit` the remaining s
    `--prompt-tokens`, `--new-tokens` new tokens, temperature 1, no stop token): a warm-up, a first run (graph
    capture), then `--repeats` timed runs: tokens/s median (min-max) beside the run's bound (the sum of its decode
    steps' bounds). The log-prob mismatch of the last run's first 64 samples against a bf16 transformers forward
-   (`grpo.losses.token_mult_prob_error`, the GRPO log's metric; random weights, so near-uniform logits: not a real
-   model's figure), and greedy token agreement of each variant with `current` on 16 prompts x 64 tokens. Beside
-   it, the last run's mean step and the host's busy time per step (the run less its waits for the device's
-   tokens): where the two are close the pipelined loop is bound by the host, not by the decode step.
+   (`grpo.algorithm.losses.token_mult_prob_error`, the GRPO log's metric; random weights, so near-uniform logits: not a
+   real model's figure), and greedy token agreement of each variant with `current` on 16 prompts x 64 tokens. Beside it,
+   the last run's mean step and the host's busy time per step (the run less its waits for the device's tokens): where
+   the two are close the pipelined loop is bound by the host, not by the decode step.
 
 Bounds (printed beside every time, `roofline.py`'s figures): bytes / 4.3 TB/s and FLOPs / 790 TFLOP/s for bf16
 products; FP8 products at twice that rate (`FP8_FLOPS`: the H200's dense FP8 peak is 1979 TFLOP/s, twice bf16's
@@ -69,7 +69,7 @@ from roofline import H200_BYTES_PER_S, H200_FLOPS, matmul_weights
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, fp8, triton_decode
 from hf_mcore_bridge.engine.attention import FP8_CACHE_DTYPE, DecodeMetadata, decode_attention, to_cache
 from hf_mcore_bridge.engine.kv_cache import blocks_for
-from hf_mcore_bridge.grpo.losses import token_mult_prob_error
+from hf_mcore_bridge.grpo.algorithm.losses import token_mult_prob_error
 
 FP8_FLOPS = 2 * H200_FLOPS
 """FP8 matrix-multiply rate taken for the bound: twice the bf16 rate of `roofline.H200_FLOPS`."""

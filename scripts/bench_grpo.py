@@ -6,7 +6,7 @@ completions of a fixed length (no stop token: every sample runs to `--max-new-to
 median over the steps after the first (which includes warm-up: CUDA-graph capture, allocator growth):
 generation, log-probs (policy and reference), training, refit (gather + convert, engine load) and the whole step.
 On one GPU the refit is recorded as a CUDA graph at the first step and replayed from the second
-(`grpo.refit_replay`), so the steady figure is the replay's.
+(`grpo.refit.replay`), so the steady figure is the replay's.
 Beside it, in the same command: a device-to-device copy of the policy's bytes in the same dtype, the floor of a
 refit (`../shared/FACTS.md`), and the refit's ratio to it.
 
@@ -170,8 +170,8 @@ def main() -> None:
         args.prompts, args.generations, args.max_new_tokens, args.steps = 2, 2, 8, 2
         args.kv_cache_gib = 0.0625
 
-    from hf_mcore_bridge.grpo.config import config_from_dict
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = args.work / "model"
@@ -212,7 +212,7 @@ def main() -> None:
     path = "shard-local (each rank its own shards)" if local else "full tensors (gathered, each engine its part)"
     print(f"  engine replicas: {replicas}; refit path: {path}")
     replayed = sum(int(m.get("refit_replayed", 0)) for m in steady)
-    print(f"  refits replayed from their recording (`refit_replay`): {replayed} of {len(steady)}")
+    print(f"  refits replayed from their recording (`refit.replay`): {replayed} of {len(steady)}")
     print(f"  every metric of every step: {result.log_dir / 'metrics.jsonl'}")
     if args.json:
         record = {

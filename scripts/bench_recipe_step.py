@@ -144,8 +144,8 @@ def main() -> None:
     import torch
 
     from hf_mcore_bridge.errors import BridgeError
-    from hf_mcore_bridge.grpo.config import config_from_dict
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
     recipe_file, default_depths = RECIPES[args.model]
     recipe = yaml.safe_load((ROOT / recipe_file).read_text())

@@ -1,4 +1,4 @@
-"""The refit's transfer check (`grpo.refit_checksums.tensor_checksums`) on a model's tensors, beside a copy.
+"""The refit's transfer check (`grpo.refit.checksums.tensor_checksums`) on a model's tensors, beside a copy.
 
 Builds bf16 tensors of a shape from `scripts/random_checkpoint.py` (default Llama-3.2-1B: 98 tensors, 2.47 GB) on
 the GPU and times, side by side in one process, `tensor_checksums` over all of them (what every refit runs on the
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_mcore_bridge.grpo.refit_checksums import tensor_checksums
+from hf_mcore_bridge.grpo.refit.checksums import tensor_checksums
 
 SWEEP = ((2048, 4, 8), (1024, 4, 8), (4096, 1, 8), (2048, 1, 8), (1024, 4, 4))
 """(elements per iteration, iterations, warps) of the flat kernel's programs timed by `--sweep`."""
@@ -94,7 +94,7 @@ def _check_on_gpu(tensors: list[torch.Tensor], graph: torch.cuda.CUDAGraph, out:
 
 
 def _sweep(tensors: list[torch.Tensor], iters: int) -> dict[str, list[float]]:
-    from hf_mcore_bridge.grpo import refit_checksum_kernel as kernel
+    from hf_mcore_bridge.grpo.refit import checksum_kernel as kernel
 
     saved = kernel.BLOCK, kernel.ITERS, kernel.NUM_WARPS
     rows = {}

@@ -119,7 +119,7 @@ def realistic_answer(completion: str) -> tuple[str, str]:
 
 def realistic_math_reward(completion: str, answer: str) -> float:
     """`math_verify_reward` of the worked answer `completion` stands for (`answer` is not used)."""
-    from hf_mcore_bridge.grpo.rewards import math_verify_reward
+    from hf_mcore_bridge.grpo.data.rewards import math_verify_reward
 
     return math_verify_reward(*realistic_answer(completion))
 
@@ -152,7 +152,7 @@ def write_tokenizer(directory: Path, words: list[str]) -> None:
 
 
 def run_config(args: argparse.Namespace, model_dir: Path, prompts: Path, log_dir: Path, overlap: bool) -> Any:
-    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
 
     return config_from_dict(
         {
@@ -194,8 +194,8 @@ def rollout_rounds(args: argparse.Namespace, model_dir: Path, prompts: list[str]
 
     from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
     from hf_mcore_bridge.engine.engine import iter_safetensors
-    from hf_mcore_bridge.grpo.scoring import RewardScorer
-    from hf_mcore_bridge.grpo.trainer import _generate_scored
+    from hf_mcore_bridge.grpo.data.scoring import RewardScorer
+    from hf_mcore_bridge.grpo.run.trainer import _generate_scored
 
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -327,7 +327,7 @@ def main() -> None:
         record["rollout_phase_control"] = print_table(title, control, phase_keys)
 
     if args.trainer_runs:
-        from hf_mcore_bridge.grpo.trainer import train_grpo
+        from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
         steady: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
         series: dict[str, list[list[float]]] = {mode: [] for mode in MODES}

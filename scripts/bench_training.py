@@ -15,26 +15,26 @@ In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its
 
 What each path is, and assumes:
 - megatron: the GRPO trainer's own code (`bridge train grpo` with `policy.megatron_cfg`): the policy built by
-  `grpo.policy.build_policy` (random weights instead of a checkpoint) and stepped by `grpo.policy.train_minibatch`
-  on packed rows given as the trainer's `MicroBatch`es, with the GRPO loss on the trainer's log-probs (old
-  log-probs computed once per set of rows by `compute_logprobs`, in the warm-up; random +-1 advantages). So every
-  setting is the trainer's: this project's `GPTModel` (megatron-core's local layer spec with `SDPAttention`; no
-  Transformer Engine) with its parameters cast to bf16 (`cast_parameters`, the effect of Megatron-LM's
-  `Float16Module` on the fp32 norms), megatron-core `DistributedDataParallel` with `grpo.policy.ddp_settings`
-  (fp32 gradient buffers and reduction; with data parallelism the reduction overlapped with the backward),
-  `get_megatron_optimizer` (torch AdamW on fp32 main parameters, switched to its fused kernel), the torch-compiled
-  SwiGLU (`bias_activation_fusion`) and cross entropy (megatron-core's fused vocab-parallel one, on CUDA in bf16),
-  `get_forward_backward_func`. Packed rows go in as `PackedSeqParams` (THD): attention per sequence through
-  torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. The only keys set are
-  ones a user sets in `policy.megatron_cfg` (`megatron_ddp`): with data parallelism `ddp.use_distributed_optimizer`
-  (`--distributed-optimizer`, default on) and `ddp.overlap_param_gather` (`--overlap-param-gather`, default off,
-  as in the trainer); the recomputation keys in `transformer`. Parallelism: `--megatron-parallel dp` (data parallel over
-  nproc, as NeMo-RL runs the 8B), `tp` (TP = nproc, with sequence parallelism), `cp` (context parallelism CP = nproc,
-  `hf_mcore_bridge.megatron.context_parallel`; each sequence padded to a multiple of 2 x CP) or `auto` (default): dp,
-  and then every row length that needed activation recomputation (or ran out of memory) under dp again at TP = nproc
-  with sequence parallelism, which splits the activations over the GPUs instead of recomputing them; both are reported,
-  and the Megatron / DTensor ratio takes the faster.
-- dtensor: the trainer's DTensor backend (`policy.dtensor_cfg`): `grpo.dtensor_policy.build_dtensor_policy` on
+  `grpo.backends.megatron.policy.build_policy` (random weights instead of a checkpoint) and stepped by
+  `grpo.backends.megatron.policy.train_minibatch` on packed rows given as the trainer's `MicroBatch`es, with the GRPO
+  loss on the trainer's log-probs (old log-probs computed once per set of rows by `compute_logprobs`, in the warm-up;
+  random +-1 advantages). So every setting is the trainer's: this project's `GPTModel` (megatron-core's local layer spec
+  with `SDPAttention`; no Transformer Engine) with its parameters cast to bf16 (`cast_parameters`, the effect of
+  Megatron-LM's `Float16Module` on the fp32 norms), megatron-core `DistributedDataParallel` with
+  `grpo.backends.megatron.policy.ddp_settings` (fp32 gradient buffers and reduction; with data parallelism the reduction
+  overlapped with the backward), `get_megatron_optimizer` (torch AdamW on fp32 main parameters, switched to its fused
+  kernel), the torch-compiled SwiGLU (`bias_activation_fusion`) and cross entropy (megatron-core's fused vocab-parallel
+  one, on CUDA in bf16), `get_forward_backward_func`. Packed rows go in as `PackedSeqParams` (THD): attention per
+  sequence through torch's varlen flash attention on CUDA (`sdpa_attention`), RoPE restarting per sequence. The only
+  keys set are ones a user sets in `policy.megatron_cfg` (`megatron_ddp`): with data parallelism
+  `ddp.use_distributed_optimizer` (`--distributed-optimizer`, default on) and `ddp.overlap_param_gather`
+  (`--overlap-param-gather`, default off, as in the trainer); the recomputation keys in `transformer`. Parallelism:
+  `--megatron-parallel dp` (data parallel over nproc, as NeMo-RL runs the 8B), `tp` (TP = nproc, with sequence
+  parallelism), `cp` (context parallelism CP = nproc, `hf_mcore_bridge.megatron.context_parallel`; each sequence padded
+  to a multiple of 2 x CP) or `auto` (default): dp, and then every row length that needed activation recomputation (or
+  ran out of memory) under dp again at TP = nproc with sequence parallelism, which splits the activations over the GPUs
+  instead of recomputing them; both are reported, and the Megatron / DTensor ratio takes the faster.
+- dtensor: the trainer's DTensor backend (`policy.dtensor_cfg`): `grpo.backends.dtensor.policy.build_dtensor_policy` on
   the HF `LlamaForCausalLM` (randomly initialised; fp32 parameters, bf16 compute, fp32 gradient reduction, fused
   torch AdamW on CUDA) stepped by its `train_minibatch` with the same GRPO loss. `--dtensor-search auto` (default)
   measures, in one world, every configuration of `dtensor_layouts`: FSDP2 over every rank with gradients
@@ -287,15 +287,15 @@ def _dtype(opts: Options) -> torch.dtype:
 
 
 def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
-    """The trainer's own policy (`grpo.policy.build_policy`, random weights) stepped by its own
-    `grpo.policy.train_minibatch` (the GRPO loss on the trainer's log-probs) over packed rows; see the module
-    docstring. Returns its training step."""
+    """The trainer's own policy (`grpo.backends.megatron.policy.build_policy`, random weights) stepped by its own
+    `grpo.backends.megatron.policy.train_minibatch` (the GRPO loss on the trainer's log-probs) over packed rows; see the
+    module docstring. Returns its training step."""
     from megatron.core import parallel_state
 
     from hf_mcore_bridge.convert.config_bridge import megatron_spec, padded_vocab
-    from hf_mcore_bridge.grpo.config import MegatronConfig
-    from hf_mcore_bridge.grpo.losses import LossConfig
-    from hf_mcore_bridge.grpo.policy import build_policy, compute_logprobs, train_minibatch
+    from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, megatron_layout
+    from hf_mcore_bridge.grpo.backends.megatron.policy import build_policy, compute_logprobs, train_minibatch
 
     model_cfg = megatron_spec(shape)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -312,6 +312,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
     policy = build_policy(
         model_cfg,
         megatron,
+        megatron_layout(megatron),
         _dtype(opts),
         padded_vocab(model_cfg, Layout(tp=tp)),
         checkpoint_dir=None,
@@ -343,7 +344,7 @@ RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "re
 def megatron_ddp(opts: Options, data_parallel: int) -> dict[str, Any]:
     """The `policy.megatron_cfg.ddp` keys the Megatron path runs with: with data parallelism, the distributed
     optimizer and (where asked) the overlapped parameter all-gather; the trainer's defaults
-    (`grpo.policy.ddp_settings`) for everything else."""
+    (`grpo.backends.megatron.policy.ddp_settings`) for everything else."""
     if data_parallel == 1:
         return {}
     distributed = opts.distributed_optimizer
@@ -353,7 +354,7 @@ def megatron_ddp(opts: Options, data_parallel: int) -> dict[str, Any]:
 def row_micro_batch(row: Row) -> Any:
     """One packed row as the trainer's `MicroBatch`: every token but each sequence's last predicts the next one,
     with a random advantage of +-1 per position (their values do not change the work)."""
-    from hf_mcore_bridge.grpo.batching import MicroBatch
+    from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 
     predicted = row.tokens.shape[1] - 1
     generator = torch.Generator().manual_seed(int(row.cu_seqlens[1]))
@@ -403,11 +404,12 @@ def dtensor_layouts(
 
 
 def build_dtensor(shape: dict[str, Any], opts: Options, recompute: bool, device: torch.device) -> Trainer:
-    """The trainer's own DTensor policy (`grpo.dtensor_policy.build_dtensor_policy` on a randomly initialised HF
-    model) stepped by its own `train_minibatch` (the GRPO loss) over packed rows, in `opts.dtensor_layout`."""
-    from hf_mcore_bridge.grpo.config import DTensorConfig
-    from hf_mcore_bridge.grpo.dtensor_policy import build_dtensor_policy
-    from hf_mcore_bridge.grpo.losses import LossConfig
+    """The trainer's own DTensor policy (`grpo.backends.dtensor.policy.build_dtensor_policy` on a randomly
+    initialised HF model) stepped by its own `train_minibatch` (the GRPO loss) over packed rows, in
+    `opts.dtensor_layout`."""
+    from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
+    from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
+    from hf_mcore_bridge.grpo.backends.dtensor.policy import build_dtensor_policy
 
     layout = opts.dtensor_layout
     settings = DTensorConfig(

@@ -1,8 +1,8 @@
 """Measure the GRPO log-prob gate on a model: `token_mult_prob_error` of a correct refit and of each refit fault.
 
 For each rollout precision (`fp32`, `bf16`, `fp8`: FP8 rollouts beside a bf16 trainer) a one-rank GRPO world runs
-`grpo.gate_margins.measure_gate_rank`: step 1's rollouts from an engine refitted correctly and through each fault of
-`grpo.refit_faults` (q/k split, two query heads of a group, k/v, gate/up, two experts), each scored by the trainer
+`grpo.run.gate_margins.measure_gate_rank`: step 1's rollouts from an engine refitted correctly and through each fault of
+`grpo.refit.faults` (q/k split, two query heads of a group, k/v, gate/up, two experts), each scored by the trainer
 as the run's gate scores them, and a stale engine copy (its probe value, and whether the refit's transfer check stops
 it). Prints a table with the gate's default limit per precision; `--json` writes the values.
 
@@ -28,7 +28,7 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hf_mcore_bridge.grpo.refit_faults import ATTENTION_FAULTS
+    from hf_mcore_bridge.grpo.refit.faults import ATTENTION_FAULTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny-qwen3-moe, or an HF directory")
@@ -48,7 +48,7 @@ def model_dir(name: str, root: Path) -> Path:
 
         return smollm2_dir()
     if name == "tiny-qwen3-moe":  # a random 2-layer Qwen3-MoE with the tiny chat tokenizer: no trained MoE is at hand
-        from hf_mcore_bridge.grpo.tiny_chat import CHAT_WORDS, build_chat_tokenizer
+        from hf_mcore_bridge.grpo.data.tiny_chat import CHAT_WORDS, build_chat_tokenizer
         from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
         directory = root / "tiny-qwen3-moe"
@@ -60,8 +60,8 @@ def model_dir(name: str, root: Path) -> Path:
 
 def measure(args: argparse.Namespace, model: Path, precision: str, work: Path) -> dict[str, Any]:
     """One precision's values (`gate_margins.measure_gate_rank` in a one-rank world) and its default limit."""
-    from hf_mcore_bridge.grpo.gate_margins import measure_gate, measurement_config
-    from hf_mcore_bridge.grpo.logprob_gate import limit_of
+    from hf_mcore_bridge.grpo.refit.logprob_gate import limit_of
+    from hf_mcore_bridge.grpo.run.gate_margins import measure_gate, measurement_config
 
     config = measurement_config(
         model, precision, work / precision, args.prompts, args.generations, args.max_new_tokens, args.temperature

@@ -23,11 +23,11 @@ from hf_mcore_bridge.quiet import quiet_libraries
 
 EXTENDED = {
     # resume: the CP2 checkpoint resumed at CP1 (test_layouts) and the DTensor resume keep it in the default run
-    "tests/grpo/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one",
-    "tests/grpo/test_dtensor.py::test_resume_from_the_middle_checkpoint_repeats_the_run",
-    "tests/grpo/test_replicas.py::test_two_replicas_generate_and_train_as_one[dtensor]",  # [megatron] stays
-    "tests/grpo/test_cpu_recipe.py::test_cpu_recipe_runs",  # the example config end to end on CPU
-    "tests/grpo/test_bench_grpo.py::test_bench_scoring_tiny_compares_both_modes",
+    "tests/grpo/run/test_resume.py::test_resumed_run_repeats_the_uninterrupted_one",
+    "tests/grpo/backends/dtensor/test_dtensor.py::test_resume_from_the_middle_checkpoint_repeats_the_run",
+    "tests/grpo/run/test_replicas.py::test_two_replicas_generate_and_train_as_one[dtensor]",  # [megatron] stays
+    "tests/grpo/run/test_cpu_recipe.py::test_cpu_recipe_runs",  # the example config end to end on CPU
+    "tests/grpo/run/test_bench_grpo.py::test_bench_scoring_tiny_compares_both_modes",
     "tests/engine/test_bench_script.py::test_bench_decode_attention_runs_on_cpu_in_the_interpreter",
     "tests/engine/test_bench_script.py::test_bench_fp8_decode_tiny_runs_on_cpu",
     "tests/scripts/test_bench_training.py::test_bench_training_tiny_runs_on_cpu",

@@ -118,8 +118,8 @@ def sdpa_rank(model_cfg: ModelSpec, layout: Layout, lengths: list[int], out: str
       CUDA (`flex_attention` has no CPU backward)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
-    from hf_mcore_bridge.grpo.policy import _forward_step, token_logprobs
+    from hf_mcore_bridge.grpo.algorithm.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.grpo.backends.megatron.policy import _forward_step, token_logprobs
     from hf_mcore_bridge.megatron.model import causal_mask
     from hf_mcore_bridge.megatron.sdpa_attention import SDPAttention
 
@@ -187,8 +187,8 @@ def packed_step_sync_rank(model_cfg: ModelSpec, lengths: list[int], out: str) ->
     raises at any operation that synchronises the host with the device. Rank 0 saves whether it did."""
     from megatron.core.transformer.module import Float16Module
 
-    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
-    from hf_mcore_bridge.grpo.policy import _forward_step
+    from hf_mcore_bridge.grpo.algorithm.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.grpo.backends.megatron.policy import _forward_step
 
     layout = Layout()
     torch.manual_seed(3)

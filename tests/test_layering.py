@@ -6,6 +6,11 @@ Layers, lowest first (README, "The code"): the package root's base modules (erro
 side (the engine imports neither `convert` nor megatron-core), `megatron` (on `convert`), `grpo`, and the commands
 (`cli`, `demo`). Every import counts, including those inside functions; only imports under `if TYPE_CHECKING:`
 (type-only) are exempt.
+
+Inside `grpo`, the same by role, lowest first: its configuration error (`grpo.errors`), the algorithm's pure
+functions (`algorithm`), then data and rewards (`data`) and the backend-neutral refit with its checks (`refit`) side
+by side, the training backends (`backends`: megatron-core and DTensor, neither importing the other), and the run
+(`run`: config, plan, trainer, launch, export), which composes them all.
 """
 
 from __future__ import annotations
@@ -50,6 +55,30 @@ ALLOWED = {
     "commands": {"base", "checkpoint", "models", "convert", "engine", "megatron", "bridge", "grpo"},
 }
 """The layers each layer may import (besides its own)."""
+
+GRPO_GROUPS = {
+    "": "grpo-base",
+    "errors": "grpo-base",
+    "algorithm": "algorithm",
+    "data": "data",
+    "refit": "refit",
+    "backends": "backends",
+    "run": "run",
+}
+"""The role of each module or subpackage directly under `grpo` (`""`: its own `__init__`)."""
+
+GRPO_ALLOWED = {
+    "grpo-base": set(),
+    "algorithm": {"grpo-base"},
+    "data": {"grpo-base", "algorithm"},
+    "refit": {"grpo-base", "algorithm"},
+    "backends": {"grpo-base", "algorithm", "refit"},
+    "run": {"grpo-base", "algorithm", "data", "refit", "backends"},
+}
+"""The roles of `grpo` each role may import (besides its own)."""
+
+BACKENDS = ("megatron", "dtensor")
+"""The training backends under `grpo.backends`: each may import the shared modules beside them, not the other."""
 
 WITHOUT_MEGATRON_CORE = {"base", "models", "engine"}
 """Layers that never import megatron-core (the `megatron` distribution); `checkpoint` imports the enum classes a
@@ -106,6 +135,41 @@ def layer(module: str) -> str:
     """The layer of a module of the package (a KeyError names a top-level module no layer claims)."""
     parts = module.split(".")
     return GROUPS[parts[1] if len(parts) > 1 else ""]
+
+
+def grpo_role(module: str) -> str | None:
+    """The role of a module of `grpo` (None outside `grpo`; a KeyError names a module no role claims)."""
+    parts = module.split(".")
+    if parts[1:2] != ["grpo"]:
+        return None
+    return GRPO_GROUPS[parts[2] if len(parts) > 2 else ""]
+
+
+def _backend(module: str) -> str | None:
+    """The training backend a module of `grpo.backends` belongs to (None for the modules they share)."""
+    parts = module.split(".")
+    return parts[3] if parts[1:3] == ["grpo", "backends"] and len(parts) > 3 and parts[3] in BACKENDS else None
+
+
+def grpo_upward_imports(sources: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """Imports of a `grpo` role the importing module's role may not import, and imports of one backend by the
+    other."""
+    known = set(sources)
+    found: list[str] = []
+    for module, path in sorted(sources.items()):
+        own = grpo_role(module)
+        if own is None:
+            continue
+        for target in imports(path, known):
+            role = grpo_role(target.module) if target.module in known else None
+            if role is None:
+                continue
+            where = f"{path.relative_to(root)}:{target.line} imports {target.module}"
+            if role not in GRPO_ALLOWED[own] | {own}:
+                found.append(f"{where} ({own} -> {role})")
+            elif _backend(module) and _backend(target.module) not in (None, _backend(module)):
+                found.append(f"{where} (backend {_backend(module)} -> {_backend(target.module)})")
+    return list(dict.fromkeys(found))
 
 
 def upward_imports(sources: dict[str, Path], root: Path = ROOT) -> list[str]:
@@ -173,6 +237,17 @@ def test_no_import_runs_up_the_layers() -> None:
     assert upward_imports(modules()) == []
 
 
+def test_every_grpo_module_has_a_role() -> None:
+    sources = modules()
+    grpo = [module for module in sources if grpo_role(module) is not None]
+    assert len(grpo) > 40
+    assert {module.split(".")[2] for module in grpo if module.count(".") > 1} <= set(GRPO_GROUPS)
+
+
+def test_no_import_runs_up_the_grpo_roles() -> None:
+    assert grpo_upward_imports(modules()) == []
+
+
 def test_no_import_circles() -> None:
     assert cycles(modules()) == []
 
@@ -224,4 +299,31 @@ def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
     assert cycles(sources) == [
         sorted([f"{PACKAGE}.checkpoint.low", f"{PACKAGE}.convert.high"]),
         sorted([f"{PACKAGE}.engine.a", f"{PACKAGE}.engine.b"]),
+    ]
+
+
+def test_the_grpo_checks_see_what_they_forbid(tmp_path: Path) -> None:
+    """The algorithm importing the run (also inside a function) and one backend importing the other are found; a
+    type-only import of the run, the run importing a backend and a backend importing the modules they share are
+    not."""
+    grpo = f"{PACKAGE}.grpo"
+    sources = _probe(
+        tmp_path,
+        {
+            f"{grpo}.algorithm.losses": (
+                "from typing import TYPE_CHECKING\n"
+                f"if TYPE_CHECKING:\n    from {grpo}.run.config import GRPOConfig\n"
+                f"def f():\n    from {grpo}.run.plan import g\n"
+            ),
+            f"{grpo}.run.config": f"from {grpo}.backends.megatron.config import MegatronConfig\n",
+            f"{grpo}.run.plan": "",
+            f"{grpo}.backends.base": "",
+            f"{grpo}.backends.megatron.config": f"from {grpo}.backends.base import x\n",
+            f"{grpo}.backends.dtensor.policy": f"from {grpo}.backends.megatron.config import MegatronConfig\n",
+        },
+    )
+    upward = grpo_upward_imports(sources, tmp_path)
+    assert [hit.split(" imports ")[1] for hit in upward] == [
+        f"{grpo}.run.plan (algorithm -> run)",
+        f"{grpo}.backends.megatron.config (backend dtensor -> megatron)",
     ]

@@ -1,7 +1,7 @@
 """Engine settings that a run's config names and checks before anything heavy loads: the decode attention kernels
 and the mixture-of-experts kernels.
 
-Standard library only (the package's `__init__` re-exports lazily), so that `grpo.config` validates
+Standard library only (the package's `__init__` re-exports lazily), so that `grpo.run.config` validates
 `generation.decode_attention` without importing torch.
 """
 

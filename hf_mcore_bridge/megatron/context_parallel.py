@@ -2,11 +2,10 @@
 
 The split is megatron-core's load-balanced one: each sequence is cut into `2 * cp` equal chunks and CP rank `r`
 holds chunks `r` and `2 * cp - 1 - r` (so every rank gets the same share of causal-attention work). megatron-core's
-RoPE follows the same convention (`get_pos_emb_on_this_cp_rank` for `[s, b, ...]` rows,
-`_get_thd_freqs_on_this_cp_rank` for packed THD rows, which reads the GLOBAL `cu_seqlens` and divides each length
-by `cp`): the model is handed this rank's tokens in that order and the global `cu_seqlens`. In a packed row each
-sequence is split on its own, so every sequence length must be a multiple of `2 * cp` (`grpo.batching` pads each
-rollout, as NeMo-RL does).
+RoPE follows the same convention (`get_pos_emb_on_this_cp_rank` for `[s, b, ...]` rows, `_get_thd_freqs_on_this_cp_rank`
+for packed THD rows, which reads the GLOBAL `cu_seqlens` and divides each length by `cp`): the model is handed this
+rank's tokens in that order and the global `cu_seqlens`. In a packed row each sequence is split on its own, so every
+sequence length must be a multiple of `2 * cp` (`grpo.algorithm.batching` pads each rollout, as NeMo-RL does).
 
 Attention: keys and values are all-gathered over the CP group (the Llama 3 paper's choice; with grouped KV heads
 they are a small fraction of the activations) and each local query attends to the global keys with its causal

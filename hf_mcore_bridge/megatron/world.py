@@ -279,8 +279,9 @@ def _follow_launcher(launcher: int) -> None:
 
 
 def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux's `PR_SET_PDEATHSIG`; elsewhere nothing).
-    Also for helper processes a rank starts (see `grpo.checkpoint`), which would otherwise outlive a killed rank."""
+    """Have the kernel SIGKILL this process when its parent dies (Linux's `PR_SET_PDEATHSIG`; elsewhere nothing). Also
+    for helper processes a rank starts (see `grpo.backends.megatron.checkpoint`), which would otherwise outlive a killed
+    rank."""
     if sys.platform == "linux":
         import ctypes
 

@@ -70,7 +70,7 @@ def _damaged_inputs(root: Path) -> None:
     """Inputs a path lookup, a reader or a template parser refuses, built here (nothing is downloaded)."""
     from safetensors import safe_open
 
-    from hf_mcore_bridge.grpo.tiny_chat import build_chat_tokenizer
+    from hf_mcore_bridge.grpo.data.tiny_chat import build_chat_tokenizer
 
     (root / "loop_a").symlink_to("loop_b")  # two links leading to each other
     (root / "loop_b").symlink_to("loop_a")

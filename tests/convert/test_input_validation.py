@@ -388,7 +388,7 @@ def test_full_disk_while_copying_is_a_write_error_naming_the_target(llama, small
 def test_full_disk_export_of_a_dtensor_run(llama, small_disk, tmp_path):
     """A DTensor run's checkpoint holds its policy as an HF directory, which export copies: a full disk there is
     one line and exit 2, not an internal error."""
-    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR
 
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(llama, checkpoints / "iter_0000001" / HF_DIR)

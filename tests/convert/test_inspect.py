@@ -60,9 +60,9 @@ def test_inspect_megatron_bridge_layout(tiny_models, tmp_path):
 
 
 def test_inspect_dtensor_checkpoint(tiny_models, tmp_path):
-    """A DTensor GRPO checkpoint (laid out as `grpo.dtensor_checkpoint` writes it) is read through its HF copy,
+    """A DTensor GRPO checkpoint (laid out as `grpo.backends.dtensor.checkpoint` writes it) is read through its HF copy,
     given as the checkpoint root or as the iteration directory."""
-    from hf_mcore_bridge.grpo.dtensor_checkpoint import HF_DIR
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR
 
     root = tmp_path / "checkpoints"
     shutil.copytree(tiny_models["qwen2"], root / "iter_0000004" / HF_DIR)

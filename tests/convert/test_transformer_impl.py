@@ -17,7 +17,7 @@ from hf_mcore_bridge.convert import transformer_impl
 from hf_mcore_bridge.convert.config_bridge import megatron_spec, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.placement import LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
-from hf_mcore_bridge.grpo.refit import _local_name
+from hf_mcore_bridge.grpo.refit.stream import _local_name
 from hf_mcore_bridge.megatron.model import layer_spec
 from hf_mcore_bridge.models.spec import ModelSpec
 

@@ -37,8 +37,9 @@ from hf_mcore_bridge.engine.tp_shards import (
     row_shard,
     vocab_shard,
 )
-from hf_mcore_bridge.grpo.config import config_from_dict, generation_tensor_parallel_size
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
+from hf_mcore_bridge.grpo.run.config import config_from_dict
+from hf_mcore_bridge.grpo.run.plan import parallel_dims
 from hf_mcore_bridge.megatron.world import run_torch_world
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.tensor_ops import pad_vocab, padded_vocab_size, rank_shard
@@ -164,13 +165,13 @@ def test_a_group_of_one_rank_is_the_single_device_path(get_hf_model, tmp_path):
 
 def test_generation_tensor_parallel_size_defaults_to_the_policy_tp_and_must_divide_the_world():
     base = {"policy": {"model_path": "/some/model"}, "data": {"task": "repeat_digit"}}
-    assert generation_tensor_parallel_size(config_from_dict(base)) == 1
+    assert parallel_dims(config_from_dict(base)).engine_tp == 1
     tp2 = ["policy.megatron_cfg.tensor_model_parallel_size=2"]
-    assert generation_tensor_parallel_size(config_from_dict(base, tp2)) == 2
+    assert parallel_dims(config_from_dict(base, tp2)).engine_tp == 2
     dtensor = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
     dtensor_tp2 = config_from_dict(base, [*dtensor, "policy.dtensor_cfg.tensor_parallel_size=2"])
-    assert generation_tensor_parallel_size(dtensor_tp2) == 2
-    assert generation_tensor_parallel_size(config_from_dict(base, [*tp2, "generation.tensor_parallel_size=1"])) == 1
+    assert parallel_dims(dtensor_tp2).engine_tp == 2
+    assert parallel_dims(config_from_dict(base, [*tp2, "generation.tensor_parallel_size=1"])).engine_tp == 1
     with pytest.raises(GRPOConfigError, match=r"generation.tensor_parallel_size=0 must be >= 1"):
         config_from_dict(base, ["generation.tensor_parallel_size=0"])
     with pytest.raises(GRPOConfigError, match=r"generation.tensor_parallel_size=3 must divide the run's 2 ranks"):

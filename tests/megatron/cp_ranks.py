@@ -18,8 +18,13 @@ import torch.distributed as dist
 
 from hf_mcore_bridge.convert.config_bridge import padded_vocab, transformer_config_kwargs
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.grpo.batching import MicroBatch, pad_sequences_to_multiple, pad_to_multiple, response_values
-from hf_mcore_bridge.grpo.losses import LossConfig, grpo_loss
+from hf_mcore_bridge.grpo.algorithm.batching import (
+    MicroBatch,
+    pad_sequences_to_multiple,
+    pad_to_multiple,
+    response_values,
+)
+from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, grpo_loss
 from hf_mcore_bridge.megatron.model import gpt_model, load_distributed_checkpoint
 from hf_mcore_bridge.models.spec import ModelSpec
 
@@ -62,7 +67,7 @@ def cp_rank(model_cfg: ModelSpec, batches: dict[str, MicroBatch], checkpoint: st
     reduces it), saved by the ranks of CP rank 0 and DP rank 0 as `<out>/<layout>.tp<r>.pt`."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from hf_mcore_bridge.grpo.policy import cp_inputs, token_logprobs
+    from hf_mcore_bridge.grpo.backends.megatron.policy import cp_inputs, token_logprobs
     from hf_mcore_bridge.megatron.sdpa_attention import packed_seq_params
 
     vocab = padded_vocab(model_cfg, Layout(tp=2))

@@ -12,7 +12,7 @@ from cp_ranks import GATHER_CASES, LAYOUTS, cp_rank, gather_inputs, gather_rank,
 
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.layout import Layout
-from hf_mcore_bridge.grpo.batching import (
+from hf_mcore_bridge.grpo.algorithm.batching import (
     Rollout,
     make_microbatches,
     pack_microbatches,

@@ -4,8 +4,8 @@
 Conversion to TP3 PP2 and back is bit-exact (against the safetensors file itself); megatron-core at TP3 PP2 gives
 transformers' logits on real text, and on a checkpoint with two query heads of one group exchanged it does not
 (`verify` fails); the engine's greedy chat completions are transformers' `generate`; a short bf16 GRPO run passes
-its gate at every step; and every refit fault of `grpo.refit_faults` stops step 1 of a bf16 and of an FP8-rollout
-run (`grpo.gate_margins`, the run's own refit, rollouts and gate), a stale engine copy through the transfer check.
+its gate at every step; and every refit fault of `grpo.refit.faults` stops step 1 of a bf16 and of an FP8-rollout
+run (`grpo.run.gate_margins`, the run's own refit, rollouts and gate), a stale engine copy through the transfer check.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_engine_greedy_chat_completions_are_transformers_generate(smollm2: Path)
 
 
 def _grpo_config(model: Path, log_dir: Path, precision: str, **grpo: object) -> object:
-    from hf_mcore_bridge.grpo.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
 
     return config_from_dict(
         {
@@ -178,8 +178,8 @@ def _grpo_config(model: Path, log_dir: Path, precision: str, **grpo: object) -> 
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_bf16_grpo_on_the_real_model_passes_its_gate_at_every_step(smollm2: Path, tmp_path: Path) -> None:
-    from hf_mcore_bridge.grpo.logprob_gate import limit_of
-    from hf_mcore_bridge.grpo.trainer import train_grpo
+    from hf_mcore_bridge.grpo.refit.logprob_gate import limit_of
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
     config = _grpo_config(smollm2, tmp_path / "run", "bf16")
     result = train_grpo(config)  # a gate past its limit would stop it (on_logprob_mismatch: stop)
@@ -195,14 +195,14 @@ def test_bf16_grpo_on_the_real_model_passes_its_gate_at_every_step(smollm2: Path
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_every_refit_fault_stops_step_one_of_a_real_model_run(smollm2: Path, tmp_path: Path, precision: str) -> None:
     """Step 1 of a run (`gate_margins.measure_gate_rank`: the run's refit, rollouts and gate, 16 samples of up to 48
-    tokens as `scripts/measure_logprob_gate.py` measures) through a refit with each fault of `refit_faults` that a
+    tokens as `scripts/measure_logprob_gate.py` measures) through a refit with each fault of `refit.faults` that a
     dense model has: the gate's value is past the run's default limit for every fault and within it for the correct
     refit; an engine copy left stale after step 1 fails the transfer check. (The same faults stop a run before
-    step 1 at any precision through the initial weights check, `tests/grpo/test_refit_checks.py`.)"""
+    step 1 at any precision through the initial weights check, `tests/grpo/refit/test_refit_checks.py`.)"""
     from hf_mcore_bridge.errors import BridgeError
-    from hf_mcore_bridge.grpo.gate_margins import measure_gate, measurement_config
-    from hf_mcore_bridge.grpo.logprob_gate import check_logprob_agreement, limit_of
-    from hf_mcore_bridge.grpo.refit_faults import ATTENTION_FAULTS
+    from hf_mcore_bridge.grpo.refit.faults import ATTENTION_FAULTS
+    from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement, limit_of
+    from hf_mcore_bridge.grpo.run.gate_margins import measure_gate, measurement_config
 
     config = measurement_config(smollm2, precision, tmp_path / "run")  # as scripts/measure_logprob_gate.py measures
     config = dataclasses.replace(config, grpo=dataclasses.replace(config.grpo, on_logprob_mismatch="stop"))

@@ -146,7 +146,7 @@ def test_fast_packed_backends_match_dense_mask_in_bf16_on_cuda(backend, head_dim
 def test_packed_rows_keep_cu_seqlens_on_the_host():
     """Packed rows hand megatron-core host `cu_seqlens` (its RoPE reads them there); `cu_seqlens_on` copies a host
     tensor to the device once and gives every later caller (each layer, the backward) that same copy."""
-    from hf_mcore_bridge.grpo.batching import Rollout, pack_microbatches
+    from hf_mcore_bridge.grpo.algorithm.batching import Rollout, pack_microbatches
     from hf_mcore_bridge.megatron.sdpa_attention import cu_seqlens_on, packed_seq_params
 
     rollouts = [Rollout((1, 2), (3, 4, 5), (0.0, 0.0, 0.0)), Rollout((6,), (7, 8), (0.0, 0.0))]

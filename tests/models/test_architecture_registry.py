@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
-from hf_mcore_bridge.grpo.dtensor_parallel import layer_tp_plan
+from hf_mcore_bridge.grpo.backends.dtensor.parallel import layer_tp_plan
 from hf_mcore_bridge.models.registry import REGISTRY, for_config, with_features
 from hf_mcore_bridge.models.tiny_models import tiny_config
 

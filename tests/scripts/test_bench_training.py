@@ -211,8 +211,8 @@ def test_dtensor_search_covers_fsdp_tp_deferred_sync_and_attention() -> None:
 def test_megatron_path_runs_the_trainers_settings() -> None:
     """The Megatron path passes only `policy.megatron_cfg.ddp` keys a user can set; the rest are the trainer's
     defaults: fp32 gradient reduction, and with data parallelism the reduction overlapped with the backward."""
-    from hf_mcore_bridge.grpo.config import MegatronConfig
-    from hf_mcore_bridge.grpo.policy import ddp_settings
+    from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
+    from hf_mcore_bridge.grpo.backends.megatron.policy import ddp_settings
 
     opts = bench_training.Options()
     assert bench_training.megatron_ddp(opts, 1) == {}
@@ -236,7 +236,7 @@ def test_megatron_path_runs_the_trainers_settings() -> None:
 def _fused_logprobs_rank(out: str) -> None:
     """Rank body: the trainer's bf16 log-probs on CUDA (megatron-core's fused cross entropy) and their gradient,
     beside a float64 log-softmax of the same bf16 logits."""
-    from hf_mcore_bridge.grpo.policy import token_logprobs
+    from hf_mcore_bridge.grpo.backends.megatron.policy import token_logprobs
 
     torch.manual_seed(0)
     vocab, padded, temperature = 300, 384, 0.7

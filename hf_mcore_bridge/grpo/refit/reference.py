@@ -1,0 +1,176 @@
+"""What rank `r` of an engine sharded over `t` tensor-parallel ranks must hold of each HF tensor a refit streams,
+worked out on the trainer's side: the reference the refit's transfer check compares the engine's tensors with.
+
+The engine slices the tensors it is given itself (`engine.tp_shards`); a check whose "sent" side came from that same
+slicing would pass a wrong head split or a KV head on the wrong rank on both sides. So this module never imports
+the engine: each HF name's role comes from the mapping table (the entry that names it and its parallel style,
+`models.parallel_style.Parallel`, through `model_plan.placed_entries`), the chunking from conversion's
+description of how megatron-core splits a tensor over TP ranks (`models.tensor_ops.rank_boxes`), and the
+attention heads from the model config (HF's grouped-query rule: query head `h` reads KV head
+`h // (heads / kv_heads)`). What is cut from a full tensor is a view (`narrow`): no copy.
+
+What rank `r` of `t` holds, as assumed here (megatron-core's tensor parallelism in HF terms):
+- `q_proj` (weight and bias): the r-th of t equal blocks of query heads (the heads must divide by t);
+- `k_proj`, `v_proj`: the KV heads the rank's query heads read. With the KV heads divisible by t that is the
+  r-th of t equal blocks of query groups, megatron-core's split of its fused `linear_qkv`; with fewer KV heads than
+  ranks (t a multiple of them) it is one KV head, replicated on every rank whose query heads read it (vLLM's rule;
+  megatron-core refuses that case, so only a full-tensor refit meets it). Any other ratio is refused;
+- a gated MLP's gate and up (dense, shared expert, every routed expert): megatron-core's `GATED_COLUMN` chunks of
+  `cat(gate, up)`, i.e. the r-th of t row blocks of gate and of up;
+- `ROW` tensors (`o_proj`, every `down_proj`): the r-th of t blocks of input columns; `COLUMN` ones the r-th of t
+  blocks of rows;
+- `VOCAB` tensors (embedding, output layer): the vocabulary padded to a multiple of t (not megatron-core's
+  `make_vocab_size_divisible_by * t`: the engine splits the vocabulary itself), split into t blocks of rows, the
+  padding left out, so the last rank(s) may hold fewer rows;
+- `REPLICATED` tensors (norms, q/k norms, router, expert score bias, shared-expert gate): whole;
+- routed experts: every rank holds every expert (expert tensor parallelism over the engine's whole group; the
+  engine has no expert parallelism);
+- multi-latent attention: refused for t > 1 (the engine runs it on one device);
+- a name the table does not list: whole (if the engine keeps a part of it, the check fails rather than passes).
+
+Streams: a full-tensor refit (`bridge.export.export_hf_weights`, or a DTensor policy's) is cut as above; in a
+shard-local refit (`refit.stream.shard_local_hf_weights`: engine TP = trainer TP, the same ranks in the same order)
+each tensor is already the trainer's own megatron-core shard in HF terms, which is itself the reference
+(`trainer_part=True`), except the vocabulary tensors, which come whole and are cut. At t = 1 every tensor is its own
+reference.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hf_mcore_bridge.convert.model_plan import placed_entries
+from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tensor_ops import padded_vocab_size, rank_boxes
+
+__all__ = ["EnginePartReference", "Role", "roles"]
+
+
+class Role(enum.Enum):
+    """How an HF tensor is split over the engine's tensor-parallel ranks."""
+
+    WHOLE = "whole"
+    QUERY = "query heads"
+    KEY_VALUE = "key/value heads"
+    GATE = "gate half of a gated column"
+    UP = "up half of a gated column"
+    ROW = "input columns"
+    COLUMN = "output rows"
+    VOCAB = "vocabulary rows"
+    LATENT = "multi-latent attention"
+
+
+_DIRECT = {
+    Parallel.REPLICATED: Role.WHOLE,
+    Parallel.ROW: Role.ROW,
+    Parallel.COLUMN: Role.COLUMN,
+    Parallel.VOCAB: Role.VOCAB,
+}
+
+
+def roles(model_cfg: ModelSpec) -> tuple[dict[str, Role], frozenset[str]]:
+    """(HF name -> role, the names the table keeps in float32) for every tensor of the model's mapping table, every
+    layer and expert filled in."""
+    found: dict[str, Role] = {}
+    float32: set[str] = set()
+    for placed in placed_entries(model_cfg):
+        entry = placed.entry
+        if isinstance(entry, FusedQKV):
+            found.update({entry.q: Role.QUERY, entry.k: Role.KEY_VALUE, entry.v: Role.KEY_VALUE})
+        elif isinstance(entry, FusedGateUp):
+            found.update({entry.gate: Role.GATE, entry.up: Role.UP})
+        elif isinstance(entry, Direct):
+            found[entry.hf] = _DIRECT[entry.parallel]
+            if keeps_float32(entry):
+                float32.add(entry.hf)
+        else:  # multi-latent attention's projections with rotary rows
+            found.update(dict.fromkeys(entry.hf_sources, Role.LATENT))
+    return found, frozenset(float32)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """`size` entries from `start` along `dim` of the full tensor."""
+
+    dim: int
+    start: int
+    size: int
+
+
+class EnginePartReference:
+    """The part of each streamed HF tensor that rank `rank` of an engine of `size` tensor-parallel ranks must hold
+    (see the module docstring), and the dtype the engine holds it in. Built once per run; `part` is a view."""
+
+    def __init__(self, model_cfg: ModelSpec, size: int, rank: int) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"engine tensor-parallel rank {rank} of {size} is out of range")
+        heads, groups = model_cfg.num_attention_heads, model_cfg.num_query_groups
+        if size > 1:
+            if model_cfg.mla is not None:
+                raise ValueError(f"multi-latent attention has no tensor-parallel engine (engine TP {size})")
+            if heads % size:
+                raise ValueError(f"num_attention_heads ({heads}) does not divide by the engine's TP size {size}")
+            if groups % size and size % groups:
+                raise ValueError(f"num_key_value_heads ({groups}) neither divides by nor divides engine TP {size}")
+        self.size, self.rank = size, rank
+        self.heads, self.groups, self.head_dim = heads, groups, model_cfg.head_dim
+        self.roles, self.float32 = roles(model_cfg)
+
+    def part(self, name: str, tensor: torch.Tensor, trainer_part: bool = False) -> torch.Tensor:
+        """This rank's part of the streamed `tensor` of HF name `name`: cut from the full tensor, or, with
+        `trainer_part` (a shard-local refit), the tensor as streamed unless it is a vocabulary tensor (those come
+        whole). ValueError: a tensor that is not full where it is cut."""
+        if self.size == 1:
+            return tensor
+        role = self.roles.get(name, Role.WHOLE)
+        if role is Role.WHOLE or (trainer_part and role is not Role.VOCAB):
+            return tensor
+        cut = self._cut(name, role, tuple(tensor.shape))
+        return tensor.narrow(cut.dim, cut.start, cut.size)
+
+    def dtype(self, name: str, default: torch.dtype) -> torch.dtype:
+        """The dtype the engine holds `name` in: float32 where the table keeps it so, else `default` (the policy's)."""
+        return torch.float32 if name in self.float32 else default
+
+    def _cut(self, name: str, role: Role, shape: tuple[int, ...]) -> _Cut:
+        if role in (Role.QUERY, Role.KEY_VALUE):
+            return self._attention_cut(name, role, shape)
+        if role in (Role.GATE, Role.UP):
+            half = shape[0]
+            gate_box, up_box = rank_boxes((2 * half, *shape[1:]), Parallel.GATED_COLUMN, self.size, self.rank)
+            offsets, sizes = gate_box if role is Role.GATE else up_box
+            return _Cut(0, offsets[0] - (half if role is Role.UP else 0), sizes[0])
+        if role is Role.VOCAB:
+            vocab = shape[0]
+            padded = (padded_vocab_size(vocab, 1, self.size), *shape[1:])
+            ((offsets, sizes),) = rank_boxes(padded, Parallel.VOCAB, self.size, self.rank)
+            return _Cut(0, offsets[0], max(0, min(sizes[0], vocab - offsets[0])))
+        if role in (Role.ROW, Role.COLUMN):
+            dim = 1 if role is Role.ROW else 0
+            if len(shape) <= dim:
+                raise ValueError(f"{name}: a {role.value} split needs dim {dim}, got shape {shape}")
+            ((offsets, sizes),) = rank_boxes(shape, _PARALLEL[role], self.size, self.rank)
+            return _Cut(dim, offsets[dim], sizes[dim])
+        raise ValueError(f"{name}: no tensor-parallel reference for {role.value}")
+
+    def _attention_cut(self, name: str, role: Role, shape: tuple[int, ...]) -> _Cut:
+        """The rank's query heads (an equal block), or the KV heads those heads read."""
+        d = self.head_dim
+        count = self.heads if role is Role.QUERY else self.groups
+        if not shape or shape[0] != count * d:
+            raise ValueError(f"{name}: expected the full tensor, {count} heads of {d} rows, got shape {shape}")
+        ((first,), (held,)) = rank_boxes((self.heads,), Parallel.COLUMN, self.size, self.rank)[0]
+        if role is Role.QUERY:
+            return _Cut(0, first * d, held * d)
+        per_group = self.heads // self.groups
+        first_group, last_group = first // per_group, (first + held - 1) // per_group
+        return _Cut(0, first_group * d, (last_group - first_group + 1) * d)
+
+
+_PARALLEL: Mapping[Role, Parallel] = {Role.ROW: Parallel.ROW, Role.COLUMN: Parallel.COLUMN}

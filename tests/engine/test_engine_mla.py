@@ -85,9 +85,12 @@ def test_greedy_tokens_and_logprobs_match_transformers_from_a_latent_cache(name,
 @pytest.mark.parametrize("name", MLA_MODELS)
 def test_triton_latent_decode_and_fast_experts_match_transformers(name, decode, experts, mla_models):
     """The Triton latent decode kernel (`triton_mla`), and DeepSeek-V3's sigmoid router with score bias and groups
-    and its shared expert over the fast expert path (the Triton grouped GEMM), each in Triton's interpreter here."""
+    and its shared expert over the fast expert path (the Triton grouped GEMM): compiled on a GPU (fp32, no TF32),
+    else in Triton's interpreter."""
     directory, model = mla_models[name]
-    engine = Engine.from_pretrained(directory, tiny_engine_config(decode_attention=decode, moe_kernel=experts))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = tiny_engine_config(decode_attention=decode, moe_kernel=experts, device=TRITON_DEVICE)
+    engine = Engine.from_pretrained(directory, config)
     assert (engine.model.decode_kernel, engine.model.moe_kernel) == (decode, experts)
     prompts = random_prompts([3, 9, 14], seed=31)
     for prompt, output in zip(prompts, engine.generate(prompts, GREEDY), strict=True):

@@ -108,6 +108,7 @@ def test_biased_clamped_experts_equal_transformers_gpt_oss_experts(kernel):
         hidden_size=64, intermediate_size=40, num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.6
     )
     hf = GptOssExperts(config)
+    hf.limit = 0.6  # read by every transformers version's forward (some take it from the config, some fix it at 7)
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for p in (hf.gate_up_proj, hf.down_proj, hf.gate_up_proj_bias, hf.down_proj_bias):
@@ -121,7 +122,7 @@ def test_biased_clamped_experts_equal_transformers_gpt_oss_experts(kernel):
     gate_up = torch.cat((hf.gate_up_proj[..., ::2], hf.gate_up_proj[..., 1::2]), dim=2).transpose(1, 2)
     gate_up_bias = torch.cat((hf.gate_up_proj_bias[:, ::2], hf.gate_up_proj_bias[:, 1::2]), dim=1)
     down = hf.down_proj.transpose(1, 2)
-    activation = ExpertActivation(config.swiglu_limit, config.swiglu_alpha)
+    activation = ExpertActivation(hf.limit, hf.alpha)
     with torch.no_grad():
         operands = (x, gate_up.contiguous(), down.contiguous(), weights, chosen)
         options = dict(gate_up_bias=gate_up_bias, down_bias=hf.down_proj_bias, activation=activation)

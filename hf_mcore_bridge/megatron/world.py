@@ -23,6 +23,14 @@ Two ways in:
   (where the shell makes it ignore SIGINT) is stopped by SIGINT all the same. `stop_on_signals` puts the same
   handlers around a caller's own work before the world starts (e.g. converting the policy).
 
+Spawned ranks are forked from a fork server (`multiprocessing`'s forkserver, on Linux) that has imported torch,
+megatron-core and transformers once (`FORKSERVER_PRELOAD`): a rank starts in milliseconds instead of importing them
+again, and ranks share those pages. The fork server is a clean interpreter started once per launcher process (not a
+fork of the launcher: no CUDA context, no threads), so each rank begins as a spawned one would, except that it is
+handed the launcher's environment as it is when the world starts (`os.environ` is copied in, the fork server's own
+being that of its start). It ends with the launcher, and its ranks with it (`PR_SET_PDEATHSIG`). Elsewhere ranks are
+spawned.
+
 Made of torch's own pieces: the ranks are started by `torch.multiprocessing.start_processes` and joined by its
 context (which also turns a rank's exception into `ProcessRaisedException`), a launched world is torchrun's
 env:// protocol. What is written here is the stopping, which torch's context does not do (it stops no rank when
@@ -50,6 +58,7 @@ import torch
 
 from hf_mcore_bridge.convert.layout import Layout, check_world, world_size
 from hf_mcore_bridge.errors import BridgeError, LayoutError, RunStopped, WorldError
+from hf_mcore_bridge.megatron.process_death import die_with_parent
 
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What an env:// launcher (`torchrun`) sets for each rank it starts."""
@@ -58,6 +67,16 @@ STOP_GRACE_S = 5.0
 """Seconds spawned ranks get to end after SIGTERM before SIGKILL."""
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+FORKSERVER_PRELOAD = (
+    "hf_mcore_bridge.megatron.fork_server",  # first: the server dies with its launcher from here on
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "megatron.core",
+    "hf_mcore_bridge.megatron.model",
+)
+"""What the fork server imports before it forks ranks (a module that fails to import is left to each rank)."""
 
 REPORT_GRACE_S = 30.0
 """How long a rank other than global rank 0 waits before it exits after an error every rank meets alike: on rank 0's
@@ -189,12 +208,13 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
     try:
         with stop_on_signals(processes):
             with _sigint_ignored_by_new_ranks():
+                method, parent = _start_method()
                 context = mp.start_processes(
                     _rank_main,
-                    args=(size, _free_port(), os.getpid(), layout, fn, args),
+                    args=(size, _free_port(), os.getpid(), parent, dict(os.environ), layout, fn, args),
                     nprocs=size,
                     join=False,
-                    start_method="spawn",
+                    start_method=method,
                 )
             processes.extend(context.processes)
             while not context.join():
@@ -205,6 +225,18 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
         raise BridgeError(f"a rank failed: {detail}") from None
     except mp.ProcessExitedException as err:
         raise BridgeError(f"a rank died: {err}") from None
+
+
+def _start_method() -> tuple[str, int]:
+    """How ranks start here, and the pid their parent process has: the fork server's on Linux (started now if it
+    is not running), else spawn's (this process)."""
+    if sys.platform != "linux":
+        return "spawn", os.getpid()
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
+    return "forkserver", forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -268,34 +300,43 @@ def _signal_groups(processes: list[Any], signum: int) -> None:
                     os.kill(process.pid, signum)
 
 
-def _follow_launcher(launcher: int) -> None:
-    """Make a spawned rank stoppable by its launcher alone and end with it (see the module docstring)."""
+def _follow_launcher(launcher: int, parent: int) -> None:
+    """Make a spawned rank stoppable by its launcher alone and end with it (see the module docstring): `parent` is
+    the process it was started from (the launcher, or the fork server, which ends with the launcher)."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()
-    if os.getppid() != launcher:  # the launcher died before the line above took effect
+    if os.getppid() != parent or not _alive(launcher):  # it died before the line above took effect
         os._exit(1)
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux's `PR_SET_PDEATHSIG`; elsewhere nothing). Also
-    for helper processes a rank starts (see `grpo.backends.megatron.checkpoint`), which would otherwise outlive a killed
-    rank."""
-    if sys.platform == "linux":
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _rank_main(
-    rank: int, size: int, port: int, launcher: int, layout: Layout | None, fn: Callable[..., None], args: tuple
+    rank: int,
+    size: int,
+    port: int,
+    launcher: int,
+    parent: int,
+    environment: dict[str, str],
+    layout: Layout | None,
+    fn: Callable[..., None],
+    args: tuple,
 ) -> None:
     import torch.distributed as dist
 
-    _follow_launcher(launcher)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _follow_launcher(launcher, parent)
+    os.environ.clear()  # the launcher's, as the world starts (a fork server's own is that of its start)
+    os.environ.update(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())

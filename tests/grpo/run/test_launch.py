@@ -107,13 +107,17 @@ def _running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process
 
 
 def _ranks(launcher: int) -> list[psutil.Process]:
-    """The launcher's spawned rank processes (its children; a rank's own children come and go during saves)."""
+    """The launcher's rank processes: the children of its fork server (`world`'s way on Linux), or its spawned
+    children elsewhere (a rank's own children come and go during saves)."""
     ranks = []
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(launcher).children():
             with contextlib.suppress(psutil.Error):
-                if "spawn_main" in " ".join(child.cmdline()):
+                command = " ".join(child.cmdline())
+                if "spawn_main" in command:
                     ranks.append(child)
+                elif "forkserver" in command:
+                    ranks += child.children()
     return ranks
 
 
@@ -258,8 +262,8 @@ def test_signals_and_kill_stop_every_rank_within_seconds(tmp_path: Path) -> None
     pid_file = tmp_path / "int.pid"
     started: list[psutil.Process] = []
     try:
-        _wait_for(lambda: len(_ranks(term.pid)) == 1, 120, "the SIGTERM run's rank")
-        time.sleep(2)  # well inside the rank's start-up
+        _wait_for(lambda: len(_ranks(term.pid)) == 1, 300, "the SIGTERM run's rank")  # after the fork server's imports
+        time.sleep(0.5)  # well inside the rank's start-up (forked: it imports nothing)
         term_ranks = _ranks(term.pid)
         started += term_ranks
         term.send_signal(signal.SIGTERM)

@@ -6,12 +6,12 @@ through PYTHONPATH; a copy of the tracked files stands for a fresh checkout."""
 from __future__ import annotations
 
 import os
-import site
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from site_standin import system_site
 
 pytestmark = pytest.mark.slow  # three venvs and two pip installs: I/O-bound, tens of seconds
 
@@ -40,23 +40,14 @@ def _setup(checkout: Path, pythonpath: str, **env: str) -> subprocess.CompletedP
     )
 
 
-def _site(directory: Path, leave_out: tuple[str, ...]) -> Path:
-    """A stand-in for the system's site-packages: this venv's entries, but those named `leave_out`."""
-    directory.mkdir()
-    for entry in Path(site.getsitepackages()[0]).iterdir():
-        if not entry.name.startswith(leave_out):
-            (directory / entry.name).symlink_to(entry)
-    return directory
-
-
 def test_setup_keeps_the_system_torch_and_installs_offline(checkout: Path, tmp_path: Path) -> None:
     # the project itself is not installed on the "system" (this venv's editable install would shadow the new one)
-    system = _site(tmp_path / "system", ("hf_mcore_bridge", "__editable__"))
-    without_megatron = _site(tmp_path / "partial", ("hf_mcore_bridge", "__editable__", "megatron"))
-    # no torch anywhere: refused before anything is installed
+    system = system_site(tmp_path / "system", ("hf_mcore_bridge", "__editable__"))
+    without_megatron = system_site(tmp_path / "partial", ("hf_mcore_bridge", "__editable__", "megatron"))
+    # no torch anywhere: refused before anything is installed, the venv included
     bare = _setup(checkout, "", TORCH_SPEC="", EXTRAS="")
-    assert bare.returncode == 2 and "TORCH_SPEC is empty but .venv sees no torch" in bare.stderr
-    (checkout / ".venv").rename(tmp_path / "refused-venv")
+    assert bare.returncode == 2 and f"TORCH_SPEC is empty but {BASE_PYTHON} sees no torch" in bare.stderr
+    assert not (checkout / ".venv").exists()
     # megatron-core neither on the system nor among the wheels: installed, then the missing module is named
     missing = _setup(checkout, str(without_megatron), TORCH_SPEC="", EXTRAS="", WHEELS="wheels")
     assert missing.returncode != 0 and "missing after the offline install: megatron.core" in missing.stderr

@@ -150,8 +150,11 @@ class Option:
     """An option as a command's `--help` lists it."""
 
     takes_value: bool
+    """It takes a value (its help shows a metavar)."""
     choices: tuple[str, ...] | None
+    """The values it accepts, where its help lists them (`<mcore|hf>`, `{spawn,fork}`)."""
     kind: str | None
+    """`int` or `float` where its value must be a number."""
     required: bool
 
 
@@ -237,18 +240,23 @@ def torchrun_help() -> Help:
 
 
 def bridge_help(*path: str) -> Help:
-    """`bridge PATH --help`, parsed. The first call fetches every sub-command's help at once, concurrently."""
-    if not path and not _PREFETCHED:
-        _PREFETCHED.append(True)
-        top = bridge_help()
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            helps = list(pool.map(bridge_help, top.commands))
-            subs = [(group, sub) for group, help in zip(top.commands, helps, strict=True) for sub in help.commands]
-            list(pool.map(lambda path: bridge_help(*path), subs))
-    return parse_help(help_text(sys.executable, "-m", BRIDGE_MODULE, *path))
+    """`bridge PATH --help`, parsed."""
+    _fetch_every_bridge_help()
+    return parse_help(_bridge_help_text(path))
 
 
-_PREFETCHED: list[bool] = []
+def _bridge_help_text(path: tuple[str, ...]) -> str:
+    return help_text(sys.executable, "-m", BRIDGE_MODULE, *path)
+
+
+@functools.cache
+def _fetch_every_bridge_help() -> None:
+    """Every sub-command's `--help` at once, the subprocesses side by side (then cached by `help_text`)."""
+    top = parse_help(_bridge_help_text(()))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        helps = [parse_help(text) for text in pool.map(lambda name: _bridge_help_text((name,)), top.commands)]
+        subs = [(group, sub) for group, help in zip(top.commands, helps, strict=True) for sub in help.commands]
+        list(pool.map(_bridge_help_text, subs))
 
 
 class ShellChecker:

@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MISSING = [
-    name
-    for name in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
-    if importlib.util.find_spec(name.split(".")[0]) is None
-    or (name == "mkdocstrings_handlers.python" and importlib.util.find_spec(name) is None)
-]
+
+
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # its parent package is absent
+        return True
+
+
+MISSING = [name for name in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python") if _absent(name)]
 pytestmark = pytest.mark.skipif(
     bool(MISSING), reason=f"the docs extra is not installed ({', '.join(MISSING)} missing): pip install -e '.[docs]'"
 )

@@ -1,11 +1,11 @@
 """The package layering, checked on the source: no import runs up the layers, and no module imports itself round a
 circle of other modules.
 
-Layers, lowest first (README, "The code"): the package root's base modules (errors, progress, quiet), `checkpoint`
+Layers, lowest first (docs/code-layout.md): the package root's base modules (errors, progress, quiet), `checkpoint`
 (files), `models` with the architecture files in `mappings/` (what a model is), then `convert` and `engine` side by
-side (the engine imports neither `convert` nor megatron-core), `megatron` (on `convert`), `grpo`, and the commands
-(`cli`, `demo`). Every import counts, including those inside functions; only imports under `if TYPE_CHECKING:`
-(type-only) are exempt.
+side (the engine imports neither `convert` nor megatron-core), `megatron` (on `convert`), `bridge` (the public API,
+on `megatron`), `grpo`, and the commands (`cli`, `demo`). Every import counts, including those inside functions;
+only imports under `if TYPE_CHECKING:` (type-only) are exempt.
 
 Inside `grpo`, the same by role, lowest first: its configuration error (`grpo.errors`), the algorithm's pure
 functions (`algorithm`), then data and rewards (`data`) and the backend-neutral refit with its checks (`refit`) side

@@ -250,9 +250,9 @@ class ClusterConfig:
     `gpus_per_node x num_nodes / (TP x PP x CP)`. None: TP x PP x CP x EP ranks (data parallel only as wide as EP
     needs)."""
     num_nodes: int = 1
-    """Hosts the run spans. Above 1 the run is started by a launcher on every node (`torchrun`, see README) with
-    `gpus_per_node` ranks each, and `logger.log_dir` and `checkpointing.checkpoint_dir` must be on storage that
-    every node mounts at the same path."""
+    """Hosts the run spans. Above 1 the run is started by a launcher on every node (`torchrun`, see
+    docs/scale-out.md) with `gpus_per_node` ranks each, and `logger.log_dir` and `checkpointing.checkpoint_dir` must
+    be on storage that every node mounts at the same path."""
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def check_start(config: GRPOConfig, dims: ParallelDims) -> None:
     if launched_world() is None and cluster.num_nodes > 1:
         raise GRPOConfigError(
             f"cluster.num_nodes={cluster.num_nodes}: a multi-node run is started by a launcher on every node"
-            " (torchrun --nnodes ..., see README), not spawned from one"
+            " (torchrun --nnodes ..., see docs/scale-out.md), not spawned from one"
         )
 
 

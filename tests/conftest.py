@@ -42,11 +42,20 @@ EXTENDED = {
 """Tests marked `extended` here, beside those whose file marks them (pyproject's `markers` says what it means)."""
 
 
+FAST_WORLDS: set[str] = set()
+"""Multi-process (`slow`) tests kept in the fast tier: together they start a world for every parallel dimension."""
+
+HEAVY = ("slow", "extended")
+"""Marks that keep a test out of the fast tier (unless `FAST_WORLDS` names it)."""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid in EXTENDED:
             item.add_marker(pytest.mark.extended)
+        if item.nodeid in FAST_WORLDS or not any(item.get_closest_marker(name) for name in HEAVY):
+            item.add_marker(pytest.mark.fast)
 
 
 quiet_libraries()

@@ -207,8 +207,11 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
     processes: list[Any] = []  # filled once started; the handlers are in place before the first rank starts
     try:
         with stop_on_signals(processes):
-            with _sigint_ignored_by_new_ranks():
+            with _sigint_ignored_by_new_ranks():  # the fork server, if started now, ignores SIGINT from its start
                 method, parent = _start_method()
+            if method == "forkserver":
+                _wait_for_fork_server()  # its imports take seconds: a Ctrl-C meanwhile stops the launcher
+            with _sigint_ignored_by_new_ranks():
                 context = mp.start_processes(
                     _rank_main,
                     args=(size, _free_port(), os.getpid(), parent, dict(os.environ), layout, fn, args),
@@ -237,6 +240,20 @@ def _start_method() -> tuple[str, int]:
     forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     forkserver.ensure_running()
     return "forkserver", forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+
+
+def _wait_for_fork_server() -> None:
+    """Return once the fork server has done its imports and forks: one process forked through it that exits at
+    once. Waited for with the launcher's own SIGINT and SIGTERM handlers in place (`stop_on_signals`)."""
+    import multiprocessing
+
+    probe = multiprocessing.get_context("forkserver").Process(target=_exit_at_once, daemon=True)
+    probe.start()
+    probe.join()
+
+
+def _exit_at_once() -> None:
+    os._exit(0)
 
 
 @contextlib.contextmanager
@@ -338,6 +355,8 @@ def _rank_main(
     os.environ.clear()  # the launcher's, as the world starts (a fork server's own is that of its start)
     os.environ.update(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
+    if not cuda and "OMP_NUM_THREADS" not in environment:  # the host's cores shared out, not each rank taking all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)

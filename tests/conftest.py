@@ -42,8 +42,29 @@ EXTENDED = {
 """Tests marked `extended` here, beside those whose file marks them (pyproject's `markers` says what it means)."""
 
 
-FAST_WORLDS: set[str] = set()
-"""Multi-process (`slow`) tests kept in the fast tier: together they start a world for every parallel dimension."""
+FAST_WORLDS = {
+    "tests/megatron/test_parity.py::test_logit_parity_through_megatron_core[tp2pp2]",  # every dense architecture
+    "tests/megatron/test_parity.py::test_logit_parity_through_megatron_core[tp1cp2]",
+    "tests/convert/test_moe.py::test_moe_logit_parity_through_megatron_core[tp2ep2]",  # every MoE architecture
+    "tests/bridge/test_layouts.py::test_ep2",
+    "tests/engine/test_engine_tp.py::test_tensor_parallel_engine_in_a_two_rank_world",
+    "tests/grpo/refit/test_refit_checks.py::test_a_corrupted_refit_stops_the_run_at_the_first_step[tp1-qk]",
+    "tests/grpo/backends/megatron/test_dp_cp_step.py::test_dp2_cp2_step_matches_hf_reference",
+    "tests/grpo/backends/dtensor/test_dtensor.py::test_grpo_first_step_invariants_and_refit",
+    "tests/cli/test_cli_matrix.py::test_verify_fail_exits_1_without_an_internal_error",
+}
+"""Multi-process (`slow`) tests kept in the fast tier: together they start a world for every parallel dimension
+(TP, PP, CP, EP, DP), the bridge API, the engine at TP2, a GRPO step on each backend and `bridge verify`."""
+
+FULL_ONLY = {
+    "tests/megatron/test_real_model.py::test_real_model_converts_to_tp3_pp2_and_back_bit_exact",
+    "tests/convert/test_legacy_format.py::test_legacy_round_trip_is_bit_exact[bf16-tp4pp1]",  # tp2pp2 in the tier
+    "tests/convert/test_moe.py::test_moe_round_trips_are_bit_exact[tp2ep2]",  # ep2 and pp2ep2 in the tier
+    "tests/engine/test_bench_script.py::test_bench_moe_generation_refuses_bad_arguments_in_one_line",
+    "tests/engine/test_bench_script.py::test_bench_moe_generation_tiny_runs_on_cpu[qwen3-30b-a3b-triton-gather]",
+    "tests/engine/test_bench_script.py::test_bench_moe_generation_tiny_runs_on_cpu[deepseek-v3-exact-triton]",
+}
+"""Single-process tests long enough (15-30 s each) to leave to `--all`; the tier keeps a sibling of each."""
 
 HEAVY = ("slow", "extended")
 """Marks that keep a test out of the fast tier (unless `FAST_WORLDS` names it)."""
@@ -54,6 +75,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid in EXTENDED:
             item.add_marker(pytest.mark.extended)
+        if item.nodeid in FULL_ONLY:
+            continue
         if item.nodeid in FAST_WORLDS or not any(item.get_closest_marker(name) for name in HEAVY):
             item.add_marker(pytest.mark.fast)
 

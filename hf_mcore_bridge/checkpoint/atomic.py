@@ -49,16 +49,19 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """While the body runs (in the main thread), SIGTERM raises `Terminated` as SIGINT raises `KeyboardInterrupt`;
-    the previous handler is put back after. Elsewhere than in the main thread, where no handler can be set, a no-op."""
+    """While the body runs (in the main thread), SIGTERM raises `Terminated` and SIGINT `KeyboardInterrupt`, also in
+    a process started ignoring SIGINT (a background job of a script); the previous handlers are put back after.
+    Elsewhere than in the main thread, where no handler can be set, a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 @contextmanager

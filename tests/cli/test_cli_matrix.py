@@ -779,14 +779,29 @@ def _wait_for_library(pid: int, name: str, timeout: float = 120.0) -> None:
     raise AssertionError(f"process {pid} ended or did not load {name} within {timeout:.0f} s")
 
 
-@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["term", "int"])
-def test_a_signal_while_export_loads_ends_it_with_its_cleanup(workspace, signum, status):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "background"),
+    [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, False), (signal.SIGINT, 130, True)],
+    ids=["term", "int", "int-background"],
+)
+def test_a_signal_while_export_loads_ends_it_with_its_cleanup(workspace, signum, status, background):
     """SIGTERM (or Ctrl-C) while `export` is still loading its libraries, before its output exists: the status a
-    shell reports for the signal (not death by it: -15 to the parent), the one line, and nothing left behind."""
+    shell reports for the signal (not death by it: -15 to the parent), the one line, and nothing left behind. Also
+    SIGINT to an export started ignoring it, as a script's background job is."""
     before = snapshot(workspace)
     bridge = Path(sys.executable).parent / "bridge"
     command = [str(bridge), "export", str(workspace / "mcore"), str(workspace / "out")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint if background else None,
+    )
     try:
         _wait_for_library(process.pid, "libtorch")
         process.send_signal(signum)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,10 +80,22 @@ class _App(typer.Typer):
             return super().__call__(*args, **kwargs)
         except SystemExit as done:
             if _state["skip_teardown"] and done.code in (0, None):
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
+                _exit_now(0)
             raise
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's teardown, after what of it leaves files behind: the output
+    streams are flushed and `multiprocessing`'s scratch directory (`pymp-*` in TMPDIR, which holds the fork
+    server's socket once ranks were started) is removed, as its exit handler would have."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        scratch = process.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    os._exit(code)
 
 
 app = _App(
@@ -191,10 +204,8 @@ def _run(action: Callable[[], T], *, writes: bool = False) -> T:
         _fail(err)
     except RunStopped as stopped:  # a signal stopped the ranks; the message says what was saved
         typer.secho(str(stopped), err=True, fg=typer.colors.RED)
-        sys.stdout.flush()
-        sys.stderr.flush()
         # asked to stop: skip the interpreter's teardown, seconds long with torch and megatron-core loaded
-        os._exit(stopped.exit_code)
+        _exit_now(stopped.exit_code)
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM while an output is written (atomic.Terminated: 143)
         typer.secho("interrupted; nothing was written to the destination", err=True, fg=typer.colors.RED)
         raise typer.Exit(getattr(err, "exit_code", 130)) from None

@@ -95,8 +95,8 @@ def _checked(value: Any, index: int) -> float:
 
 def _worker_main(conn: Connection, fn: RewardFn, timeout_s: float) -> None:
     """A scoring worker: warm up, say so, then score `(index, completion, answer)` messages until `None`. It dies
-    with the rank that started it (`world.die_with_parent`), also when that rank is killed."""
-    from hf_mcore_bridge.megatron.world import die_with_parent
+    with the rank that started it (`process_death.die_with_parent`), also when that rank is killed."""
+    from hf_mcore_bridge.megatron.process_death import die_with_parent
 
     die_with_parent()
     with contextlib.suppress(Exception):  # a broken reward is reported by the first real sample, with its index

@@ -94,7 +94,7 @@ def _write_results_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from hf_mcore_bridge.megatron.world import die_with_parent
+    from hf_mcore_bridge.megatron.process_death import die_with_parent
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))

@@ -57,7 +57,14 @@ from random_checkpoint import SHAPES
 from roofline import H200_BYTES_PER_S
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, read_spec
-from hf_mcore_bridge.engine.fused_moe import Tiles, fused_experts, grouped_mm_experts
+from hf_mcore_bridge.engine.fused_moe import (
+    SILU,
+    Tiles,
+    fused_experts,
+    grouped_gemm,
+    grouped_mm_experts,
+    sort_by_expert,
+)
 from hf_mcore_bridge.engine.kv_cache import blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, Experts, SparseMoe, route, routed_experts
 from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
@@ -74,15 +81,14 @@ MODELS: dict[str, tuple[dict[str, Any], int]] = {
 }
 """Shape name -> (its full-depth HF config, the default `--layers` on one H200)."""
 TINY_LAYERS = 3
-SWEEP_TILES = (
-    Tiles(16, 64, 128, 4, 3),
-    Tiles(16, 64, 64, 4, 4),
-    Tiles(16, 128, 128, 4, 3),
-    Tiles(16, 32, 128, 4, 4),
-    Tiles(16, 64, 256, 4, 3),
-    Tiles(16, 128, 64, 8, 4),
+SWEEP_TILES = tuple(
+    Tiles(16, block_n, block_k, warps, stages)
+    for block_n, block_k in ((32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128))
+    for warps in (4, 8)
+    for stages in (3, 4, 5)
 )
-"""Triton tiles timed by `--sweep-tiles` (block_m 16: the decode batch gives each expert a few rows)."""
+"""Triton tiles timed by `--sweep-tiles`, for each of the two products alone (block_m 16: the decode batch gives
+each expert a few rows)."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -294,9 +300,11 @@ def profile_steps(engine: Engine, sizes: Sizes, rows: int, contexts: list[int]) 
     return records
 
 
-def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> list[dict[str, Any]]:
-    """One MoE layer's routed experts at `rows` tokens (hidden states random, routed by the layer's own router),
-    per kernel and Triton tile, against the bound of the experts they touch."""
+def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> dict[str, Any]:
+    """One MoE layer's routed experts at `rows` tokens (hidden states random, routed by the layer's own router):
+    the whole layer per expert kernel (default tiles), then, on CUDA, the sort and each Triton product alone per
+    tile of `SWEEP_TILES`, each beside the bound of the experts they touch; the best tile of each product, and
+    the layer with both best tiles."""
     layer = next(m for m in engine.model.modules() if isinstance(m, SparseMoe))
     experts = layer.experts
     moe = layer.moe
@@ -309,22 +317,65 @@ def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> list[dict[str, Any]]
     if engine.device.type == "cuda" and x.dtype == torch.bfloat16:
         runs["grouped_mm"] = lambda: grouped_mm_experts(*args)
     if engine.device.type == "cuda":
-        runs |= {f"triton {asdict(t)}": lambda t=t: fused_experts(*args, tiles=t) for t in SWEEP_TILES}
+        runs["triton, default tiles"] = lambda: fused_experts(*args)
     print(
         f"one MoE layer's experts at {rows} rows: {touched} of {sizes.experts_per_layer} touched, "
         f"bound {bound_ms:.3f} ms"
     )
-    records = []
-    for name, run in runs.items():
-        try:
-            with torch.inference_mode():
-                ms = time_ms(run, engine.device)
-        except Exception as err:  # a tile Triton cannot compile here: reported, the sweep goes on
-            print(f"  {name}: error: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}")
-            continue
-        print(f"  {name:<90}{ms:>9.3f} ms {ms / bound_ms:>8.2f}x bound")
-        records.append({"kernel": name, "ms": ms, "bound_ms": bound_ms})
-    return records
+    layer_records = [_timed_record(name, run, bound_ms, engine.device) for name, run in runs.items()]
+    record: dict[str, Any] = {"touched": touched, "bound_ms": bound_ms, "layer": [r for r in layer_records if r]}
+    if engine.device.type != "cuda":
+        return record
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    width, hidden, top_k = down.shape[2], x.shape[1], chosen.shape[1]
+    order = sort_by_expert(chosen, gate_up.shape[0], 16)
+    sort = _timed_record("sort by expert", lambda: sort_by_expert(chosen, gate_up.shape[0], 16), None, engine.device)
+    act = torch.empty(rows * top_k, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
+    flat = weights.flatten()
+    products: dict[str, tuple[float, Callable[[Tiles], Any]]] = {
+        "gate_up": (
+            bound_ms * 2 / 3,
+            lambda t: grouped_gemm(x, gate_up, None, act, None, order, t, top_k, width, hidden, SILU),
+        ),
+        "down": (bound_ms / 3, lambda t: grouped_gemm(act, down, None, out, flat, order, t, 1, hidden, width, SILU)),
+    }
+    best: dict[str, Tiles] = {}
+    for product, (product_bound, launch) in products.items():
+        print(f"  {product} alone, bound {product_bound:.3f} ms:")
+        timings = []
+        for tiles in SWEEP_TILES:
+            timed_record = _timed_record(
+                f"    {asdict(tiles)}", lambda t=tiles, go=launch: go(t), product_bound, engine.device
+            )
+            if timed_record:
+                timings.append((timed_record["ms"], tiles, timed_record))
+        best[product] = min(timings, key=lambda t: t[0])[1]
+        record[product] = [t[2] for t in timings]
+        print(f"  best {product}: {asdict(best[product])}")
+    both = _timed_record(
+        "layer, both best tiles",
+        lambda: fused_experts(*args, tiles=best["gate_up"], down_tiles=best["down"]),
+        bound_ms,
+        engine.device,
+    )
+    return record | {"sort": sort, "best": {k: asdict(v) for k, v in best.items()}, "layer_best": both}
+
+
+def _timed_record(
+    name: str, run: Callable[[], Any], bound_ms: float | None, device: torch.device
+) -> dict[str, Any] | None:
+    """`run` timed (`time_ms`) and printed beside `bound_ms`; None where it fails (a tile Triton cannot compile
+    here: reported, the sweep goes on)."""
+    try:
+        with torch.inference_mode():
+            ms = time_ms(run, device)
+    except Exception as err:
+        print(f"  {name}: error: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}")
+        return None
+    ratio = f"{ms / bound_ms:>8.2f}x bound" if bound_ms else ""
+    print(f"  {name:<90}{ms:>9.3f} ms {ratio}")
+    return {"kernel": name.strip(), "ms": ms, "bound_ms": bound_ms}
 
 
 def fits(config: dict[str, Any], engine_config: EngineConfig, device: torch.device) -> None:

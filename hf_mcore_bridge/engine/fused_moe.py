@@ -94,6 +94,8 @@ class Tiles:
 DECODE_TILES = Tiles(16, 64, 128, num_warps=4, num_stages=3)
 """Few rows per expert (decode): the smallest row block, so that an expert's weights are read once per tile of
 columns with little padding (the step is bound by the weights' bytes)."""
+DECODE_DOWN_TILES = DECODE_TILES
+"""The down product's tile at decode (its depth is the expert width, often a few hundred)."""
 PREFILL_TILES = Tiles(64, 128, 64, num_warps=8, num_stages=3)
 """Many rows per expert (prefill): larger row blocks, each weight tile reused over 64 rows."""
 FLOAT32_BLOCK_K = 32
@@ -103,13 +105,15 @@ INTERPRETER_TILES = Tiles(16, 64, 64)
 """Triton's interpreter (CPU tests): few programs (each costs milliseconds there), few wasted rows."""
 
 
-def default_tiles(pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> Tiles:
-    """The tile for `pairs` (token, expert) pairs over `num_experts` experts: `DECODE_TILES` where experts get
-    fewer than 16 rows on average, else `PREFILL_TILES` (vLLM's default rule, M <= E), with `FLOAT32_BLOCK_K` for
-    float32 operands; `INTERPRETER_TILES` in Triton's interpreter."""
+def default_tiles(pairs: int, num_experts: int, dtype: torch.dtype = torch.bfloat16, down: bool = False) -> Tiles:
+    """The tile for `pairs` (token, expert) pairs over `num_experts` experts: `DECODE_TILES` (`DECODE_DOWN_TILES`
+    for the down product, `down`) where experts get fewer than 16 rows on average, else `PREFILL_TILES` (vLLM's
+    default rule, M <= E), with `FLOAT32_BLOCK_K` for float32 operands; `INTERPRETER_TILES` in Triton's
+    interpreter."""
     if interpreted():
         return INTERPRETER_TILES
-    tiles = DECODE_TILES if pairs <= 16 * num_experts else PREFILL_TILES
+    decode = DECODE_DOWN_TILES if down else DECODE_TILES
+    tiles = decode if pairs <= 16 * num_experts else PREFILL_TILES
     return replace(tiles, block_k=FLOAT32_BLOCK_K) if dtype.itemsize > 2 else tiles
 
 
@@ -204,9 +208,11 @@ def fused_experts(
     down_bias: torch.Tensor | None = None,
     activation: ExpertActivation = SILU,
     tiles: Tiles | None = None,
+    down_tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Sum over each token's experts of weight * (down(act(gate_up(x) + gate_up_bias)) + down_bias), through the
-    Triton grouped GEMM; [T, H] in x's dtype.
+    Triton grouped GEMM; [T, H] in x's dtype. `tiles` for the gate/up product and `down_tiles` for the down
+    product (same `block_m`; default: `default_tiles`, and `tiles` for both where only it is given).
 
     x: [T, H]; gate_up: [E, 2F, H]; down: [E, H, F]; weights, experts: [T, k]; biases [E, 2F] and [E, H].
     """
@@ -214,17 +220,23 @@ def fused_experts(
     num_experts, width = gate_up.shape[0], down.shape[2]
     top_k = experts.shape[1]
     if tiles is None:
-        tiles = default_tiles(tokens * top_k, num_experts, x.dtype)
+        tiles, down_tiles = (
+            default_tiles(tokens * top_k, num_experts, x.dtype),
+            down_tiles or default_tiles(tokens * top_k, num_experts, x.dtype, down=True),
+        )
+    down_tiles = down_tiles or tiles
+    if down_tiles.block_m != tiles.block_m:
+        raise ValueError(f"both products sort by one block_m: {tiles.block_m} and {down_tiles.block_m}")
     order = sort_by_expert(experts, num_experts, tiles.block_m)
     x = x.contiguous()
     hidden_act = torch.empty(tokens * top_k, width, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, gate_up_bias, hidden_act, None, order, tiles, top_k, width, hidden, activation)
+    grouped_gemm(x, gate_up, gate_up_bias, hidden_act, None, order, tiles, top_k, width, hidden, activation)
     per_pair = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _launch(hidden_act, down, down_bias, per_pair, weights.flatten(), order, tiles, 1, hidden, width, SILU)
+    grouped_gemm(hidden_act, down, down_bias, per_pair, weights.flatten(), order, down_tiles, 1, hidden, width, SILU)
     return per_pair.view(tokens, top_k, hidden).sum(dim=1)
 
 
-def _launch(
+def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     bias: torch.Tensor | None,
@@ -273,6 +285,8 @@ def _launch(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0,
+        EVEN_N=n % tiles.block_n == 0,
         DOT_FP32=fp32 or interpret,
         PRECISION="ieee" if fp32 else None,  # no TF32 for float32 models
         **({} if interpret else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}),

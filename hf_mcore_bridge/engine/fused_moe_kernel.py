@@ -40,6 +40,8 @@ def fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -62,14 +64,21 @@ def fused_moe_kernel(
         ks = start + depth
         k_ok = ks < K
         a = tl.load(a_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        b = tl.load(b_base + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
+        if EVEN_K and EVEN_N:  # no mask on the weights: their loads vectorize fully
+            b = tl.load(b_base + ks[:, None] * stride_bk)
+        else:
+            b_mask = k_ok[:, None] & col_ok[None, :]
+            b = tl.load(b_base + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc += tl.dot(a, b, input_precision=PRECISION)
         if GATED:  # the up rows sit N rows after the gate rows of the same expert
-            b_up = tl.load(b_base + N * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
+            up_base = b_base + N * stride_bn + ks[:, None] * stride_bk
+            if EVEN_K and EVEN_N:
+                b_up = tl.load(up_base)
+            else:
+                b_up = tl.load(up_base, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if DOT_FP32:
                 b_up = b_up.to(tl.float32)
             acc_up += tl.dot(a, b_up, input_precision=PRECISION)

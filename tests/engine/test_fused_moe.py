@@ -85,6 +85,23 @@ def test_fast_paths_equal_the_exact_path_in_float32(kernel, case, activation, bi
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "tiles, down_tiles",
+    [(Tiles(16, 16, 32), Tiles(16, 64, 32)), (Tiles(16, 64, 32), Tiles(16, 32, 16))],
+    ids=["unmasked-gate_up", "unmasked-down"],
+)
+def test_each_product_takes_its_own_tile_with_and_without_masks(tiles, down_tiles):
+    """The Triton kernel with a tile for each product: a tile that divides its product's depth and columns loads
+    the weights unmasked (`EVEN_K`, `EVEN_N`), the other masked (the decode case: hidden 64, width 48)."""
+    x, gate_up, down, gate_up_bias, down_bias, weights, chosen = _case(*CASES["decode"])
+    options = dict(gate_up_bias=gate_up_bias, down_bias=down_bias)
+    expected = routed_experts(x, gate_up, down, weights, chosen, **options)
+    got = _call("triton", x, gate_up, down, weights, chosen, tiles=tiles, down_tiles=down_tiles, **options)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="one block_m"):
+        _call("triton", x, gate_up, down, weights, chosen, tiles=tiles, down_tiles=Tiles(32, 16, 16))
+
+
 def test_grouped_mm_in_bfloat16_stays_within_the_exact_paths_rounding():
     """bf16 operands: both paths against a float64 product of the same operands; the fast path is no further from
     it than the exact path. (The Triton kernel's bf16 check runs on the GPU, `test_engine_gpu.py`: Triton's
@@ -231,7 +248,7 @@ def test_a_fast_moe_decode_step_needs_no_host_values(name, monkeypatch):
         assert order.sorted_pairs.device.type == "meta" and out.device.type == "meta"
         grids.append((order.block_expert.numel(), -(-n // tiles.block_n)))
 
-    monkeypatch.setattr(fused_moe, "_launch", record)
+    monkeypatch.setattr(fused_moe, "grouped_gemm", record)
     assert _meta_decode_step(spec, "triton", rows=5).shape == (5, spec.vocab_size)
     pairs = 5 * spec.moe.topk
     tiles = fused_moe.default_tiles(pairs, spec.moe.num_experts, torch.bfloat16)

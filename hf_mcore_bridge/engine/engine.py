@@ -151,11 +151,13 @@ class EngineConfig:
     fused_rope: bool = False
     """With the Triton decode kernel, rotate q and k and write k and v into the cache in one Triton kernel a layer
     (`triton_rope`) instead of the compiled rotary kernel and two cache copies (models without per-head q/k
-    norms). Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
+    norms). Off by default: its GPU tests pass on the H200 (`tests/engine/test_engine_gpu.py`), but it has not been
+    timed against the default there."""
     fused_sampler: bool | None = False
     """Sample untruncated batches (no top-k / top-p) with one Triton kernel that reads the logits once
     (`triton_sampling`) instead of the compiled torch sampler; None: on CUDA devices where Triton is installed.
-    Off by default: tested in Triton's interpreter, not yet timed or run on a GPU."""
+    Off by default although faster on the H200 (121 against 171 us for [512, 128256] logits, tokens equal on every
+    row; `docs/PERFORMANCE.md`): it has been timed on one shape only."""
     moe_kernel: str = "auto"
     """The routed experts of a mixture-of-experts model: `exact` (the per-expert loop, `model.routed_experts`: a
     host sync per layer, so no CUDA graphs), `triton` (tokens sorted by expert on the device, then a Triton grouped

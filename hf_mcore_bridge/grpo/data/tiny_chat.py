@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 from hf_mcore_bridge.models.tiny_models import build_tiny_model
@@ -79,10 +78,20 @@ def write_recipe(out: Path) -> Path:
     return out
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m hf_mcore_bridge.grpo.data.tiny_chat OUT_DIR")
-    target = Path(sys.argv[1])
-    if target.exists() and any(target.iterdir()):
-        sys.exit(f"{target} is not empty; give a new directory")
+def main(argv: list[str] | None = None) -> None:
+    """The command line: one argument, a directory that is new or empty; bad arguments are one line, exit 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_mcore_bridge.grpo.data.tiny_chat",
+        description="Write the tiny chat model, its data and a GRPO recipe that trains it into OUT_DIR.",
+    )
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new or empty directory")
+    target = parser.parse_args(argv).out_dir
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        parser.exit(2, f"error: {target} is not an empty directory; give a new one\n")
     print(write_recipe(target))
+
+
+if __name__ == "__main__":
+    main()

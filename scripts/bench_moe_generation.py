@@ -16,8 +16,12 @@ exactly `--max-new-tokens` (4096) new tokens (no stop token), temperature 1. Pri
   so the mean step's bound is the run's mean); and the measured step over that bound (the goal: within 2x);
 - decode steps of the same batch at three contexts (random tokens over the cache the run left, CUDA-graph replay
   on CUDA), each beside its own bound with the distinct experts it touched;
-- `--sweep-tiles`: one MoE layer's routed experts alone at the batch's rows, for each expert kernel and a few
-  Triton tiles, beside the bound of the experts they touch (to choose `fused_moe`'s default tiles).
+- `--sweep-tiles`: one MoE layer's routed experts alone at the batch's rows, for each expert kernel (the Triton one
+  with either sort by expert) and a few Triton tiles, beside the bound of the experts they touch (to choose
+  `fused_moe`'s default tiles), and each sort by expert alone (`expert_sort`: torch ops, or one Triton kernel).
+
+`--moe-sort triton` runs the fast MoE kernels' sort by expert as one Triton kernel a layer (`EngineConfig.moe_sort`,
+opt-in until timed here; compare the run's decode step with the default `torch` run's).
 
 Shapes (each from its published config.json; `--layers` below the full depth where the model does not fit):
 - `qwen3-30b-a3b` (default `--layers` 48, all): Qwen3-30B-A3B, 128 experts of width 768, top-8; 61 GB in bf16.
@@ -32,6 +36,7 @@ On the GPU machine, in the project's environment (`TORCH_SPEC= EXTRAS= bash scri
     python scripts/bench_moe_generation.py glm4.5-air --json OUT/moe_glm.json
     python scripts/bench_moe_generation.py deepseek-v3 --json OUT/moe_ds.json
     python scripts/bench_moe_generation.py qwen3-30b-a3b --layers 4 --max-new-tokens 256 --sweep-tiles
+    python scripts/bench_moe_generation.py qwen3-30b-a3b --moe-sort triton --json OUT/moe_qwen3_triton_sort.json
 
 `--tiny --device cpu` runs the same plumbing on the architecture's tiny test shape (a smoke test; its figures mean
 nothing). A shape that does not fit the device is refused before anything is allocated.
@@ -57,17 +62,17 @@ from random_checkpoint import SHAPES
 from roofline import H200_BYTES_PER_S
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, read_spec
+from hf_mcore_bridge.engine.expert_sort import sort_experts
 from hf_mcore_bridge.engine.fused_moe import (
     SILU,
     Tiles,
     fused_experts,
     grouped_gemm,
     grouped_mm_experts,
-    sort_by_expert,
 )
 from hf_mcore_bridge.engine.kv_cache import blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, Experts, SparseMoe, route, routed_experts
-from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
+from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS, MOE_SORTS
 from hf_mcore_bridge.engine.scheduler import DecodeStep
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
@@ -108,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--moe-kernel", default="auto", choices=("auto", *MOE_KERNELS))
+    parser.add_argument("--moe-sort", default="torch", choices=MOE_SORTS, help="the fast kernels' sort by expert")
     parser.add_argument("--decode-attention", default="auto", choices=("auto", *DECODE_KERNELS))
     parser.add_argument("--tiles", help="the Triton kernel's tile: block_m,block_n,block_k,warps,stages")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -302,9 +308,9 @@ def profile_steps(engine: Engine, sizes: Sizes, rows: int, contexts: list[int]) 
 
 def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> dict[str, Any]:
     """One MoE layer's routed experts at `rows` tokens (hidden states random, routed by the layer's own router):
-    the whole layer per expert kernel (default tiles), then, on CUDA, the sort and each Triton product alone per
-    tile of `SWEEP_TILES`, each beside the bound of the experts they touch; the best tile of each product, and
-    the layer with both best tiles."""
+    the whole layer per expert kernel (default tiles; the Triton one with each sort by expert), then, on CUDA,
+    each sort alone (`MOE_SORTS`) and each Triton product alone per tile of `SWEEP_TILES`, each beside the bound
+    of the experts they touch; the best tile of each product, and the layer with both best tiles."""
     layer = next(m for m in engine.model.modules() if isinstance(m, SparseMoe))
     experts = layer.experts
     moe = layer.moe
@@ -317,7 +323,8 @@ def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> dict[str, Any]:
     if engine.device.type == "cuda" and x.dtype == torch.bfloat16:
         runs["grouped_mm"] = lambda: grouped_mm_experts(*args)
     if engine.device.type == "cuda":
-        runs["triton, default tiles"] = lambda: fused_experts(*args)
+        for method in MOE_SORTS:
+            runs[f"triton, default tiles, {method} sort"] = lambda m=method: fused_experts(*args, sort=m)
     print(
         f"one MoE layer's experts at {rows} rows: {touched} of {sizes.experts_per_layer} touched, "
         f"bound {bound_ms:.3f} ms"
@@ -328,8 +335,16 @@ def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> dict[str, Any]:
         return record
     gate_up, down = experts.gate_up_proj, experts.down_proj
     width, hidden, top_k = down.shape[2], x.shape[1], chosen.shape[1]
-    order = sort_by_expert(chosen, gate_up.shape[0], 16)
-    sort = _timed_record("sort by expert", lambda: sort_by_expert(chosen, gate_up.shape[0], 16), None, engine.device)
+    order = sort_experts(chosen, gate_up.shape[0], 16)
+    sorts = {
+        method: _timed_record(
+            f"sort by expert ({method})",
+            lambda m=method: sort_experts(chosen, gate_up.shape[0], 16, m),
+            None,
+            engine.device,
+        )
+        for method in MOE_SORTS
+    }
     act = torch.empty(rows * top_k, width, dtype=x.dtype, device=x.device)
     out = torch.empty(rows * top_k, hidden, dtype=x.dtype, device=x.device)
     flat = weights.flatten()
@@ -359,7 +374,7 @@ def sweep_tiles(engine: Engine, sizes: Sizes, rows: int) -> dict[str, Any]:
         bound_ms,
         engine.device,
     )
-    return record | {"sort": sort, "best": {k: asdict(v) for k, v in best.items()}, "layer_best": both}
+    return record | {"sort": sorts, "best": {k: asdict(v) for k, v in best.items()}, "layer_best": both}
 
 
 def _timed_record(
@@ -417,6 +432,7 @@ def build_engine(args: argparse.Namespace, config: dict[str, Any]) -> Engine:
         max_num_batched_tokens=max(8192, max_model_len, args.prompts * args.prompt_tokens),
         use_cuda_graphs=not args.no_cuda_graphs,
         moe_kernel=args.moe_kernel,
+        moe_sort=args.moe_sort,
         decode_attention=args.decode_attention,
     )
     fits(config, engine_config, device)
@@ -514,11 +530,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{name}: {config['num_hidden_layers']} layers, {sizes.weight_bytes / 1e9:.2f} GB of weights "
         f"({sizes.moe_layers} MoE layers of {sizes.experts_per_layer} experts, {sizes.expert_bytes / 1e6:.1f} MB "
         f"each; dense {sizes.dense_bytes / 1e9:.2f} GB), drawn on {device.type} in {load_s:.1f} s; "
-        f"experts through {engine.model.moe_kernel}, decode attention {engine.model.decode_kernel}; KV cache "
+        f"experts through {engine.model.moe_kernel} ({engine.model.moe_sort} sort), decode attention "
+        f"{engine.model.decode_kernel}; KV cache "
         f"{engine.config.kv_cache_memory_bytes / 1e9:.1f} GB"
     )
     record: dict[str, Any] = {"model": name, "args": {k: str(v) for k, v in vars(args).items()}, "sizes": asdict(sizes)}
     record |= {"layers": config["num_hidden_layers"], "moe_kernel": engine.model.moe_kernel}
+    record["moe_sort"] = engine.model.moe_sort
     record["decode_attention"] = engine.model.decode_kernel
 
     def save() -> None:

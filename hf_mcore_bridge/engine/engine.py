@@ -59,6 +59,7 @@ from hf_mcore_bridge.engine.attention import (
     copy_blocks,
 )
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
+from hf_mcore_bridge.engine.expert_sort import check_sort
 from hf_mcore_bridge.engine.fused_moe import check_usable as moe_check
 from hf_mcore_bridge.engine.fused_moe import grouped_mm_available
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
@@ -164,6 +165,12 @@ class EngineConfig:
     GEMM: `fused_moe.fused_experts`), `grouped_mm` (the same sort, then `torch._grouped_mm`; bf16 on CUDA), or
     `auto`: `triton` on CUDA where Triton is installed, else `grouped_mm` on CUDA in bf16 where torch has it,
     else `exact` (and `exact` on CPU, where Triton runs only in its interpreter, for tests)."""
+    moe_sort: str = "torch"
+    """How `triton` and `grouped_mm` sort the (token, expert) pairs by expert (`expert_sort.sort_experts`; `exact`
+    ignores it): `torch` (about fifteen small torch kernels a MoE layer) or `triton` (one Triton kernel launch a
+    layer for batches of up to 4096 pairs, above that the torch sort; CUDA, or CPU in Triton's interpreter). Opt-in:
+    identical outputs, tested in Triton's interpreter, not yet timed on a GPU (`scripts/bench_moe_generation.py
+    --moe-sort triton`); the default stays `torch` until it is."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -188,6 +195,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_scale must be a positive finite number, got {self.kv_cache_scale}")
         if self.moe_kernel not in ("auto", *MOE_KERNELS):
             raise ValueError(f"moe_kernel must be one of {', '.join(('auto', *MOE_KERNELS))}, got {self.moe_kernel!r}")
+        check_sort(self.moe_sort)
 
     def cache_dtype(self) -> torch.dtype:
         """The dtype the KV cache is allocated in (`kv_cache_dtype`)."""
@@ -387,7 +395,7 @@ class Engine:
             raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")
         moe_kernel = cfg.resolved_moe_kernel() if mc.moe is not None else "exact"
         if moe_kernel != "exact":
-            moe_check(moe_kernel, self.device, cfg.dtype)
+            moe_check(moe_kernel, self.device, cfg.dtype, cfg.moe_sort)
         self.model = CausalLM(
             mc,
             cfg.dtype,
@@ -398,6 +406,7 @@ class Engine:
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
             tp=self.tp,
             moe_kernel=moe_kernel,
+            moe_sort=cfg.moe_sort,
         )
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
         self.model.fused_rope = cfg.fused_rope

@@ -4,11 +4,11 @@
 per layer and a few kernels per expert, which a CUDA graph cannot capture. Here nothing leaves the device and
 every shape depends only on the number of tokens, so a decode step with experts is captured like a dense one:
 
-1. `sort_by_expert`: the T x k (token, expert) pairs are sorted by expert (a stable `argsort`); each expert's
+1. `expert_sort.sort_experts`: the T x k (token, expert) pairs are sorted by expert (stably); each expert's
    rows start at a multiple of `block_m` in a buffer of fixed capacity (T * k plus, per expert that can occur,
    up to `block_m - 1` padding rows), and a block -> expert table names the expert of every `block_m` rows
-   (-1: past the last expert's rows). vLLM's `moe_align_block_size`, in torch ops (no `bincount`, whose CUDA
-   kernel reads the largest id on the host).
+   (-1: past the last expert's rows). vLLM's `moe_align_block_size`: in torch ops (`sort="torch"`, the default)
+   or in one Triton kernel launch (`sort="triton"`, opt-in until it is timed on a GPU; see `expert_sort`).
 2. `fused_experts` (Triton, `fused_moe_kernel`): one program per (block of sorted rows, tile of output columns)
    looks its expert up in the table, so only the experts the batch routes to are read, each about once. The
    first GEMM reads x's rows through the pairs (token = pair // k) and computes gate and up together with the
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from hf_mcore_bridge.engine.expert_sort import ExpertSort, check_sort, sort_experts
 from hf_mcore_bridge.engine.options import MOE_KERNELS
 from hf_mcore_bridge.engine.pointwise import silu_mul
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
@@ -126,75 +127,38 @@ def _kernel() -> Any:
     return triton.jit(fused_moe_kernel)
 
 
+def _check_triton(what: str, device: torch.device) -> None:
+    if not triton_available():
+        raise ValueError(f"{what} needs Triton (shipped with torch's CUDA builds on Linux)")
+    if device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"{what} runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, set before "
+            "Triton is imported)"
+        )
+
+
 def grouped_mm_available() -> bool:
     """Whether this torch has `torch._grouped_mm`."""
     return hasattr(torch, "_grouped_mm")
 
 
-def check_usable(kernel: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Raises ValueError, naming the reason, where the MoE kernel `kernel` (`options.MOE_KERNELS`) cannot run:
-    Triton missing or a CPU device outside its interpreter; `torch._grouped_mm` missing, or on CUDA a dtype other
-    than bf16 (its only CUDA kernel)."""
+def check_usable(kernel: str, device: torch.device, dtype: torch.dtype, sort: str = "torch") -> None:
+    """Raises ValueError, naming the reason, where the MoE kernel `kernel` (`options.MOE_KERNELS`) or its sort by
+    expert `sort` (`options.MOE_SORTS`) cannot run: Triton missing or a CPU device outside its interpreter (the
+    Triton kernel or sort); `torch._grouped_mm` missing, or on CUDA a dtype other than bf16 (its only CUDA
+    kernel)."""
     if kernel not in MOE_KERNELS:
         raise ValueError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
+    check_sort(sort)
     if kernel == "triton":
-        if not triton_available():
-            raise ValueError("moe_kernel triton needs Triton (shipped with torch's CUDA builds on Linux)")
-        if device.type != "cuda" and not interpreted():
-            raise ValueError(
-                "moe_kernel triton runs on CUDA devices (on CPU only in Triton's interpreter, TRITON_INTERPRET=1, "
-                "set before Triton is imported)"
-            )
+        _check_triton("moe_kernel triton", device)
+    if sort == "triton":
+        _check_triton("moe_sort triton", device)
     if kernel == "grouped_mm":
         if not grouped_mm_available():
             raise ValueError(f"moe_kernel grouped_mm needs torch._grouped_mm (torch {torch.__version__} has none)")
         if device.type == "cuda" and dtype != torch.bfloat16:
             raise ValueError(f"moe_kernel grouped_mm takes bfloat16 on CUDA, got {dtype}")
-
-
-@dataclass(frozen=True)
-class ExpertSort:
-    """The (token, expert) pairs sorted by expert, each expert's rows padded to a multiple of `block_m`."""
-
-    sorted_pairs: torch.Tensor
-    """[capacity] int64: the flat pair index (token * k + slot) of each sorted row; `num_pairs` on padding rows."""
-    block_expert: torch.Tensor
-    """[capacity / block_m] int64: the expert of each block of `block_m` rows; -1 past the last expert's rows."""
-    group_ends: torch.Tensor
-    """[E] int64: where each expert's padded rows end (cumulative; an expert without pairs ends where the one
-    before it does)."""
-    num_pairs: int
-    block_m: int
-
-
-def sort_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows of the sorted buffer: every pair, plus up to `block_m - 1` padding rows for each expert that can have
-    pairs (at most one per pair), rounded up to whole blocks."""
-    padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-padded // block_m) * block_m
-
-
-def sort_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
-    """Sorts the pairs of `experts` [T, k] (expert ids) by expert on their device, with no host sync and shapes
-    that depend only on T * k (see the module docstring)."""
-    flat = experts.flatten()
-    pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    group_ends = torch.cumsum(padded_counts, 0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat.index_select(0, order)
-    first_row = torch.cumsum(counts, 0) - counts  # of each expert among the unpadded sorted pairs
-    rank = torch.arange(pairs, device=flat.device) - first_row.index_select(0, sorted_experts)
-    destination = (group_ends - padded_counts).index_select(0, sorted_experts) + rank
-    capacity = sort_capacity(pairs, num_experts, block_m)
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int64, device=flat.device)
-    sorted_pairs.scatter_(0, destination, order)
-    block_start = torch.arange(0, capacity, block_m, device=flat.device)
-    block_expert = torch.searchsorted(group_ends, block_start, right=True)
-    block_expert = torch.where(block_start < group_ends[-1], block_expert, -1)
-    return ExpertSort(sorted_pairs, block_expert, group_ends, pairs, block_m)
 
 
 def fused_experts(
@@ -209,10 +173,12 @@ def fused_experts(
     activation: ExpertActivation = SILU,
     tiles: Tiles | None = None,
     down_tiles: Tiles | None = None,
+    sort: str = "torch",
 ) -> torch.Tensor:
     """Sum over each token's experts of weight * (down(act(gate_up(x) + gate_up_bias)) + down_bias), through the
     Triton grouped GEMM; [T, H] in x's dtype. `tiles` for the gate/up product and `down_tiles` for the down
-    product (same `block_m`; default: `default_tiles`, and `tiles` for both where only it is given).
+    product (same `block_m`; default: `default_tiles`, and `tiles` for both where only it is given); `sort`: how
+    the pairs are sorted by expert (`options.MOE_SORTS`, `expert_sort.sort_experts`).
 
     x: [T, H]; gate_up: [E, 2F, H]; down: [E, H, F]; weights, experts: [T, k]; biases [E, 2F] and [E, H].
     """
@@ -227,7 +193,7 @@ def fused_experts(
     down_tiles = down_tiles or tiles
     if down_tiles.block_m != tiles.block_m:
         raise ValueError(f"both products sort by one block_m: {tiles.block_m} and {down_tiles.block_m}")
-    order = sort_by_expert(experts, num_experts, tiles.block_m)
+    order = sort_experts(experts, num_experts, tiles.block_m, sort)
     x = x.contiguous()
     hidden_act = torch.empty(tokens * top_k, width, dtype=x.dtype, device=x.device)
     grouped_gemm(x, gate_up, gate_up_bias, hidden_act, None, order, tiles, top_k, width, hidden, activation)
@@ -303,13 +269,14 @@ def grouped_mm_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     activation: ExpertActivation = SILU,
+    sort: str = "torch",
 ) -> torch.Tensor:
     """`fused_experts` through `torch._grouped_mm` over the sorted rows, each expert's group padded to
-    `GROUPED_MM_ALIGN` rows (padding rows repeat a real token's row and are dropped); the activation in torch.
-    [T, H] in x's dtype."""
+    `GROUPED_MM_ALIGN` rows (padding rows repeat a real token's row and are dropped); the activation in torch;
+    `sort` as `fused_experts`'. [T, H] in x's dtype."""
     tokens, hidden = x.shape
     num_experts, top_k = gate_up.shape[0], experts.shape[1]
-    order = sort_by_expert(experts, num_experts, GROUPED_MM_ALIGN)
+    order = sort_experts(experts, num_experts, GROUPED_MM_ALIGN, sort)
     pairs = order.sorted_pairs
     real = pairs < order.num_pairs
     rows = torch.where(real, pairs // top_k, 0)

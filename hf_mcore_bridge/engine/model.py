@@ -79,6 +79,7 @@ from hf_mcore_bridge.engine.attention import (
     with_key_bias,
     write_kv,
 )
+from hf_mcore_bridge.engine.expert_sort import check_sort
 from hf_mcore_bridge.engine.fused_moe import (
     SILU,
     ExpertActivation,
@@ -399,7 +400,9 @@ class Experts(nn.Module):
 
     `kernel` (`options.MOE_KERNELS`): `exact`, the per-expert loop (`routed_experts`), or the sorted grouped GEMM
     through Triton (`fused_moe.fused_experts`; `tiles`: its tile, None: `fused_moe.default_tiles`) or
-    `torch._grouped_mm` (`fused_moe.grouped_mm_experts`), both free of host syncs and so capturable in a graph."""
+    `torch._grouped_mm` (`fused_moe.grouped_mm_experts`), both free of host syncs and so capturable in a graph;
+    `sort` (`options.MOE_SORTS`): how those two sort the pairs by expert (`expert_sort.sort_experts`: `torch`, the
+    default, or one Triton kernel, opt-in until timed on a GPU; the exact path ignores it)."""
 
     def __init__(
         self,
@@ -410,10 +413,12 @@ class Experts(nn.Module):
         device: torch.device | str,
         kernel: str = "exact",
         adds_down_bias: bool = True,
+        sort: str = "torch",
     ) -> None:
         super().__init__()
         if kernel not in MOE_KERNELS:
             raise ValueError(f"moe_kernel must be one of {', '.join(MOE_KERNELS)}, got {kernel!r}")
+        check_sort(sort)
         self.gate_up_proj = empty_param(moe.num_experts, 2 * width, hidden, dtype=dtype, device=device)
         self.down_proj = empty_param(moe.num_experts, hidden, width, dtype=dtype, device=device)
         biased = moe.expert_mlp_bias
@@ -421,6 +426,7 @@ class Experts(nn.Module):
         self.down_proj_bias = empty_param(moe.num_experts, hidden, dtype=dtype, device=device) if biased else None
         self.activation = ExpertActivation(moe.swiglu_limit, moe.swiglu_alpha)
         self.kernel = kernel
+        self.sort = sort
         self.adds_down_bias = adds_down_bias
         self.tiles: Tiles | None = None
         """The Triton kernel's tile (None: `fused_moe.default_tiles` for the pass's number of pairs)."""
@@ -428,11 +434,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         down_bias = self.down_proj_bias if self.adds_down_bias else None
         options = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=down_bias, activation=self.activation)
+        if self.kernel == "exact":
+            return routed_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
+        options["sort"] = self.sort
         if self.kernel == "triton":
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, tiles=self.tiles, **options)
-        if self.kernel == "grouped_mm":
-            return grouped_mm_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
-        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
+        return grouped_mm_experts(x, self.gate_up_proj, self.down_proj, weights, experts, **options)
 
 
 class Router(nn.Module):
@@ -472,6 +479,7 @@ class SparseMoe(nn.Module):
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
+        moe_sort: str = "torch",
     ) -> None:
         super().__init__()
         assert cfg.moe is not None and sizes.expert_width is not None
@@ -481,7 +489,9 @@ class SparseMoe(nn.Module):
         moe = cfg.moe
         self.gate = Router(moe, cfg.hidden_size, dtype, device)
         first_rank = tp is None or tp.place.rank == 0
-        self.experts = Experts(moe, sizes.expert_width, cfg.hidden_size, dtype, device, moe_kernel, first_rank)
+        self.experts = Experts(
+            moe, sizes.expert_width, cfg.hidden_size, dtype, device, moe_kernel, first_rank, sort=moe_sort
+        )
         shared = sizes.shared_expert_width
         self.shared_name = shared_expert_module(cfg) if shared is not None else None
         if self.shared_name is not None and shared is not None:
@@ -523,6 +533,7 @@ class DecoderLayer(nn.Module):
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
+        moe_sort: str = "torch",
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -534,7 +545,7 @@ class DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
         self.mlp: nn.Module = (
-            SparseMoe(cfg, sizes, dtype, device, ops, tp, moe_kernel)
+            SparseMoe(cfg, sizes, dtype, device, ops, tp, moe_kernel, moe_sort)
             if mlp is LayerKind.MOE
             else MLP(cfg.hidden_size, sizes.intermediate_size, dtype, device, ops, tp)
         )
@@ -571,13 +582,14 @@ class Backbone(nn.Module):
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
+        moe_sort: str = "torch",
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(
             sizes.vocab_rows, cfg.hidden_size, dtype, device, tp, sizes.vocab_start, sizes.vocab_held
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp, moe_kernel)
+            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp, moe_kernel, moe_sort)
             for layer in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
@@ -610,6 +622,7 @@ class CausalLM(nn.Module):
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
+        moe_sort: str = "torch",
     ):
         super().__init__()
         if decode_kernel not in DECODE_KERNELS:
@@ -648,7 +661,9 @@ class CausalLM(nn.Module):
         self.moe_kernel = moe_kernel
         """The routed experts' kernel (`options.MOE_KERNELS`; `Experts`): `exact` syncs with the host once per MoE
         layer, the others never, so only they let a MoE model's decode step be captured in a CUDA graph."""
-        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp, moe_kernel)
+        self.moe_sort = moe_sort
+        """How the fast MoE kernels sort the pairs by expert (`options.MOE_SORTS`; `Experts`)."""
+        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp, moe_kernel, moe_sort)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings

@@ -135,7 +135,8 @@ def test_bench_moe_generation_tiny_runs_on_cpu(tmp_path, model, kernel, decode):
 
 
 def test_bench_moe_generation_refuses_bad_arguments_in_one_line():
-    for args in (["qwen3-30b-a3b", "--layers", "49"], ["qwen3-30b-a3b", "--tiles", "8,64,64"], ["qwen3"]):
+    bad = (["qwen3-30b-a3b", "--layers", "49"], ["qwen3-30b-a3b", "--tiles", "8,64,64"], ["qwen3"])
+    for args in (*bad, ["qwen3-30b-a3b", "--moe-sort", "fast"]):
         result = _run_moe_generation(args)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:")

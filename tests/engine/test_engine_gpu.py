@@ -1,7 +1,8 @@
 """CUDA-only checks: the engine on the GPU against transformers, CUDA-graph decode against eager decode, and the
 mixture-of-experts models: eagerly through the exact expert loop, in graphs through the fast path, whose grouped
 GEMMs (Triton and `torch._grouped_mm`) equal the exact path in bf16 at Qwen3-30B-A3B's expert shape, synchronise
-nothing with the host and replay in a CUDA graph."""
+nothing with the host and replay in a CUDA graph (with either sort by expert; the Triton sort equals the torch one
+at decode sizes)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine_helpers import (
 )
 
 from hf_mcore_bridge.engine import Engine, SamplingParams, read_spec
+from hf_mcore_bridge.engine.expert_sort import sort_by_expert, sort_by_expert_triton
 from hf_mcore_bridge.engine.fused_moe import ExpertActivation, fused_experts, grouped_mm_experts
 from hf_mcore_bridge.engine.model import SparseMoe, route, routed_experts
 from hf_mcore_bridge.engine.tp_shards import TPRank, local_sizes
@@ -154,11 +156,12 @@ def test_fast_moe_equals_the_exact_path_in_bf16(kernel, tokens):
     assert (got.double() - reference).abs().max() <= 1.5 * (exact.double() - reference).abs().max()
 
 
-@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
-def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel):
-    """A whole MoE layer (router, sort, grouped GEMMs, shared expert) of a Qwen2-MoE-style model at Qwen3-30B-A3B's
-    expert shape: no host synchronisation (`set_sync_debug_mode("error")` raises on one; the exact path trips it),
-    captured in a CUDA graph whose replay on new inputs equals the eager layer."""
+@pytest.mark.parametrize("kernel, sort", [("triton", "torch"), ("triton", "triton"), ("grouped_mm", "torch")])
+def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel, sort):
+    """A whole MoE layer (router, sort by expert, in torch or one Triton kernel, grouped GEMMs, shared expert) of a
+    Qwen2-MoE-style model at Qwen3-30B-A3B's expert shape: no host synchronisation (`set_sync_debug_mode("error")`
+    raises on one; the exact path trips it), captured in a CUDA graph whose replay on new inputs equals the eager
+    layer."""
     config = {
         **MOE_CONFIGS["qwen2_moe"]().to_dict(),
         "hidden_size": 2048,
@@ -171,7 +174,7 @@ def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel):
     gen = torch.Generator(device="cuda").manual_seed(3)
     layers = {}
     for name in (kernel, "exact"):
-        layer = SparseMoe(spec, local_sizes_of(spec), torch.bfloat16, "cuda", moe_kernel=name)
+        layer = SparseMoe(spec, local_sizes_of(spec), torch.bfloat16, "cuda", moe_kernel=name, moe_sort=sort)
         for p in layer.parameters():
             p.data.copy_(0.02 * torch.randn(p.shape, device="cuda", generator=gen))
         layers[name] = layer
@@ -199,6 +202,19 @@ def test_fast_moe_layer_syncs_nothing_and_replays_in_a_cuda_graph(kernel):
         static.copy_(fresh)
         graph.replay()
         assert torch.equal(captured, layer(fresh))
+
+
+@pytest.mark.parametrize("tokens, experts, block_m", [(64, 128, 16), (512, 128, 64), (64, 1024, 16), (513, 128, 16)])
+def test_triton_sort_equals_the_torch_sort_at_decode_sizes(tokens, experts, block_m):
+    """The compiled sort (`expert_sort.sort_by_expert_triton`) against the torch sort, field by field, at top-8
+    routing: Qwen3-30B-A3B's decode batch (512 pairs), the kernel's 4096-pair limit with 64-row blocks, 1024
+    experts, and one token past the limit (the torch sort itself); the CPU tests check both against a reference."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    chosen = torch.rand(tokens, experts, device="cuda", generator=gen).topk(8, dim=1).indices
+    got = sort_by_expert_triton(chosen, experts, block_m)
+    expected = sort_by_expert(chosen, experts, block_m)
+    for field in ("sorted_pairs", "block_expert", "group_ends"):
+        assert torch.equal(getattr(got, field), getattr(expected, field)), field
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -15,8 +15,9 @@ from engine_helpers import MOE_CONFIGS, tiny_engine_config
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-from hf_mcore_bridge.engine import Engine, EngineConfig, fused_moe, read_spec
+from hf_mcore_bridge.engine import Engine, EngineConfig, expert_sort, fused_moe, read_spec
 from hf_mcore_bridge.engine.attention import DecodeMetadata
+from hf_mcore_bridge.engine.expert_sort import sort_by_expert, sort_capacity
 from hf_mcore_bridge.engine.fused_moe import (
     SILU,
     ExpertActivation,
@@ -24,8 +25,6 @@ from hf_mcore_bridge.engine.fused_moe import (
     check_usable,
     fused_experts,
     grouped_mm_experts,
-    sort_by_expert,
-    sort_capacity,
 )
 from hf_mcore_bridge.engine.model import CausalLM, Experts, route, routed_experts
 from hf_mcore_bridge.models.moe import MoeSpec
@@ -212,9 +211,9 @@ def test_expert_tensor_parallel_halves_sum_to_the_whole_experts(kernel):
     torch.testing.assert_close(twice - summed, once_more, rtol=1e-4, atol=1e-4)
 
 
-def _meta_decode_step(spec, moe_kernel: str, rows: int) -> torch.Tensor:
+def _meta_decode_step(spec, moe_kernel: str, rows: int, moe_sort: str = "torch") -> torch.Tensor:
     """Logits of one decode step of `rows` sequences of a model whose weights, cache and inputs are meta tensors."""
-    model = CausalLM(spec, torch.bfloat16, "meta", 64, decode_kernel="gather", moe_kernel=moe_kernel)
+    model = CausalLM(spec, torch.bfloat16, "meta", 64, decode_kernel="gather", moe_kernel=moe_kernel, moe_sort=moe_sort)
     planes, heads, width = model.cache_entry
     cache = torch.empty(spec.num_layers, planes, 10, 4, heads, width, dtype=torch.bfloat16, device="meta")
     meta = DecodeMetadata(
@@ -256,6 +255,34 @@ def test_a_fast_moe_decode_step_needs_no_host_values(name, monkeypatch):
     assert len(grids) == 2 * sum(spec.moe.moe_layers) and {grid[0] for grid in grids} == {blocks}
     with pytest.raises(NotImplementedError):  # the exact path sizes each expert's rows on the host
         _meta_decode_step(spec, "exact", rows=5)
+
+
+@pytest.mark.parametrize("name", META_MODELS)
+def test_the_triton_sort_needs_no_host_values_either(name, monkeypatch):
+    """As above with `moe_sort="triton"`: the sort's one launch a MoE layer recorded instead (it needs real
+    memory), its outputs allocated on the device at sizes fixed by the number of pairs; through both fast kernels
+    (the Triton GEMMs recorded too)."""
+    spec = _spec(name)
+    assert spec.moe is not None
+    pairs, num_experts = 5 * spec.moe.topk, spec.moe.num_experts
+    launches = []
+
+    def record(flat, experts, order):
+        assert flat.device.type == "meta" and order.sorted_pairs.device.type == "meta"
+        shapes = tuple(t.shape[0] for t in (order.sorted_pairs, order.block_expert, order.group_ends))
+        assert shapes == (sort_capacity(pairs, experts, order.block_m), shapes[0] // order.block_m, num_experts)
+        launches.append((flat.numel(), experts, order.block_m))
+
+    monkeypatch.setattr(expert_sort, "_launch", record)
+    monkeypatch.setattr(fused_moe, "grouped_gemm", lambda *args: None)
+    layers = sum(spec.moe.moe_layers)
+    for kernel, block_m in (
+        ("grouped_mm", fused_moe.GROUPED_MM_ALIGN),
+        ("triton", fused_moe.INTERPRETER_TILES.block_m),
+    ):
+        launches.clear()
+        assert _meta_decode_step(spec, kernel, rows=5, moe_sort="triton").shape == (5, spec.vocab_size)
+        assert launches == [(pairs, num_experts, block_m)] * layers, kernel
 
 
 def test_tiles_must_be_dot_sized_powers_of_two():

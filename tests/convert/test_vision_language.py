@@ -1,0 +1,174 @@
+"""Language models inside vision-language checkpoints (`models.vision_language`), on a tiny Kimi-K2.5
+(`Kimi_K25ForConditionalGeneration`: the tiny DeepSeek-V3 as its language model, `model_type` `kimi_k2`, and a
+one-layer vision tower) built and saved by transformers.
+
+The references are transformers' own: the class it saves (in its `save_pretrained` layout, and renamed into the
+layout Moonshot publishes), its logits on text, and the bytes of its safetensors files. Conversion to megatron-core
+and back must give the same class: every tensor's bytes under the same name, the `config.json` file itself; the
+engine must compute the wrapper's text log-probs from its weights as given, in-memory or saved.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_errors import assert_one_line_error, run
+from safetensors.torch import load_file, save_file
+
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
+from hf_mcore_bridge.errors import CheckpointError, UnsupportedArchitectureError
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tiny_models import tiny_config
+from hf_mcore_bridge.models.vision_language import CARRIED_FILE
+
+VISION = {
+    "patch_size": 2,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "pos_emb_height": 4,
+    "pos_emb_width": 4,
+    "pos_emb_time": 2,
+}
+"""A one-layer vision tower (transformers' `Kimi_K25VisionConfig` fields)."""
+
+
+def _kimi_k25(seed: int = 3) -> torch.nn.Module:
+    from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**tiny_config("DeepseekV3ForCausalLM"), "model_type": "kimi_k2"}  # as K2.5's text_config names it
+    del text["architectures"]
+    config = Kimi_K25Config(
+        text_config=text, vision_config=VISION, projection_hidden_size=16, tie_word_embeddings=False
+    )
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    persistent = set(model.state_dict())
+    with torch.no_grad():  # norms start at 1, biases at 0: randomised so a misplaced one shows
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name in persistent and buffer.is_floating_point():
+                buffer.add_(torch.randn_like(buffer) * 0.1)
+    return model
+
+
+def _published(saved: Path, out: Path) -> Path:
+    """transformers' save renamed into Moonshot's published layout (`language_model.model.layers.{layer}`)."""
+    shutil.copytree(saved, out)
+    tensors = load_file(out / "model.safetensors")
+    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def kimi_k25(tmp_path_factory) -> tuple[torch.nn.Module, dict[str, Path]]:
+    model = _kimi_k25()
+    root = tmp_path_factory.mktemp("kimi_k25")
+    model.save_pretrained(root / "saved")
+    return model, {"transformers-saved": root / "saved", "published": _published(root / "saved", root / "published")}
+
+
+def _raw_tensors(directory: Path) -> dict[str, tuple[torch.dtype, bytes]]:
+    """Every tensor of a directory's safetensors files: its dtype and its bytes."""
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            out[name] = (tensor.dtype, tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def _text_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+@pytest.mark.parametrize("layout", ["transformers-saved", "published"])
+def test_the_language_model_converts_and_export_writes_the_whole_class_again(kimi_k25, layout, tmp_path):
+    model, dirs = kimi_k25
+    source = dirs[layout]
+    result = convert_hf_to_mcore(source, tmp_path / "m", layout=Layout(tp=2, pp=2, ep=2), show_progress=False)
+    (note,) = result.notes
+    assert "Kimi_K25ForConditionalGeneration: its language model (DeepseekV3ForCausalLM) converted" in note
+    assert result.model.architecture == "DeepseekV3ForCausalLM" and result.model.num_layers == 4
+    keys = DCPCheckpoint(tmp_path / "m" / "release").tensor_keys()
+    assert not any("vision" in key or "projector" in key for key in keys)  # the language model only
+    export = convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
+    assert export.notes == ()
+    original, back = _raw_tensors(source), _raw_tensors(tmp_path / "hf")
+    assert sorted(back) == sorted(original)
+    assert [name for name in original if back[name] != original[name]] == []  # every tensor's bytes, by name
+    tower = [name for name in original if name.startswith(("vision_tower.", "mm_projector.", "model.mm_projector."))]
+    assert len(tower) == 23
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    from transformers import AutoModelForImageTextToText
+
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(loaded) is type(model)
+    tokens = torch.randint(0, 211, (2, 7), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_text_logits(loaded, tokens), _text_logits(model, tokens))
+
+
+def test_the_carried_tensors_are_the_sources_bytes(kimi_k25, tmp_path):
+    """What conversion keeps among the HF assets is transformers' vision tower and projector, byte for byte."""
+    _, dirs = kimi_k25
+    convert_hf_to_mcore(dirs["published"], tmp_path / "m", show_progress=False)
+    kept = tmp_path / "m" / "hf_assets"
+    carried = {n: v for n, v in _raw_tensors(dirs["published"]).items() if not n.startswith("language_model.")}
+    assert {n: (t.dtype, t.view(-1).view(torch.uint8).numpy().tobytes()) for n, t in
+            load_file(kept / CARRIED_FILE).items()} == carried  # fmt: skip
+    assert json.loads((kept / "config.json").read_text())["vision_config"]["hidden_size"] == 16
+
+
+def _reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    logprobs = torch.log_softmax(_text_logits(model, torch.tensor([prompt + tokens]))[0], dim=-1)
+    return [logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(tokens)]
+
+
+def test_the_engine_runs_the_wrappers_language_model_as_transformers_does(kimi_k25):
+    """From the wrapper's config object and its in-memory state dict (`model.language_model.`), and from the
+    directory Moonshot's layout is saved in: the vision tower is skipped, the log-probs are transformers'."""
+    model, dirs = kimi_k25
+    prompt = torch.randint(0, 211, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    config = EngineConfig(device="cpu", dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=1 << 22)
+    engine = Engine(model.config, config)
+    loaded = engine.load_weights(model.state_dict().items())
+    assert loaded == set(engine.model.targets)
+    (output,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))
+    sample = output.samples[0]
+    assert sample.logprobs == pytest.approx(_reference_logprobs(model, prompt, sample.token_ids), abs=1e-5)
+    saved = Engine.from_pretrained(dirs["published"], config)
+    (again,) = saved.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))
+    assert again.samples[0].token_ids == sample.token_ids
+
+
+def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):
+    _, dirs = kimi_k25
+    config = json.loads((dirs["published"] / "config.json").read_text())
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):  # a text model of no registered architecture
+        ModelSpec.from_hf({**config, "text_config": {**config["text_config"], "model_type": "gpt2"}})
+    stray = tmp_path / "stray"
+    shutil.copytree(dirs["published"], stray)
+    tensors = load_file(stray / "model.safetensors")
+    save_file({**tensors, "audio_tower.proj.weight": torch.zeros(2, 2)}, stray / "model.safetensors")
+    result = run("convert", "--to", "mcore", stray, tmp_path / "out", "--no-progress")
+    assert_one_line_error(result, "unexpected tensor", "audio_tower.proj.weight")
+    assert not (tmp_path / "out").exists()
+    # an export of the class whose checkpoint lost the vision tower is refused, not written as half a model
+    convert_hf_to_mcore(dirs["published"], tmp_path / "m", show_progress=False)
+    (tmp_path / "m" / "hf_assets" / CARRIED_FILE).unlink()
+    with pytest.raises(CheckpointError, match=f"no {CARRIED_FILE}"):
+        convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
+    assert not (tmp_path / "hf").exists()

@@ -95,11 +95,13 @@ def _text_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits.float()
 
 
-@pytest.mark.parametrize("layout", ["transformers-saved", "published"])
-def test_the_language_model_converts_and_export_writes_the_whole_class_again(kimi_k25, layout, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "parallel"), [("transformers-saved", Layout()), ("published", Layout(tp=2, pp=2, ep=2))]
+)
+def test_the_language_model_converts_and_export_writes_the_whole_class_again(kimi_k25, layout, parallel, tmp_path):
     model, dirs = kimi_k25
     source = dirs[layout]
-    result = convert_hf_to_mcore(source, tmp_path / "m", layout=Layout(tp=2, pp=2, ep=2), show_progress=False)
+    result = convert_hf_to_mcore(source, tmp_path / "m", layout=parallel, show_progress=False)
     (note,) = result.notes
     assert "Kimi_K25ForConditionalGeneration: its language model (DeepseekV3ForCausalLM) converted" in note
     assert result.model.architecture == "DeepseekV3ForCausalLM" and result.model.num_layers == 4
@@ -113,6 +115,8 @@ def test_the_language_model_converts_and_export_writes_the_whole_class_again(kim
     tower = [name for name in original if name.startswith(("vision_tower.", "mm_projector.", "model.mm_projector."))]
     assert len(tower) == 23
     assert (tmp_path / "hf" / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    if layout != "published":
+        return
     from transformers import AutoModelForImageTextToText
 
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

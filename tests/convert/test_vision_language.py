@@ -176,3 +176,18 @@ def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):
     with pytest.raises(CheckpointError, match=f"no {CARRIED_FILE}"):
         convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_bridge_verify_compares_the_converted_language_model_with_transformers_wrapper(kimi_k25, tmp_path):
+    """`verify` at EP2 takes transformers' Kimi-K2.5 (text logits) as the reference; the check sees another
+    wrapper's weights."""
+    from hf_mcore_bridge.megatron.verify import VerifyJob, verify
+
+    _, dirs = kimi_k25
+    convert_hf_to_mcore(dirs["published"], tmp_path / "m", show_progress=False)
+    other = tmp_path / "other"
+    _kimi_k25(seed=11).save_pretrained(other)
+    ok, wrong = verify([VerifyJob(dirs["published"], tmp_path / "m"), VerifyJob(other, tmp_path / "m")], Layout(ep=2))
+    assert ok.max_abs_diff <= 1e-4 and ok.top1_agreement == 1.0, ok.summary()
+    assert wrong.max_abs_diff > 1e-3, wrong.summary()

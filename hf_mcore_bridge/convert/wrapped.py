@@ -107,8 +107,8 @@ class WrappedExport:
         return self.wrapper.text_config(self.config)
 
     def config_with(self, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
-        """The wrapper's config with `edit` made to its text model's config."""
-        return {**self.config, self.wrapper.text_field: edit(self.text_config())}
+        """The wrapper's config with `edit` made to its text model's config (as stored: no field added)."""
+        return {**self.config, self.wrapper.text_field: edit(dict(self.config[self.wrapper.text_field]))}
 
 
 def _read_carried(path: Path) -> tuple[NameLayout, list[Carried]]:

@@ -51,12 +51,16 @@ class VisionLanguage:
     """The name layouts its checkpoints come in; the one naming most of a checkpoint's tensors is taken."""
     text_field: str = "text_config"
     """The config field holding the text model's config."""
+    tied_absent: bool = True
+    """The class's `tie_word_embeddings` where its config lacks one: transformers ties the output layer by the
+    wrapper's flag, whatever `text_config` says."""
 
     def names(self) -> tuple[str, ...]:
         return (self.hf_name, *self.other_names)
 
     def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """The text model's config, a dict (a transformers sub-config is taken as its `to_dict`)."""
+        """The text model's config, a dict (a transformers sub-config is taken as its `to_dict`), with the
+        wrapper's `tie_word_embeddings`."""
         from hf_mcore_bridge.models.config_errors import ConfigError
 
         text = config.get(self.text_field)
@@ -64,7 +68,7 @@ class VisionLanguage:
             text = text.to_dict()
         if not isinstance(text, Mapping):
             raise ConfigError(f"{self.hf_name} config has no {self.text_field} object (its language model's config)")
-        return dict(text)
+        return {**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", self.tied_absent))}
 
     def layout_of(self, names: Iterable[str]) -> NameLayout:
         """The layout naming most of these tensors, each as it would write it back (ties: the first declared)."""

@@ -191,3 +191,22 @@ def test_bridge_verify_compares_the_converted_language_model_with_transformers_w
     ok, wrong = verify([VerifyJob(dirs["published"], tmp_path / "m"), VerifyJob(other, tmp_path / "m")], Layout(ep=2))
     assert ok.max_abs_diff <= 1e-4 and ok.top1_agreement == 1.0, ok.summary()
     assert wrong.max_abs_diff > 1e-3, wrong.summary()
+
+
+@pytest.mark.parametrize("tied", [None, True, False])
+def test_the_wrappers_flag_ties_the_output_layer_as_in_transformers(tied):
+    """transformers ties Kimi-K2.5's output layer by the wrapper's `tie_word_embeddings` (absent: tied), whatever
+    `text_config` says; the description reads it so."""
+    from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = {**tiny_config("DeepseekV3ForCausalLM"), "tie_word_embeddings": tied is False}  # the other way
+    del text["architectures"]
+    config = Kimi_K25Config(text_config=text, vision_config=VISION, projection_hidden_size=16)
+    raw = config.to_dict()
+    if tied is None:
+        del raw["tie_word_embeddings"]
+    else:
+        raw["tie_word_embeddings"] = config.tie_word_embeddings = tied
+    model = Kimi_K25ForConditionalGeneration(config)
+    transformers_ties = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    assert ModelSpec.from_hf(raw).tie_word_embeddings is transformers_ties

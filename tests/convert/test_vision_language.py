@@ -25,6 +25,7 @@ from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
 from hf_mcore_bridge.errors import CheckpointError, UnsupportedArchitectureError
+from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import tiny_config
 from hf_mcore_bridge.models.vision_language import CARRIED_FILE
@@ -128,7 +129,10 @@ def test_the_language_model_converts_and_export_writes_the_whole_class_again(kim
 def test_the_carried_tensors_are_the_sources_bytes(kimi_k25, tmp_path):
     """What conversion keeps among the HF assets is transformers' vision tower and projector, byte for byte."""
     _, dirs = kimi_k25
-    convert_hf_to_mcore(dirs["published"], tmp_path / "m", show_progress=False)
+    result = run("convert", "--to", "mcore", dirs["published"], tmp_path / "m", "--no-progress")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "Kimi_K25ForConditionalGeneration: its language model" in notes[0]  # one line
     kept = tmp_path / "m" / "hf_assets"
     carried = {n: v for n, v in _raw_tensors(dirs["published"]).items() if not n.startswith("language_model.")}
     assert {n: (t.dtype, t.view(-1).view(torch.uint8).numpy().tobytes()) for n, t in
@@ -163,6 +167,8 @@ def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):
     config = json.loads((dirs["published"] / "config.json").read_text())
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):  # a text model of no registered architecture
         ModelSpec.from_hf({**config, "text_config": {**config["text_config"], "model_type": "gpt2"}})
+    with pytest.raises(ConfigError, match="has no text_config"):
+        ModelSpec.from_hf({k: v for k, v in config.items() if k != "text_config"})
     stray = tmp_path / "stray"
     shutil.copytree(dirs["published"], stray)
     tensors = load_file(stray / "model.safetensors")
@@ -172,7 +178,11 @@ def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):
     assert not (tmp_path / "out").exists()
     # an export of the class whose checkpoint lost the vision tower is refused, not written as half a model
     convert_hf_to_mcore(dirs["published"], tmp_path / "m", show_progress=False)
-    (tmp_path / "m" / "hf_assets" / CARRIED_FILE).unlink()
+    kept = tmp_path / "m" / "hf_assets" / CARRIED_FILE
+    save_file(load_file(kept), kept)  # the same tensors, without the names the text tensors were stored under
+    with pytest.raises(CheckpointError, match="text_name_layout"):
+        convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
+    kept.unlink()
     with pytest.raises(CheckpointError, match=f"no {CARRIED_FILE}"):
         convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
     assert not (tmp_path / "hf").exists()

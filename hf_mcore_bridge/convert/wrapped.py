@@ -95,7 +95,8 @@ class WrappedExport:
         if path is None or not path.is_file():
             raise CheckpointError(
                 f"the HF config is of {wrapper.hf_name}, but the checkpoint's HF assets hold no {CARRIED_FILE} "
-                "(its vision tower and projector); pass --hf-config with the language model's config to export that"
+                "(its vision tower and projector, kept by `convert --to mcore`: copy it there from the converted "
+                "checkpoint's hf_assets), or pass --hf-config with the language model's config to export that alone"
             )
         return cls(wrapper, config, *_read_carried(path))
 

@@ -186,6 +186,11 @@ def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):
     with pytest.raises(CheckpointError, match=f"no {CARRIED_FILE}"):
         convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False)
     assert not (tmp_path / "hf").exists()
+    text = tmp_path / "text.json"  # what the refusal offers: the language model alone, as a DeepSeek-V3
+    text.write_text(json.dumps({**config["text_config"], "architectures": ["DeepseekV3ForCausalLM"]}))
+    convert_mcore_to_hf(tmp_path / "m", tmp_path / "text", hf_config=text, show_progress=False)
+    names = set(_raw_tensors(tmp_path / "text"))
+    assert "model.embed_tokens.weight" in names and not any("vision" in n or "language_model" in n for n in names)
 
 
 @pytest.mark.slow

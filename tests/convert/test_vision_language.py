@@ -138,6 +138,11 @@ def test_the_carried_tensors_are_the_sources_bytes(kimi_k25, tmp_path):
     assert {n: (t.dtype, t.view(-1).view(torch.uint8).numpy().tobytes()) for n, t in
             load_file(kept / CARRIED_FILE).items()} == carried  # fmt: skip
     assert json.loads((kept / "config.json").read_text())["vision_config"]["hidden_size"] == 16
+    from hf_mcore_bridge.bridge import AutoBridge
+
+    bridge = AutoBridge.from_pretrained(dirs["published"])  # the bridge API takes the language model, and says so
+    assert bridge.architecture == "DeepseekV3ForCausalLM" and bridge.hf_config["architectures"] == [bridge.architecture]
+    assert len(bridge.notes) == 1 and "save_hf writes the language model alone" in bridge.notes[0]
 
 
 def _reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:

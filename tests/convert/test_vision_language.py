@@ -97,7 +97,9 @@ def _text_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("layout", "parallel"), [("transformers-saved", Layout()), ("published", Layout(tp=2, pp=2, ep=2))]
+    ("layout", "parallel"),
+    [("transformers-saved", Layout()), ("published", Layout(tp=2, pp=2, ep=2))],
+    ids=["transformers-saved", "published-tp2pp2ep2"],
 )
 def test_the_language_model_converts_and_export_writes_the_whole_class_again(kimi_k25, layout, parallel, tmp_path):
     model, dirs = kimi_k25
@@ -162,9 +164,8 @@ def test_the_engine_runs_the_wrappers_language_model_as_transformers_does(kimi_k
     (output,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))
     sample = output.samples[0]
     assert sample.logprobs == pytest.approx(_reference_logprobs(model, prompt, sample.token_ids), abs=1e-5)
-    saved = Engine.from_pretrained(dirs["published"], config)
-    (again,) = saved.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))
-    assert again.samples[0].token_ids == sample.token_ids
+    saved = Engine.from_pretrained(dirs["published"], config).model.state_dict()  # Moonshot's names
+    assert [name for name, tensor in engine.model.state_dict().items() if not torch.equal(saved[name], tensor)] == []
 
 
 def test_what_the_mechanism_does_not_know_is_refused(kimi_k25, tmp_path):

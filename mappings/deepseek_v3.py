@@ -14,8 +14,10 @@ transformers' model hard-codes what some config fields seem to choose: the laten
 `rms_norm_eps` says (`latent_norm_eps`; conversion refuses a different `rms_norm_eps`, since megatron-core's
 latent norms use it), the router is sigmoid `noaux_tc` (`sigmoid_router` refuses another `scoring_func` or
 `topk_method`), and the MoE layers are those from `first_k_dense_replace` on (another `moe_layer_freq` is
-refused). `attention_bias` would bias `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`: neither conversion nor the
-engine has them. The correction bias is float32 on both sides (`expert_score_bias`).
+refused). Kimi-K2 is this architecture (`model_type` `kimi_k2`, which transformers reads as `deepseek_v3`); its
+published config uses no field this path refuses, Kimi-K2.5's language model two (`rms_norm_eps: 1e-5`, int4
+experts: `tests/convert/test_kimi.py`). `attention_bias` would bias `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`:
+neither conversion nor the engine has them. The correction bias is float32 on both sides (`expert_score_bias`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ ARCHITECTURE = Architecture(
     hf_name="DeepseekV3ForCausalLM",
     model_type="deepseek_v3",
     table=TABLE,
+    other_model_types=("kimi_k2",),  # Kimi-K2's config.json (and Kimi-K2.5's text_config) names this type
     qkv_bias="attention_bias",
     o_bias="attention_bias",
     hf_defaults={"attention_bias": False},

@@ -66,7 +66,13 @@ class AutoBridge:
         model = config_bridge.megatron_spec(hf.config)
         mtp = resolve_import(model, hf)
         fp8 = hf.note() if isinstance(hf, Fp8Checkpoint) else None
-        notes = tuple(note for note in (fp8, mtp.note) if note)
+        wrapped = None
+        if hf.wrapper_config is not None:  # a vision-language class: its language model (`models.vision_language`)
+            wrapped = (
+                f"{hf.wrapper_config['architectures'][0]}: its language model ({hf.architecture}) is bridged; "
+                "save_hf writes the language model alone (`convert` keeps the whole class)"
+            )
+        notes = tuple(note for note in (wrapped, fp8, mtp.note) if note)
         return cls(directory, dict(hf.config), mtp.model, notes)
 
     @property

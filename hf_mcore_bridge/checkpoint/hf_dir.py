@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,20 @@ class TensorInfo:
     """Where the tensor's bytes (row-major, little-endian) start in `file`; None when not stored as such there."""
 
 
+@dataclass(frozen=True)
+class TextView:
+    """A vision-language checkpoint seen as its language model: the text config, and the stored tensor names."""
+
+    config: dict[str, Any]
+    """The language model's config (with its `architectures`)."""
+    rename: Callable[[str], str | None]
+    """A stored name -> its name in the language model; None for a tensor outside it."""
+    carried: Callable[[str], bool]
+    """Whether a tensor outside the language model is the wrapper's own (kept aside, not unknown)."""
+    metadata: dict[str, str]
+    """What an export needs to name the language model's tensors again (kept with the carried tensors)."""
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a file, with a one-line error when it is missing or malformed."""
     try:
@@ -67,7 +82,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _data_offsets(file: Path) -> dict[str, int]:
+def data_offsets(file: Path) -> dict[str, int]:
     """Each tensor's data offset in a safetensors file (already validated by `safe_open`), from its header: an
     8-byte little-endian length, then that many bytes of JSON whose `data_offsets` count from the header's end."""
     with file.open("rb") as handle:
@@ -93,7 +108,15 @@ def _present(path: Path) -> bool:
 class HFCheckpoint:
     """An HF model directory, opened and validated: every shard readable, every indexed tensor present."""
 
-    def __init__(self, path: Path | str, *, allow_pickle: bool = False):
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        allow_pickle: bool = False,
+        view: Callable[[dict[str, Any], Iterable[str]], TextView | None] | None = None,
+    ):
+        """`view`: given the config and the tensor names, how to see the checkpoint as the language model inside
+        it (None: as it is)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path} is not a directory")
@@ -101,6 +124,12 @@ class HFCheckpoint:
         self._tensors: dict[str, TensorInfo] = {}
         self._aliases: dict[str, tuple[str, int | None, str]] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
+        self._stored: dict[str, str] = {}
+        self.view: TextView | None = None
+        self.wrapper_config: dict[str, Any] | None = None
+        """The config of the vision-language class this checkpoint is of (`config` is its language model's)."""
+        self.carried: dict[str, TensorInfo] = {}
+        """The wrapper's own tensors (vision tower, projector) by stored name, outside `names()`."""
         if _present(self.path / INDEX_NAME):
             self._open_index()
         elif _present(self.path / SINGLE_NAME):
@@ -114,6 +143,21 @@ class HFCheckpoint:
             self._open_pickle()
         else:
             raise CheckpointError(f"{self.path} has no {SINGLE_NAME} or {INDEX_NAME}")
+        found = view(self.config, list(self._tensors)) if view is not None else None
+        if found is not None:
+            self._view_text(found)
+
+    def _view_text(self, view: TextView) -> None:
+        self.view, self.wrapper_config, self.config = view, self.config, view.config
+        tensors: dict[str, TensorInfo] = {}
+        for stored, info in self._tensors.items():
+            text = view.rename(stored)
+            if text is None and view.carried(stored):
+                self.carried[stored] = info
+                continue
+            tensors[text or stored] = info
+            self._stored[text or stored] = stored
+        self._tensors = tensors
 
     @property
     def architecture(self) -> str:
@@ -145,7 +189,7 @@ class HFCheckpoint:
         try:
             with safe_open(str(file), framework="numpy") as handle:  # headers only: no torch needed
                 names = list(handle.keys())
-                offsets = _data_offsets(file)
+                offsets = data_offsets(file)
                 for name in names:
                     view = handle.get_slice(name)
                     dtype = dtypes.BY_SAFETENSORS.get(view.get_dtype())
@@ -227,6 +271,13 @@ class HFCheckpoint:
         if name in self._aliases:
             return self._read_alias(name, rows)
         info = self.info(name)
+        return self._read_stored(self._stored.get(name, name), info, rows)
+
+    def read_carried(self, stored: str) -> torch.Tensor:
+        """One of the wrapper's own tensors (`carried`), by its stored name."""
+        return self._read_stored(stored, self.carried[stored], None)
+
+    def _read_stored(self, name: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
         if self._pickled is not None:
             tensor = self._pickled[name]
             return (tensor[rows[0] : rows[1]] if rows else tensor).clone()
@@ -243,8 +294,9 @@ class HFCheckpoint:
         info = self._tensors[fused]
         try:
             with safe_open(str(info.file), framework="pt") as handle:
-                slice_ = handle.get_slice(fused)
-                tensor = slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
+                stored = self._stored.get(fused, fused)
+                slice_ = handle.get_slice(stored)
+                tensor = slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(stored)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"reading {fused} from {info.file.name} failed: {err}") from None
         if part != "all":

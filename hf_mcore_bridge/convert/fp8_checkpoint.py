@@ -132,8 +132,8 @@ def quantization_config(scale_format: str, source_config: Mapping[str, Any] | No
 class Fp8Checkpoint(HFCheckpoint):
     """An HF directory of blockwise FP8 weights, read as bfloat16 (scales hidden, dequantized on read)."""
 
-    def __init__(self, path: Path | str, *, allow_pickle: bool = False):
-        super().__init__(path, allow_pickle=allow_pickle)
+    def __init__(self, path: Path | str, *, allow_pickle: bool = False, view: Any = None):
+        super().__init__(path, allow_pickle=allow_pickle, view=view)
         every = super().names()
         self.scales: dict[str, str] = {}
         """FP8 weight -> its scale tensor."""
@@ -239,10 +239,13 @@ def _check_finite_scale(name: str, file: str, scale: torch.Tensor) -> None:
 
 def open_hf_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> HFCheckpoint:
     """An HF directory, read through `Fp8Checkpoint` where its config announces blockwise FP8 weights; e4m3
-    weights without that announcement are refused by naming the missing `quantization_config`."""
-    plain = HFCheckpoint(path, allow_pickle=allow_pickle)
+    weights without that announcement are refused by naming the missing `quantization_config`. A vision-language
+    checkpoint is seen as its language model (`wrapped.text_view`)."""
+    from hf_mcore_bridge.convert.wrapped import text_view
+
+    plain = HFCheckpoint(path, allow_pickle=allow_pickle, view=text_view)
     if is_fp8_config(plain.config):
-        return Fp8Checkpoint(path, allow_pickle=allow_pickle)
+        return Fp8Checkpoint(path, allow_pickle=allow_pickle, view=text_view)
     fp8 = sorted(name for name in plain.names() if plain.info(name).dtype == dtypes.FLOAT8_E4M3)
     if fp8:
         raise CheckpointError(

@@ -39,6 +39,7 @@ from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
 from hf_mcore_bridge.convert.placement import Placement
+from hf_mcore_bridge.convert.wrapped import WrappedExport
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
 from hf_mcore_bridge.models.row_runs import RowRun
@@ -187,7 +188,8 @@ def convert_mcore_to_hf(
     root, checkpoint_dir = resolve_checkpoint(Path(source), iteration)
     args = checkpoint_args(checkpoint_dir)
     config = _hf_config(root, checkpoint_dir, args, hf_config)
-    original_config = config
+    wrapped = WrappedExport.of(config, hf_assets_dir(root, checkpoint_dir))  # a vision-language class, written whole
+    original_config = wrapped.text_config() if wrapped else config
     model = config_bridge.megatron_spec(config)
     mcore = open_source(checkpoint_dir, model.arch.table, tied=model.tie_word_embeddings)
     _check_against_args(model, args)
@@ -227,8 +229,11 @@ def convert_mcore_to_hf(
             own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
             for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
                 specs[spec_name] = (spec_shape, dtypes.of(spec_dtype))
+    name = wrapped.name if wrapped else str  # the text tensors' names in the written checkpoint
+    carried = {c.name: c for c in wrapped.carried} if wrapped else {}
+    written = {name(n): spec for n, spec in specs.items()} | {c.name: (c.shape, c.dtype) for c in carried.values()}
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
-        {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
+        {n: _nbytes(s, d) for n, (s, d) in written.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
         max_shard_size=max_shard_size,
         filename_pattern="model{suffix}.safetensors",
@@ -242,36 +247,46 @@ def convert_mcore_to_hf(
         record={"command": "convert --to hf", "sources": [str(real_path(s)) for s in sources if s is not None]},
     ) as staging:
         layouts = {
-            file: SafetensorsLayout([(n, *specs[n]) for n in names])
+            file: SafetensorsLayout([(n, *written[n]) for n in names])
             for file, names in split.filename_to_tensors.items()
         }
         queues = {file: [Job(staging / file, 0, (layout.header,))] for file, layout in layouts.items()}
         tensors = _Tensors(mcore, dims, specs, dtype_of, fp8, copied)
         for planned in plan:
-            for name, pieces in tensors.pieces(planned).items():
-                file = split.tensor_to_filename[name]
-                queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
-        with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
+            for text, pieces in tensors.pieces(planned).items():
+                file = split.tensor_to_filename[name(text)]
+                queues[file].append(Job(staging / file, layouts[file].place(name(text))[0], pieces))
+        for kept in carried.values():  # the wrapper's own tensors: their bytes as the source held them
+            file = split.tensor_to_filename[kept.name]
+            queues[file].append(Job(staging / file, layouts[file].place(kept.name)[0], (kept.span,)))
+        with progress_bar("export to hf", total=len(written) + len(queues), enabled=show_progress) as advance:
             run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
             index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
             (staging / INDEX_NAME).write_text(_json(index))
         elif SINGLE_NAME not in queues:
             (staging / next(iter(queues))).rename(staging / SINGLE_NAME)
-        config = {k: v for k, v in config.items() if k != "quantization_config"}
-        if fp8 is not None:
-            config["quantization_config"] = fp8.quantization_config()
-        if out_dtype is not None or quantized_source:
-            config = {**config, "torch_dtype": choice.dtype.name}
-        if mtp_note is not None:
-            config["num_nextn_predict_layers"] = model.mtp_layers
-        (staging / "config.json").write_text(_json(config))
+
+        def exported(text: dict[str, Any]) -> dict[str, Any]:
+            text = {k: v for k, v in text.items() if k != "quantization_config"}
+            if fp8 is not None:
+                text["quantization_config"] = fp8.quantization_config()
+            if out_dtype is not None or quantized_source:
+                text = {**text, "torch_dtype": choice.dtype.name}
+            if mtp_note is not None:
+                text["num_nextn_predict_layers"] = model.mtp_layers
+            return text
+
+        config = wrapped.config_with(exported) if wrapped else exported(config)
+        _write_config(
+            staging / "config.json", config, hf_assets_dir(root, checkpoint_dir) if hf_config is None else None
+        )
         _copy_assets(root, checkpoint_dir, tokenizer, staging)
-    total = sum(_nbytes(s, d) for s, d in specs.values())
+    total = sum(_nbytes(s, d) for s, d in written.values())
     from hf_mcore_bridge.convert.layout import Layout
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)
-    return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
+    return ConversionResult(destination, model, Layout(), len(written), total, time.perf_counter() - started, notes)
 
 
 class _Tensors:
@@ -463,6 +478,16 @@ def _copy_assets(root: Path, checkpoint_dir: Path, tokenizer: Path | None, stagi
             if (directory / name).is_file():
                 shutil.copy2(directory / name, staging / name)
                 break
+
+
+def _write_config(path: Path, config: dict[str, Any], assets: Path | None) -> None:
+    """The exported config: the source's `config.json` file itself where nothing in it changed."""
+    import shutil
+
+    if assets is not None and read_json(assets / "config.json") == config:
+        shutil.copy2(assets / "config.json", path)
+    else:
+        path.write_text(_json(config))
 
 
 def _json(data: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
 from hf_mcore_bridge.convert.placement import extra_state_module, placement
+from hf_mcore_bridge.convert.wrapped import keep_carried
 from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Dims, Direct, is_expert, keeps_float32
 from hf_mcore_bridge.models.parallel_style import Parallel
@@ -264,7 +265,8 @@ def convert_hf_to_mcore(
     (`iter_0000000/` with `run_config.yaml` and train state instead of `args`: `bridge_layout`). The
     destination is checked before any work (`destination.check_destination`): `overwrite` replaces only an
     output of this tool, `overwrite_foreign` anything. Multi-token-prediction layers megatron-core cannot hold
-    are dropped with a notice, or refused with `strict_mtp` (`convert.mtp`).
+    are dropped with a notice, or refused with `strict_mtp` (`convert.mtp`). Of a vision-language checkpoint, the
+    language model is converted and the rest kept for export, with a notice (`convert.wrapped`).
     """
     if directory_layout not in ("megatron-lm", "megatron-bridge"):
         raise ValueError(f"unknown directory layout {directory_layout!r}")
@@ -353,11 +355,12 @@ def convert_hf_to_mcore(
             write_bridge_files(staging, checkpoint_dir, config, step=0)
         write_tracker(staging, 0 if bridge else None)
         hf.copy_assets(staging / HF_ASSETS_DIR)
+        wrapped_note = keep_carried(hf, staging / HF_ASSETS_DIR)  # a vision-language class: the rest, for export
         if isinstance(hf, Fp8Checkpoint):  # what `--to hf --fp8-blockwise` needs to give the scales back
             hf.save_scales(staging / HF_ASSETS_DIR / SCALES_FILE)
     bytes_written = sum(math.prod(c.sizes) * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
 
     fp8_note = hf.note() if isinstance(hf, Fp8Checkpoint) else None
-    notes = tuple(n for n in (fp8_note, mtp.note, note, contract.note) if n)
+    notes = tuple(n for n in (wrapped_note, fp8_note, mtp.note, note, contract.note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

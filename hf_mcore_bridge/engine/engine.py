@@ -80,6 +80,8 @@ from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
 from hf_mcore_bridge.engine.triton_mla import check_usable as mla_check
+from hf_mcore_bridge.models.registry import wrapper_for
+from hf_mcore_bridge.models.vision_language import VisionLanguage, any_text_name
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 """Values of `EngineConfig.kv_cache_dtype`."""
@@ -335,6 +337,16 @@ def _finish_reason(seq: Sequence) -> str | None:
     return seq.finish_reason
 
 
+def _text_weights(
+    wrapper: VisionLanguage, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision-language class's tensors: the language model's by their text names, the rest left out."""
+    for name, tensor in weights:
+        text = any_text_name(wrapper, name)
+        if text is not None:
+            yield text, tensor
+
+
 def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`method` (a bound method) called through a weak reference to its object."""
     ref = weakref.WeakMethod(method)
@@ -375,6 +387,7 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         self.model_config = read_spec(hf_config)
+        self._wrapper = wrapper_for(hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config))
         self.tp = TensorParallel.of(tp_group)
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
@@ -479,10 +492,14 @@ class Engine:
         `mlp.experts.gate_up_proj` / `down_proj`, so `hf_model.named_parameters()` loads as it is) fill its slice of
         the stacked `experts.gate_up_proj` / `down_proj`; a tied `lm_head` is skipped. Unknown names raise
         `UnknownWeightError`. Returns the HF names loaded by this call. Allowed while awake or asleep at level 1;
-        after `sleep(level=2)`, call `wake_up()` first, then reload every weight.
+        after `sleep(level=2)`, call `wake_up()` first, then reload every weight. Of a vision-language class
+        (`models.vision_language`), the language model's tensors load under the checkpoint's or transformers'
+        names and the vision tower's and projector's are skipped.
         """
         if self._sleep_level == 2:
             raise EngineAsleepError("weights were released by sleep(level=2); call wake_up() before load_weights")
+        if self._wrapper is not None:
+            weights = _text_weights(self._wrapper, weights)
         return self.model.load_weights(weights, parts)
 
     def check_loaded(self) -> None:

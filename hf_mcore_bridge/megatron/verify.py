@@ -158,15 +158,19 @@ def _compare(job: VerifyJob, layout: Layout, hf: torch.Tensor, mc: torch.Tensor,
 
 
 def _hf_logits(hf_dir: Path, tokens: torch.Tensor, dtype: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    """transformers' logits of the HF directory's model; of a vision-language class, its logits on text alone."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from hf_mcore_bridge.checkpoint.hf_dir import read_json
+    from hf_mcore_bridge.models.registry import wrapper_for
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()
     device = rank_device()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtypes.FLAGS[dtype].torch).to(device).eval()
+    auto = AutoModelForImageTextToText if wrapper_for(read_json(Path(hf_dir) / "config.json")) else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=dtypes.FLAGS[dtype].torch).to(device).eval()
     with torch.no_grad():
-        return model(tokens.to(device)).logits.float().cpu()
+        return model(input_ids=tokens.to(device)).logits.float().cpu()
 
 
 def _verify_rank(layout: Layout, checkpoints: list[str], dtype: str, work: str) -> None:

@@ -38,6 +38,9 @@ class Architecture:
     """The HF `model_type`, e.g. `llama`."""
     table: tuple[Entry, ...]
     """The mapping table: every tensor of the model, in both naming schemes."""
+    other_model_types: tuple[str, ...] = ()
+    """Other `model_type`s of configs of this architecture (Kimi-K2's `kimi_k2`, a DeepSeek-V3): a config naming no
+    `architectures` is found by them too; export keeps the config's own."""
     qkv_bias: Switch = False
     """Biases on q/k/v, as in Qwen2; Llama, Qwen3 and GLM-4.5 switch them with `attention_bias`, Qwen2-MoE with
     `qkv_bias`. Where the table has no q/k/v bias entries (Llama, Qwen3), the engine derives their names from the

@@ -1,5 +1,6 @@
 """The explicit registry of architectures: one file per architecture in `mappings/`, looked up by the HF
-`architectures` entry (or, where a config has none, its `model_type`).
+`architectures` entry (or, where a config has none, its `model_type`); and the vision-language wrappers whose
+language model is one of them (`WRAPPERS`, `models.vision_language`).
 
 Conversion, export, verify, the engine, the DTensor path and the trainer all find an architecture here; nothing
 registers itself by being imported. Adding an architecture: its file in `mappings/` and one line in `REGISTRY`
@@ -15,6 +16,7 @@ from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import (
     deepseek_v3,
     glm4_moe,
+    kimi_k25,
     llama,
     mistral,
     mixtral,
@@ -25,6 +27,7 @@ from hf_mcore_bridge.mappings import (
 )
 from hf_mcore_bridge.models.architecture import Architecture, Switch
 from hf_mcore_bridge.models.mapping_types import Feature
+from hf_mcore_bridge.models.vision_language import VisionLanguage
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch
@@ -41,10 +44,30 @@ REGISTRY: dict[str, Architecture] = {
     )
 }
 
+WRAPPERS: dict[str, VisionLanguage] = {name: wrapper for wrapper in (kimi_k25.WRAPPER,) for name in wrapper.names()}
+"""Vision-language classes (every `architectures` name of each) whose language model converts."""
+
+
+def wrapper_for(config: Mapping[str, Any]) -> VisionLanguage | None:
+    """The vision-language wrapper a config (dict) is of: by its `architectures` entry, else its `model_type`."""
+    names = config.get("architectures") or []
+    for name in names:
+        if name in WRAPPERS:
+            return WRAPPERS[name]
+    if not names:
+        return next((w for w in WRAPPERS.values() if w.model_type == config.get("model_type")), None)
+    return None
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config of the language model: a wrapper's `text_config`, or the config itself."""
+    wrapper = wrapper_for(config)
+    return config if wrapper is None else wrapper.text_config(config)
+
 
 def supported() -> list[str]:
-    """The HF `architectures` names that can be converted."""
-    return sorted(REGISTRY)
+    """The HF `architectures` names that can be converted (vision-language ones: their language model)."""
+    return sorted({*REGISTRY, *WRAPPERS})
 
 
 def get_architecture(hf_name: str) -> Architecture:
@@ -64,7 +87,7 @@ def for_config(config: Mapping[str, Any]) -> Architecture:
     for name in names:
         if name in REGISTRY:
             return REGISTRY[name]
-    by_type = {arch.model_type: arch for arch in REGISTRY.values()}
+    by_type = {kind: arch for arch in REGISTRY.values() for kind in (arch.model_type, *arch.other_model_types)}
     if not names and config.get("model_type") in by_type:
         return by_type[config["model_type"]]
     named = ", ".join(repr(name) for name in names) if names else repr(config.get("model_type"))

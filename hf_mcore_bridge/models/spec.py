@@ -30,7 +30,7 @@ from hf_mcore_bridge.models.architecture import Architecture, Switch
 from hf_mcore_bridge.models.config_errors import ConfigError, require
 from hf_mcore_bridge.models.mapping_types import Dims, Entry, Feature, LayerKind, Size
 from hf_mcore_bridge.models.moe import MoeSpec
-from hf_mcore_bridge.models.registry import for_config, get_architecture
+from hf_mcore_bridge.models.registry import for_config, get_architecture, text_config
 
 FULL_ATTENTION = "full_attention"
 """The `layer_types` entry of a layer attending to every earlier position."""
@@ -288,8 +288,9 @@ class ModelSpec:
     @classmethod
     def from_hf(cls, config: Any) -> ModelSpec:
         """Read an HF config (a `config.json` dict or a transformers `PretrainedConfig`) of a registered
-        architecture. Raises `UnsupportedArchitectureError` or `ConfigError` (see the module docstring)."""
-        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        architecture, or of a vision-language wrapper of one (its language model: `registry.text_config`). Raises
+        `UnsupportedArchitectureError` or `ConfigError` (see the module docstring)."""
+        raw = dict(text_config(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
         arch = for_config(raw)
         hf = arch.with_absent(raw)
         heads = _positive_int(hf, "num_attention_heads")

@@ -11,11 +11,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.grpo.backends.dtensor.parallel import layer_tp_plan
-from hf_mcore_bridge.models.registry import REGISTRY, for_config, with_features
+from hf_mcore_bridge.models.registry import REGISTRY, WRAPPERS, for_config, with_features
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
 ROOT = Path(__file__).parents[2]
-NAMES = {arch.hf_name for arch in REGISTRY.values()} | {arch.model_type for arch in REGISTRY.values()}
+NAMES = (
+    {arch.hf_name for arch in REGISTRY.values()}
+    | {kind for arch in REGISTRY.values() for kind in (arch.model_type, *arch.other_model_types)}
+    | set(WRAPPERS)
+    | {wrapper.model_type for wrapper in WRAPPERS.values()}
+)
 
 
 def _constants(node: ast.AST) -> set[str]:
@@ -65,6 +70,7 @@ def test_each_architecture_is_found_by_name_and_by_model_type(name: str) -> None
     config = tiny_config(name)
     assert for_config(config) is arch
     assert for_config({"model_type": arch.model_type}) is arch
+    assert all(for_config({"model_type": kind}) is arch for kind in arch.other_model_types)
     assert config["architectures"] == [name] and config["model_type"] == arch.model_type
 
 

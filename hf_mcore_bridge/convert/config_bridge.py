@@ -496,7 +496,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
         features["mla"] = mla is not None
         if moe is not None:
             features["score_function"] = moe.score_function
-        architecture = with_features(**features).hf_name
+        architecture = with_features(**features, experts=moe).hf_name
     return ModelSpec(
         architecture=architecture,
         num_layers=num_layers,

@@ -15,6 +15,7 @@ from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import (
     deepseek_v3,
     glm4_moe,
+    glm4_moe_lite,
     llama,
     mistral,
     mixtral,
@@ -24,7 +25,9 @@ from hf_mcore_bridge.mappings import (
     qwen3_moe,
 )
 from hf_mcore_bridge.models.architecture import Architecture, Switch
+from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Feature
+from hf_mcore_bridge.models.moe import MoeSpec
 
 REGISTRY: dict[str, Architecture] = {
     arch.hf_name: arch
@@ -38,6 +41,7 @@ REGISTRY: dict[str, Architecture] = {
         qwen2_moe.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
+        glm4_moe_lite.ARCHITECTURE,
     )
 }
 
@@ -71,13 +75,33 @@ def for_config(config: Mapping[str, Any]) -> Architecture:
     raise UnsupportedArchitectureError(f"unsupported architecture {named}; supported: {', '.join(supported())}")
 
 
+def _writes(arch: Architecture, experts: MoeSpec) -> bool:
+    """Whether the architecture's config can state this mixture of experts."""
+    if arch.moe_to_hf is None:
+        return False
+    try:
+        arch.moe_to_hf(experts)
+    except ConfigError:
+        return False
+    return True
+
+
 def with_features(
-    *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax", mla: bool = False
+    *,
+    moe: bool,
+    shared_expert: bool,
+    qk_norm: bool,
+    qkv_bias: bool,
+    score_function: str = "softmax",
+    mla: bool = False,
+    experts: MoeSpec | None = None,
 ) -> Architecture:
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
     Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
     part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
-    norms) matches either value."""
+    norms) matches either value. `experts`: the mixture of experts must also be one its config can state
+    (`moe_to_hf`): MoE layers after a dense one are GLM-4.7-Flash's `mlp_layer_types`, not DeepSeek-V3's
+    `first_k_dense_replace`."""
 
     def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
         if wanted:
@@ -90,6 +114,7 @@ def with_features(
             and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
             and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
             and (not moe or arch.score_function == score_function)
+            and (experts is None or _writes(arch, experts))
         ):
             return arch
     raise UnsupportedArchitectureError(

@@ -40,6 +40,7 @@ from hf_mcore_bridge.models.mapping_types import Size
 from hf_mcore_bridge.models.moe import MoeSpec, sigmoid_router, sigmoid_router_to_hf, topk
 from hf_mcore_bridge.models.moe_tables import MTP_COPIES, dense_only, mtp_layer
 
+HF_NAME = "Glm4MoeLiteForCausalLM"
 LAYER_TYPES = "mlp_layer_types"
 DENSE_LAYERS = "first_k_dense_replace"
 DENSE, SPARSE = "dense", "sparse"
@@ -49,26 +50,35 @@ def mlp_layer_pattern(config: Mapping[str, Any], num_layers: int) -> tuple[bool,
     """Which layers are MoE: `mlp_layer_types` (`dense` / `sparse` per layer; absent: the first layer dense, as
     transformers' config class fills it in). A `first_k_dense_replace` that places them otherwise is refused:
     transformers' model ignores it, so the checkpoint and the model it names would disagree."""
-    listed = config.get(LAYER_TYPES)
-    if listed is None:
-        kinds = [DENSE] + [SPARSE] * (num_layers - 1)
-    elif not isinstance(listed, list | tuple) or len(listed) != num_layers or set(listed) - {DENSE, SPARSE}:
-        raise ConfigError(
-            f"config field {LAYER_TYPES}={listed!r} must list 'dense' or 'sparse' for each of the "
-            f"num_hidden_layers={num_layers} layers"
-        )
-    else:
-        kinds = list(listed)
+    kinds = _layer_kinds(config, num_layers)
     pattern = tuple(kind == SPARSE for kind in kinds)
     if not any(pattern):
         raise ConfigError(f"config field {LAYER_TYPES} has no 'sparse' layer; a mixture of experts needs one")
     dense = config.get(DENSE_LAYERS)
-    if dense is not None and pattern != tuple(i >= dense for i in range(num_layers)):
+    if dense is not None and (
+        not isinstance(dense, int) or isinstance(dense, bool) or pattern != tuple(i >= dense for i in range(num_layers))
+    ):
         raise ConfigError(
             f"config field {DENSE_LAYERS}={dense!r} disagrees with {LAYER_TYPES} {kinds} "
-            f"(transformers' {ARCHITECTURE.hf_name} reads only {LAYER_TYPES})"
+            f"(transformers' {HF_NAME} reads only {LAYER_TYPES})"
         )
     return pattern
+
+
+def _layer_kinds(config: Mapping[str, Any], num_layers: int) -> list[str]:
+    listed = config.get(LAYER_TYPES)
+    if listed is None:
+        return [DENSE] + [SPARSE] * (num_layers - 1)
+    if (
+        not isinstance(listed, list | tuple)
+        or len(listed) != num_layers
+        or any(kind not in (DENSE, SPARSE) for kind in listed)
+    ):
+        raise ConfigError(
+            f"config field {LAYER_TYPES}={listed!r} must list 'dense' or 'sparse' for each of the "
+            f"num_hidden_layers={num_layers} layers"
+        )
+    return list(listed)
 
 
 def moe_from_hf(config: Mapping[str, Any], num_layers: int) -> MoeSpec:
@@ -116,7 +126,7 @@ def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
 TABLE = (EMBEDDING, *MLA, *dense_only(DENSE_MLP), *MOE, *mtp_layer((*MLA, *MOE)), FINAL_NORM, OUTPUT)
 
 ARCHITECTURE = Architecture(
-    hf_name="Glm4MoeLiteForCausalLM",
+    hf_name=HF_NAME,
     model_type="glm4_moe_lite",
     table=TABLE,
     qkv_bias="attention_bias",

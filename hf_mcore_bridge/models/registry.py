@@ -99,24 +99,26 @@ def with_features(
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
     Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
     part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
-    norms) matches either value. `experts`: the mixture of experts must also be one its config can state
-    (`moe_to_hf`): MoE layers after a dense one are GLM-4.7-Flash's `mlp_layer_types`, not DeepSeek-V3's
-    `first_k_dense_replace`."""
+    norms) matches either value. `experts`: the first of them whose config can state this mixture of experts
+    (`moe_to_hf`) comes first: MoE layers around a dense one are GLM-4.7-Flash's `mlp_layer_types`, which
+    DeepSeek-V3's `first_k_dense_replace` cannot say."""
 
     def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
         if wanted:
             return switch is not False and arch.table_has(feature)
         return switch is not True
 
-    for arch in REGISTRY.values():
-        if (
-            (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
-            and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
-            and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
-            and (not moe or arch.score_function == score_function)
-            and (experts is None or _writes(arch, experts))
-        ):
-            return arch
+    found = [
+        arch
+        for arch in REGISTRY.values()
+        if (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
+        and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
+        and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
+        and (not moe or arch.score_function == score_function)
+    ]
+    writers = [arch for arch in found if experts is None or _writes(arch, experts)]
+    if writers or found:  # where none can state the experts, the first: its export refuses them by field name
+        return (writers or found)[0]
     raise UnsupportedArchitectureError(
         f"no supported architecture has moe={moe}, shared expert={shared_expert}, qk_norm={qk_norm}, "
         f"qkv_bias={qkv_bias}"

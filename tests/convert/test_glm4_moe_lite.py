@@ -69,6 +69,18 @@ def test_published_config_reads_as_transformers_runs_it() -> None:
     require_runnable(model)  # the engine runs it (its latent norms at 1e-6)
 
 
+def test_a_first_k_dense_replace_transformers_would_ignore_is_refused() -> None:
+    """Without `mlp_layer_types` transformers' model has one dense layer, whatever `first_k_dense_replace` says."""
+    assert len(_auto(_with(GLM_47_FLASH, first_k_dense_replace=3)).mlp_layer_types) == 47
+    assert _auto(_with(GLM_47_FLASH, first_k_dense_replace=3)).mlp_layer_types[:2] == ["dense", "sparse"]
+    with pytest.raises(
+        ConfigError, match=r"first_k_dense_replace=3 disagrees with mlp_layer_types \['dense', 'sparse'"
+    ):
+        ModelSpec.from_hf(_with(GLM_47_FLASH, first_k_dense_replace=3))
+    with pytest.raises(ConfigError, match="first_k_dense_replace='1' disagrees"):
+        ModelSpec.from_hf(_with(GLM_47_FLASH, first_k_dense_replace="1"))
+
+
 def test_megatron_core_refuses_the_published_rms_norm_eps_by_name() -> None:
     with pytest.raises(ConfigError, match=r"rms_norm_eps=1e-05 cannot be represented in megatron-core's MLA"):
         config_bridge.megatron_spec(GLM_47_FLASH)

@@ -118,7 +118,9 @@ def moe_to_hf(moe: MoeSpec) -> dict[str, Any]:
         LAYER_TYPES: [SPARSE if moe_layer else DENSE for moe_layer in moe.moe_layers],
         **sigmoid_router_to_hf(moe),
     }
-    if moe.moe_layers == tuple(i >= moe.moe_layers.index(True) for i in range(len(moe.moe_layers))):
+    if True in moe.moe_layers and moe.moe_layers == tuple(
+        i >= moe.moe_layers.index(True) for i in range(len(moe.moe_layers))
+    ):
         fields[DENSE_LAYERS] = moe.moe_layers.index(True)
     return fields
 

@@ -153,8 +153,12 @@ TINY = tiny_config("Glm4MoeLiteForCausalLM")
         ({"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
         ({"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05 cannot be represented in megatron-core's MLA"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 cannot be represented in megatron-core's MLA"),
+        (
+            {"mlp_layer_types": ["dense", "sparse", "sparse", "dense"], "num_nextn_predict_layers": 1},
+            "num_nextn_predict_layers=1 cannot be represented in megatron-core with a dense last layer",
+        ),
     ],
-    ids=["dense_count", "layer_count", "layer_kind", "all_dense", "shared", "topk_method", "eps", "rotary"],
+    ids=["dense_count", "layer_count", "layer_kind", "all_dense", "shared", "topk_method", "eps", "rotary", "mtp"],
 )
 def test_what_cannot_be_read_or_represented_is_refused_by_name(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

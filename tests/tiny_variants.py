@@ -36,4 +36,7 @@ MOE_VARIANTS = {
     # sigmoid router with score bias, 2 of 4 groups, scaling 2.5; ungated shared expert; layer 0 dense; partial
     # rotary (half of each head); q/k norms and q/k/v biases
     "glm4_moe": ("Glm4MoeForCausalLM", {}),
+    # GLM-4.7-Flash: DeepSeek-V3's multi-latent attention (plain RoPE, interleaved pairs) with GLM's router (2 of 4
+    # groups, scaling 1.8) and shared expert; dense layers 0 and 2 (`mlp_layer_types`)
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", {}),
 }

@@ -93,6 +93,12 @@ def _require_layers(spec: ModelSpec) -> None:
         raise _unrepresentable(f"{switch}=True" if switch else f"sliding_window={spec.sliding_window!r}")
     if any(kind != FULL_ATTENTION for kind in spec.layer_types):
         raise ConfigError("config field layer_types has non-full attention layers; only full attention is supported")
+    if spec.mtp_layers and spec.moe is not None and not spec.moe.moe_layers[-1]:
+        # megatron-core's MTP layer is built as the last decoder layer; the tables' MTP layers are MoE
+        raise ConfigError(
+            f"config field num_nextn_predict_layers={spec.mtp_layers} cannot be represented in megatron-core with a "
+            "dense last layer (its multi-token-prediction layers copy the last layer's kind; these are MoE)"
+        )
 
 
 def _require_rope(spec: ModelSpec) -> None:
@@ -496,7 +502,7 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
         features["mla"] = mla is not None
         if moe is not None:
             features["score_function"] = moe.score_function
-        architecture = with_features(**features).hf_name
+        architecture = with_features(**features, experts=moe).hf_name
     return ModelSpec(
         architecture=architecture,
         num_layers=num_layers,

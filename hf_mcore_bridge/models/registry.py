@@ -16,6 +16,7 @@ from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import (
     deepseek_v3,
     glm4_moe,
+    glm4_moe_lite,
     kimi_k25,
     llama,
     mistral,
@@ -26,7 +27,9 @@ from hf_mcore_bridge.mappings import (
     qwen3_moe,
 )
 from hf_mcore_bridge.models.architecture import Architecture, Switch
+from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Feature
+from hf_mcore_bridge.models.moe import MoeSpec
 from hf_mcore_bridge.models.vision_language import VisionLanguage
 
 REGISTRY: dict[str, Architecture] = {
@@ -41,6 +44,7 @@ REGISTRY: dict[str, Architecture] = {
         qwen2_moe.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
+        glm4_moe_lite.ARCHITECTURE,
     )
 }
 
@@ -94,27 +98,50 @@ def for_config(config: Mapping[str, Any]) -> Architecture:
     raise UnsupportedArchitectureError(f"unsupported architecture {named}; supported: {', '.join(supported())}")
 
 
+def _writes(arch: Architecture, experts: MoeSpec) -> bool:
+    """Whether the architecture's config can state this mixture of experts."""
+    if arch.moe_to_hf is None:
+        return False
+    try:
+        arch.moe_to_hf(experts)
+    except ConfigError:
+        return False
+    return True
+
+
 def with_features(
-    *, moe: bool, shared_expert: bool, qk_norm: bool, qkv_bias: bool, score_function: str = "softmax", mla: bool = False
+    *,
+    moe: bool,
+    shared_expert: bool,
+    qk_norm: bool,
+    qkv_bias: bool,
+    score_function: str = "softmax",
+    mla: bool = False,
+    experts: MoeSpec | None = None,
 ) -> Architecture:
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
     Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
     part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
-    norms) matches either value."""
+    norms) matches either value. `experts`: the first of them whose config can state this mixture of experts
+    (`moe_to_hf`) comes first: MoE layers around a dense one are GLM-4.7-Flash's `mlp_layer_types`, which
+    DeepSeek-V3's `first_k_dense_replace` cannot say."""
 
     def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
         if wanted:
             return switch is not False and arch.table_has(feature)
         return switch is not True
 
-    for arch in REGISTRY.values():
-        if (
-            (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
-            and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
-            and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
-            and (not moe or arch.score_function == score_function)
-        ):
-            return arch
+    found = [
+        arch
+        for arch in REGISTRY.values()
+        if (arch.is_moe, arch.has_shared_expert, arch.multi_latent) == (moe, shared_expert, mla)
+        and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
+        and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
+        and (not moe or arch.score_function == score_function)
+    ]
+    writers = [arch for arch in found if experts is None or _writes(arch, experts)]
+    if writers or found:  # where none can state the experts, the first: its export refuses them by field name
+        return (writers or found)[0]
     raise UnsupportedArchitectureError(
         f"no supported architecture has moe={moe}, shared expert={shared_expert}, qk_norm={qk_norm}, "
         f"qkv_bias={qkv_bias}"

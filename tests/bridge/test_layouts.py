@@ -1,5 +1,6 @@
 """The bridge API in gloo worlds at TP2, PP2 (with two virtual stages), EP2 and TP2 x PP2, on a dense, a MoE, a
-DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all), at TP2 x EP2 with expert TP 1 and at CP2
+DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all), at TP2 x EP2 with expert TP 1 (GLM-4.7-Flash
+there too) and at CP2
 (the bridge's own spec: megatron-core's local one refuses CP), at PP2 on the real SmolLM2-135M-Instruct, and an FP8
 DeepSeek-V3 checkpoint at TP2.
 
@@ -187,7 +188,7 @@ def test_tp2_pp2(models, tmp_path):
 
 def test_tp2_ep2_with_experts_unsplit(models, tmp_path):
     """Expert tensor parallelism 1 beside TP2: dense tensors split over TP, experts whole on their EP rank."""
-    jobs = [Job(name, models[name]) for name in ("qwen3_moe", "deepseek_v3", "glm4_moe")]
+    jobs = [Job(name, models[name]) for name in ("qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_lite")]
     tokens, results = _run(Layout(tp=2, ep=2, etp=1), jobs, tmp_path)
     for job in jobs:
         _check(job, results[job.name], tokens, 4)

@@ -167,3 +167,48 @@ LAYOUTS = {
     "Qwen/Qwen3-8B": (8, 2),
 }
 """A layout each model is typically trained at (TP, PP)."""
+
+
+GLM_47_FLASH: dict[str, Any] = {
+    "architectures": ["Glm4MoeLiteForCausalLM"],
+    "model_type": "glm4_moe_lite",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "pad_token_id": 154820,
+    "eos_token_id": [154820, 154827, 154829],
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 10240,
+    "max_position_embeddings": 202752,
+    "moe_intermediate_size": 1536,
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "num_attention_heads": 20,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.8,
+    "num_experts_per_tok": 4,
+    "first_k_dense_replace": 1,
+    "num_hidden_layers": 47,
+    "num_key_value_heads": 20,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 1.0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 154880,
+}
+"""zai-org/GLM-4.7-Flash's config.json (architecture fields as released; their values are those of transformers'
+`Glm4MoeLiteConfig` defaults). Not in `PUBLISHED`: megatron-core refuses its `rms_norm_eps` (1e-5, while
+transformers' latent norms use 1e-6 whatever it says); `tests/convert/test_glm4_moe_lite.py` checks that refusal
+and the rest of the config."""

@@ -152,13 +152,21 @@ def _add_mtp_layer(hf_dir: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
 
 
-def test_glm_multi_token_prediction_layers_convert_to_megatron_cores_mtp_and_back(tiny_moe_models, tmp_path):
-    _add_mtp_layer(tiny_moe_models["glm4_moe"], tmp_path / "mtp")
+MTP_ATTENTION = {
+    "glm4_moe": "self_attention.linear_qkv.bias",
+    "glm4_moe_lite": "self_attention.linear_kv_up_proj.layer_norm_weight",  # GLM-4.7-Flash: multi-latent
+}
+"""A tensor of each GLM's attention that its MTP layer must hold."""
+
+
+@pytest.mark.parametrize("name", sorted(MTP_ATTENTION))
+def test_glm_multi_token_prediction_layers_convert_to_megatron_cores_mtp_and_back(name, tiny_moe_models, tmp_path):
+    _add_mtp_layer(tiny_moe_models[name], tmp_path / "mtp")
     result = convert_hf_to_mcore(tmp_path / "mtp", tmp_path / "m", layout=Layout(ep=2), show_progress=False)
     assert result.model.mtp_layers == 1 and not result.notes
     keys = set(DCPCheckpoint(tmp_path / "m" / "release").tensor_keys())
     layer = "mtp.layers.0.transformer_layer"
-    assert {"mtp.layers.0.eh_proj.weight", f"{layer}.self_attention.linear_qkv.bias"} <= keys
+    assert {"mtp.layers.0.eh_proj.weight", f"{layer}.{MTP_ATTENTION[name]}"} <= keys
     assert {f"{layer}.mlp.router.expert_bias", f"{layer}.mlp.shared_experts.linear_fc1.weight"} <= keys
     back = convert_mcore_to_hf(tmp_path / "m", tmp_path / "back", show_progress=False)
     assert not back.notes

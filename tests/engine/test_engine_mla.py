@@ -1,7 +1,9 @@
-"""Multi-latent attention (DeepSeek-V3 and Moonlight) in the engine, against transformers.
+"""Multi-latent attention (DeepSeek-V3, Moonlight and GLM-4.7-Flash) in the engine, against transformers.
 
 The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
-experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups). Checked: greedy tokens identical to
+experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups); GLM-4.7-Flash's (plain RoPE, GLM's
+router and shared expert, dense layers between MoE ones), built with its published `rms_norm_eps` 1e-5 beside the
+latent norms' fixed 1e-6, which megatron-core cannot represent and the engine must. Checked: greedy tokens identical to
 `generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU; latents gathered or read in
 place by the Triton latent kernel, experts through the exact or the fast path), the Triton latent kernel alone against a
 dense float64 reference, prompts of different lengths in one batch, past several 4-token KV blocks; the cache holds the
@@ -36,18 +38,26 @@ from hf_mcore_bridge.engine.mla import LatentAttention
 from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
 from hf_mcore_bridge.engine.tp_shards import TPRank
 from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
+from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
-MLA_MODELS = ("deepseek_v3", "moonlight")
+MLA_MODELS = ("deepseek_v3", "moonlight", "glm4_moe_lite")
+KERNEL_MODELS = ("deepseek_v3", "moonlight")
+"""Through the Triton kernels (architecture-blind: GLM-4.7-Flash's latent cache and router are DeepSeek-V3's)."""
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the Triton latent kernel runs alone: compiled on a GPU, else in Triton's interpreter (see conftest)."""
 NEW_TOKENS = GREEDY.max_tokens
 
 
 @pytest.fixture(scope="module")
-def mla_models(tiny_moe_models: dict[str, Path]) -> dict[str, tuple[Path, PreTrainedModel]]:
+def mla_models(
+    tiny_moe_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, PreTrainedModel]]:
+    directories = {name: tiny_moe_models[name] for name in KERNEL_MODELS}
+    lite = tmp_path_factory.mktemp("glm4-moe-lite") / "hf"
+    directories["glm4_moe_lite"] = build_tiny_model(lite, "Glm4MoeLiteForCausalLM", seed=35, rms_norm_eps=1e-5)
     return {
-        name: (tiny_moe_models[name], AutoModelForCausalLM.from_pretrained(tiny_moe_models[name]).eval())
-        for name in MLA_MODELS
+        name: (directory, AutoModelForCausalLM.from_pretrained(directory).eval())
+        for name, directory in directories.items()
     }
 
 
@@ -82,7 +92,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_from_a_latent_cache(name,
 
 
 @pytest.mark.parametrize(("decode", "experts"), [("triton", "exact"), ("gather", "triton")])
-@pytest.mark.parametrize("name", MLA_MODELS)
+@pytest.mark.parametrize("name", KERNEL_MODELS)
 def test_triton_latent_decode_and_fast_experts_match_transformers(name, decode, experts, mla_models):
     """The Triton latent decode kernel (`triton_mla`), and DeepSeek-V3's sigmoid router with score bias and groups
     and its shared expert over the fast expert path (the Triton grouped GEMM): compiled on a GPU (fp32, no TF32),
@@ -152,6 +162,10 @@ def test_the_config_reading_equals_transformers(mla_models):
         assert cfg.rope.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-12)
         assert cfg.mla.rope_interleave is model.config.rope_interleave
     assert read_spec(mla_models["deepseek_v3"][1].config).rope.rope_type == "yarn"
+    lite = read_spec(mla_models["glm4_moe_lite"][1].config)
+    attention = mla_models["glm4_moe_lite"][1].model.layers[0].self_attn
+    assert (lite.norm_epsilon, lite.latent_norm_eps) == (1e-5, attention.kv_a_layernorm.variance_epsilon)
+    assert lite.latent_norm_eps == attention.q_a_layernorm.variance_epsilon == 1e-6
 
 
 def test_kv_bytes_per_token_of_grouped_query_attention(get_hf_model):

@@ -2,8 +2,8 @@
 
 One gloo world per layout verifies all tiny models (GQA, odd vocabulary padded for TP, tied embeddings with PP>1,
 Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling), and MoE models without expert parallelism in some worlds:
-GLM-4.5 at TP2 and PP2, DeepSeek-V3's multi-latent attention at TP2, PP2 and CP2 (their EP layouts are in
-`test_moe`). Also: checkpoints written by megatron-core itself.
+GLM-4.5 and GLM-4.7-Flash at TP2 and PP2, DeepSeek-V3's multi-latent attention at TP2, PP2 and CP2 (their EP
+layouts are in `test_moe`). Also: checkpoints written by megatron-core itself.
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ LAYOUTS = {
 }
 
 
-MOE_HERE = {"tp2pp1": ("glm4_moe", "deepseek_v3"), "tp1pp2": ("glm4_moe", "deepseek_v3"), "tp1cp2": ("deepseek_v3",)}
+MOE_HERE = {
+    "tp2pp1": ("glm4_moe", "deepseek_v3", "glm4_moe_lite"),
+    "tp1pp2": ("glm4_moe", "deepseek_v3", "glm4_moe_lite"),
+    "tp1cp2": ("deepseek_v3",),
+}
 """Mixture-of-experts models verified in these worlds too (layouts without expert parallelism; DeepSeek-V3's
-multi-latent attention has keys and values of different widths under CP)."""
+multi-latent attention has keys and values of different widths under CP; GLM-4.7-Flash's is DeepSeek-V3's)."""
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ what other parts derive from the tables (the DTensor plan, the engine's names) i
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.grpo.backends.dtensor.parallel import layer_tp_plan
 from hf_mcore_bridge.models.registry import REGISTRY, WRAPPERS, for_config, with_features
+from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import tiny_config
 
 ROOT = Path(__file__).parents[2]
@@ -114,6 +116,18 @@ def test_megatron_args_without_an_hf_name_map_to_the_architecture_with_their_fea
     features: dict, expected: str
 ) -> None:
     assert with_features(**features).hf_name == expected
+
+
+def test_mla_experts_after_a_dense_layer_find_the_architecture_whose_config_states_them() -> None:
+    """DeepSeek-V3 is the first multi-latent architecture, but `first_k_dense_replace` cannot place MoE layers
+    around a dense one; GLM-4.7-Flash's `mlp_layer_types` can. Leading dense layers still find DeepSeek-V3."""
+    features = {"moe": True, "shared_expert": True, "qk_norm": False, "qkv_bias": False, "mla": True}
+    lite = ModelSpec.from_hf(tiny_config("Glm4MoeLiteForCausalLM")).moe
+    assert lite is not None and lite.moe_layers == (False, True, False, True)
+    found = with_features(**features, score_function="sigmoid", experts=lite)
+    assert found.hf_name == "Glm4MoeLiteForCausalLM"
+    leading = dataclasses.replace(lite, moe_layers=(False, True, True, True))
+    assert with_features(**features, score_function="sigmoid", experts=leading).hf_name == "DeepseekV3ForCausalLM"
 
 
 def test_features_no_architecture_has_are_refused() -> None:

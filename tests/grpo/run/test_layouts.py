@@ -241,12 +241,22 @@ def _metrics(log_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.extended
-def test_deepseek_first_step_matches_hf_reference(tmp_path: Path) -> None:
-    """DeepSeek-V3 at EP2 (multi-latent attention, rollouts from the engine's latent cache; sigmoid router with
-    expert bias and groups; shared experts; a dense first layer): step one's loss and gradient norm equal HF +
-    autograd's, and the engine's log-probs the trainer's (`token_mult_prob_error`)."""
-    policy = build_tiny_policy(tmp_path / "policy", seed=3, architecture="DeepseekV3ForCausalLM", num_hidden_layers=2)
+MLA_POLICIES = {
+    "deepseek_v3": ("DeepseekV3ForCausalLM", {}, 3),
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", {"mlp_layer_types": ["dense", "sparse"]}, 4),
+}
+"""Multi-latent policies (2 layers, a dense one then a MoE one): name -> (architecture, overrides, seed)."""
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param("deepseek_v3", marks=pytest.mark.extended), "glm4_moe_lite"]
+)  # GLM-4.7-Flash's attention is DeepSeek-V3's: one of them in the default run
+def test_mla_first_step_matches_hf_reference(name: str, tmp_path: Path) -> None:
+    """DeepSeek-V3 and GLM-4.7-Flash at EP2 (multi-latent attention, rollouts from the engine's latent cache;
+    sigmoid router with expert bias and groups; shared experts; a dense first layer): step one's loss and gradient
+    norm equal HF + autograd's, and the engine's log-probs the trainer's (`token_mult_prob_error`)."""
+    architecture, overrides, seed = MLA_POLICIES[name]
+    policy = build_tiny_policy(tmp_path / "policy", seed=seed, architecture=architecture, **overrides)
     steps = {"ep2": _run(tmp_path, "ep2", policy, ep=2)}
     reference = _hf_reference(policy, tmp_path / "ep2" / "rollouts.jsonl")
     assert steps["ep2"]["reward_std"] > 0

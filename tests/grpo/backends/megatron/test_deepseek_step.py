@@ -6,7 +6,7 @@ from the same initial weights on the same rollouts. Loss and gradient norm must 
 The rollouts are made here (random completions, group rewards) and handed to the trainer's own step
 (`trainer._train_step`) on every rank, so the refit's stream can be compared with the checkpoint itself; the full
 `train_grpo` run, with rollouts from the engine's multi-latent attention, the engine-side refit and the
-engine/trainer log-prob gate, is `test_layouts.py::test_deepseek_first_step_matches_hf_reference`.
+engine/trainer log-prob gate, is `test_layouts.py::test_mla_first_step_matches_hf_reference`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The GRPO algorithm's settings as plain Python: the loss's `LossConfig` with its enums, and the leave-one-out
-advantage's choice of standard deviation.
+"""The GRPO algorithm's settings as plain Python: the loss's `LossConfig` with its enums, the leave-one-out
+advantage's choice of standard deviation and dynamic sampling's `DynamicSamplingConfig`.
 
 They live apart from `losses` and `advantages` (which re-export them) because the run's config is built from them:
 loading and validating a config must not import torch, so that a mistake in it is reported in a fraction of a
@@ -9,7 +9,7 @@ second. Nothing here imports anything beyond the standard library.
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Aggregation", "ISCorrection", "LeaveOneOutStd", "LossConfig", "RatioLevel"]
+__all__ = ["Aggregation", "DynamicSamplingConfig", "ISCorrection", "LeaveOneOutStd", "LossConfig", "RatioLevel"]
 
 
 class LeaveOneOutStd(StrEnum):
@@ -122,4 +122,26 @@ class LossConfig:
         if not 0.0 <= self.icepop_low < self.icepop_high:
             raise ValueError(
                 f"LossConfig needs 0 <= icepop_low < icepop_high, got [{self.icepop_low}, {self.icepop_high}]"
+            )
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (`grpo.algorithm.dynamic_sampling`): groups whose rewards are all equal are dropped
+    and further rounds of prompts generated until `num_prompts_per_step` groups with reward variance remain."""
+
+    enabled: bool = False
+    """Drop zero-variance groups and generate more."""
+
+    max_rounds: int = 4
+    """Generation rounds a step runs at most (each of `num_prompts_per_step` new prompts, every engine replica
+    generating its share); a step whose rounds run out trains on its groups with variance filled up with dropped
+    ones (zero advantage), and logs how many as `filled_groups`. At least 2 when enabled."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ValueError(f"DynamicSamplingConfig.max_rounds must be >= 1, got {self.max_rounds}")
+        if self.enabled and self.max_rounds < 2:
+            raise ValueError(
+                "DynamicSamplingConfig.max_rounds=1 generates nothing to replace a dropped group: use >= 2"
             )

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hf_mcore_bridge.engine.options import DECODE_KERNELS
-from hf_mcore_bridge.grpo.algorithm.options import LeaveOneOutStd, LossConfig
+from hf_mcore_bridge.grpo.algorithm.options import DynamicSamplingConfig, LeaveOneOutStd, LossConfig
 from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig, validate_dtensor
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, validate_forwarded, validate_megatron
 from hf_mcore_bridge.grpo.data.config import DataConfig, RewardConfig, validate_data, validate_reward
@@ -112,6 +112,10 @@ class GRPOSection:
     """With `leave_one_out` and `normalize_rewards`, what each advantage is divided by: `others`, the sample std of
     the other rewards of its group (NeMo-RL's; an advantage whose others are all equal is left undivided), or
     `group`, the sample std of the whole group (see `grpo.algorithm.advantages`)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: `enabled` drops the groups whose rewards are all equal and generates up to
+    `max_rounds` rounds of new prompts until `num_prompts_per_step` groups with reward variance remain (see
+    `grpo.algorithm.dynamic_sampling`); logs `dropped_groups`, `generation_rounds` and `filled_groups`."""
     probe_prompt: str | None = None
     """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
     max_token_mult_prob_error: float | None = None

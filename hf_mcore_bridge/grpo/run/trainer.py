@@ -98,7 +98,7 @@ from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.run.ranks import build_backend, start_world
 from hf_mcore_bridge.models.spec import ModelSpec
 
-__all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
+__all__ = ["PreparedRun", "RunResult", "check_router_replay", "prepare_run", "train_grpo"]
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 """Every step's completions with their rewards, advantages and engine log-probs (rank 0 writes it)."""
@@ -189,6 +189,7 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
     # loss): the policy is built, refit, saved and exported without them
     model_cfg = dataclasses.replace(from_megatron_args(read_common(checkpoint_dir)["args"]), mtp_layers=0)
     validate_layout(layout, model_cfg)
+    check_router_replay(config, model_cfg)
     if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
         raise GRPOConfigError(
             "a mixture-of-experts policy at pipeline_model_parallel_size > 1 needs CUDA (megatron-core's all-to-all"
@@ -215,6 +216,15 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
         plan=plan_run(config, dims, model_cfg),
         source_hf_dir=hf_dir,
     )
+
+
+def check_router_replay(config: GRPOConfig, model_cfg: ModelSpec) -> None:
+    """Refuse routing replay (`policy.router_replay`) for a model without routed experts."""
+    if config.policy.router_replay.enabled and model_cfg.moe is None:
+        raise GRPOConfigError(
+            f"policy.router_replay.enabled=true needs a mixture-of-experts model; {model_cfg.architecture} has no"
+            " routed experts"
+        )
 
 
 def _prepare_hf_run(config: GRPOConfig, dims: ParallelDims, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
@@ -337,8 +347,11 @@ def _trim_metrics(log_dir: Path, keep_through: int) -> None:
 def _log_rollouts(log_dir: Path, step: int, rollouts: list[Rollout]) -> None:
     """Append the step's rollouts to `rollouts.jsonl`, one JSON object per completion."""
     with (log_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as handle:
-        for rollout in rollouts:
-            handle.write(json.dumps({"step": step, **dataclasses.asdict(rollout)}) + "\n")
+        for rollout in rollouts:  # without the routed experts (routing replay): tensors, and large
+            fields = {
+                f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name != "routed_experts"
+            }
+            handle.write(json.dumps({"step": step, **fields}) + "\n")
 
 
 # Inside a rank ---------------------------------------------------------------------------------------------------
@@ -552,7 +565,7 @@ def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: i
     advantages = group_advantages(rewards, group, advantage_config)
     truncated = (overlong_mask_from_finish_reasons([s.finish_reason for _, s in samples]) == 0).tolist()
     rollouts = [
-        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
+        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut, s.routed_experts)
         for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
     return rollouts, scored.timeouts, wait_s
@@ -814,7 +827,12 @@ def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
     if ctx.replicas.replica == 0:  # every rank of the first engine replica takes part
         out = ctx.engine.generate([ctx.probe_prompt], _sampling_params(ctx.config, 1, seed=ctx.config.grpo.seed))[0]
         sample = out.samples[0]
-        rollout = Rollout(tuple(out.prompt_token_ids), tuple(sample.token_ids), tuple(sample.logprobs or ()))
+        rollout = Rollout(
+            tuple(out.prompt_token_ids),
+            tuple(sample.token_ids),
+            tuple(sample.logprobs or ()),
+            routed_experts=sample.routed_experts,
+        )
     rollout = _broadcast(rollout)
     batches = make_microbatches([rollout], 1)
     logprobs = policy.compute_logprobs(batches, ctx.config.generation.temperature)

@@ -30,6 +30,11 @@ decode CUDA graphs (not tested: no multi-GPU test here).
 A caller can take each sample the moment its tokens are final (`generate(..., on_sample=...)`), e.g. to score
 it while the others are still generating; the call still returns every output at the end.
 
+With `EngineConfig.record_routing` a mixture-of-experts model's passes also write each token's chosen experts per
+MoE layer into a fixed buffer (`CausalLM.record_routing`), copied per pass in stream order and kept per sequence by
+position (a token's first recording wins), so every sample comes back with the experts of every token it ran
+(`SampleOutput.routed_experts`, for the trainer's routing replay).
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.

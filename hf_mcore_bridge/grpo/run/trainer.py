@@ -21,7 +21,10 @@ each step:
    completions for its share of them (whole prompts), scores them and computes their group advantages; the
    replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order. Each replica's
    first rank scores its share in reward worker processes (`grpo.data.scoring`), every sample handed to them as the
-   engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores;
+   engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores.
+   With `grpo.dynamic_sampling` groups without reward variance are dropped and further rounds of new prompts
+   generated the same way until the step has its groups; with `policy.router_replay` the rollouts carry the
+   engine's expert choices, which the trainer's forwards replay;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
    (`grpo.num_minibatches: 1`) the "old" log-probs are the training forward's own, detached, and only the

@@ -30,6 +30,11 @@ decode CUDA graphs (not tested: no multi-GPU test here).
 A caller can take each sample the moment its tokens are final (`generate(..., on_sample=...)`), e.g. to score
 it while the others are still generating; the call still returns every output at the end.
 
+With `EngineConfig.record_routing` a mixture-of-experts model's passes also write each token's chosen experts per
+MoE layer into a fixed buffer (`CausalLM.record_routing`), copied per pass in stream order and kept per sequence by
+position (a token's first recording wins), so every sample comes back with the experts of every token it ran
+(`SampleOutput.routed_experts`, for the trainer's routing replay).
+
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
 sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
@@ -173,6 +178,12 @@ class EngineConfig:
     layer for batches of up to 4096 pairs, above that the torch sort; CUDA, or CPU in Triton's interpreter). Opt-in:
     identical outputs, tested in Triton's interpreter, not yet timed on a GPU (`scripts/bench_moe_generation.py
     --moe-sort triton`); the default stays `torch` until it is."""
+    record_routing: bool = False
+    """Record, for every token a mixture-of-experts model runs (prompt and generated, all but each sample's last
+    token, which is never an input), the expert ids each MoE layer chose, and return them with the samples
+    (`SampleOutput.routed_experts`): rollout routing replay, where the trainer routes each token to the same
+    experts. One `[moe_layers, tokens, k]` copy per pass into a fixed device buffer (captured in decode graphs),
+    moved to the host with the pass's tokens."""
     torch_compile: bool | None = None
     """Run the decoder's pointwise steps (`pointwise.py`) and the sampler's reductions through `torch.compile`
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
@@ -258,6 +269,11 @@ class SampleOutput:
     logprobs: list[float] | None
     """Per generated token: log_softmax(logits / temperature) of the sampled token, BEFORE top-k / top-p
     truncation (temperature 1 for greedy); None when not requested."""
+    routed_experts: torch.Tensor | None = None
+    """With `EngineConfig.record_routing`: `[moe_layers, prompt + generated - 1, k]` (uint8, int16 above 256
+    experts; host), the experts each MoE layer chose for every token the engine ran, in position order (the
+    prompt's, then every generated token but the last); a token's first recording is kept (a preempted sequence's
+    recompute does not replace it). None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +333,11 @@ class _Launched:
     """Where each sequence's token goes in its `token_ids`."""
     dropped: set[int] = field(default_factory=set)
     """ids of sequences that stopped at the step before: their result here is discarded."""
+    routing: torch.Tensor | None = None
+    """With routing recorded: `[moe_layers, B, k]` on the device, the step's expert ids (a copy: the next step
+    overwrites the buffer)."""
+    positions: list[int] = field(default_factory=list)
+    """Each sequence's input position in this step."""
 
 
 @dataclass
@@ -326,6 +347,25 @@ class _Finished:
     on_sample: Callable[[int, SampleOutput], None] | None
     first_index: int
     outputs: dict[int, SampleOutput] = field(default_factory=dict)
+
+
+def _record_routing(seq: Sequence, chunk: torch.Tensor, start: int) -> None:
+    """Keep the expert ids `chunk` `[moe_layers, n, k]` of `seq`'s tokens at positions `start...` that it has no
+    recording of yet (a preempted sequence's recompute covers positions it has)."""
+    if start > seq.routed:
+        raise RuntimeError(f"routing of position {start} recorded before that of position {seq.routed}")
+    new = chunk[:, seq.routed - start :]
+    if new.shape[1]:
+        seq.routing.append(new)
+        seq.routed += new.shape[1]
+
+
+def _routed_experts(seq: Sequence) -> torch.Tensor:
+    """`seq`'s recorded expert ids `[moe_layers, tokens - 1, k]`: every token but the last (never an input)."""
+    inputs = len(seq.token_ids) - 1
+    if seq.routed < inputs:
+        raise RuntimeError(f"routing recorded for {seq.routed} of the {inputs} tokens a sample ran")
+    return torch.cat(seq.routing, dim=1)[:, :inputs].clone()
 
 
 def _finish_reason(seq: Sequence) -> str | None:
@@ -448,6 +488,10 @@ class Engine:
         if fused is None:
             fused = self.device.type == "cuda" and triton_available()
         self._sampler = Sampler(compile=cfg.compiled(), fused=fused)
+        self._routing: torch.Tensor | None = None
+        """The buffer every pass writes its expert ids to (`CausalLM.record_routing`), with `record_routing`."""
+        if cfg.record_routing:  # before any decode graph is captured: the graphs write into it
+            self._routing = self.model.record_routing(max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
         # the exact expert loop sizes each expert's rows on the host: not capturable
         capturable = mc.moe is None or moe_kernel != "exact"
         self._graphs = (
@@ -689,6 +733,13 @@ class Engine:
     def _prefill(self, scheduler: Scheduler, step: PrefillStep) -> None:
         """One prefill step: each admitted group's prefix once, then the first token of each of its sequences."""
         logits = self._run_prefill(step)
+        if self._routing is not None:
+            routing = self._routing[:, : len(step.input_ids)].to("cpu", copy=True)  # a copy also on a CPU engine
+            start = 0
+            for group, length in zip(step.groups, step.seq_lens, strict=True):
+                for seq in group.sequences:  # the prefix is shared: one chunk for all its samples
+                    _record_routing(seq, routing[:, start : start + length], 0)
+                start += length
         sequences = [seq for group in step.groups for seq in group.sequences]
         group_of_row = [g for g, group in enumerate(step.groups) for _ in group.sequences]
         logits = logits.index_select(0, self._to_device(group_of_row))
@@ -743,6 +794,8 @@ class Engine:
             if rows != list(range(len(previous.sequences))):
                 device_ids = device_ids.index_select(0, self._to_device(rows))
         logits = self._run_decode(step, device_ids)
+        # queued behind this step's forward and before the next one's, which reuses the buffer
+        routing = None if self._routing is None else self._routing[:, : len(step.sequences)].clone()
         tokens, logprobs = self._sampler(logits, self._sampling_batch(step.sequences))
         both = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
         event = None
@@ -759,7 +812,7 @@ class Engine:
             indices.append(len(seq.token_ids))
             seq.token_ids.append(PENDING_TOKEN)
             seq.logprobs.append(0.0)
-        return _Launched(step.sequences, tokens, host, event, indices)
+        return _Launched(step.sequences, tokens, host, event, indices, routing=routing, positions=step.positions)
 
     def _resolve(self, scheduler: Scheduler, launched: _Launched, following: _Launched | None) -> None:
         """Fill in `launched`'s tokens once on the host; end the sequences that sampled a stop token (dropping
@@ -767,6 +820,11 @@ class Engine:
         if launched.event is not None:
             launched.event.synchronize()
         token_list, logprob_list = launched.host.tolist()
+        if launched.routing is not None:
+            routing = launched.routing.cpu()
+            for row, (seq, position) in enumerate(zip(launched.sequences, launched.positions, strict=True)):
+                if id(seq) not in launched.dropped:
+                    _record_routing(seq, routing[:, row : row + 1], position)
         stopped = []
         for seq, index, token, logprob in zip(
             launched.sequences, launched.indices, token_list, logprob_list, strict=True
@@ -878,6 +936,7 @@ class Engine:
                 text=self.tokenizer.decode(generated) if self.tokenizer is not None else None,
                 finish_reason=seq.finish_reason or "length",
                 logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+                routed_experts=_routed_experts(seq) if self._routing is not None else None,
             )
             if finished.on_sample is not None:
                 finished.on_sample(seq.request_index - finished.first_index, output)

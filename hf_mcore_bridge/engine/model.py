@@ -23,7 +23,8 @@ choice on CPU); or the fast one (`fused_moe`): the pairs sorted by expert on the
 the sorted rows with on-device offsets (a Triton kernel in the style of vLLM's fused MoE, or `torch._grouped_mm`),
 sync-free and so captured in the decode CUDA graphs as a dense model's step is. Routing, shared experts, expert
 biases and the clamped activation (`MoeSpec.expert_mlp_bias`, `swiglu_limit`: GPT-OSS's, not yet an
-architecture here) are the same on both.
+architecture here) are the same on both. `record_routing` makes every pass copy each token's chosen expert ids
+into a buffer (a fixed one, so the copy is captured in decode graphs too): rollout routing replay.
 
 Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
 single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
@@ -296,6 +297,13 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids below `num_experts`: uint8 up to 256 experts, else int16."""
+    if num_experts > 1 << 15:
+        raise ValueError(f"{num_experts} experts: expert ids are recorded as int16 at most")
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 def route(
     router_logits: torch.Tensor,
     top_k: int,
@@ -498,6 +506,9 @@ class SparseMoe(nn.Module):
             self.add_module(self.shared_name, MLP(cfg.hidden_size, shared, dtype, device, ops))
         gated = shared is not None and moe.shared_expert_gate
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype, device) if gated else None
+        self.routing_out: torch.Tensor | None = None
+        """Where the pass writes each token's chosen expert ids ([rows, k], rows >= the pass's tokens), set by
+        `CausalLM.record_routing`; None: not recorded."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
@@ -511,6 +522,8 @@ class SparseMoe(nn.Module):
             group_topk=moe.group_topk,
             scaling_factor=moe.topk_scaling_factor or 1.0,
         )
+        if self.routing_out is not None:  # a copy into a fixed buffer: also inside a captured decode graph
+            self.routing_out[: experts.shape[0]].copy_(experts)
         if self.round_routing_weights:
             weights = weights.to(x.dtype)
         out = self.experts(x, weights, experts)
@@ -695,6 +708,20 @@ class CausalLM(nn.Module):
                 f"weight table and parameters disagree: table only {sorted(filled - set(self._shapes))}, "
                 f"parameters only {sorted(set(self._shapes) - filled)}"
             )
+
+    def record_routing(self, rows: int) -> torch.Tensor:
+        """From now on every forward pass writes each token's chosen experts in every MoE layer into the returned
+        buffer `[moe_layers, rows, k]` (`routing_dtype`; row t: the pass's token t; `rows` must cover the largest
+        pass, padded decode rows included), which the caller reads after the pass."""
+        moe = self.cfg.moe
+        if moe is None:
+            raise ValueError(f"{self.cfg.architecture} has no mixture-of-experts layers: no routing to record")
+        layers = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
+        device = self.rope_cos.device
+        buffer = torch.zeros(len(layers), rows, moe.topk, dtype=routing_dtype(moe.num_experts), device=device)
+        for index, layer in enumerate(layers):
+            layer.routing_out = buffer[index]
+        return buffer
 
     @property
     def cache_entry(self) -> tuple[int, int, int]:

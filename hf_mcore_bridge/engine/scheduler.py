@@ -55,6 +55,10 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     row: int = -1
     """Row of the scheduler's block-table mirror while running, else -1."""
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """With routing recorded (`EngineConfig.record_routing`): host chunks `[moe_layers, n, k]` of the expert ids
+    its tokens were routed to, in position order; `routed` rows in all."""
+    routed: int = 0
     finish_reason: str | None = None
 
     @property

@@ -267,3 +267,27 @@ def test_latent_decode_kernel_in_bf16_at_deepseek_v3_shape(rows):
     gathered_error = (sdpa.squeeze(1).double() - expected).abs().max()
     got = paged_mla_decode(q_latent, q_rope, cache, tables, lengths, scale)
     assert (got.double() - expected).abs().max() <= max(1.5 * gathered_error, 1e-2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_routing_recorded_in_decode_graphs_equals_eager_recording(arch):
+    """`record_routing` with the fast path captured in decode graphs (the copy into the routing buffer is part of
+    each graph, the per-step copy out is queued before the next step): every sample's tokens and recorded experts
+    equal the eager engine's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference_model = build_hf_model(arch, 0)
+    prompts = random_prompts([5, 20, 33], seed=13)
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=4)
+    recorded = {}
+    for graphs in (True, False):
+        config = tiny_engine_config(
+            device="cuda", use_cuda_graphs=graphs, block_size=16, moe_kernel="triton", record_routing=True
+        )
+        engine = Engine(reference_model.config, config)
+        engine.load_weights(hub_weights(reference_model))
+        outputs = engine.generate(prompts, params)
+        assert (engine.num_cuda_graphs > 0) == graphs
+        recorded[graphs] = [(s.token_ids, s.routed_experts) for out in outputs for s in out.samples]
+    for (tokens, routed), (eager_tokens, eager_routed) in zip(recorded[True], recorded[False], strict=True):
+        assert tokens == eager_tokens
+        assert routed is not None and eager_routed is not None and torch.equal(routed, eager_routed)

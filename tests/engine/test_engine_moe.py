@@ -7,11 +7,12 @@ lengths, n > 1), through the exact expert loop and through the fast sorted group
 here, and `torch._grouped_mm`), `norm_topk_prob` on and off, a refit to other weights, a bit-exact read-back of every
 saved tensor, the routing and expert pieces alone against transformers' own modules (softmax routers, GLM's sigmoid
 router with score bias and groups), which layers get experts, config keys (expert count, Qwen2-MoE's `qkv_bias`), the
-errors for missing, unknown or misshapen expert tensors, and GLM checkpoints with multi-token-prediction layers
-(skipped)."""
+errors for missing, unknown or misshapen expert tensors, GLM checkpoints with multi-token-prediction layers
+(skipped), and the recorded routing of every token (`EngineConfig.record_routing`) against transformers' top-k."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -30,7 +31,7 @@ from engine_helpers import (
     random_prompts,
     tiny_engine_config,
 )
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, PreTrainedModel, Qwen3MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
@@ -267,3 +268,76 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path):
     assert engine_greedy(engine, prompts) == [hf_greedy(model, prompts[0], 10)]
     with pytest.raises(UnknownWeightError, match=r"model\.layers\.4\.eh_proj"):  # only the declared MTP layer
         engine.load_weights([("model.layers.4.eh_proj.weight", torch.zeros(64, 128))])
+
+
+def _hf_chosen_experts(model: PreTrainedModel, ids: list[int]) -> list[torch.Tensor]:
+    """transformers' own top-k of every MoE layer, in layer order, for the tokens `ids` (one forward pass): the
+    indices each layer's router module returns, captured by forward hooks, sorted per token."""
+    captured: list[torch.Tensor] = []
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [gate.register_forward_hook(lambda _m, _i, out: captured.append(out[2])) for gate in gates]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [chosen.sort(dim=-1).values for chosen in captured]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_recorded_routing_is_transformers_top_k(arch, get_hf_model):
+    """`record_routing`: every sample's expert ids of every MoE layer, for its prompt and all its generated tokens
+    but the last, equal the top-k transformers' routers choose for the same tokens (Qwen3-MoE: softmax, a dense
+    layer between two routed ones; GLM-4.5: sigmoid scores chosen with a score bias, set at random here so that it
+    changes the choice, within 2 of 4 groups). Samples stop early on a stop token (the decode pipeline then runs a
+    step too many for them, whose routing must not be kept) or run to their length."""
+    model = get_hf_model(arch)
+    if arch == "glm4_moe":
+        model = copy.deepcopy(model)
+        generator = torch.Generator().manual_seed(5)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=generator) * 0.2)
+    engine = engine_from_hf(model, record_routing=True)
+    prompts = random_prompts([5, 11, 3], seed=8)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=4, stop_token_ids=list(range(0, 211, 17)))
+    outputs = engine.generate(prompts, params)
+    lengths = {len(s.token_ids) for out in outputs for s in out.samples}
+    assert min(lengths) < 8 and max(lengths) == 8  # some stopped early, some ran to their length
+    if arch == "qwen3_moe":  # here some samples stop while the next decode step is already queued
+        assert engine.last_stats is not None and engine.last_stats.discarded_tokens > 0
+    layers = len(_hf_chosen_experts(model, prompts[0]))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        for sample in out.samples:
+            ids = prompt + sample.token_ids[:-1]
+            recorded = sample.routed_experts
+            assert recorded is not None and recorded.dtype == torch.uint8
+            assert recorded.shape == (layers, len(ids), model.config.num_experts_per_tok)
+            expected = torch.stack(_hf_chosen_experts(model, ids))
+            assert torch.equal(recorded.long().sort(dim=-1).values, expected)
+
+
+def test_routing_is_recorded_only_when_asked_and_only_for_moe_models(get_hf_model):
+    engine = engine_from_hf(get_hf_model("qwen3_moe"))
+    (out,) = engine.generate(random_prompts([4], seed=1), SamplingParams(max_tokens=2))
+    assert out.samples[0].routed_experts is None
+    with pytest.raises(ValueError, match="has no mixture-of-experts layers: no routing to record"):
+        engine_from_hf(get_hf_model("llama"), record_routing=True)
+
+
+def test_routing_record_refuses_gaps_and_short_records():
+    """The bookkeeping's checks fire: a chunk that starts past the recorded positions, and a sample whose record
+    does not cover every token it ran."""
+    from hf_mcore_bridge.engine.engine import _record_routing, _routed_experts
+    from hf_mcore_bridge.engine.scheduler import Sequence
+
+    seq = Sequence(0, 0, 0, prompt_len=3, token_ids=[1, 2, 3, 4, 5], params=SamplingParams(), max_len=8)
+    _record_routing(seq, torch.zeros(2, 3, 2, dtype=torch.uint8), 0)
+    _record_routing(seq, torch.ones(2, 4, 2, dtype=torch.uint8), 0)  # a recompute: only position 3 is new
+    assert seq.routed == 4 and _routed_experts(seq)[:, 3].eq(1).all() and _routed_experts(seq)[:, :3].eq(0).all()
+    with pytest.raises(RuntimeError, match="routing of position 6 recorded before that of position 4"):
+        _record_routing(seq, torch.zeros(2, 1, 2, dtype=torch.uint8), 6)
+    seq.token_ids.append(6)
+    with pytest.raises(RuntimeError, match="routing recorded for 4 of the 5 tokens a sample ran"):
+        _routed_experts(seq)

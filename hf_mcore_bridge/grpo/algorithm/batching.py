@@ -14,6 +14,11 @@ Two layouts:
   restarts per rollout; advantages then become per token. No `[S, S]` mask is built for the model (the
   attention masks by sequence itself, `sdpa_attention`); `attention_mask` derives the equivalent dense mask.
 
+Routing replay: a rollout may carry the experts the engine chose for its tokens (`Rollout.routed_experts`); a
+micro-batch then holds them as `routed_experts` `[moe_layers, k, B, S]`, the token axis last like every other
+field's, so that padding, packing and the context-parallel split move them with the tokens. They are stored as id + 1
+(0: no recorded choice: padding, and each rollout's last token, which the engine never ran).
+
 Simplifications: rollouts are batched in the order given; packing fills rows first-fit-decreasing (longest first).
 """
 
@@ -56,10 +61,21 @@ class Rollout:
     """Its group-relative advantage."""
     truncated: bool = False
     """Generation stopped at the length limit, not on a stop token (overlong filtering masks it out of the loss)."""
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    """The engine's expert ids `[moe_layers, prompt + completion - 1, k]` of every token but the last
+    (`SampleOutput.routed_experts`; routing replay), or None."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.completion_ids:
             raise ValueError("a rollout needs at least one prompt and one completion token")
+        tokens = len(self.prompt_ids) + len(self.completion_ids) - 1
+        if self.routed_experts is not None and (
+            self.routed_experts.dim() != 3 or self.routed_experts.shape[1] != tokens
+        ):
+            raise ValueError(
+                f"routed_experts {tuple(self.routed_experts.shape)} must be [moe_layers, {tokens}, k] for a rollout of"
+                f" {tokens + 1} tokens"
+            )
         if len(self.engine_logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"{len(self.engine_logprobs)} engine log-probs for {len(self.completion_ids)} completion tokens"
@@ -84,6 +100,9 @@ class MicroBatch:
     """[n + 1] int32: where each of the n rollouts of a packed row (B = 1) starts, then S; None: unpacked rows."""
     max_seqlen: int = 0
     """The longest rollout of a packed row."""
+    routed_experts: torch.Tensor | None = None
+    """[moe_layers, k, B, S] int16: the engine's expert id + 1 of each token (0: none recorded), or None (routing
+    replay off)."""
 
     @property
     def num_rows(self) -> int:
@@ -141,7 +160,32 @@ def _microbatch(rollouts: Sequence[Rollout], mask_truncated: bool = False) -> Mi
         mask=mask,
         engine_logprobs=engine,
         advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+        routed_experts=_routing_rows([[r] for r in rollouts], seq_len),
     )
+
+
+def _routing_rows(rows: Sequence[Sequence[Rollout]], seq_len: int) -> torch.Tensor | None:
+    """`[moe_layers, k, len(rows), seq_len]` int16 expert ids + 1 of the rollouts of each row, one after another
+    (0 elsewhere); None where no rollout carries routing. All or none must carry it."""
+    carried = [r.routed_experts is not None for row in rows for r in row]
+    if not any(carried):
+        return None
+    if not all(carried):
+        raise ValueError("routing replay needs the routed experts of every rollout; some have none")
+    first = rows[0][0].routed_experts
+    assert first is not None
+    layers, _, k = first.shape
+    out = torch.zeros(layers, k, len(rows), seq_len, dtype=torch.int16)
+    for b, row in enumerate(rows):
+        offset = 0
+        for rollout in row:
+            routed = rollout.routed_experts
+            assert routed is not None
+            if routed.shape[0] != layers or routed.shape[2] != k:
+                raise ValueError(f"routed_experts {tuple(routed.shape)} differ from the batch's [{layers}, _, {k}]")
+            out[:, :, b, offset : offset + routed.shape[1]] = routed.to(torch.int16).permute(0, 2, 1) + 1
+            offset += len(rollout.prompt_ids) + len(rollout.completion_ids)
+    return out
 
 
 def make_microbatches(
@@ -185,6 +229,7 @@ def _packed_row(rollouts: Sequence[Rollout], mask_truncated: bool = False) -> Mi
         advantages=advantages[None],
         cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
         max_seqlen=max(lengths),
+        routed_experts=_routing_rows([rollouts], seq_len),
     )
 
 
@@ -245,6 +290,7 @@ def pad_to_length(batch: MicroBatch, length: int) -> MicroBatch:
         advantages=longer(batch.advantages) if batch.advantages.dim() == 2 else batch.advantages,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
+        routed_experts=None if batch.routed_experts is None else longer(batch.routed_experts),
     )
 
 
@@ -296,4 +342,5 @@ def pad_sequences_to_multiple(batch: MicroBatch, multiple: int) -> MicroBatch:
         advantages=move_predicted(batch.advantages, index, total) if batch.advantages.dim() == 2 else batch.advantages,
         cu_seqlens=cu_seqlens,
         max_seqlen=int(new_lengths.max()),
+        routed_experts=None if batch.routed_experts is None else spread(batch.routed_experts),
     )

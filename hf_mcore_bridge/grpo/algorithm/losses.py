@@ -5,10 +5,11 @@ token at each position; `mask: [B, T]` is nonzero exactly on the valid response 
 filtered-out samples are 0). Advantages are per completion `[B]` (GRPO's outcome reward) or per token `[B, T]`.
 
 The pieces, each usable alone: `clipped_surrogate` (PPO clip with separate low/high epsilons and optional dual
-clip), `k3_kl` (KL to a frozen reference), `token_level_mean` / `sequence_level_mean` (normalisation by counts of
-the whole global batch), `tis_weights` / `icepop_weights` (inference-engine vs trainer mismatch), the
-`token_mult_prob_error` metric and the overlong sample masks. `grpo_loss` composes them from a `LossConfig`
-(defined with its enums in the torch-free `grpo.algorithm.options`, which the run's config is built from).
+clip) over a log-ratio that is per token or, for GSPO, per sequence (`sequence_log_ratio`), `k3_kl` (KL to a
+frozen reference), `token_level_mean` / `sequence_level_mean` (normalisation by counts of the whole global batch),
+`tis_weights` / `icepop_weights` (inference-engine vs trainer mismatch), the `token_mult_prob_error` metric and the
+overlong sample masks. `grpo_loss` composes them from a `LossConfig` (defined with its enums in the torch-free
+`grpo.algorithm.options`, which the run's config is built from).
 
 Choices and simplifications:
 - The returned loss is minimised, so it is the negated surrogate objective.
@@ -30,12 +31,13 @@ from typing import NamedTuple
 
 import torch
 
-from hf_mcore_bridge.grpo.algorithm.options import Aggregation, ISCorrection, LossConfig
+from hf_mcore_bridge.grpo.algorithm.options import Aggregation, ISCorrection, LossConfig, RatioLevel
 
 __all__ = [
     "Aggregation",
     "ISCorrection",
     "LossConfig",
+    "RatioLevel",
     "SurrogateTerms",
     "clipped_surrogate",
     "count_valid_sequences",
@@ -48,6 +50,8 @@ __all__ = [
     "overlong_mask_from_finish_reasons",
     "overlong_mask_from_lengths",
     "sequence_level_mean",
+    "sequence_log_ratio",
+    "surrogate_from_log_ratio",
     "tis_weights",
     "token_level_mean",
     "token_mult_prob_error",
@@ -101,8 +105,20 @@ def clipped_surrogate(
     `max(-r * A, -clip(r, 1 - clip_low, 1 + clip_high) * A)`, and with `dual_clip = c` it is further capped at
     `-c * A` where `A < 0`.
     """
-    adv = _per_token(advantages, logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
+    return surrogate_from_log_ratio(logprobs - old_logprobs, advantages, clip_low, clip_high, dual_clip)
+
+
+def surrogate_from_log_ratio(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> SurrogateTerms:
+    """`clipped_surrogate` given the log importance ratio `log_ratio: [B, T]` itself (per token, or the per-sequence
+    ratio of `sequence_log_ratio` repeated over each sequence's tokens); advantages: [B] or [B, T]."""
+    adv = _per_token(advantages, log_ratio)
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(-ratio * adv, -clipped_ratio * adv)
     negative = adv < 0
@@ -115,6 +131,20 @@ def clipped_surrogate(
         dual_clipped = negative & (loss > cap)
         loss = torch.where(dual_clipped, cap, loss)
     return SurrogateTerms(loss, ratio, clipped_low, clipped_high, dual_clipped)
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio, repeated over each sequence's tokens: [B, T].
+
+    logprobs: [B, T] current policy (carries the gradient); old_logprobs: [B, T]; mask: [B, T] valid tokens. Its
+    value at every token of row i is `s_i = mean over the valid tokens t of (logprobs - old_logprobs)`; its
+    gradient with respect to `logprobs[i, t]` is 1 at that token only (GSPO-token's `sg[s_i] + lp - sg[lp]`), so
+    that a per-sequence mean of `f(exp(s_i))` over the tokens has the gradient of `f(exp(s_i))` itself.
+    """
+    valid = mask.bool()
+    lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    per_sequence = torch.where(valid, logprobs - old_logprobs, 0.0).sum(dim=-1, keepdim=True) / lengths
+    return per_sequence.detach() + logprobs - logprobs.detach()
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -295,7 +325,9 @@ def grpo_loss(
     that sampled (None for a single on-policy update: `logprobs.detach()`); advantages: [B] or [B, T];
     mask: [B, T] valid response tokens, already multiplied by any sample mask (e.g. overlong filtering);
     global_count: valid tokens (token aggregation) or valid sequences (sequence aggregation) of the whole global
-    batch; ref_logprobs: [B, T] frozen reference, needed when `config.kl_coef > 0` and otherwise only reported;
+    batch; `config.ratio_level` takes the importance ratio per token or per sequence (GSPO: one length-normalised
+    ratio and clip decision per completion, `sequence_log_ratio`); ref_logprobs: [B, T] frozen reference, needed
+    when `config.kl_coef > 0` and otherwise only reported;
     engine_logprobs: [B, T] inference engine's log-probs, needed for an IS correction and otherwise only used
     for `token_mult_prob_error`.
 
@@ -322,7 +354,8 @@ def grpo_loss(
     ref = None if ref_logprobs is None else clean(ref_logprobs).detach()
     engine = None if engine_logprobs is None else clean(engine_logprobs).detach()
 
-    terms = clipped_surrogate(current, old, advantages.float(), config.clip_low, config.clip_high, config.dual_clip)
+    log_ratio = sequence_log_ratio(current, old, valid) if config.ratio_level is RatioLevel.SEQUENCE else current - old
+    terms = surrogate_from_log_ratio(log_ratio, advantages.float(), config.clip_low, config.clip_high, config.dual_clip)
     weights = importance_weights(old, engine, config)
     pg_per_token = terms.loss if weights is None else terms.loss * weights
     kl_per_token = None if ref is None else k3_kl(current, ref)

@@ -1,5 +1,5 @@
-"""The GRPO algorithm's settings as plain Python: the loss's `LossConfig` with its enums, and the leave-one-out
-advantage's choice of standard deviation.
+"""The GRPO algorithm's settings as plain Python: the loss's `LossConfig` with its enums, the leave-one-out
+advantage's choice of standard deviation and dynamic sampling's `DynamicSamplingConfig`.
 
 They live apart from `losses` and `advantages` (which re-export them) because the run's config is built from them:
 loading and validating a config must not import torch, so that a mistake in it is reported in a fraction of a
@@ -9,7 +9,7 @@ second. Nothing here imports anything beyond the standard library.
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Aggregation", "ISCorrection", "LeaveOneOutStd", "LossConfig"]
+__all__ = ["Aggregation", "DynamicSamplingConfig", "ISCorrection", "LeaveOneOutStd", "LossConfig", "RatioLevel"]
 
 
 class LeaveOneOutStd(StrEnum):
@@ -29,6 +29,17 @@ class Aggregation(StrEnum):
 
     SEQUENCE = "sequence"
     """Mean over each sequence's valid tokens, then sum divided by the global number of sequences (GRPO paper)."""
+
+
+class RatioLevel(StrEnum):
+    """Where the policy's importance ratio is taken and clipped."""
+
+    TOKEN = "token"
+    """Per token: `exp(logprob - old_logprob)` of each sampled token (PPO, GRPO)."""
+
+    SEQUENCE = "sequence"
+    """Per sequence, length-normalised: `exp(mean over the sequence's tokens of (logprob - old_logprob))`, one
+    ratio and one clip decision for the whole completion (GSPO)."""
 
 
 class ISCorrection(StrEnum):
@@ -65,6 +76,12 @@ class LossConfig:
     aggregation: Aggregation = Aggregation.TOKEN
     """Token-level or sequence-level normalisation; the caller's `global_count` must count the matching unit."""
 
+    ratio_level: RatioLevel = RatioLevel.TOKEN
+    """`token` (PPO's per-token ratio and clip) or `sequence` (GSPO: each completion's geometric-mean ratio, clipped
+    once for the whole completion; its gradient is that ratio times the mean of the token log-prob gradients). GSPO
+    averages per sequence, so `sequence` needs `aggregation: sequence`; GSPO's paper uses clip epsilons of about
+    3e-4 and 4e-4 (the sequence ratio stays much closer to 1 than token ratios)."""
+
     is_correction: ISCorrection = ISCorrection.NONE
     """Engine-vs-trainer importance-sampling correction; anything but NONE needs the engine's log-probs."""
 
@@ -86,6 +103,12 @@ class LossConfig:
         # Strings from YAML become the enums here, so that a typo fails at load time, not at the first step.
         object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
         object.__setattr__(self, "is_correction", ISCorrection(self.is_correction))
+        object.__setattr__(self, "ratio_level", RatioLevel(self.ratio_level))
+        if self.ratio_level is RatioLevel.SEQUENCE and self.aggregation is not Aggregation.SEQUENCE:
+            raise ValueError(
+                "LossConfig.ratio_level=sequence (GSPO) needs aggregation=sequence: the ratio and its loss are per"
+                " sequence"
+            )
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0.0:
@@ -99,4 +122,26 @@ class LossConfig:
         if not 0.0 <= self.icepop_low < self.icepop_high:
             raise ValueError(
                 f"LossConfig needs 0 <= icepop_low < icepop_high, got [{self.icepop_low}, {self.icepop_high}]"
+            )
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (`grpo.algorithm.dynamic_sampling`): groups whose rewards are all equal are dropped
+    and further rounds of prompts generated until `num_prompts_per_step` groups with reward variance remain."""
+
+    enabled: bool = False
+    """Drop zero-variance groups and generate more."""
+
+    max_rounds: int = 4
+    """Generation rounds a step runs at most (each of `num_prompts_per_step` new prompts, every engine replica
+    generating its share); a step whose rounds run out trains on its groups with variance filled up with dropped
+    ones (zero advantage), and logs how many as `filled_groups`. At least 2 when enabled."""
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ValueError(f"DynamicSamplingConfig.max_rounds must be >= 1, got {self.max_rounds}")
+        if self.enabled and self.max_rounds < 2:
+            raise ValueError(
+                "DynamicSamplingConfig.max_rounds=1 generates nothing to replace a dropped group: use >= 2"
             )

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hf_mcore_bridge.engine.options import DECODE_KERNELS
-from hf_mcore_bridge.grpo.algorithm.options import LeaveOneOutStd, LossConfig
+from hf_mcore_bridge.grpo.algorithm.options import DynamicSamplingConfig, LeaveOneOutStd, LossConfig
 from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig, validate_dtensor
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, validate_forwarded, validate_megatron
 from hf_mcore_bridge.grpo.data.config import DataConfig, RewardConfig, validate_data, validate_reward
@@ -47,11 +47,24 @@ __all__ = [
     "LoggerConfig",
     "MLflowConfig",
     "PolicyConfig",
+    "RouterReplayConfig",
     "WandbConfig",
     "apply_overrides",
     "config_from_dict",
     "load_config",
 ]
+
+
+@dataclass(frozen=True)
+class RouterReplayConfig:
+    """Rollout routing replay (R3) for mixture-of-experts policies (NeMo-RL's `policy.router_replay`)."""
+
+    enabled: bool = False
+    """The engine records, for every prompt and generated token, the experts each MoE layer chose
+    (`EngineConfig.record_routing`), returns them with the rollouts, and megatron-core's routers take those
+    choices in every log-prob and training forward, the routing weights still computed from the current router
+    (`grpo.backends.megatron.router_replay`): a token's probability is computed through the experts that sampled it.
+    Needs a MoE model, the megatron-core backend and the embedded engine."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class PolicyConfig:
     """megatron-core settings."""
     dtensor_cfg: DTensorConfig = field(default_factory=DTensorConfig)
     """DTensor (FSDP2) settings; exactly one of `megatron_cfg` and `dtensor_cfg` is enabled."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Rollout routing replay for mixture-of-experts models (see `RouterReplayConfig`)."""
     refit_bucket_mb: int = 1024
     """Refit hands the engine its new weights in buckets of at most this many MiB (one `load_weights` call per
     bucket; a larger tensor goes alone): the memory the refit holds beyond both models."""
@@ -112,6 +127,10 @@ class GRPOSection:
     """With `leave_one_out` and `normalize_rewards`, what each advantage is divided by: `others`, the sample std of
     the other rewards of its group (NeMo-RL's; an advantage whose others are all equal is left undivided), or
     `group`, the sample std of the whole group (see `grpo.algorithm.advantages`)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO's dynamic sampling: `enabled` drops the groups whose rewards are all equal and generates up to
+    `max_rounds` rounds of new prompts until `num_prompts_per_step` groups with reward variance remain (see
+    `grpo.algorithm.dynamic_sampling`); logs `dropped_groups`, `generation_rounds` and `filled_groups`."""
     probe_prompt: str | None = None
     """Text of the fixed probe prompt compared engine vs trainer after each refit; None: the first training prompt."""
     max_token_mult_prob_error: float | None = None
@@ -430,6 +449,8 @@ def _validate(config: GRPOConfig) -> None:
         validate_dtensor(policy.dtensor_cfg, policy.dtype, config.loss_fn.aggregation, cluster_ranks(config))
     validate_megatron(policy.megatron_cfg, config.loss_fn.aggregation)
     require(policy.refit_bucket_mb >= 1, f"policy.refit_bucket_mb={policy.refit_bucket_mb} must be >= 1")
+    if policy.router_replay.enabled:
+        _validate_router_replay(config)
     _validate_grpo(config.grpo)
     _validate_cluster(config.cluster)
     _validate_data_parallel(config, parallel_dims(config).dp)
@@ -448,6 +469,32 @@ def _validate(config: GRPOConfig) -> None:
     # last: the key names come from megatron-core's config classes, and importing it takes seconds; every mistake
     # the checks above can see is reported without it
     validate_forwarded(policy.megatron_cfg)
+
+
+# transformer keys under which megatron-core's router would not replay a forward's routing as handed to it
+_NO_REPLAY_KEYS = {
+    "recompute_granularity": "a recomputed forward takes the replay's backward queue, which is not filled",
+    "moe_router_fusion": "the fused top-k (Transformer Engine) has no replay hook",
+}
+
+
+def _validate_router_replay(config: GRPOConfig) -> None:
+    """What routing replay cannot serve: the DTensor backend, vLLM, and megatron-core settings that bypass its
+    hook. (A model without MoE layers is refused once the model is read, `trainer.prepare_run`.)"""
+    where = "policy.router_replay.enabled=true"
+    require(
+        not config.policy.dtensor_cfg.enabled,
+        f"{where} is implemented for the megatron-core backend only, not policy.dtensor_cfg (DTensor: the HF model's"
+        " routers have no replay hook here)",
+    )
+    require(
+        config.generation.backend == "embedded",
+        f"{where} needs generation.backend=embedded (the engine that records each token's experts); vLLM's routed"
+        " experts are not wired here",
+    )
+    for key, why in _NO_REPLAY_KEYS.items():
+        value = config.policy.megatron_cfg.transformer.get(key)
+        require(value in (None, False), f"{where} cannot be combined with policy.megatron_cfg.transformer.{key}: {why}")
 
 
 def _validate_backend_switch(policy: PolicyConfig) -> None:

@@ -208,6 +208,7 @@ def engine_config(config: GRPOConfig, device_type: str) -> EngineConfig:
         max_num_batched_tokens=max(gen.max_model_len, MIN_BATCHED_TOKENS),
         use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
         fp8_weights=gen.precision == "fp8",
+        record_routing=config.policy.router_replay.enabled,
     )
 
 

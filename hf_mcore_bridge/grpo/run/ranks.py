@@ -51,6 +51,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
         prepared.checkpoint_dir,
         total_optimizer_steps=total_steps,
         keep_reference=keep_reference,
+        router_replay=config.policy.router_replay.enabled,
     )
     return MegatronBackend(megatron, config.policy.megatron_cfg, dims.layout, assets)
 

@@ -21,7 +21,10 @@ each step:
    completions for its share of them (whole prompts), scores them and computes their group advantages; the
    replicas' rollouts are all-gathered, so every rank holds the step's rollouts in prompt order. Each replica's
    first rank scores its share in reward worker processes (`grpo.data.scoring`), every sample handed to them as the
-   engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores;
+   engine finishes it (`reward.overlap`), so the step waits after generation only for the last samples' scores.
+   With `grpo.dynamic_sampling` groups without reward variance are dropped and further rounds of new prompts
+   generated the same way until the step has its groups; with `policy.router_replay` the rollouts carry the
+   engine's expert choices, which the trainer's forwards replay;
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
    (`grpo.num_minibatches: 1`) the "old" log-probs are the training forward's own, detached, and only the
@@ -74,6 +77,7 @@ from hf_mcore_bridge.convert.layout import validate_layout
 from hf_mcore_bridge.errors import BridgeError, RunStopped
 from hf_mcore_bridge.grpo.algorithm.advantages import AdvantageConfig, group_advantages
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch, Rollout, make_microbatches, pack_microbatches
+from hf_mcore_bridge.grpo.algorithm.dynamic_sampling import GroupPool
 from hf_mcore_bridge.grpo.algorithm.losses import overlong_mask_from_finish_reasons, token_mult_prob_error
 from hf_mcore_bridge.grpo.backends.base import TrainingBackend
 from hf_mcore_bridge.grpo.data.scoring import ScoreResult
@@ -97,7 +101,7 @@ from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.grpo.run.ranks import build_backend, start_world
 from hf_mcore_bridge.models.spec import ModelSpec
 
-__all__ = ["PreparedRun", "RunResult", "prepare_run", "train_grpo"]
+__all__ = ["PreparedRun", "RunResult", "check_router_replay", "prepare_run", "train_grpo"]
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 """Every step's completions with their rewards, advantages and engine log-probs (rank 0 writes it)."""
@@ -188,6 +192,7 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
     # loss): the policy is built, refit, saved and exported without them
     model_cfg = dataclasses.replace(from_megatron_args(read_common(checkpoint_dir)["args"]), mtp_layers=0)
     validate_layout(layout, model_cfg)
+    check_router_replay(config, model_cfg)
     if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
         raise GRPOConfigError(
             "a mixture-of-experts policy at pipeline_model_parallel_size > 1 needs CUDA (megatron-core's all-to-all"
@@ -214,6 +219,15 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
         plan=plan_run(config, dims, model_cfg),
         source_hf_dir=hf_dir,
     )
+
+
+def check_router_replay(config: GRPOConfig, model_cfg: ModelSpec) -> None:
+    """Refuse routing replay (`policy.router_replay`) for a model without routed experts."""
+    if config.policy.router_replay.enabled and model_cfg.moe is None:
+        raise GRPOConfigError(
+            f"policy.router_replay.enabled=true needs a mixture-of-experts model; {model_cfg.architecture} has no"
+            " routed experts"
+        )
 
 
 def _prepare_hf_run(config: GRPOConfig, dims: ParallelDims, log_dir: Path, tokenizer_file: Path) -> PreparedRun:
@@ -336,8 +350,11 @@ def _trim_metrics(log_dir: Path, keep_through: int) -> None:
 def _log_rollouts(log_dir: Path, step: int, rollouts: list[Rollout]) -> None:
     """Append the step's rollouts to `rollouts.jsonl`, one JSON object per completion."""
     with (log_dir / ROLLOUTS_FILE).open("a", encoding="utf-8") as handle:
-        for rollout in rollouts:
-            handle.write(json.dumps({"step": step, **dataclasses.asdict(rollout)}) + "\n")
+        for rollout in rollouts:  # without the routed experts (routing replay): tensors, and large
+            fields = {
+                f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if f.name != "routed_experts"
+            }
+            handle.write(json.dumps({"step": step, **fields}) + "\n")
 
 
 # Inside a rank ---------------------------------------------------------------------------------------------------
@@ -446,46 +463,94 @@ def _sampling_params(config: GRPOConfig, n: int, seed: int, greedy: bool = False
 
 
 def _generate_rollouts(ctx: _RankContext, step: int) -> tuple[list[Rollout], dict[str, float]]:
-    """Every engine replica samples, scores and computes the advantages of its share of the step's prompts (whole
-    groups, `prompt_share`); the replicas' rollouts are then all-gathered in prompt order (token ids: small), so
-    every rank holds the step's rollouts as one engine would have made them, and the statistics are over all of
-    them. Also returns each replica's generation seconds (`generation_replica{r}_s` where there are several)."""
+    """The step's rollouts (`_generation_round`), and their statistics over every rollout generated. With
+    `grpo.dynamic_sampling` groups whose rewards are all equal are dropped and further rounds of new prompts
+    generated until `num_prompts_per_step` groups remain (`algorithm.dynamic_sampling.GroupPool`; every rank
+    gathers every round, so every rank selects the same groups), logged as `dropped_groups`, `generation_rounds` and
+    `filled_groups`. Also returns each replica's generation seconds (`generation_replica{r}_s` where there are
+    several)."""
+    config = ctx.config
+    sampling = config.grpo.dynamic_sampling
+    pool = GroupPool(config.grpo.num_prompts_per_step, config.grpo.num_generations_per_prompt)
+    generated: list[Rollout] = []
+    parts: list[list[tuple[list[Rollout], float, int, float]]] = []
+    for round_index in range(sampling.max_rounds if sampling.enabled else 1):
+        rollouts, gathered = _generation_round(ctx, step, round_index)
+        generated += rollouts
+        parts.append(gathered)
+        pool.add(rollouts)
+        if pool.full:
+            break
+    stats = _rollout_stats(ctx, generated, parts)
+    if not sampling.enabled:
+        return generated, stats
+    rollouts, filled = pool.batch()
+    return rollouts, stats | {
+        "dropped_groups": float(len(pool.dropped)),
+        "generation_rounds": float(pool.rounds),
+        "filled_groups": float(filled),
+        "kept_reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
+    }
+
+
+def _generation_round(
+    ctx: _RankContext, step: int, round_index: int
+) -> tuple[list[Rollout], list[tuple[list[Rollout], float, int, float]]]:
+    """One round of `num_prompts_per_step` new prompts: every engine replica samples, scores and computes the
+    advantages of its share (whole groups, `prompt_share`); the replicas' rollouts are then all-gathered in prompt
+    order (token ids: small), so every rank holds the round's rollouts as one engine would have made them. A prompt's
+    samples are seeded by its index among the step's rounds. Returns the rollouts and, per replica, its rollouts,
+    generation seconds, reward timeouts and seconds waited for scores."""
     import torch.distributed as dist
 
     config, replicas = ctx.config, ctx.replicas
     records = ctx.prompts.next_batch(config.grpo.num_prompts_per_step)  # the same draw on every rank
     first, end = prompt_share(len(records), replicas.size, replicas.replica)
+    offset = round_index * config.grpo.num_prompts_per_step
     started = time.perf_counter()
-    mine, timeouts, wait_s = _replica_rollouts(ctx, step, records[first:end], first) if end > first else ([], 0, 0.0)
+    mine, timeouts, wait_s = (
+        _replica_rollouts(ctx, step, records[first:end], offset + first) if end > first else ([], 0, 0.0)
+    )
     seconds = time.perf_counter() - started
     parts: list[tuple[list[Rollout], float, int, float] | None] = [(mine, seconds, timeouts, wait_s)]
     if dist.get_world_size() > 1:  # one rank (one GPU): nothing to gather
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (mine, seconds, timeouts, wait_s) if replicas.tp_rank == 0 else None)
     gathered = [part for part in parts if part is not None]  # one per replica, in replica (= prompt) order
-    rollouts = [rollout for part, *_ in gathered for rollout in part]
+    return [rollout for part, *_ in gathered for rollout in part], gathered
+
+
+def _rollout_stats(
+    ctx: _RankContext, rollouts: list[Rollout], rounds: list[list[tuple[list[Rollout], float, int, float]]]
+) -> dict[str, float]:
+    """Reward, length and scoring statistics of every rollout generated in the step (`rounds`: per round, per
+    replica, as `_generation_round` returns them), the replicas' times summed over the rounds."""
     rewards = torch.tensor([r.reward for r in rollouts])
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+    per_round = [part for gathered in rounds for part in gathered]
     stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "completion_len_mean": float(lengths.mean()),
         "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
-        "reward_timeouts": float(sum(part[2] for part in gathered)),
+        "reward_timeouts": float(sum(part[2] for part in per_round)),
         # the slowest replica's wait for its last scores after its engine returned (the gather waits for it)
-        "reward_wait_s": max(part[3] for part in gathered),
-        "generation_replicas": float(replicas.size),
+        "reward_wait_s": sum(max(part[3] for part in gathered) for gathered in rounds),
+        "generation_replicas": float(ctx.replicas.size),
     }
-    if replicas.size > 1:
-        stats |= {f"generation_replica{i}_s": part[1] for i, part in enumerate(gathered)}
-    return rollouts, stats
+    if ctx.replicas.size > 1:
+        stats |= {
+            f"generation_replica{i}_s": sum(gathered[i][1] for gathered in rounds) for i in range(ctx.replicas.size)
+        }
+    return stats
 
 
 def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: int) -> tuple[list[Rollout], int, float]:
-    """This replica's rollouts of `records`, prompts `first...` of the step: each prompt's samples are seeded by
-    (seed, step, its index in the step), whichever replica draws them; how many rewards ran out of time; and the
-    seconds waited for scores after generation (`_generate_scored`). On a replica's other tensor-parallel ranks
-    (their rollouts are not gathered) nothing is scored and none are returned."""
+    """This replica's rollouts of `records`, prompts `first...` of the step (counted over its generation rounds):
+    each prompt's samples are seeded by (seed, step, its index in the step), whichever replica draws them; how many
+    rewards ran out of time; and the seconds waited for scores after generation (`_generate_scored`). On a
+    replica's other tensor-parallel ranks (their rollouts are not gathered) nothing is scored and none are
+    returned."""
     config, group = ctx.config, ctx.config.grpo.num_generations_per_prompt
     prompts = [ctx.renderer.token_ids(r["prompt"]) for r in records]
     answers = [r["answer"] for r in records for _ in range(group)]
@@ -503,7 +568,7 @@ def _replica_rollouts(ctx: _RankContext, step: int, records: list[Any], first: i
     advantages = group_advantages(rewards, group, advantage_config)
     truncated = (overlong_mask_from_finish_reasons([s.finish_reason for _, s in samples]) == 0).tolist()
     rollouts = [
-        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut)
+        Rollout(tuple(prompt), tuple(s.token_ids), tuple(s.logprobs or ()), float(r), float(a), cut, s.routed_experts)
         for (prompt, s), r, a, cut in zip(samples, rewards.tolist(), advantages.tolist(), truncated, strict=True)
     ]
     return rollouts, scored.timeouts, wait_s
@@ -765,7 +830,12 @@ def _probe(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
     if ctx.replicas.replica == 0:  # every rank of the first engine replica takes part
         out = ctx.engine.generate([ctx.probe_prompt], _sampling_params(ctx.config, 1, seed=ctx.config.grpo.seed))[0]
         sample = out.samples[0]
-        rollout = Rollout(tuple(out.prompt_token_ids), tuple(sample.token_ids), tuple(sample.logprobs or ()))
+        rollout = Rollout(
+            tuple(out.prompt_token_ids),
+            tuple(sample.token_ids),
+            tuple(sample.logprobs or ()),
+            routed_experts=sample.routed_experts,
+        )
     rollout = _broadcast(rollout)
     batches = make_microbatches([rollout], 1)
     logprobs = policy.compute_logprobs(batches, ctx.config.generation.temperature)

@@ -306,6 +306,8 @@ def test_missing_inputs_are_errors() -> None:
         {"icepop_low": 2.0, "icepop_high": 1.0},
         {"aggregation": "tokens"},
         {"is_correction": "is"},
+        {"ratio_level": "sequences", "aggregation": "sequence"},
+        {"ratio_level": "sequence"},  # GSPO normalises per sequence: token aggregation is refused
     ],
 )
 def test_loss_config_rejects_bad_values(kwargs: dict) -> None:
@@ -317,3 +319,80 @@ def test_loss_config_accepts_strings_for_enums() -> None:
     config = LossConfig(aggregation="sequence", is_correction="tis")
     assert config.aggregation is Aggregation.SEQUENCE
     assert config.is_correction is ISCorrection.TIS
+
+
+def gspo_reference(
+    current: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    num_sequences: int,
+) -> torch.Tensor:
+    """GSPO's objective as its paper writes it, sequence by sequence in plain Python: s_i = (prod_t r_t)^(1/|y_i|),
+    loss = sum_i max(-s_i A_i, -clip(s_i) A_i) / num_sequences."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(current.shape[0]):
+        tokens = [t for t in range(current.shape[1]) if mask[i, t]]
+        if not tokens:
+            continue
+        log_s = sum(current[i, t] - old[i, t] for t in tokens) / len(tokens)
+        s = torch.exp(log_s)
+        total = total + torch.maximum(-s * adv[i], -s.clamp(1 - clip_low, 1 + clip_high) * adv[i])
+    return total / num_sequences
+
+
+def gspo_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three rows: row 0's geometric-mean ratio 1.1 (inside the clip range, though its tokens' ratios are not), row
+    1's 1.5 with a positive advantage (clipped at 1.3), row 2's 0.7 with a negative one (clipped at 0.8); the
+    last token of row 1 is padding holding garbage."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5], [-0.7, -0.2, -1.1]], dtype=torch.float64)
+    token_ratios = [[0.5, 1.2, 1.1**3 / (0.5 * 1.2)], [1.5 * 1.2, 1.5 / 1.2, 1.0], [0.7, 0.7, 0.7]]
+    current = (old + torch.tensor(token_ratios, dtype=torch.float64).log()).requires_grad_()
+    with torch.no_grad():
+        current[1, 2] = float("-inf")
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    return current, old, torch.tensor([1.0, 2.0, -1.5], dtype=torch.float64), mask
+
+
+def test_sequence_level_ratio_matches_gspo_value_gradient_and_clip() -> None:
+    current, old, adv, mask = gspo_rows()
+    config = LossConfig(clip_low=0.2, clip_high=0.3, aggregation="sequence", ratio_level="sequence")
+    loss, metrics = grpo_loss(current, old, adv, mask, count_valid_sequences(mask), config)
+    loss.backward()
+    grad = current.grad.clone()
+
+    reference_current = current.detach().clone().requires_grad_()
+    expected = gspo_reference(reference_current, old, adv, mask, 0.2, 0.3, num_sequences=3)
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item())
+    assert loss.item() == pytest.approx((-1.1 * 1.0 - 1.3 * 2.0 + 0.8 * 1.5) / 3)
+    torch.testing.assert_close(grad, reference_current.grad)
+    # Row 0 keeps its gradient although its first token's own ratio (0.5) lies outside the clip range; the
+    # clipped rows 1 and 2 have none.
+    assert grad[0].abs().min() > 0 and not grad[1:].any()
+    # A clip decision per sequence, counted over its tokens: rows 1 and 2 (5 of 8 valid tokens).
+    assert metrics["clip_fraction"].item() == pytest.approx(5 / 8)
+    assert metrics["clip_fraction_high"].item() == pytest.approx(2 / 8)
+    assert metrics["clip_fraction_low"].item() == pytest.approx(3 / 8)
+    assert metrics["ratio_mean"].item() == pytest.approx((3 * 1.1 + 2 * 1.5 + 3 * 0.7) / 8)
+
+
+def test_token_level_ratio_differs_from_gspo_on_the_same_rows() -> None:
+    current, old, adv, mask = gspo_rows()
+    config = LossConfig(clip_low=0.2, clip_high=0.3, aggregation="sequence")
+    loss, _ = grpo_loss(current, old, adv, mask, count_valid_sequences(mask), config)
+    expected = gspo_reference(current.detach(), old, adv, mask, 0.2, 0.3, num_sequences=3)
+    assert abs(loss.item() - expected.item()) > 1e-3
+
+
+def test_sequence_level_ratio_of_micro_batches_adds_up() -> None:
+    current, old, adv, mask = gspo_rows()
+    config = LossConfig(clip_low=0.2, clip_high=0.3, aggregation="sequence", ratio_level="sequence")
+    total = sum(
+        grpo_loss(current[rows], old[rows], adv[rows], mask[rows], 3, config)[0].item()
+        for rows in (slice(0, 1), slice(1, 3))
+    )
+    expected = gspo_reference(current.detach(), old, adv, mask, 0.2, 0.3, num_sequences=3)
+    assert total == pytest.approx(expected.item())

@@ -26,6 +26,12 @@ def varied_reward(completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 5)
 
 
+def varied_reward_on_odd_answers(completion: str, answer: str) -> float:
+    """`varied_reward` for prompts whose answer is an odd digit, 0 for the others: groups of even answers have no
+    reward variance (dynamic sampling drops them)."""
+    return varied_reward(completion, answer) if int(answer) % 2 else 0.0
+
+
 def _corrupt(
     stream: Iterator[tuple[str, torch.Tensor]], kinds: set[str], hf_config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:

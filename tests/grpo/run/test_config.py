@@ -73,6 +73,10 @@ def test_forwarded_keys_reach_megatron_core_classes_unchanged() -> None:
         ("grpo.seed=abc", "must be int"),
         ("loss_fn.clip_low=1.5", "clip_low"),
         ("loss_fn.aggregation=tokens", "aggregation"),
+        (
+            "loss_fn.ratio_level=sequence",
+            r"^loss_fn: LossConfig\.ratio_level=sequence \(GSPO\) needs aggregation=sequence",
+        ),
         ("reward.name=maths", "did you mean 'math'"),
         ("data.train_jsonl=/x.jsonl", "exactly one of data.task, data.train_jsonl and data.hf_dataset"),
         ("policy.megatron_cfg.sequence_parallel=true", "tensor_model_parallel_size > 1"),

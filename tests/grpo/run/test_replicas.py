@@ -5,15 +5,17 @@ Each replica's engine draws the rollouts of its half of the step's prompts, seed
 and scores them as its engine finishes each (`reward.overlap`, off in the single-replica run), and the rollouts are
 gathered before the training split: so the first step's rollouts must be the same tokens and rewards as the
 single-replica run's, its loss the same up to the reduction order of the data-parallel gradient average, and
-the later steps must track it within rounding. The fast tests check the pieces the claim rests on against
-independent references: the engine's samples of a batch split in two against the whole batch's, and the
-prompt shares against a plain split.
+the later steps must track it within rounding. With dynamic sampling (`grpo.dynamic_sampling`: half the prompts
+give groups without reward variance) a step's extra generation rounds, too, must be the same at two replicas as at
+one. The fast tests check the pieces the claim rests on against independent references: the engine's samples of a
+batch split in two against the whole batch's, and the prompt shares against a plain split.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -22,6 +24,9 @@ from hf_mcore_bridge.grpo.run.config import config_from_dict
 from hf_mcore_bridge.grpo.run.generation import prompt_share, request_seed
 
 from ..tiny_policy import WORDS, build_tiny_policy
+
+if TYPE_CHECKING:
+    from hf_mcore_bridge.grpo.run.trainer import RunResult
 
 STEPS = 10
 
@@ -84,7 +89,7 @@ def test_vllm_requests_are_seeded_by_their_index_in_the_step() -> None:
     assert dataclasses.replace(params).seed == 77  # the caller's params are not changed
 
 
-def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool, overlap: bool):
+def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool, overlap: bool, dynamic: bool = False):
     prompts = root / "prompts.jsonl"
     rows = [{"prompt": f"Repeat the digit {d}. Answer:", "answer": str(d)} for d in range(10)]
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
@@ -98,16 +103,24 @@ def _config(root: Path, policy: Path, name: str, replicas: int, dtensor: bool, o
     return config_from_dict(
         {
             "policy": {"model_path": str(policy), **backend},
-            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": STEPS},
+            "grpo": {
+                "num_prompts_per_step": 4,
+                "num_generations_per_prompt": 4,
+                "max_num_steps": DYNAMIC_STEPS if dynamic else STEPS,
+                "dynamic_sampling": {"enabled": dynamic, "max_rounds": 3},
+            },
             "loss_fn": {"kl_coef": 0.01},
             "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
             "data": {"train_jsonl": str(prompts)},
-            # rewards that differ within a group, scored in worker processes
-            "reward": {"name": "grpo.refit.refit_ranks:varied_reward", "overlap": overlap},
+            # rewards that differ within a group (with dynamic sampling: only for odd answers), scored in workers
+            "reward": {"name": f"grpo.refit.refit_ranks:{REWARD[dynamic]}", "overlap": overlap},
             "logger": {"log_dir": str(root / name), "print_progress": False},
             "cluster": {"gpus_per_node": replicas},
         }
     )
+
+
+REWARD = {False: "varied_reward", True: "varied_reward_on_odd_answers"}
 
 
 def _rollouts(log_dir: Path) -> list[dict]:
@@ -149,3 +162,41 @@ def test_two_replicas_generate_and_train_as_one(tmp_path: Path, backend: str) ->
     assert two.series("loss") == pytest.approx(one.series("loss"), rel=1e-4, abs=1e-5)
     assert any(r["advantage"] != 0 for r in single)  # the steps moved the weights
     assert one.series("kl_ref")[-1] > 1e-4  # the policy moved away from the reference: later steps are not step one
+
+
+DYNAMIC_STEPS = 3
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_at_two_replicas_samples_as_at_one(tmp_path: Path) -> None:
+    """`grpo.dynamic_sampling` (megatron-core): every round's prompts are shared by both replicas, the groups kept
+    and dropped are the same as the single replica's and so are the steps' rollouts, the rounds and the groups
+    dropped or filled."""
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    one = train_grpo(_config(tmp_path, policy, "dp1", 1, False, overlap=False, dynamic=True))
+    two = train_grpo(_config(tmp_path, policy, "dp2", 2, False, overlap=True, dynamic=True))
+    assert one.steps == two.steps == DYNAMIC_STEPS
+    # step one exactly (later steps follow weights equal within rounding: their rewards are compared below)
+    fields = ("prompt_ids", "completion_ids", "reward", "advantage")
+    single, split = ([[r[f] for f in fields] for r in _rollouts(run.log_dir) if r["step"] == 1] for run in (one, two))
+    assert single == split and len(single) == 16
+    assert two.metrics[0]["loss"] == pytest.approx(one.metrics[0]["loss"], rel=1e-6, abs=1e-9)
+    _check_dynamic_sampling(one, two)
+
+
+def _check_dynamic_sampling(one: RunResult, two: RunResult) -> None:
+    """Both runs dropped and regenerated the same groups; a step trains on groups with reward variance, but for
+    the `filled_groups` it took back when its rounds ran out; the rounds were counted."""
+    for key in ("dropped_groups", "generation_rounds", "filled_groups", "kept_reward_mean", "reward_mean"):
+        assert two.series(key) == one.series(key), key
+    assert sum(one.series("dropped_groups")) > 0 and max(one.series("generation_rounds")) > 1
+    assert all(1 <= rounds <= 3 for rounds in one.series("generation_rounds"))
+    rows = _rollouts(one.log_dir)
+    for step, metrics in enumerate(one.metrics, start=1):
+        groups = [[r["reward"] for r in rows if r["step"] == step][i : i + 4] for i in range(0, 16, 4)]
+        assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+        assert sum(max(g) == min(g) for g in groups) == metrics["filled_groups"], step
+        # generated in all: 4 prompts a round, the groups without variance among them dropped
+        assert metrics["dropped_groups"] <= 4 * metrics["generation_rounds"] - (4 - metrics["filled_groups"])

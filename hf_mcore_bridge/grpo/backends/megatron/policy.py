@@ -17,6 +17,10 @@ and DDP averages over data-parallel ranks, so the loss is multiplied back by bot
 Micro-batches are padded rows (causal attention), or packed rows handed to megatron-core as `PackedSeqParams`
 (THD: attention and RoPE per rollout; `grpo.algorithm.batching`, `sdpa_attention`).
 
+Routing replay (`policy.router_replay`): the routers are built with megatron-core's replay hook, and before each
+micro-batch's forward (log-probs, reference and training alike) they are handed the engine's expert choices for its
+tokens where it carries them (`router_replay`).
+
 Context parallelism (`context_parallel_size` > 1): every rank of a CP group holds the same micro-batches, padded per
 sequence to a multiple of 2 x CP; the model gets this rank's share of each sequence (`cp_inputs`), `token_logprobs`
 gathers the log-probs back in sequence order, and the loss is computed whole on every CP rank (each token's
@@ -92,9 +96,16 @@ class Policy:
 
 
 def _transformer_config(
-    model_cfg: ModelSpec, layout: Layout, dtype: torch.dtype, megatron: MegatronConfig, on_device_init: bool = False
+    model_cfg: ModelSpec,
+    layout: Layout,
+    dtype: torch.dtype,
+    megatron: MegatronConfig,
+    on_device_init: bool = False,
+    router_replay: bool = False,
 ) -> Any:
     kwargs = transformer_config_kwargs(model_cfg, layout, dtype)
+    if router_replay:  # every router owns a `RouterReplay` (`router_replay`); idle until a batch carries routing
+        kwargs["moe_enable_routing_replay"] = True
     # weights loaded from a checkpoint are built on the CPU first; random ones are initialised where they live
     kwargs.update(use_cpu_initialization=not on_device_init, sequence_parallel=megatron.sequence_parallel)
     if model_cfg.moe is not None:  # 0 unless asked: megatron-core's default (1e-3) changes the model on its own
@@ -126,17 +137,19 @@ def build_policy(
     checkpoint_dir: Path | None,
     total_optimizer_steps: int,
     keep_reference: bool,
+    router_replay: bool = False,
 ) -> Policy:
     """This rank's policy at `layout` (the run's, as `parallel_state` was initialised with it), loaded from
     `checkpoint_dir`, with optimizer and scheduler. `checkpoint_dir=None` gives random weights (initialised on this
-    rank's GPU where there is one): how `scripts/bench_training.py` measures the trainer's own training step."""
+    rank's GPU where there is one): how `scripts/bench_training.py` measures the trainer's own training step.
+    `router_replay`: build the MoE routers able to replay the engine's routing (`router_replay`)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     on_device_init = checkpoint_dir is None and torch.cuda.is_available()
-    config = _transformer_config(model_cfg, layout, dtype, megatron, on_device_init)
+    config = _transformer_config(model_cfg, layout, dtype, megatron, on_device_init, router_replay)
     gpt = _gpt_model(config, model_cfg, padded_vocab)
     if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization): train on this rank's GPU
         gpt = gpt.cuda(torch.cuda.current_device())
@@ -269,6 +282,7 @@ def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
 
 def _forward_step(
     loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    moe_layers: tuple[int, ...],
     data_iterator: Iterator[MicroBatch],
     model: torch.nn.Module,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
@@ -279,31 +293,63 @@ def _forward_step(
     config = getattr(model, "config", None)
     packed = None if batch.cu_seqlens is None else packed_seq_params(batch.cu_seqlens, batch.max_seqlen, config)
     tokens, position_ids = cp_inputs(batch)
+    if moe_layers:  # this micro-batch's routing replayed, or (none carried) the routers' own
+        _replay_routing(model, batch, moe_layers)
     output = model(tokens, position_ids, None, packed_seq_params=packed)
     return output, partial(loss_func, batch)
 
 
-def cp_inputs(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens and positions `[B, S / cp]` this context-parallel rank feeds the model (all of them at CP 1):
-    megatron-core's load-balanced split of each sequence (`context_parallel`); packed rows keep their global
-    `cu_seqlens`, from which megatron-core's RoPE and the attention place each token."""
+def _replay_routing(model: torch.nn.Module, batch: MicroBatch, moe_layers: tuple[int, ...]) -> None:
+    """Hand the routers of `model` the engine's choices for `batch`'s tokens on this rank (`router_replay`), or
+    clear them where `batch` carries none."""
+    from megatron.core import parallel_state
+
+    from hf_mcore_bridge.grpo.backends.megatron.router_replay import local_routing, replay_routing
+
+    ids = None
+    if batch.routed_experts is not None:
+        ids = local_routing(
+            batch.routed_experts,
+            cp_index(batch),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            bool(getattr(getattr(model, "config", None), "sequence_parallel", False)),
+        )
+    replay_routing(model, ids, moe_layers)
+
+
+def cp_index(batch: MicroBatch) -> torch.Tensor | None:
+    """The positions `[S / cp]` of `batch`'s rows this context-parallel rank feeds the model, on the tokens' device:
+    megatron-core's load-balanced split of each sequence (`context_parallel`); None at CP 1 (all of them)."""
     from megatron.core import parallel_state
 
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
-        return batch.tokens, batch.position_ids
+        return None
     from hf_mcore_bridge.megatron.context_parallel import cp_positions
 
     cu = torch.tensor([0, batch.seq_len]) if batch.cu_seqlens is None else batch.cu_seqlens
-    mine = cp_positions(cu, cp, parallel_state.get_context_parallel_rank()).to(batch.tokens.device)
+    return cp_positions(cu, cp, parallel_state.get_context_parallel_rank()).to(batch.tokens.device)
+
+
+def cp_inputs(batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens and positions `[B, S / cp]` this context-parallel rank feeds the model (all of them at CP 1,
+    `cp_index`); packed rows keep their global `cu_seqlens`, from which megatron-core's RoPE and the attention
+    place each token."""
+    mine = cp_index(batch)
+    if mine is None:
+        return batch.tokens, batch.position_ids
     return batch.tokens[:, mine], batch.position_ids[:, mine]
 
 
 def _run_schedule(policy: Policy, batches: list[MicroBatch], loss_func: Callable, forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from hf_mcore_bridge.grpo.backends.megatron.router_replay import moe_layer_numbers
+
+    moe_layers = moe_layer_numbers(policy.model_cfg) if policy.module.config.moe_enable_routing_replay else ()
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_func),
+        forward_step_func=partial(_forward_step, loss_func, moe_layers),
         data_iterator=iter(batches),
         model=[policy.model],
         num_microbatches=len(batches),

@@ -36,4 +36,6 @@ MOE_VARIANTS = {
     # sigmoid router with score bias, 2 of 4 groups, scaling 2.5; ungated shared expert; layer 0 dense; partial
     # rotary (half of each head); q/k norms and q/k/v biases
     "glm4_moe": ("Glm4MoeForCausalLM", {}),
+    # sinks, sliding and full layers (window 6), YaRN, biased router and experts with the clamped SwiGLU
+    "gpt_oss": ("GptOssForCausalLM", {}),
 }

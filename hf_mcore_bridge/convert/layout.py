@@ -125,6 +125,11 @@ def _validate_experts(layout: Layout, moe: MoeSpec | None) -> None:
     _require(moe.num_experts % layout.ep == 0, f"num_experts={moe.num_experts} is not divisible by ep={layout.ep}")
     width = moe.ffn_hidden_size
     _require(width % layout.expert_tp == 0, f"moe_ffn_hidden_size={width} is not divisible by etp={layout.expert_tp}")
+    _require(
+        not moe.expert_mlp_bias or layout.expert_tp == 1,
+        f"etp={layout.expert_tp}: megatron-core holds biased experts (gate_up_proj_bias) only at "
+        "expert_tensor_parallel_size 1 (pass etp=1 / --etp 1)",
+    )
 
 
 def _validate_mla(layout: Layout, mla: MlaSpec) -> None:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, expert_parts
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros, length_of
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
 from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
@@ -227,6 +228,16 @@ def convert_mcore_to_hf(
             own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
             for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
                 specs[spec_name] = (spec_shape, dtypes.of(spec_dtype))
+    fused = _fused_members(model, plan) if model.arch.fused_checkpoint else {}
+    if fused and fp8 is not None:
+        raise CheckpointError(f"{model.arch.hf_name}'s fused experts are not written as FP8 blocks")
+    for fused_name, experts in fused.items():
+        planned, name, part = experts[0][0]
+        shape, dtype_ = specs[name]
+        for members in experts:
+            for _, member, _ in members:
+                del specs[member]
+        specs[fused_name] = ((len(experts), *expert_parts.fused_shape(part, shape)), dtype_)
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
         {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
@@ -247,10 +258,17 @@ def convert_mcore_to_hf(
         }
         queues = {file: [Job(staging / file, 0, (layout.header,))] for file, layout in layouts.items()}
         tensors = _Tensors(mcore, dims, specs, dtype_of, fp8, copied)
+        members = {name for experts in fused.values() for group in experts for _, name, _ in group}
         for planned in plan:
+            if members.issuperset(planned.hf_shapes):
+                continue
             for name, pieces in tensors.pieces(planned).items():
                 file = split.tensor_to_filename[name]
                 queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
+        for name, experts in fused.items():
+            file = split.tensor_to_filename[name]
+            pieces = tuple(tensors.fused_piece(group) for group in experts)
+            queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
         with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
             run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
@@ -272,6 +290,31 @@ def convert_mcore_to_hf(
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)
     return ConversionResult(destination, model, Layout(), len(specs), total, time.perf_counter() - started, notes)
+
+
+Member = tuple["_Planned", str, str]
+"""A per-expert HF tensor written as a part of a fused one: (its planned entry, its name, its part)."""
+
+
+def _fused_members(model: ModelSpec, plan: list[_Planned]) -> dict[str, list[list[Member]]]:
+    """The fused tensors an architecture's checkpoint stores (`Architecture.fused_checkpoint`): fused name -> per
+    expert, in order, the per-expert tensors that make its slice (`expert_parts.join`)."""
+    rules = model.arch.fused_experts or {}
+    fused: dict[str, dict[int, list[Member]]] = {}
+    for planned in plan:
+        placed = planned.placed
+        for template, name in zip(placed.template.hf_sources, placed.hf_names(), strict=True):
+            if template not in rules or placed.expert is None:
+                continue
+            fused_template, part = rules[template]
+            experts = fused.setdefault(fill(fused_template, placed.layer, None), {})
+            experts.setdefault(placed.expert, []).append((planned, name, part))
+    out = {}
+    for name, experts in fused.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise CheckpointError(f"{name}: experts {sorted(experts)} are not 0 .. {len(experts) - 1}")
+        out[name] = [experts[e] for e in range(len(experts))]
+    return out
 
 
 class _Tensors:
@@ -354,31 +397,51 @@ class _Tensors:
                 self._layouts[key] = None
         return self._layouts[key]
 
+    def _value(self, planned: _Planned, name: str) -> Any:
+        """The HF tensor `name` of a planned entry, in the output dtype (the entry's tensors cached per thread)."""
+        cached = getattr(self._local, "cached", None)
+        if cached is None or cached[0] is not planned:
+            self._local.cached = cached = None  # drop the previous entry's tensors first
+            tensor = self.source.read(planned.where.key, planned.where.leading)
+            dtype = self.dtype_of(planned).torch
+            values = planned.placed.entry.to_hf(tensor, self.dims)
+            written = {
+                out: part
+                for hf_name, value in values.items()
+                for out, part in (
+                    self.fp8.tensors(hf_name, value.to(dtype)) if self.fp8 else [(hf_name, value.to(dtype))]
+                )
+            }
+            self._local.cached = cached = (planned, written)
+        return cached[1][name]
+
     def _producer(self, planned: _Planned, name: str) -> Callable[[], Any]:
         def produce() -> Any:
             import torch
 
-            cached = getattr(self._local, "cached", None)
-            if cached is None or cached[0] is not planned:
-                self._local.cached = cached = None  # drop the previous entry's tensors first
-                tensor = self.source.read(planned.where.key, planned.where.leading)
-                dtype = self.dtype_of(planned).torch
-                values = planned.placed.entry.to_hf(tensor, self.dims)
-                written = {
-                    out: part
-                    for hf_name, value in values.items()
-                    for out, part in (
-                        self.fp8.tensors(hf_name, value.to(dtype)) if self.fp8 else [(hf_name, value.to(dtype))]
-                    )
-                }
-                self._local.cached = cached = (planned, written)
             shape, dtype = self.specs[name]
-            value = cached[1][name]
+            value = self._value(planned, name)
             if tuple(value.shape) != shape or dtypes.of(value.dtype) != dtype:
                 raise AssertionError(f"{name}: got {tuple(value.shape)} {value.dtype}, declared {shape} {dtype}")
             return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
         return produce
+
+    def fused_piece(self, members: list[Member]) -> Produced:
+        """One expert's slice of a fused tensor, made when its turn comes from its per-expert tensors."""
+        planned, name, part = members[0]
+        shape = expert_parts.fused_shape(part, tuple(planned.hf_shapes[name]))
+        dtype = self.dtype_of(planned)
+
+        def produce() -> Any:
+            import torch
+
+            value = expert_parts.join({part: self._value(p, n) for p, n, part in members})
+            if tuple(value.shape) != shape:
+                raise AssertionError(f"{name}'s fused slice: got {tuple(value.shape)}, declared {shape}")
+            return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+        return Produced(_nbytes(shape, dtype), produce)
 
 
 RawChunk = tuple[tuple[int, ...], tuple[int, ...], Path, int]

@@ -15,6 +15,7 @@ from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import (
     deepseek_v3,
     glm4_moe,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -38,6 +39,7 @@ REGISTRY: dict[str, Architecture] = {
         qwen2_moe.ARCHITECTURE,
         glm4_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
+        gpt_oss.ARCHITECTURE,
     )
 }
 

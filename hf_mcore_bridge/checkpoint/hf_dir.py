@@ -240,15 +240,18 @@ class HFCheckpoint:
 
     def _read_alias(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         fused, expert, part = self._aliases[name]
+        tensor = expert_parts.take(self._expert_slice(fused, expert), part)
+        return tensor[rows[0] : rows[1]].clone() if rows else tensor
+
+    def _expert_slice(self, fused: str, expert: int | None) -> torch.Tensor:
+        """One expert's slice of a fused tensor (all of it for `expert` None), read from disk now."""
         info = self._tensors[fused]
         try:
             with safe_open(str(info.file), framework="pt") as handle:
                 slice_ = handle.get_slice(fused)
-                tensor = slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
+                return slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(fused)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"reading {fused} from {info.file.name} failed: {err}") from None
-        tensor = expert_parts.take(tensor, part)
-        return tensor[rows[0] : rows[1]].clone() if rows else tensor
 
     def copy_assets(self, destination: Path) -> list[str]:
         """Copy config, generation config and tokenizer files into `destination`; returns their names."""

@@ -113,6 +113,10 @@ def validate_layout(layout: Layout, model: ModelSpec) -> None:
     _require(ffn % tp == 0, f"ffn_hidden_size={ffn} is not divisible by tp={tp}")
     _validate_pipeline(layout, model.num_layers)
     _validate_experts(layout, model.moe)
+    _require(
+        layout.cp == 1 or not (model.attention_sinks or model.sliding_window is not None),
+        f"cp={layout.cp}: attention sinks and sliding windows are not computed under context parallelism",
+    )
     if model.mla is not None:
         _validate_mla(layout, model.mla)
 

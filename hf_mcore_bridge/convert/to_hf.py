@@ -27,6 +27,8 @@ from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
+from hf_mcore_bridge.checkpoint.mxfp4 import quantize as mxfp4_quantize
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
 from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
@@ -39,6 +41,8 @@ from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
+from hf_mcore_bridge.convert.mxfp4_checkpoint import SCALES_FILE as MXFP4_SCALES_FILE
+from hf_mcore_bridge.convert.mxfp4_checkpoint import is_mxfp4_config, mxfp4_quantization_config
 from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
@@ -171,6 +175,7 @@ def convert_mcore_to_hf(
     show_progress: bool = True,
     fp8_blockwise: bool = False,
     fp8_scale_format: str = "source",
+    mxfp4: bool = False,
 ) -> ConversionResult:
     """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
 
@@ -179,6 +184,9 @@ def convert_mcore_to_hf(
     128 x 128 FP8 blocks with `weight_scale_inv` (`fp8_checkpoint.Fp8Export`) of `fp8_scale_format` (`source`:
     the FP8 source's, kept where the checkpoint's HF assets hold its scales; `ue8m0`; `float32`); otherwise every
     tensor is written in the export dtype and a `quantization_config` the source config carried is dropped.
+    `mxfp4` writes fused expert weights (`Architecture.fused_checkpoint`) as MXFP4 blocks and scales, the source's
+    scales where the checkpoint's HF assets kept them (`mxfp4_checkpoint.SCALES_FILE`): bit-identical for weights
+    that came from MXFP4.
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -211,7 +219,7 @@ def convert_mcore_to_hf(
 
     quantized_source = original_config.get("quantization_config") is not None
     fp8: Fp8Export | None = None
-    if fp8_blockwise or quantized_source:  # FP8 blocks are made and checked with torch
+    if fp8_blockwise or (quantized_source and not is_mxfp4_config(original_config)):  # FP8: made and checked with torch
         from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Export, is_fp8_config
 
         quantized_source = is_fp8_config(original_config)
@@ -238,6 +246,14 @@ def convert_mcore_to_hf(
             for _, member, _ in members:
                 del specs[member]
         specs[fused_name] = ((len(experts), *expert_parts.fused_shape(part, shape)), dtype_)
+    packed = _packed_specs(specs, fused) if mxfp4 else {}
+    if mxfp4 and not packed:
+        raise CheckpointError(f"--mxfp4: {model.arch.hf_name} has no fused expert weights to write as MXFP4")
+    for name, (blocks, scales) in packed.items():
+        experts, in_features, out_features = specs.pop(name)[0]
+        groups = in_features // MXFP4_BLOCK
+        specs[blocks] = ((experts, out_features, groups, MXFP4_BLOCK // 2), dtypes.UINT8)
+        specs[scales] = ((experts, out_features, groups), dtypes.UINT8)
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
         {n: _nbytes(s, d) for n, (s, d) in specs.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
@@ -265,10 +281,13 @@ def convert_mcore_to_hf(
             for name, pieces in tensors.pieces(planned).items():
                 file = split.tensor_to_filename[name]
                 queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
+        kept = hf_assets_dir(root, checkpoint_dir) / MXFP4_SCALES_FILE if packed else None
         for name, experts in fused.items():
-            file = split.tensor_to_filename[name]
-            pieces = tuple(tensors.fused_piece(group) for group in experts)
-            queues[file].append(Job(staging / file, layouts[file].place(name)[0], pieces))
+            outputs = {name: None} if name not in packed else dict(zip(packed[name], ("blocks", "scales"), strict=True))
+            for out, what in outputs.items():
+                file = split.tensor_to_filename[out]
+                pieces = tuple(tensors.fused_piece(group, what, kept, packed.get(name)) for group in experts)
+                queues[file].append(Job(staging / file, layouts[file].place(out)[0], pieces))
         with progress_bar("export to hf", total=len(specs) + len(queues), enabled=show_progress) as advance:
             run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
@@ -277,6 +296,8 @@ def convert_mcore_to_hf(
         elif SINGLE_NAME not in queues:
             (staging / next(iter(queues))).rename(staging / SINGLE_NAME)
         config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if packed:
+            config["quantization_config"] = mxfp4_quantization_config(original_config, model)
         if fp8 is not None:
             config["quantization_config"] = fp8.quantization_config()
         if out_dtype is not None or quantized_source:
@@ -427,21 +448,62 @@ class _Tensors:
 
         return produce
 
-    def fused_piece(self, members: list[Member]) -> Produced:
-        """One expert's slice of a fused tensor, made when its turn comes from its per-expert tensors."""
+    def fused_piece(
+        self,
+        members: list[Member],
+        packed: str | None = None,
+        kept: Path | None = None,
+        names: tuple[str, str] | None = None,
+    ) -> Produced:
+        """One expert's slice of a fused tensor, made when its turn comes from its per-expert tensors; with
+        `packed` (`blocks` or `scales`), that part of its MXFP4 form, with the source's scales where `kept` holds
+        them under `names[1]`."""
         planned, name, part = members[0]
         shape = expert_parts.fused_shape(part, tuple(planned.hf_shapes[name]))
-        dtype = self.dtype_of(planned)
+        expert = planned.placed.expert
+
+        def value() -> Any:
+            joined = expert_parts.join({part: self._value(p, n) for p, n, part in members})
+            if tuple(joined.shape) != shape:
+                raise AssertionError(f"{name}'s fused slice: got {tuple(joined.shape)}, declared {shape}")
+            return joined
 
         def produce() -> Any:
             import torch
 
-            value = expert_parts.join({part: self._value(p, n) for p, n, part in members})
-            if tuple(value.shape) != shape:
-                raise AssertionError(f"{name}'s fused slice: got {tuple(value.shape)}, declared {shape}")
-            return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            out = value()
+            if packed is not None and names is not None:
+                try:  # the source's scales give its bytes back; trained weights need their own
+                    blocks, scales = mxfp4_quantize(out.T, _kept_scales(kept, names[1], expert))
+                except ValueError:
+                    blocks, scales = mxfp4_quantize(out.T)
+                out = blocks if packed == "blocks" else scales
+            return out.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
-        return Produced(_nbytes(shape, dtype), produce)
+        if packed is None:
+            return Produced(_nbytes(shape, self.dtype_of(planned)), produce)
+        rows, groups = shape[1], shape[0] // MXFP4_BLOCK
+        return Produced(rows * groups * (MXFP4_BLOCK // 2 if packed == "blocks" else 1), produce)
+
+
+def _kept_scales(kept: Path | None, name: str, expert: int | None) -> Any:
+    """One expert's slice of the source's MXFP4 scales `name`, where the HF assets kept them; else None."""
+    if kept is None or expert is None or not kept.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(kept), framework="pt") as handle:
+        if name not in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
+            return None
+        return handle.get_slice(name)[expert : expert + 1][0]
+
+
+def _packed_specs(
+    specs: dict[str, tuple[tuple[int, ...], dtypes.DType]], fused: dict[str, list[list[Member]]]
+) -> dict[str, tuple[str, str]]:
+    """The fused tensors written as MXFP4 (those of 2-D expert slices: the weights, not the biases) -> their
+    blocks and scales names."""
+    return {name: (name + "_blocks", name + "_scales") for name in fused if len(specs[name][0]) == 3}
 
 
 RawChunk = tuple[tuple[int, ...], tuple[int, ...], Path, int]

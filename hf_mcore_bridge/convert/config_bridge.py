@@ -6,8 +6,11 @@ back (`from_megatron_args`), and from it an HF `config.json` (`ModelSpec.to_hf`)
 
 Anything megatron-core cannot compute as transformers does is refused naming the HF config field, over the spec
 (`require_megatron_representable`; `megatron_spec` reads a config and checks it); nothing is approximated. In
-particular: RoPE must be plain or Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4)
-and original length 8192; no biases but q/k/v ones where the table has them; SiLU; no sliding window. Partial rotary
+particular: RoPE must be plain, Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4)
+and original length 8192, or YaRN; no biases but q/k/v ones where the table has them, or every linear layer's
+(GPT-OSS: `add_bias_linear`); SiLU, or GPT-OSS's clamped SwiGLU (`quick_gelu` with `activation_func_clamp_value` and
+`glu_linear_offset` 1); a sliding window only on the layers `layer_types` marks (`window_size`,
+`window_attn_skip_freq`); sinks as `softmax_type: learnable`. Partial rotary
 embeddings (`partial_rotary_factor`, GLM-4.5) are megatron-core's `rotary_percent`: both rotate the first
 `int(head_dim * factor)` dimensions of each head in the `rotate_half` layout and pass the rest through.
 

@@ -225,3 +225,30 @@ def test_layouts_megatron_core_cannot_build_are_refused_by_name() -> None:
     validate_layout(Layout(tp=2, etp=1), model)
     dense_window = replace(model, attention_sinks=False, sliding_window=None, layer_types=("full_attention",) * 24)
     validate_layout(Layout(cp=2), dense_window)
+
+
+def test_fused_experts_stream_one_expert_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Import reads one expert's slice of a fused tensor at a time, export makes one at a time: memory stays at
+    one expert's tensors whatever the number of experts."""
+    hf_dir = build_tiny_model(tmp_path / "hf", ARCH)
+    read, joined = [], []
+    slice_of, join = HFCheckpoint._expert_slice, expert_parts.join
+
+    def one_slice(self: HFCheckpoint, fused: str, expert: int | None) -> torch.Tensor:
+        out = slice_of(self, fused, expert)
+        read.append((expert, out.shape))
+        return out
+
+    def one_join(tensors: dict) -> torch.Tensor:
+        out = join(tensors)
+        joined.append(out.shape)
+        return out
+
+    monkeypatch.setattr(HFCheckpoint, "_expert_slice", one_slice)
+    monkeypatch.setattr(expert_parts, "join", one_join)
+    convert_hf_to_mcore(hf_dir, tmp_path / "m", layout=Layout(ep=2), show_progress=False)
+    convert_mcore_to_hf(tmp_path / "m", tmp_path / "back", show_progress=False)
+    assert_same_weights(hf_dir, tmp_path / "back")
+    assert read and all(expert is not None for expert, _ in read)
+    assert {tuple(shape) for _, shape in read} == {(64, 64), (64,), (32, 64)}  # gate_up, biases, down: one expert
+    assert len(joined) == 4 * 4 * 8 and {tuple(shape) for shape in joined} == {(64, 64), (64,), (32, 64)}

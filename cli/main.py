@@ -293,6 +293,13 @@ def convert(
             " DeepSeek publishes them (--to hf)."
         ),
     ] = False,
+    mxfp4: Annotated[
+        bool,
+        typer.Option(
+            help="Write fused expert weights as MXFP4 blocks and scales, as GPT-OSS publishes them; bit-identical"
+            " for weights that came from MXFP4 (--to hf)."
+        ),
+    ] = False,
     fp8_scale_format: Annotated[
         Fp8ScaleFormat | None,
         typer.Option(
@@ -354,6 +361,7 @@ def convert(
                 "--max-shard-size": max_shard_size is not None,
                 "--fp8-blockwise": fp8_blockwise,
                 "--fp8-scale-format": fp8_scale_format is not None,
+                "--mxfp4": mxfp4,
             },
         )
         if fp8_scale_format is not None and not fp8_blockwise:
@@ -415,6 +423,7 @@ def convert(
                 show_progress=progress,
                 fp8_blockwise=fp8_blockwise,
                 fp8_scale_format=(fp8_scale_format or Fp8ScaleFormat.source).value,
+                mxfp4=mxfp4,
             )
         typer.echo(
             f"wrote {result.destination} ({result.model.architecture}, {result.tensors} tensors, "

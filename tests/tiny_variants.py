@@ -39,4 +39,6 @@ MOE_VARIANTS = {
     # GLM-4.7-Flash: DeepSeek-V3's multi-latent attention (plain RoPE, interleaved pairs) with GLM's router (2 of 4
     # groups, scaling 1.8) and shared expert; dense layers 0 and 2 (`mlp_layer_types`)
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", {}),
+    # sinks, sliding and full layers (window 6), YaRN, biased router and experts with the clamped SwiGLU
+    "gpt_oss": ("GptOssForCausalLM", {}),
 }

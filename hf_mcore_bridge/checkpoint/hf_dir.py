@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, expert_parts
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.checkpoint.paths import PathError, lookup
 from hf_mcore_bridge.checkpoint.pickles import refused_globals
@@ -236,8 +236,8 @@ class HFCheckpoint:
                 continue
             info = self._tensors[fused]
             shape = info.shape[1:] if expert is not None else info.shape
-            if part != "all" and shape:  # a fused tensor of the wrong rank is reported by the shape check
-                shape = (shape[0] // 2, *shape[1:])
+            if shape:  # a fused tensor of the wrong rank is reported by the shape check
+                shape = expert_parts.part_shape(part, shape)
             self._aliases[name] = (fused, expert, part)
             self._tensors[name] = TensorInfo(info.file, shape, info.dtype)
 
@@ -291,19 +291,19 @@ class HFCheckpoint:
 
     def _read_alias(self, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         fused, expert, part = self._aliases[name]
+        tensor = expert_parts.take(self._expert_slice(fused, expert), part)
+        return tensor[rows[0] : rows[1]].clone() if rows else tensor
+
+    def _expert_slice(self, fused: str, expert: int | None) -> torch.Tensor:
+        """One expert's slice of a fused tensor (all of it for `expert` None), read from disk now."""
         info = self._tensors[fused]
         try:
             with safe_open(str(info.file), framework="pt") as handle:
-                stored = self._stored.get(fused, fused)
+                stored = self._stored.get(fused, fused)  # a wrapper's stored name for the text model's
                 slice_ = handle.get_slice(stored)
-                tensor = slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(stored)
+                return slice_[expert : expert + 1][0] if expert is not None else handle.get_tensor(stored)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"reading {fused} from {info.file.name} failed: {err}") from None
-        if part != "all":
-            half = tensor.shape[0] // 2
-            tensor = tensor[:half] if part == "gate" else tensor[half:]
-        tensor = tensor.contiguous()
-        return tensor[rows[0] : rows[1]].clone() if rows else tensor
 
     def copy_assets(self, destination: Path) -> list[str]:
         """Copy config, generation config and tokenizer files into `destination`; returns their names."""

@@ -6,8 +6,11 @@ back (`from_megatron_args`), and from it an HF `config.json` (`ModelSpec.to_hf`)
 
 Anything megatron-core cannot compute as transformers does is refused naming the HF config field, over the spec
 (`require_megatron_representable`; `megatron_spec` reads a config and checks it); nothing is approximated. In
-particular: RoPE must be plain or Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4)
-and original length 8192; no biases but q/k/v ones where the table has them; SiLU; no sliding window. Partial rotary
+particular: RoPE must be plain, Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4)
+and original length 8192, or YaRN; no biases but q/k/v ones where the table has them, or every linear layer's
+(GPT-OSS: `add_bias_linear`); SiLU, or GPT-OSS's clamped SwiGLU (`quick_gelu` with `activation_func_clamp_value` and
+`glu_linear_offset` 1); a sliding window only on the layers `layer_types` marks (`window_size`,
+`window_attn_skip_freq`); sinks as `softmax_type: learnable`. Partial rotary
 embeddings (`partial_rotary_factor`, GLM-4.5) are megatron-core's `rotary_percent`: both rotate the first
 `int(head_dim * factor)` dimensions of each head in the `rotate_half` layout and pass the rest through.
 
@@ -26,6 +29,7 @@ the router's expert bias (`moe_router_bias_update_rate` 0; GRPO: `policy.megatro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from hf_mcore_bridge.checkpoint import dtypes
@@ -36,11 +40,22 @@ from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Feature
 from hf_mcore_bridge.models.moe import HF_GROUP_SCORE_TOPK, MoeSpec
 from hf_mcore_bridge.models.registry import with_features
-from hf_mcore_bridge.models.spec import FULL_ATTENTION, MlaSpec, ModelSpec, RopeSpec, switch_name
+from hf_mcore_bridge.models.spec import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    MlaSpec,
+    ModelSpec,
+    RopeSpec,
+    switch_name,
+    yarn_mscale,
+)
 from hf_mcore_bridge.models.tensor_ops import padded_vocab_size
 
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 """The Llama-3 RoPE scaling constants megatron-core hard-codes."""
+
+MCORE_QUICK_GELU_ALPHA = 1.702
+"""The sigmoid's slope in megatron-core's `quick_gelu` (hard-coded), GPT-OSS's `swiglu_alpha`."""
 
 PARAMS_DTYPES = (dtypes.FLOAT32, dtypes.BFLOAT16, dtypes.FLOAT16)
 """The dtypes a model's parameters are held in (`--dtype`'s choices, `dtypes.FLAGS`)."""
@@ -77,22 +92,26 @@ def _unrepresentable(what: str, where: str = "megatron-core") -> ConfigError:
 
 
 def _require_layers(spec: ModelSpec) -> None:
-    """A pre-norm decoder of SiLU-gated MLPs without biases (q/k/v ones where the table has them) that attends to
-    every earlier position."""
+    """A pre-norm decoder of SiLU-gated MLPs, without biases (q/k/v ones where the table has them) or with every
+    linear layer's (`add_bias_linear`), attending to every earlier position or, on the layers `layer_types` marks
+    `sliding_attention`, through the window (`window_size`, `window_attn_skip_freq`)."""
     arch = spec.arch
     if spec.hidden_act != "silu":
         raise ConfigError(f"config field hidden_act={spec.hidden_act!r} cannot be represented (only 'silu')")
-    if spec.o_bias:  # megatron-core biases the output projection only with every linear layer's bias
-        raise _unrepresentable(f"{switch_name(arch.o_bias, 'attention_bias')}=True")
+    if spec.o_bias or (spec.moe is not None and (spec.moe.expert_mlp_bias or spec.moe.router_bias)):
+        _require_linear_biases(spec)
     if spec.qkv_bias and not arch.table_has(Feature.QKV_BIAS):
         raise _unrepresentable(f"{switch_name(arch.qkv_bias, 'attention_bias')}=True")
     if spec.mlp_bias:
         raise _unrepresentable("mlp_bias=True")
-    if spec.sliding_window is not None:
-        switch = arch.sliding_window_switch
+    kinds = set(spec.layer_types)
+    if kinds - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ConfigError(f"config field layer_types has {sorted(kinds)}; only full and sliding attention are known")
+    if spec.sliding_window is not None and SLIDING_ATTENTION not in kinds:
+        switch = arch.sliding_window_switch  # a window over every layer, no layer_types saying which
         raise _unrepresentable(f"{switch}=True" if switch else f"sliding_window={spec.sliding_window!r}")
-    if any(kind != FULL_ATTENTION for kind in spec.layer_types):
-        raise ConfigError("config field layer_types has non-full attention layers; only full attention is supported")
+    if spec.sliding_window is None and SLIDING_ATTENTION in kinds:
+        raise ConfigError("config field layer_types has sliding_attention layers but no sliding_window")
     if spec.mtp_layers and spec.moe is not None and not spec.moe.moe_layers[-1]:
         # megatron-core's MTP layer is built as the last decoder layer; the tables' MTP layers are MoE
         raise ConfigError(
@@ -101,17 +120,31 @@ def _require_layers(spec: ModelSpec) -> None:
         )
 
 
+def _require_linear_biases(spec: ModelSpec) -> None:
+    """megatron-core biases the attention's output projection only with every linear layer's bias
+    (`add_bias_linear`): q/k/v, router and experts, all in the table."""
+    arch, moe = spec.arch, spec.moe
+    complete = spec.qkv_bias and moe is not None and moe.expert_mlp_bias and moe.router_bias and all(moe.moe_layers)
+    if not complete or not arch.table_has(Feature.O_BIAS):
+        field = f"{switch_name(arch.o_bias, 'attention_bias')}=True" if spec.o_bias else "gate_up_proj_bias"
+        raise _unrepresentable(f"{field} (megatron-core biases all linear layers or none)")
+
+
 def _require_rope(spec: ModelSpec) -> None:
-    """Plain RoPE, partial or not; Llama-3 scaling with megatron-core's constants; YaRN with multi-latent attention
-    only (megatron-core's `YarnRotaryEmbedding` is its MLA's)."""
+    """Plain RoPE, partial or not; Llama-3 scaling with megatron-core's constants; YaRN (under multi-latent
+    attention with its own limits; otherwise GPTModel's `position_embedding_type='yarn'`, whose attention
+    multiplies q and k by the concentration of `yarn_config_attributes`, an explicit `attention_factor` made up
+    in the softmax scale)."""
     rope, mla = spec.rope, spec.mla is not None
     if rope.rope_type == "default":
         return
     if rope.rope_type == "yarn" and mla:
         _require_yarn(rope)
         return
-    if rope.rope_type == "yarn":
-        raise ConfigError("config field rope_type='yarn' is converted with multi-latent attention only")
+    if rope.rope_type == "yarn":  # GPTModel's YaRN; its concentration goes into the softmax scale
+        if rope.original_max_position_embeddings is None:
+            raise ConfigError("config field rope_type='yarn' needs rope_scaling.original_max_position_embeddings")
+        return
     if rope.rope_type == "llama3" and mla:
         raise _unrepresentable("rope_type='llama3'", "megatron-core's MLA")
     if rope.rope_type != "llama3":
@@ -156,14 +189,17 @@ def _require_mla(spec: ModelSpec) -> None:
 def _require_router(moe: MoeSpec) -> None:
     """megatron-core's `topk_routing_with_score_function` computes transformers' routers except: sigmoid weights it
     renormalises exactly when top-k > 1; its group score sums the top `topk // topk_group` scores where transformers
-    sums the top 2, over groups that must hold the top-k; no router input noise. Biased experts and the clamped
-    activation (GPT-OSS) are not translated yet."""
+    sums the top 2, over groups that must hold the top-k; no router input noise. Biased experts and routers come
+    with every linear layer's bias (`_require_linear_biases`); the clamped activation is `quick_gelu`, whose slope
+    megatron-core fixes at 1.702, on every MLP (so no dense layers beside it)."""
     if moe.jitter_noise:
         raise _unrepresentable(f"router_jitter_noise={moe.jitter_noise}")
-    if moe.expert_mlp_bias:
-        raise _unrepresentable("gate_up_proj_bias / down_proj_bias (biased experts)")
-    if moe.swiglu_limit is not None:
-        raise _unrepresentable(f"swiglu_limit={moe.swiglu_limit:g} (the clamped expert activation)")
+    if (moe.expert_mlp_bias or moe.router_bias) and not all(moe.moe_layers):
+        raise _unrepresentable("gate_up_proj_bias with dense layers (megatron-core would bias their MLPs too)")
+    if moe.swiglu_limit is not None and moe.swiglu_alpha != MCORE_QUICK_GELU_ALPHA:
+        raise _unrepresentable(f"swiglu_alpha={moe.swiglu_alpha:g} (quick_gelu's slope is {MCORE_QUICK_GELU_ALPHA})")
+    if moe.swiglu_limit is not None and not all(moe.moe_layers):
+        raise _unrepresentable(f"swiglu_limit={moe.swiglu_limit:g} with dense layers (their activation is SiLU)")
     if moe.score_function == "sigmoid" and moe.renormalize != (moe.topk > 1):
         raise ConfigError(
             f"config field norm_topk_prob={moe.renormalize!r} cannot be represented in megatron-core: with sigmoid "
@@ -273,7 +309,7 @@ def transformer_config_kwargs(model: ModelSpec, layout: Layout, dtype: Any) -> d
             "layernorm_epsilon": model.norm_epsilon,
             "gated_linear_unit": True,
             "activation_func": torch.nn.functional.silu,
-            "add_bias_linear": False,
+            "add_bias_linear": model.o_bias,
             "add_qkv_bias": model.qkv_bias,
             "qk_layernorm": model.qk_norm or model.mla is not None,
             "hidden_dropout": 0.0,
@@ -291,7 +327,66 @@ def transformer_config_kwargs(model: ModelSpec, layout: Layout, dtype: Any) -> d
             "fp16": kind == dtypes.FLOAT16,
             "transformer_impl": default_transformer_impl(),
         }
+        | _attention_kwargs(model)
+        | _activation_kwargs(model.moe)
     )
+
+
+def _attention_kwargs(model: ModelSpec) -> dict[str, Any]:
+    """Sinks (`softmax_type`), the sliding window on the layers `layer_types` marks (megatron-core's window keeps
+    `window_size[0]` earlier positions besides the query's own: transformers' window counts the query's), and
+    the softmax scale where transformers' YaRN concentration is not megatron-core's (not under multi-latent
+    attention)."""
+    kwargs: dict[str, Any] = {}
+    if model.attention_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if model.sliding_window is not None:
+        kwargs["window_size"] = (model.sliding_window - 1, 0)
+        kwargs["window_attn_skip_freq"] = [int(kind == SLIDING_ATTENTION) for kind in model.layer_types]
+    rope = model.rope
+    if rope.rope_type == "yarn" and model.mla is None:
+        # megatron-core multiplies q and k by its concentration (`_yarn_get_concentration_factor_from_config`);
+        # where transformers' differs (an explicit `attention_factor`), the softmax scale makes up the ratio squared
+        ratio = rope.attention_scaling / _mcore_yarn_concentration(rope)
+        if ratio != 1.0:
+            kwargs["softmax_scale"] = model.softmax_scale * ratio**2
+    return kwargs
+
+
+def _mcore_yarn_concentration(rope: RopeSpec) -> float:
+    """megatron-core's YaRN concentration for `yarn_config_attributes`' mscale values."""
+    return yarn_mscale(rope.factor, rope.mscale or 1.0) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+
+
+def _activation_kwargs(moe: MoeSpec | None) -> dict[str, Any]:
+    """The clamped SwiGLU as megatron-core's `quick_gelu(min(gate, l)) * (clamp(up, -l, l) + 1)`."""
+    if moe is None or moe.swiglu_limit is None:
+        return {}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return {
+        "activation_func": quick_gelu,
+        "activation_func_clamp_value": moe.swiglu_limit,
+        "glu_linear_offset": 1.0,
+        "bias_activation_fusion": False,
+    }
+
+
+def yarn_config_attributes(model: ModelSpec) -> dict[str, Any]:
+    """The attributes GPTModel's YaRN reads from its `TransformerConfig` by `getattr` (not fields of it: set after
+    it is made); {} without YaRN or under multi-latent attention, whose config has its own fields."""
+    rope = model.rope
+    if rope.rope_type != "yarn" or model.mla is not None:
+        return {}
+    return {
+        "yarn_rotary_scaling_factor": rope.factor,
+        "yarn_original_max_position_embeddings": rope.original_max_position_embeddings,
+        "yarn_beta_fast": rope.beta_fast,
+        "yarn_beta_slow": rope.beta_slow,
+        "yarn_mscale": rope.mscale or 1.0,  # mscale 1, all_dim 0: transformers' mscale(factor)
+        "yarn_mscale_all_dim": rope.mscale_all_dim,
+        "yarn_correction_range_round_to_int": rope.truncate,
+    }
 
 
 def gpt_model_kwargs(model: ModelSpec, padded_vocab: int) -> dict[str, Any]:
@@ -299,7 +394,7 @@ def gpt_model_kwargs(model: ModelSpec, padded_vocab: int) -> dict[str, Any]:
     return {
         "vocab_size": padded_vocab,
         "max_sequence_length": model.max_position_embeddings,
-        "position_embedding_type": "rope",
+        "position_embedding_type": "yarn" if model.rope.rope_type == "yarn" and model.mla is None else "rope",
         "rotary_percent": model.rope.partial_rotary_factor,
         "rotary_base": model.rope.theta,
         "rope_scaling": _llama3(model.rope),
@@ -381,9 +476,49 @@ def megatron_args(
         **_moe_args(model.moe),
     )
     values.update(_mla_kwargs(model))
+    values.update(_gpt_oss_args(model))
     if model.mla is not None:  # how the HF weights order their rotary rows (megatron-core's are interleaved)
         values["hf_rope_interleave"] = model.mla.rope_interleave
     return argparse.Namespace(**(loader_defaults() | values))
+
+
+def _gpt_oss_args(model: ModelSpec) -> dict[str, Any]:
+    """Sinks, windows, every linear layer's bias, the clamped SwiGLU and GPTModel's YaRN under Megatron-LM's
+    argument names (`hf_rope`: the RoPE description itself, which GPTModel's YaRN arguments do not hold whole)."""
+    moe, attention = model.moe, _attention_kwargs(model)
+    values: dict[str, Any] = {
+        "add_bias_linear": model.o_bias,
+        "softmax_type": attention.get("softmax_type", "vanilla"),
+        "window_size": attention.get("window_size"),
+        "window_attn_skip_freq": attention.get("window_attn_skip_freq"),
+    }
+    if moe is not None and moe.swiglu_limit is not None:
+        values |= {"quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": moe.swiglu_limit}
+    yarn = yarn_config_attributes(model)
+    if yarn:
+        values |= yarn | {"position_embedding_type": "yarn", "hf_rope": dataclasses.asdict(model.rope)}
+    return values
+
+
+def _gpt_oss_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
+    """`ModelSpec` fields from `_gpt_oss_args`' arguments (nothing where they are absent)."""
+    window = getattr(args, "window_size", None)
+    pattern = getattr(args, "window_attn_skip_freq", None)
+    if window is not None and not isinstance(pattern, list):
+        raise ConfigError(f"checkpoint args window_attn_skip_freq={pattern!r}: only a per-layer list is read")
+    fields: dict[str, Any] = {
+        "o_bias": bool(getattr(args, "add_bias_linear", False)),
+        "attention_sinks": getattr(args, "softmax_type", "vanilla") == "learnable",
+        "sliding_window": None if window is None else int(window[0]) + 1,
+    }
+    if window is not None:
+        fields["layer_types"] = tuple(SLIDING_ATTENTION if on else FULL_ATTENTION for on in pattern)
+    rope = getattr(args, "hf_rope", None)
+    if getattr(args, "position_embedding_type", "rope") == "yarn" and not getattr(args, "multi_latent_attention", 0):
+        if not isinstance(rope, dict):
+            raise ConfigError("checkpoint args describe YaRN without hf_rope; pass --hf-config")
+        fields["rope"] = RopeSpec(**rope)
+    return fields
 
 
 def _moe_args(moe: MoeSpec | None) -> dict[str, Any]:
@@ -429,6 +564,10 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> MoeSpec | None:
         num_groups=getattr(args, "moe_router_num_groups", None),
         group_topk=getattr(args, "moe_router_group_topk", None),
         router_fp32=getattr(args, "moe_router_dtype", None) == "fp32",
+        expert_mlp_bias=bool(getattr(args, "add_bias_linear", False)),
+        router_bias=bool(getattr(args, "add_bias_linear", False)),
+        swiglu_limit=getattr(args, "activation_func_clamp_value", None) if getattr(args, "quick_geglu", 0) else None,
+        swiglu_alpha=MCORE_QUICK_GELU_ALPHA,
     )
 
 
@@ -503,6 +642,10 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
         if moe is not None:
             features["score_function"] = moe.score_function
         architecture = with_features(**features, experts=moe).hf_name
+    fields = {
+        "rope": _rope_from_args(args, float(get("rotary_base")), mla is not None),
+        "layer_types": (FULL_ATTENTION,) * num_layers,
+    } | _gpt_oss_from_args(args, num_layers)
     return ModelSpec(
         architecture=architecture,
         num_layers=num_layers,
@@ -515,13 +658,12 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
         max_position_embeddings=get("max_position_embeddings"),
         # `norm_epsilon` in the args written here, `layernorm_epsilon` (the TransformerConfig name) in Megatron-LM's
         norm_epsilon=float(getattr(args, "norm_epsilon", None) or get("layernorm_epsilon", 1e-5)),
-        rope=_rope_from_args(args, float(get("rotary_base")), mla is not None),
         tie_word_embeddings=not get("untie_embeddings_and_output_weights", False),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
-        layer_types=(FULL_ATTENTION,) * num_layers,
         torch_dtype=params_dtype_name(getattr(args, "params_dtype", None)),
         moe=moe,
         mla=mla,
         mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
+        **fields,
     )

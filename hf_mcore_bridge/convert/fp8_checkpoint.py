@@ -238,12 +238,16 @@ def _check_finite_scale(name: str, file: str, scale: torch.Tensor) -> None:
 
 
 def open_hf_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> HFCheckpoint:
-    """An HF directory, read through `Fp8Checkpoint` where its config announces blockwise FP8 weights; e4m3
-    weights without that announcement are refused by naming the missing `quantization_config`. A vision-language
-    checkpoint is seen as its language model (`wrapped.text_view`)."""
+    """An HF directory, read through `Fp8Checkpoint` where its config announces blockwise FP8 weights (through
+    `mxfp4_checkpoint.Mxfp4Checkpoint` where it announces MXFP4 ones); e4m3 weights without that announcement are
+    refused by naming the missing `quantization_config`. A vision-language checkpoint is seen as its language
+    model (`wrapped.text_view`)."""
+    from hf_mcore_bridge.convert.mxfp4_checkpoint import Mxfp4Checkpoint, is_mxfp4_config
     from hf_mcore_bridge.convert.wrapped import text_view
 
     plain = HFCheckpoint(path, allow_pickle=allow_pickle, view=text_view)
+    if is_mxfp4_config(plain.config):
+        return Mxfp4Checkpoint(path, allow_pickle=allow_pickle)
     if is_fp8_config(plain.config):
         return Fp8Checkpoint(path, allow_pickle=allow_pickle, view=text_view)
     fp8 = sorted(name for name in plain.names() if plain.info(name).dtype == dtypes.FLOAT8_E4M3)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hf_mcore_bridge.checkpoint import expert_parts
 from hf_mcore_bridge.checkpoint.dtypes import FLOAT32, DType, of
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims, Shape, Size
@@ -48,6 +49,7 @@ def hf_sizes(model: ModelSpec, config: Mapping[str, Any]) -> Resolved:
         Size.Q: "num_attention_heads * head_dim",
         Size.KV: "num_key_value_heads * head_dim",
         Size.HEAD_DIM: "head_dim",
+        Size.HEADS: "num_attention_heads",
         Size.FFN: "intermediate_size",
         # Mixtral keeps the expert width in intermediate_size and the expert count in num_local_experts
         Size.EXPERT_FFN: "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size",
@@ -68,6 +70,7 @@ def megatron_sizes(model: ModelSpec) -> Resolved:
         Size.Q: "num_attention_heads * kv_channels",
         Size.KV: "num_query_groups * kv_channels",
         Size.HEAD_DIM: "kv_channels",
+        Size.HEADS: "num_attention_heads",
         Size.FFN: "ffn_hidden_size",
         Size.EXPERT_FFN: "moe_ffn_hidden_size",
         Size.SHARED_FFN: "moe_shared_expert_intermediate_size",
@@ -121,9 +124,8 @@ def check_hf_shapes(
             checked_fused.add(fused_name)
             shape = ((Size.EXPERTS,) if per_expert else ()) + shape
             want = concrete(shape, sizes)
-            if part != "all":  # gate and up stacked on the first axis after the experts
-                rows = 1 if per_expert else 0
-                want = (*want[:rows], 2 * want[rows], *want[rows + 1 :])
+            lead = 1 if per_expert else 0  # the expert axis, then one expert's slice
+            want = (*want[:lead], *expert_parts.fused_shape(part, want[lead:]))
             name = fused_name
         found, where = info(name)
         if found != want:

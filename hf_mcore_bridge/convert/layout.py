@@ -113,6 +113,10 @@ def validate_layout(layout: Layout, model: ModelSpec) -> None:
     _require(ffn % tp == 0, f"ffn_hidden_size={ffn} is not divisible by tp={tp}")
     _validate_pipeline(layout, model.num_layers)
     _validate_experts(layout, model.moe)
+    _require(
+        layout.cp == 1 or not (model.attention_sinks or model.sliding_window is not None),
+        f"cp={layout.cp}: attention sinks and sliding windows are not computed under context parallelism",
+    )
     if model.mla is not None:
         _validate_mla(layout, model.mla)
 
@@ -125,6 +129,11 @@ def _validate_experts(layout: Layout, moe: MoeSpec | None) -> None:
     _require(moe.num_experts % layout.ep == 0, f"num_experts={moe.num_experts} is not divisible by ep={layout.ep}")
     width = moe.ffn_hidden_size
     _require(width % layout.expert_tp == 0, f"moe_ffn_hidden_size={width} is not divisible by etp={layout.expert_tp}")
+    _require(
+        not moe.expert_mlp_bias or layout.expert_tp == 1,
+        f"etp={layout.expert_tp}: megatron-core holds biased experts (gate_up_proj_bias) only at "
+        "expert_tensor_parallel_size 1 (pass etp=1 / --etp 1)",
+    )
 
 
 def _validate_mla(layout: Layout, mla: MlaSpec) -> None:

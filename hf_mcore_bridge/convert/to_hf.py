@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hf_mcore_bridge.checkpoint import dtypes
+from hf_mcore_bridge.checkpoint import dtypes, expert_parts
 from hf_mcore_bridge.checkpoint.byte_copy import Piece, Produced, Zeros, length_of
 from hf_mcore_bridge.checkpoint.destination import check_destination, real_path
 from hf_mcore_bridge.checkpoint.hf_dir import ASSET_FILES, INDEX_NAME, SINGLE_NAME, read_json
 from hf_mcore_bridge.checkpoint.mcore_source import DCPSource, McoreSource
 from hf_mcore_bridge.checkpoint.megatron_dirs import hf_assets_dir, read_common, resolve_checkpoint, safe_torch_load
+from hf_mcore_bridge.checkpoint.mxfp4 import BLOCK as MXFP4_BLOCK
+from hf_mcore_bridge.checkpoint.mxfp4 import quantize as mxfp4_quantize
+from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.checkpoint.parallel_write import Job, run_jobs
 from hf_mcore_bridge.checkpoint.row_pieces import Block, joined, region
 from hf_mcore_bridge.checkpoint.safetensors_stream import SafetensorsLayout
@@ -38,6 +41,8 @@ from hf_mcore_bridge.convert.input_checks import check_mcore_shape, choose_dtype
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
 from hf_mcore_bridge.convert.mtp import copies as mtp_copies
 from hf_mcore_bridge.convert.mtp import resolve_export
+from hf_mcore_bridge.convert.mxfp4_checkpoint import SCALES_FILE as MXFP4_SCALES_FILE
+from hf_mcore_bridge.convert.mxfp4_checkpoint import is_mxfp4_config, mxfp4_quantization_config
 from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.convert.wrapped import WrappedExport
 from hf_mcore_bridge.errors import CheckpointError
@@ -171,6 +176,7 @@ def convert_mcore_to_hf(
     show_progress: bool = True,
     fp8_blockwise: bool = False,
     fp8_scale_format: str = "source",
+    mxfp4: bool = False,
 ) -> ConversionResult:
     """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
 
@@ -179,6 +185,9 @@ def convert_mcore_to_hf(
     128 x 128 FP8 blocks with `weight_scale_inv` (`fp8_checkpoint.Fp8Export`) of `fp8_scale_format` (`source`:
     the FP8 source's, kept where the checkpoint's HF assets hold its scales; `ue8m0`; `float32`); otherwise every
     tensor is written in the export dtype and a `quantization_config` the source config carried is dropped.
+    `mxfp4` writes fused expert weights (`Architecture.fused_checkpoint`) as MXFP4 blocks and scales, the source's
+    scales where the checkpoint's HF assets kept them (`mxfp4_checkpoint.SCALES_FILE`): bit-identical for weights
+    that came from MXFP4.
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -212,7 +221,7 @@ def convert_mcore_to_hf(
 
     quantized_source = original_config.get("quantization_config") is not None
     fp8: Fp8Export | None = None
-    if fp8_blockwise or quantized_source:  # FP8 blocks are made and checked with torch
+    if fp8_blockwise or (quantized_source and not is_mxfp4_config(original_config)):  # FP8: made and checked with torch
         from hf_mcore_bridge.convert.fp8_checkpoint import Fp8Export, is_fp8_config
 
         quantized_source = is_fp8_config(original_config)
@@ -229,9 +238,27 @@ def convert_mcore_to_hf(
             own = fp8.specs(name, shape, dtype_) if fp8 else [(name, shape, dtype_)]
             for spec_name, spec_shape, spec_dtype in own + [(c, shape, dtype_) for c in copied.get(name, [])]:
                 specs[spec_name] = (spec_shape, dtypes.of(spec_dtype))
-    name = wrapped.name if wrapped else str  # the text tensors' names in the written checkpoint
+    fused = _fused_members(model, plan) if model.arch.fused_checkpoint else {}
+    if fused and fp8 is not None:
+        raise CheckpointError(f"{model.arch.hf_name}'s fused experts are not written as FP8 blocks")
+    for fused_name, experts in fused.items():
+        planned, name, part = experts[0][0]
+        shape, dtype_ = specs[name]
+        for members in experts:
+            for _, member, _ in members:
+                del specs[member]
+        specs[fused_name] = ((len(experts), *expert_parts.fused_shape(part, shape)), dtype_)
+    packed = _packed_specs(specs, fused) if mxfp4 else {}
+    if mxfp4 and not packed:
+        raise CheckpointError(f"--mxfp4: {model.arch.hf_name} has no fused expert weights to write as MXFP4")
+    for name, (blocks, scales) in packed.items():
+        experts, in_features, out_features = specs.pop(name)[0]
+        groups = in_features // MXFP4_BLOCK
+        specs[blocks] = ((experts, out_features, groups, MXFP4_BLOCK // 2), dtypes.UINT8)
+        specs[scales] = ((experts, out_features, groups), dtypes.UINT8)
+    out_name = wrapped.name if wrapped else str  # the text tensors' names in the written checkpoint
     carried = {c.name: c for c in wrapped.carried} if wrapped else {}
-    written = {name(n): spec for n, spec in specs.items()} | {c.name: (c.shape, c.dtype) for c in carried.values()}
+    written = {out_name(n): spec for n, spec in specs.items()} | {c.name: (c.shape, c.dtype) for c in carried.values()}
     split = split_state_dict_into_shards_factory(  # huggingface_hub's sharding, on sizes (its torch variant
         {n: _nbytes(s, d) for n, (s, d) in written.items()},  # imports torch.distributed.tensor to look for DTensors)
         get_storage_size=lambda nbytes: nbytes,
@@ -252,13 +279,29 @@ def convert_mcore_to_hf(
         }
         queues = {file: [Job(staging / file, 0, (layout.header,))] for file, layout in layouts.items()}
         tensors = _Tensors(mcore, dims, specs, dtype_of, fp8, copied)
+        members = {name for experts in fused.values() for group in experts for _, name, _ in group}
         for planned in plan:
+            if members.issuperset(planned.hf_shapes):
+                continue
             for text, pieces in tensors.pieces(planned).items():
-                file = split.tensor_to_filename[name(text)]
-                queues[file].append(Job(staging / file, layouts[file].place(name(text))[0], pieces))
-        for kept in carried.values():  # the wrapper's own tensors: their bytes as the source held them
-            file = split.tensor_to_filename[kept.name]
-            queues[file].append(Job(staging / file, layouts[file].place(kept.name)[0], (kept.span,)))
+                file = split.tensor_to_filename[out_name(text)]
+                queues[file].append(Job(staging / file, layouts[file].place(out_name(text))[0], pieces))
+        for carried_tensor in carried.values():  # the wrapper's own tensors: their bytes as the source held them
+            file = split.tensor_to_filename[carried_tensor.name]
+            queues[file].append(
+                Job(staging / file, layouts[file].place(carried_tensor.name)[0], (carried_tensor.span,))
+            )
+        kept = hf_assets_dir(root, checkpoint_dir) / MXFP4_SCALES_FILE if packed else None
+        for fused_name, experts in fused.items():
+            outputs = (
+                {fused_name: None}
+                if fused_name not in packed
+                else dict(zip(packed[fused_name], ("blocks", "scales"), strict=True))
+            )
+            for out, what in outputs.items():
+                file = split.tensor_to_filename[out_name(out)]
+                pieces = tuple(tensors.fused_piece(group, what, kept, packed.get(fused_name)) for group in experts)
+                queues[file].append(Job(staging / file, layouts[file].place(out_name(out))[0], pieces))
         with progress_bar("export to hf", total=len(written) + len(queues), enabled=show_progress) as advance:
             run_jobs(_in_turns(list(queues.values()), WRITERS), on_done=advance)  # steps: headers and tensors
         if split.is_sharded:
@@ -269,6 +312,8 @@ def convert_mcore_to_hf(
 
         def exported(text: dict[str, Any]) -> dict[str, Any]:
             text = {k: v for k, v in text.items() if k != "quantization_config"}
+            if packed:
+                text["quantization_config"] = mxfp4_quantization_config(original_config, model)
             if fp8 is not None:
                 text["quantization_config"] = fp8.quantization_config()
             if out_dtype is not None or quantized_source:
@@ -287,6 +332,31 @@ def convert_mcore_to_hf(
 
     notes = tuple(note for note in (mtp_note, choice.note) if note)
     return ConversionResult(destination, model, Layout(), len(written), total, time.perf_counter() - started, notes)
+
+
+Member = tuple["_Planned", str, str]
+"""A per-expert HF tensor written as a part of a fused one: (its planned entry, its name, its part)."""
+
+
+def _fused_members(model: ModelSpec, plan: list[_Planned]) -> dict[str, list[list[Member]]]:
+    """The fused tensors an architecture's checkpoint stores (`Architecture.fused_checkpoint`): fused name -> per
+    expert, in order, the per-expert tensors that make its slice (`expert_parts.join`)."""
+    rules = model.arch.fused_experts or {}
+    fused: dict[str, dict[int, list[Member]]] = {}
+    for planned in plan:
+        placed = planned.placed
+        for template, name in zip(placed.template.hf_sources, placed.hf_names(), strict=True):
+            if template not in rules or placed.expert is None:
+                continue
+            fused_template, part = rules[template]
+            experts = fused.setdefault(fill(fused_template, placed.layer, None), {})
+            experts.setdefault(placed.expert, []).append((planned, name, part))
+    out = {}
+    for name, experts in fused.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise CheckpointError(f"{name}: experts {sorted(experts)} are not 0 .. {len(experts) - 1}")
+        out[name] = [experts[e] for e in range(len(experts))]
+    return out
 
 
 class _Tensors:
@@ -369,31 +439,92 @@ class _Tensors:
                 self._layouts[key] = None
         return self._layouts[key]
 
+    def _value(self, planned: _Planned, name: str) -> Any:
+        """The HF tensor `name` of a planned entry, in the output dtype (the entry's tensors cached per thread)."""
+        cached = getattr(self._local, "cached", None)
+        if cached is None or cached[0] is not planned:
+            self._local.cached = cached = None  # drop the previous entry's tensors first
+            tensor = self.source.read(planned.where.key, planned.where.leading)
+            dtype = self.dtype_of(planned).torch
+            values = planned.placed.entry.to_hf(tensor, self.dims)
+            written = {
+                out: part
+                for hf_name, value in values.items()
+                for out, part in (
+                    self.fp8.tensors(hf_name, value.to(dtype)) if self.fp8 else [(hf_name, value.to(dtype))]
+                )
+            }
+            self._local.cached = cached = (planned, written)
+        return cached[1][name]
+
     def _producer(self, planned: _Planned, name: str) -> Callable[[], Any]:
         def produce() -> Any:
             import torch
 
-            cached = getattr(self._local, "cached", None)
-            if cached is None or cached[0] is not planned:
-                self._local.cached = cached = None  # drop the previous entry's tensors first
-                tensor = self.source.read(planned.where.key, planned.where.leading)
-                dtype = self.dtype_of(planned).torch
-                values = planned.placed.entry.to_hf(tensor, self.dims)
-                written = {
-                    out: part
-                    for hf_name, value in values.items()
-                    for out, part in (
-                        self.fp8.tensors(hf_name, value.to(dtype)) if self.fp8 else [(hf_name, value.to(dtype))]
-                    )
-                }
-                self._local.cached = cached = (planned, written)
             shape, dtype = self.specs[name]
-            value = cached[1][name]
+            value = self._value(planned, name)
             if tuple(value.shape) != shape or dtypes.of(value.dtype) != dtype:
                 raise AssertionError(f"{name}: got {tuple(value.shape)} {value.dtype}, declared {shape} {dtype}")
             return value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
         return produce
+
+    def fused_piece(
+        self,
+        members: list[Member],
+        packed: str | None = None,
+        kept: Path | None = None,
+        names: tuple[str, str] | None = None,
+    ) -> Produced:
+        """One expert's slice of a fused tensor, made when its turn comes from its per-expert tensors; with
+        `packed` (`blocks` or `scales`), that part of its MXFP4 form, with the source's scales where `kept` holds
+        them under `names[1]`."""
+        planned, name, part = members[0]
+        shape = expert_parts.fused_shape(part, tuple(planned.hf_shapes[name]))
+        expert = planned.placed.expert
+
+        def value() -> Any:
+            joined = expert_parts.join({part: self._value(p, n) for p, n, part in members})
+            if tuple(joined.shape) != shape:
+                raise AssertionError(f"{name}'s fused slice: got {tuple(joined.shape)}, declared {shape}")
+            return joined
+
+        def produce() -> Any:
+            import torch
+
+            out = value()
+            if packed is not None and names is not None:
+                try:  # the source's scales give its bytes back; trained weights need their own
+                    blocks, scales = mxfp4_quantize(out.T, _kept_scales(kept, names[1], expert))
+                except ValueError:
+                    blocks, scales = mxfp4_quantize(out.T)
+                out = blocks if packed == "blocks" else scales
+            return out.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+        if packed is None:
+            return Produced(_nbytes(shape, self.dtype_of(planned)), produce)
+        rows, groups = shape[1], shape[0] // MXFP4_BLOCK
+        return Produced(rows * groups * (MXFP4_BLOCK // 2 if packed == "blocks" else 1), produce)
+
+
+def _kept_scales(kept: Path | None, name: str, expert: int | None) -> Any:
+    """One expert's slice of the source's MXFP4 scales `name`, where the HF assets kept them; else None."""
+    if kept is None or expert is None or not kept.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(kept), framework="pt") as handle:
+        if name not in handle.keys():  # noqa: SIM118 (safe_open has no __contains__)
+            return None
+        return handle.get_slice(name)[expert : expert + 1][0]
+
+
+def _packed_specs(
+    specs: dict[str, tuple[tuple[int, ...], dtypes.DType]], fused: dict[str, list[list[Member]]]
+) -> dict[str, tuple[str, str]]:
+    """The fused tensors written as MXFP4 (those of 2-D expert slices: the weights, not the biases) -> their
+    blocks and scales names."""
+    return {name: (name + "_blocks", name + "_scales") for name in fused if len(specs[name][0]) == 3}
 
 
 RawChunk = tuple[tuple[int, ...], tuple[int, ...], Path, int]

@@ -46,6 +46,8 @@ from hf_mcore_bridge.convert.input_checks import check_floating, check_hf_shapes
 from hf_mcore_bridge.convert.layout import Layout, validate_layout
 from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_entries
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
+from hf_mcore_bridge.convert.mxfp4_checkpoint import SCALES_FILE as MXFP4_SCALES_FILE
+from hf_mcore_bridge.convert.mxfp4_checkpoint import Mxfp4Checkpoint
 from hf_mcore_bridge.convert.placement import extra_state_module, placement
 from hf_mcore_bridge.convert.wrapped import keep_carried
 from hf_mcore_bridge.models.config_errors import ConfigError
@@ -358,9 +360,11 @@ def convert_hf_to_mcore(
         wrapped_note = keep_carried(hf, staging / HF_ASSETS_DIR)  # a vision-language class: the rest, for export
         if isinstance(hf, Fp8Checkpoint):  # what `--to hf --fp8-blockwise` needs to give the scales back
             hf.save_scales(staging / HF_ASSETS_DIR / SCALES_FILE)
+        if isinstance(hf, Mxfp4Checkpoint):  # what `--to hf --mxfp4` needs to give the same bytes back
+            hf.save_scales(staging / HF_ASSETS_DIR / MXFP4_SCALES_FILE)
     bytes_written = sum(math.prod(c.sizes) * c.dtype.itemsize for c in chunks)
     seconds = time.perf_counter() - started
 
-    fp8_note = hf.note() if isinstance(hf, Fp8Checkpoint) else None
+    fp8_note = hf.note() if isinstance(hf, Fp8Checkpoint | Mxfp4Checkpoint) else None
     notes = tuple(n for n in (wrapped_note, fp8_note, mtp.note, note, contract.note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

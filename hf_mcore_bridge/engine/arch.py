@@ -88,6 +88,10 @@ def require_runnable(spec: ModelSpec) -> None:
         raise NotImplementedError(f"hidden_act={spec.hidden_act!r}: only 'silu' is implemented")
     if spec.mlp_bias:
         raise NotImplementedError("mlp_bias=True is not implemented")
+    if spec.attention_sinks:
+        raise NotImplementedError("attention sinks (self_attn.sinks) are not implemented")
+    if spec.moe is not None and spec.moe.router_bias:
+        raise NotImplementedError("a biased router (mlp.router.bias) is not implemented")
     unknown = sorted(set(spec.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
     if unknown:
         raise NotImplementedError(f"layer_types {unknown}: only full and sliding attention layers are implemented")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.convert.config_bridge import gpt_model_kwargs, transformer_config_kwargs
+from hf_mcore_bridge.convert.config_bridge import gpt_model_kwargs, transformer_config_kwargs, yarn_config_attributes
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, LOCAL_SPEC_MOE_NORM, MOE_PRE_MLP_NORM
 from hf_mcore_bridge.convert.transformer_impl import check_transformer_impl
@@ -137,6 +137,8 @@ def gpt_model(
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     spec = layer_spec(model, config, vp_stage=vp_stage, core_attention=core_attention)
+    for name, value in yarn_config_attributes(model).items():
+        setattr(config, name, value)
     extra: dict[str, Any] = {}
     if getattr(config, "mtp_num_layers", None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

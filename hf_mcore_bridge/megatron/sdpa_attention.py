@@ -36,8 +36,14 @@ At `context_parallel_size` > 1 both layouts go through `context_parallel.cp_atte
 all-gathered over the CP group, each local query masked at its global position); attention dropout is refused
 there.
 
-Assumes no attention bias and no learnable softmax offset (as the local spec does); attention dropout, which
-neither `varlen_attn` nor `flex_attention` implements, sends packed rows through the dense path.
+Attention sinks (`softmax_type="learnable"`: a logit per query head in every softmax denominator, megatron-core's
+`softmax_offset`, GPT-OSS's `sinks`) and sliding windows (`window_size` on the layers `window_attn_skip_freq`
+marks) are computed explicitly (`explicit_attention`: scores, mask, softmax with the sink, values), as
+megatron-core's own `DotProductAttention` does, unpacked or packed; torch's fused kernels take neither. Both are
+refused under context parallelism (its attention knows neither).
+
+Assumes no attention bias; attention dropout, which neither `varlen_attn` nor `flex_attention` implements, sends
+packed rows through the dense path.
 """
 
 from __future__ import annotations
@@ -283,6 +289,41 @@ def _sdpa(
     )
 
 
+def window_band(queries: int, keys: int, left: int, device: torch.device) -> torch.Tensor:
+    """`[queries, keys]` boolean, True where key j is at most `left` positions before query i and not after it
+    (the last query is the last key: megatron-core's `window_size=(left, 0)`)."""
+    offset = keys - queries
+    distance = torch.arange(queries, device=device)[:, None] + offset - torch.arange(keys, device=device)[None, :]
+    return (distance >= 0) & (distance <= left)
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention on `[b, heads, s, d]` queries and `[b, groups, s, d]` keys/values where `allowed` (broadcast to
+    `[b, heads, s, s]`); `sinks` `[heads]`: a logit per head joining each softmax denominator with no value
+    (transformers' GPT-OSS `eager_attention_forward`, megatron-core's `SoftmaxOne`). Softmax in float32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = F.dropout(probs, p=dropout) if dropout else probs
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 class SDPAttention(MegatronModule):
     """megatron-core `core_attention` computed by torch's fused attention (SDPA; `flex_attention` when packed)."""
 
@@ -315,6 +356,48 @@ class SDPAttention(MegatronModule):
         # multi-latent attention passes its query/key and value head widths (they differ) and its own scale
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window: int | None = config.window_size[0] if windowed and config.window_size is not None else None
+        if windowed and config.window_size is not None and config.window_size[1] != 0:
+            raise ValueError(f"window_size={config.window_size}: only causal windows (right 0) are supported")
+        self.tp_group: Any = None
+        self.softmax_offset: torch.Tensor | None = None
+        if config.softmax_type == "learnable":
+            self._add_softmax_offset(config, pg_collection)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPAttention")
+
+    def _add_softmax_offset(self, config: TransformerConfig, pg_collection: object | None) -> None:
+        """The sinks of this rank's heads, a parameter split with the heads over tensor parallelism."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.tp_group = _tp_group(pg_collection)
+        heads = config.num_attention_heads // self.tp_group.size()
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=config.params_dtype))
+        if config.perform_initialization:
+            config.init_method(offset)
+        set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)
+        self.softmax_offset = offset
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """The sinks, split over tensor parallelism along the heads (megatron-core's `DotProductAttention`'s)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if self.softmax_offset is None:
+            return {}
+        state = self.state_dict(prefix="", keep_vars=True)
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp
+        )
+
+    @property
+    def explicit(self) -> bool:
+        """Sinks or a window: attention computed by `explicit_attention`."""
+        return self.softmax_offset is not None or self.window is not None
 
     def forward(
         self,
@@ -330,7 +413,14 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not take an attention bias")
         dropout = self.dropout if self.training else 0.0
         if self.cp_group is not None:
+            if self.explicit:
+                raise ValueError(
+                    "attention sinks and sliding windows (softmax_type, window_size) are not implemented under "
+                    "context parallelism"
+                )
             return self._context_parallel(query, key, value, attention_mask, dropout, packed_seq_params)
+        if self.explicit:
+            return self._explicit(query, key, value, attention_mask, dropout, packed_seq_params)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = cu_seqlens_on(packed_seq_params.cu_seqlens_q, query.device)
             out = packed_attention(
@@ -352,6 +442,35 @@ class SDPAttention(MegatronModule):
         out = _sdpa(q, k, v, allowed, causal=causal, scale=self.softmax_scale, dropout=dropout)
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _explicit(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float,
+        packed_seq_params: PackedSeqParams | None,
+    ) -> torch.Tensor:
+        """Attention with sinks and/or the window: each packed sequence, or each row, causally (or by the given
+        mask), the window cutting the keys further back than `window` positions."""
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed:  # [t, heads, d] -> [1, heads, t, d]
+            cu_seqlens = cu_seqlens_on(packed_seq_params.cu_seqlens_q, query.device)
+            q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            allowed = block_causal_mask(cu_seqlens, query.shape[0], query.device)
+        else:  # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            if attention_mask is None:
+                allowed = window_band(q.shape[2], k.shape[2], k.shape[2], query.device)
+            else:
+                allowed = ~attention_mask
+        if self.window is not None:
+            allowed = allowed & window_band(q.shape[2], k.shape[2], self.window, query.device)
+        out = explicit_attention(q, k, v, allowed, scale=self.softmax_scale, sinks=self.softmax_offset, dropout=dropout)
+        if packed:
+            return out.squeeze(0).permute(1, 0, 2).reshape(query.shape[0], -1)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _context_parallel(
         self,
@@ -383,6 +502,16 @@ class SDPAttention(MegatronModule):
         cu_seqlens = torch.tensor([0, query.shape[0] * cp])
         out = cp_attention(query, key, value, self.cp_group, cu_seqlens, scale=self.softmax_scale)
         return out.reshape(query.shape[0], query.shape[1], -1)
+
+
+def _tp_group(pg_collection: object | None) -> Any:
+    """The tensor-parallel group: the collection's, else megatron-core's global one."""
+    tp = getattr(pg_collection, "tp", None)
+    if tp is not None:
+        return tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def use_sdpa(spec: object) -> object:

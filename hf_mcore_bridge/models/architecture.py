@@ -51,6 +51,9 @@ class Architecture:
     qk_norm: Switch = False
     """RMSNorm on each head of q and k (megatron `qk_layernorm`), as in Qwen3; GLM-4.5 switches it with
     `use_qk_norm`."""
+    attention_sinks: bool = False
+    """A learnable logit per query head joins every softmax denominator and takes no value (GPT-OSS's
+    `self_attn.sinks`; megatron-core's `softmax_type='learnable'`, its `core_attention.softmax_offset`)."""
     sliding_window_switch: str | None = None
     """The config field that switches sliding-window attention on (Qwen's `use_sliding_window`); None: a set
     `sliding_window` is on (Mistral)."""
@@ -76,11 +79,15 @@ class Architecture:
     latent_norm_eps: float | None = None
     """Multi-latent attention: the epsilon transformers' model gives the query and key/value latents' RMSNorms
     (`q_a_layernorm`, `kv_a_layernorm`) whatever the config says (DeepSeek-V3: 1e-6); None: `rms_norm_eps`."""
+    fused_checkpoint: bool = False
+    """The HF checkpoint itself stores the experts fused (`fused_experts`' fused names, GPT-OSS's published
+    weights): export writes them so, one expert's slice at a time; otherwise export writes the per-expert names."""
     fused_experts: Mapping[str, tuple[str, str]] | None = None
     """transformers 5's in-memory names, where they differ from the checkpoint's: per-expert name template ->
-    (fused `[num_experts, ...]` tensor template, part: `gate` / `up` half of dim 1, or `all`; Mixtral's router
-    renamed whole). Conversion and the engine read either layout; export writes the checkpoint's names. The engine's
-    stacked expert parameters carry the fused names."""
+    (fused `[num_experts, ...]` tensor template, part: `gate` / `up` half of dim 1, `all` (Mixtral's router
+    renamed whole), or another of `checkpoint.expert_parts.PARTS`). Conversion and the engine read either
+    layout; export writes the checkpoint's names (`fused_checkpoint`). The engine's stacked expert parameters
+    carry the fused names."""
     mtp_copies: Mapping[str, str] | None = None
     """A multi-token-prediction layer's own copies of model tensors that megatron-core's MTP shares: HF name
     template (with `{layer}`) -> the HF name of the shared tensor (`embed_tokens` and `shared_head.head` of

@@ -58,6 +58,8 @@ class Feature(enum.Enum):
     """RMSNorm on each head of q and k (megatron `qk_layernorm`)."""
     QKV_BIAS = "q/k/v bias"
     """Biases on the q, k and v projections (megatron `add_qkv_bias`)."""
+    O_BIAS = "output projection bias"
+    """A bias on the attention's output projection (megatron-core's `linear_proj.bias`, with `add_bias_linear`)."""
     Q_LORA = "low-rank query"
     """Multi-latent attention with a low-rank query (`q_lora_rank` set): query down/up projections and norm."""
     FULL_RANK_Q = "full-rank query"
@@ -71,6 +73,7 @@ class Size(enum.Enum):
     Q = "query heads * head_dim"
     KV = "key/value heads * head_dim"
     HEAD_DIM = "head_dim"
+    HEADS = "query heads"
     FFN = "dense MLP width"
     EXPERT_FFN = "routed expert MLP width"
     SHARED_FFN = "shared expert MLP width"
@@ -264,13 +267,16 @@ class FusedGateUp:
     untied_only: bool = False
     layers: LayerKind = LayerKind.ALL
     requires: Feature | None = None
+    bias: bool = False
+    """`linear_fc1`'s bias `cat(gate_bias, up_bias)`, of shape (2 * width,) (GPT-OSS's biased experts)."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
         return (self.gate, self.up)
 
     def hf_expected(self) -> dict[str, Shape]:
-        return {self.gate: (self.width, Size.HIDDEN), self.up: (self.width, Size.HIDDEN)}
+        shape = (self.width,) if self.bias else (self.width, Size.HIDDEN)
+        return {self.gate: shape, self.up: shape}
 
     def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
         gate, up = shapes[self.gate], shapes[self.up]

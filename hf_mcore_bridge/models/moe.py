@@ -58,15 +58,18 @@ class MoeSpec:
     """HF `router_jitter_noise` (Mixtral): multiplicative noise on the router's input, in training only."""
     expert_mlp_bias: bool = False
     """Each routed expert's gate/up and down projections have a bias (GPT-OSS's `gate_up_proj_bias` [E, 2F] and
-    `down_proj_bias` [E, H]), added before the activation and before the routing weight respectively. No
-    registered architecture sets it yet (GPT-OSS comes later): the engine's experts compute it, conversion refuses
-    it."""
+    `down_proj_bias` [E, H]), added before the activation and before the routing weight respectively
+    (megatron-core: `add_bias_linear`)."""
     swiglu_limit: float | None = None
     """The experts' clamped gated activation (GPT-OSS's `swiglu_limit`): (clamp(up, -l, l) + 1) * g *
-    sigmoid(`swiglu_alpha` * g) with g = min(gate, l); None: silu(gate) * up. Set by no registered architecture
-    yet; the engine computes it, conversion refuses it."""
+    sigmoid(`swiglu_alpha` * g) with g = min(gate, l); None: silu(gate) * up (megatron-core: `quick_gelu` with
+    `activation_func_clamp_value` l and `glu_linear_offset` 1)."""
     swiglu_alpha: float = 1.702
     """The sigmoid's slope in the clamped activation (GPT-OSS's `swiglu_alpha`); unused without `swiglu_limit`."""
+
+    router_bias: bool = False
+    """The router's logits have a bias (GPT-OSS's `mlp.router.bias` [E]); megatron-core's router has one exactly
+    with `add_bias_linear`."""
 
     @property
     def pre_softmax(self) -> bool:

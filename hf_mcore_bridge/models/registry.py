@@ -17,6 +17,7 @@ from hf_mcore_bridge.mappings import (
     deepseek_v3,
     glm4_moe,
     glm4_moe_lite,
+    gpt_oss,
     kimi_k25,
     llama,
     mistral,
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Architecture] = {
         glm4_moe.ARCHITECTURE,
         deepseek_v3.ARCHITECTURE,
         glm4_moe_lite.ARCHITECTURE,
+        gpt_oss.ARCHITECTURE,
     )
 }
 

@@ -164,6 +164,9 @@ class ModelSpec:
     sliding_window: int | None = None
     """The attention window, where the config switches one on (`Architecture.sliding_window_switch`, else a set
     `sliding_window`); None: every layer attends to every earlier position."""
+    attention_sinks: bool = False
+    """A learnable logit per query head in every softmax denominator (`Architecture.attention_sinks`: GPT-OSS's
+    `self_attn.sinks`)."""
     layer_types: tuple[str, ...] = ()
     """Per decoder layer, its attention (`full_attention`, `sliding_attention`, ... as transformers-5 configs list
     them); all `full_attention` where the config lists none."""
@@ -188,7 +191,7 @@ class ModelSpec:
             return self.mla is not None and self.mla.q_lora_rank is not None
         if feature is Feature.FULL_RANK_Q:
             return self.mla is not None and self.mla.q_lora_rank is None
-        return {Feature.QK_NORM: self.qk_norm, Feature.QKV_BIAS: self.qkv_bias}[feature]
+        return {Feature.QK_NORM: self.qk_norm, Feature.QKV_BIAS: self.qkv_bias, Feature.O_BIAS: self.o_bias}[feature]
 
     def table(self) -> tuple[Entry, ...]:
         """The architecture's table entries this model has: without a tied output layer and without the optional
@@ -255,6 +258,7 @@ class ModelSpec:
             Size.Q: heads * self.head_dim,
             Size.KV: self.num_query_groups * self.head_dim,
             Size.HEAD_DIM: self.head_dim,
+            Size.HEADS: heads,
             Size.FFN: self.ffn_hidden_size,
             Size.EXPERT_FFN: moe.ffn_hidden_size if moe else None,
             Size.SHARED_FFN: moe.shared_expert_size if moe else None,
@@ -323,6 +327,7 @@ class ModelSpec:
             mlp_bias=bool(hf.get("mlp_bias") or False),
             hidden_act=str(hf.get("hidden_act", "silu")),
             sliding_window=_sliding_window(arch, hf),
+            attention_sinks=arch.attention_sinks,
             layer_types=_layer_types(hf, num_layers),
             torch_dtype=str(dtype) if dtype is not None else None,
             moe=arch.moe_from_hf(hf, num_layers) if arch.moe_from_hf else None,

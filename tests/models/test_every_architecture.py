@@ -27,11 +27,14 @@ from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
+from hf_mcore_bridge.engine.arch import require_runnable
 from hf_mcore_bridge.models.registry import REGISTRY
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 NAMES = sorted(REGISTRY)
+ENGINE_PENDING = {"GptOssForCausalLM": "sinks"}
+"""Architectures whose new mechanism the engine does not compute yet: what `require_runnable` refuses them for."""
 
 
 def _transformers_config(name: str) -> object:
@@ -71,6 +74,10 @@ def _reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[
 @pytest.mark.parametrize("name", NAMES)
 def test_the_engine_runs_transformers_weights_as_transformers_does(name: str) -> None:
     torch.manual_seed(0)
+    if name in ENGINE_PENDING:  # refused by name until the engine's decoder computes it
+        with pytest.raises(NotImplementedError, match=ENGINE_PENDING[name]):
+            require_runnable(ModelSpec.from_hf(tiny_config(name)))
+        return
     model = AutoModelForCausalLM.from_config(_transformers_config(name), dtype=torch.float32).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -89,7 +96,9 @@ def test_the_engine_runs_transformers_weights_as_transformers_does(name: str) ->
 @pytest.mark.parametrize("name", NAMES)
 def test_conversion_round_trip_is_bit_exact(name: str, tmp_path: Path) -> None:
     hf_dir = build_tiny_model(tmp_path / "hf", name, seed=5)
-    layout = Layout(tp=2, pp=2, ep=2 if REGISTRY[name].is_moe else 1)
+    biased = ModelSpec.from_hf(tiny_config(name)).moe
+    etp = 1 if biased is not None and biased.expert_mlp_bias else None  # megatron-core: biased experts at ETP 1
+    layout = Layout(tp=2, pp=2, ep=2 if REGISTRY[name].is_moe else 1, etp=etp)
     convert_hf_to_mcore(hf_dir, tmp_path / "mcore", layout=layout, show_progress=False)
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", show_progress=False)
     assert_same_weights(hf_dir, tmp_path / "back")

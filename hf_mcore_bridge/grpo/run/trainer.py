@@ -203,6 +203,13 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
             "policy.megatron_cfg.sequence_parallel must be true for a mixture-of-experts policy at"
             " tensor_model_parallel_size > 1 (megatron-core trains MoE layers under TP only with it)"
         )
+    if model_cfg.moe is not None and model_cfg.moe.expert_mlp_bias and layout.tp > 1 and layout.ep == 1:
+        raise GRPOConfigError(
+            "policy.megatron_cfg.expert_model_parallel_size=1 at tensor_model_parallel_size > 1 is refused for biased"
+            " experts: megatron-core's expert layers then go through the sequence-parallel reduce-scatter of a"
+            " one-rank expert group and add their bias in place on its output (an autograd error); use"
+            " expert_model_parallel_size >= 2"
+        )
     assets = hf_dir or hf_assets_dir(root, checkpoint_dir)
     if assets is not None and (assets / "config.json").exists():
         hf_config = json.loads((assets / "config.json").read_text())

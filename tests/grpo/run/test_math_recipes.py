@@ -14,6 +14,7 @@ RECIPES = {
     "grpo_math_llama3.1_8b_instruct.yaml": "gsm8k",
     "grpo_math_qwen3_8b.yaml": "math",
     "grpo_math_qwen3_30b_a3b.yaml": "openmathinstruct2",
+    "grpo_math_gpt_oss_20b.yaml": "openmathinstruct2",
 }
 
 

@@ -11,13 +11,14 @@ megatron-core's MTP (`mtp.layers.{i}`: `enorm`, `hnorm`, `eh_proj`, a MoE decode
 copies of the embedding and output layer, which megatron-core shares, must equal the model's (`convert.mtp`).
 
 transformers' model hard-codes what some config fields seem to choose: the latent norms' epsilon is 1e-6 whatever
-`rms_norm_eps` says (`latent_norm_eps`; conversion refuses a different `rms_norm_eps`, since megatron-core's
-latent norms use it), the router is sigmoid `noaux_tc` (`sigmoid_router` refuses another `scoring_func` or
-`topk_method`), and the MoE layers are those from `first_k_dense_replace` on (another `moe_layer_freq` is
-refused). Kimi-K2 is this architecture (`model_type` `kimi_k2`, which transformers reads as `deepseek_v3`); its
-published config uses no field this path refuses, Kimi-K2.5's language model two (`rms_norm_eps: 1e-5`, int4
-experts: `tests/convert/test_kimi.py`). `attention_bias` would bias `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`:
-neither conversion nor the engine has them. The correction bias is float32 on both sides (`expert_score_bias`).
+`rms_norm_eps` says (`latent_norm_eps`; the project's megatron-core models build them so, `megatron.latent_norm`,
+where Megatron-LM's own layer spec would use `rms_norm_eps`: conversion notes a difference), the router is sigmoid
+`noaux_tc` (`sigmoid_router` refuses another `scoring_func` or `topk_method`), and the MoE layers are those from
+`first_k_dense_replace` on (another `moe_layer_freq` is refused). Kimi-K2 is this architecture (`model_type`
+`kimi_k2`, which transformers reads as `deepseek_v3`); its published config uses no field this path refuses,
+Kimi-K2.5's language model one (int4 experts; its `rms_norm_eps: 1e-5` converts with the note:
+`tests/convert/test_kimi.py`). `attention_bias` would bias `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`: neither
+conversion nor the engine has them. The correction bias is float32 on both sides (`expert_score_bias`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ What differs from both, read as transformers' model runs it:
   model never reads `first_k_dense_replace`, which published configs also carry: one that disagrees with the
   layer types is refused rather than silently ignored.
 - The latent norms' epsilon is 1e-6 whatever `rms_norm_eps` says (`latent_norm_eps`). GLM-4.7-Flash's own
-  `rms_norm_eps` is 1e-5, so megatron-core, whose latent norms use `rms_norm_eps`, cannot represent it
-  (`convert.config_bridge` refuses it by name); the engine runs it as transformers does.
+  `rms_norm_eps` is 1e-5: the project's megatron-core models build the latent norms at 1e-6 (`megatron.latent_norm`;
+  Megatron-LM's own layer spec would use 1e-5, which conversion notes), and the engine runs them as transformers.
 - transformers' config class gives absent fields GLM-4.7-Flash's values (`hf_absent`): routed scaling 1.8, one
   shared expert, no groups, `rms_norm_eps` 1e-5, the published latent sizes.
 """
@@ -165,7 +165,7 @@ ARCHITECTURE = Architecture(
     mtp_copies=MTP_COPIES,
     latent_norm_eps=LATENT_NORM_EPS,
     tiny={
-        "rms_norm_eps": LATENT_NORM_EPS,  # GLM-4.7-Flash's 1e-5 megatron-core cannot represent (see above)
+        "rms_norm_eps": 1e-5,  # GLM-4.7-Flash's: the latent norms' 1e-6 differs (see above)
         "num_hidden_layers": 4,
         "num_key_value_heads": 8,
         "q_lora_rank": 32,

@@ -146,3 +146,19 @@ def tiny_moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         name: build_tiny_model(root / name, arch, seed=20 + i, **overrides)
         for i, (name, (arch, overrides)) in enumerate(MOE_VARIANTS.items())
     }
+
+
+SMALL_LATENTS = (("q_a_proj.weight", "kv_a_proj_with_mqa.weight"), 0.1)
+"""The down-projections into multi-latent attention's latents, and the factor that makes the latents small enough
+for their norms' epsilon (1e-6 in transformers, `rms_norm_eps` 1e-5 in megatron-core's own specs) to move the
+logits by far more than the parity tolerance."""
+
+
+@pytest.fixture(scope="session")
+def small_latent_glm(tiny_moe_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GLM-4.7-Flash (`rms_norm_eps` 1e-5, as published) with its latent down-projections scaled down."""
+    from hf_weights import scaled_copy
+
+    suffixes, factor = SMALL_LATENTS
+    directory = tmp_path_factory.mktemp("small-latents") / "glm4_moe_lite"
+    return scaled_copy(tiny_moe_models["glm4_moe_lite"], directory, suffixes, factor)

@@ -50,7 +50,8 @@ class AutoBridge:
         self.model_config = model_config
         """The architecture-neutral description every megatron-core object here is built from."""
         self.notes = notes
-        """What reading the checkpoint changed, one line each (FP8 weights dequantized, MTP layers left out)."""
+        """What reading the checkpoint changed, one line each (FP8 weights dequantized, MTP layers left out), or
+        where the models built here differ from Megatron-LM's own (latent norms' epsilon)."""
 
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str | os.PathLike[str], *, revision: str | None = None) -> AutoBridge:
@@ -72,7 +73,8 @@ class AutoBridge:
                 f"{hf.wrapper_config['architectures'][0]}: its language model ({hf.architecture}) is bridged; "
                 "save_hf writes the language model alone (`convert` keeps the whole class)"
             )
-        notes = tuple(note for note in (wrapped, fp8, mtp.note) if note)
+        latent = config_bridge.latent_norm_note(model)
+        notes = tuple(note for note in (wrapped, fp8, mtp.note, latent) if note)
         return cls(directory, dict(hf.config), mtp.model, notes)
 
     @property

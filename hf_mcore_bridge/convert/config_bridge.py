@@ -18,8 +18,10 @@ Multi-latent attention (a config with `kv_lora_rank`, DeepSeek-V2/V3 style) is a
 an architecture name: its dimensions go to megatron-core's `MLATransformerConfig`, with plain RoPE or DeepSeek's
 YaRN (`rope_type: yarn` with `factor`, `original_max_position_embeddings`, `beta_fast`/`beta_slow`, `mscale` and
 `mscale_all_dim`, which megatron-core's `YarnRotaryEmbedding` computes as HF does). YaRN options HF has and
-megatron-core lacks (`attention_factor`, `truncate: false`, `mscale_all_dim` without `mscale`) are refused, and so
-are latent norms whose epsilon transformers fixes otherwise than `rms_norm_eps` (megatron-core's use it).
+megatron-core lacks (`attention_factor`, `truncate: false`, `mscale_all_dim` without `mscale`) are refused. The
+latent norms, whose epsilon transformers fixes whatever `rms_norm_eps` says (`ModelSpec.latent_norm_eps`), are built
+at that epsilon by the project's layer spec (`megatron.latent_norm`) where megatron-core's own would use
+`rms_norm_eps`; conversion says so in a note (`latent_norm_note`).
 
 Training-time behaviour that an HF config implies but that would change a trainer's objective is off here and
 left to the trainer to switch on: the auxiliary load-balancing loss (`moe_aux_loss_coeff` 0) and the updates of
@@ -175,15 +177,23 @@ def _require_yarn(rope: RopeSpec) -> None:
 
 
 def _require_mla(spec: ModelSpec) -> None:
-    """megatron-core's MLA rotates every rotary dim, and gives its latent norms `rms_norm_eps`."""
+    """megatron-core's MLA rotates every rotary dim. (Its latent norms' epsilon, `rms_norm_eps` in megatron-core's
+    own specs, is the project's layer spec's business: `latent_norm_note`.)"""
     if spec.rope.partial_rotary_factor != 1.0:
         raise _unrepresentable(f"partial_rotary_factor={spec.rope.partial_rotary_factor:g}", "megatron-core's MLA")
-    if spec.latent_norm_eps != spec.norm_epsilon:
-        raise ConfigError(
-            f"config field rms_norm_eps={spec.norm_epsilon!r} cannot be represented in megatron-core's MLA: HF's "
-            f"q_a_layernorm and kv_a_layernorm use {spec.latent_norm_eps:g} whatever rms_norm_eps, megatron-core "
-            "uses rms_norm_eps"
-        )
+
+
+def latent_norm_note(spec: ModelSpec) -> str | None:
+    """The one-line notice for a multi-latent model whose latent norms' epsilon is not `rms_norm_eps`: the
+    project's megatron-core models build them at transformers' epsilon (`megatron.latent_norm`), Megatron-LM's own
+    layer spec would not. None where the two agree."""
+    if spec.mla is None or spec.latent_norm_eps == spec.norm_epsilon:
+        return None
+    return (
+        f"the latent norms (q_a_layernorm, kv_a_layernorm) use epsilon {spec.latent_norm_eps:g} as transformers "
+        f"does, not rms_norm_eps={spec.norm_epsilon:g}: this project's megatron-core models build them so; "
+        "Megatron-LM's own layer spec would use rms_norm_eps for those two norms"
+    )
 
 
 def _require_router(moe: MoeSpec) -> None:

@@ -366,5 +366,6 @@ def convert_hf_to_mcore(
     seconds = time.perf_counter() - started
 
     fp8_note = hf.note() if isinstance(hf, Fp8Checkpoint | Mxfp4Checkpoint) else None
-    notes = tuple(n for n in (wrapped_note, fp8_note, mtp.note, note, contract.note) if n)
+    latent_note = config_bridge.latent_norm_note(model)
+    notes = tuple(n for n in (wrapped_note, fp8_note, mtp.note, latent_note, note, contract.note) if n)
     return ConversionResult(destination, model, layout, len(chunks), bytes_written, seconds, notes)

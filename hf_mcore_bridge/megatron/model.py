@@ -64,13 +64,14 @@ def build_gpt_model(
 def layer_spec(model: ModelSpec, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
     """The layer spec of `config.transformer_impl` (`transformer_impl`): Transformer Engine's, or the local spec
     with SDPA core attention (unless `core_attention="local"`, megatron-core's unfused attention) and norms that
-    take sequence parallelism where the config asks for it (`sequence_parallel_norm`)."""
+    take sequence parallelism where the config asks for it (`sequence_parallel_norm`); either way with
+    multi-latent attention's latent norms at the model's `latent_norm_eps` (`latent_norm`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     impl = getattr(config, "transformer_impl", "local")
     check_transformer_impl(impl)
     if impl == "transformer_engine":
-        return _transformer_engine_spec(model, config, vp_stage)
+        return _with_latent_norm_eps(model, _transformer_engine_spec(model, config, vp_stage))
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
     mla = model.mla is not None
     if model.moe is None and not sequence_parallel:
@@ -91,7 +92,17 @@ def layer_spec(model: ModelSpec, config: object, *, vp_stage: int | None = None,
         use_sdpa(spec)
     if mla:
         use_te_names_for_mla(spec)
-    return spec
+    return _with_latent_norm_eps(model, spec)
+
+
+def _with_latent_norm_eps(model: ModelSpec, spec: Any) -> Any:
+    """The spec with multi-latent attention's latent norms at transformers' epsilon where it is not
+    `rms_norm_eps` (`latent_norm`); megatron-core's own specs build them at `config.layernorm_epsilon`."""
+    if model.mla is None or model.latent_norm_eps == model.norm_epsilon:
+        return spec
+    from hf_mcore_bridge.megatron.latent_norm import use_latent_norm_eps
+
+    return use_latent_norm_eps(spec, model.latent_norm_eps)
 
 
 def use_te_names_for_mla(spec: object) -> object:

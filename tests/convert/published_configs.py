@@ -209,6 +209,6 @@ GLM_47_FLASH: dict[str, Any] = {
     "vocab_size": 154880,
 }
 """zai-org/GLM-4.7-Flash's config.json (architecture fields as released; their values are those of transformers'
-`Glm4MoeLiteConfig` defaults). Not in `PUBLISHED`: megatron-core refuses its `rms_norm_eps` (1e-5, while
-transformers' latent norms use 1e-6 whatever it says); `tests/convert/test_glm4_moe_lite.py` checks that refusal
-and the rest of the config."""
+`Glm4MoeLiteConfig` defaults). Not in `PUBLISHED` (dense models, built as a plain `TransformerConfig` there): its
+multi-latent attention, and its `rms_norm_eps` 1e-5 beside the latent norms' 1e-6 (converted with a note), are
+checked in `tests/convert/test_glm4_moe_lite.py`."""

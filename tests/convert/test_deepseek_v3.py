@@ -227,7 +227,6 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
         ({"topk_group": 2}, "topk_group"),  # groups ranked by their top 4 in megatron-core, top 2 in HF
         ({"norm_topk_prob": False}, "norm_topk_prob"),
         ({"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1}, "norm_topk_prob"),  # one expert: HF renormalises it
-        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ({"num_key_value_heads": 8}, "num_key_value_heads"),
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "truncate": False}},
@@ -243,6 +242,14 @@ def test_megatron_yarn_and_softmax_scale_equal_hf(monkeypatch):
 def test_what_megatron_core_computes_otherwise_is_refused_by_name(changes, field):
     with pytest.raises(ConfigError, match=field):
         config_bridge.megatron_spec(_with(**changes))
+
+
+def test_an_rms_norm_eps_other_than_the_latent_norms_converts_with_a_note():
+    """transformers' latent norms stay at 1e-6 (the layer spec builds them so: `megatron.latent_norm`)."""
+    model = config_bridge.megatron_spec(_with(rms_norm_eps=1e-5))
+    assert (model.norm_epsilon, model.latent_norm_eps) == (1e-5, 1e-6)
+    assert "use epsilon 1e-06 as transformers does, not rms_norm_eps=1e-05" in config_bridge.latent_norm_note(model)
+    assert config_bridge.latent_norm_note(config_bridge.megatron_spec(_with())) is None  # 1e-6: nothing to say
 
 
 def test_trivial_groups_and_one_unnormalised_expert_are_represented():

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from cli_errors import assert_one_line_error, run
+from cli_errors import run
 from hf_weights import assert_same_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -143,18 +143,20 @@ def test_kimi_k2s_published_config_is_deepseek_v3s_and_builds_megatron_cores_mla
 
 
 def test_what_the_deepseek_path_refuses_of_kimi_k25s_language_model_is_named():
-    """Kimi-K2.5's language model says `rms_norm_eps: 1e-5`, which megatron-core's latent norms would use where
-    transformers' use 1e-6, and holds int4 experts (compressed-tensors): conversion refuses both by name. The engine,
-    which keeps transformers' latent epsilon, runs the description."""
-    with pytest.raises(ConfigError, match="rms_norm_eps"):
-        config_bridge.megatron_spec(KIMI_K25)
+    """Kimi-K2.5's language model holds int4 experts (compressed-tensors): conversion refuses them by name. Its
+    `rms_norm_eps: 1e-5`, beside transformers' latent norms at 1e-6, converts with a note (the layer spec builds
+    the latent norms at 1e-6: `megatron.latent_norm`). The engine, which keeps transformers' latent epsilon, runs
+    the description."""
+    model = config_bridge.megatron_spec(KIMI_K25)
+    assert (model.norm_epsilon, model.latent_norm_eps, model.num_layers) == (1e-5, 1e-6, 61)
+    assert "use epsilon 1e-06 as transformers does, not rms_norm_eps=1e-05" in config_bridge.latent_norm_note(model)
     with pytest.raises(ConfigError, match="compressed-tensors"):
         is_fp8_config(KIMI_K25_TEXT)
     spec = read_spec(KIMI_K25)
     assert spec.architecture == "DeepseekV3ForCausalLM" and spec.norm_epsilon == 1e-5
     assert spec.rope.rope_type == "yarn" and spec.max_position_embeddings == 262144
-    refused = {"rms_norm_eps", "quantization_config"}  # nothing else: without them, it converts
-    text = {k: v for k, v in KIMI_K25_TEXT.items() if k not in refused} | {"rms_norm_eps": 1e-6}
+    refused = {"quantization_config"}  # nothing else: without it, it converts
+    text = {k: v for k, v in KIMI_K25_TEXT.items() if k not in refused}
     assert config_bridge.megatron_spec({**KIMI_K25, "text_config": text}).num_layers == 61
 
 
@@ -186,13 +188,18 @@ def test_a_kimi_k2_checkpoint_converts_exports_and_runs_as_deepseek_v3(kimi_k2, 
     assert sample.logprobs == pytest.approx(expected, abs=1e-5)
 
 
-def test_a_kimi_k25_conversion_is_refused_in_one_line_naming_the_field(tmp_path):
-    """The tiny Kimi-K2.5 of `test_vision_language` with K2.5's `rms_norm_eps`: refused before anything is read."""
+def test_a_kimi_k25_with_its_rms_norm_eps_converts_with_one_line_notes(tmp_path):
+    """The tiny Kimi-K2.5 of `test_vision_language` with K2.5's `rms_norm_eps`: converted, with the wrapper's
+    notice and the latent norms' one line each; export gives the whole class back, its epsilon kept."""
     from test_vision_language import _kimi_k25
 
     model = _kimi_k25()
     model.config.text_config.rms_norm_eps = KIMI_K25_TEXT["rms_norm_eps"]
     model.save_pretrained(tmp_path / "hf")
     result = run("convert", "--to", "mcore", tmp_path / "hf", tmp_path / "out", "--no-progress")
-    assert_one_line_error(result, "rms_norm_eps")
-    assert not (tmp_path / "out").exists()
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.output.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2 and "Kimi_K25ForConditionalGeneration: its language model" in notes[0]
+    assert "not rms_norm_eps=1e-05" in notes[1] and "Megatron-LM's own layer spec would use rms_norm_eps" in notes[1]
+    convert_mcore_to_hf(tmp_path / "out", tmp_path / "back", show_progress=False)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["text_config"]["rms_norm_eps"] == 1e-5

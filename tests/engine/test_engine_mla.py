@@ -3,7 +3,7 @@
 The tiny models of `tests/tiny_variants.py`: DeepSeek-V3's (low-rank query, YaRN, interleaved RoPE pairs, 4 groups of 4
 experts) and Moonlight's (full-rank query, plain rotate-half RoPE, no groups); GLM-4.7-Flash's (plain RoPE, GLM's
 router and shared expert, dense layers between MoE ones), built with its published `rms_norm_eps` 1e-5 beside the
-latent norms' fixed 1e-6, which megatron-core cannot represent and the engine must. Checked: greedy tokens identical to
+latent norms' fixed 1e-6, which the engine must keep apart. Checked: greedy tokens identical to
 `generate` and per-token log-probs within 1e-5 of a transformers forward pass (fp32, CPU; latents gathered or read in
 place by the Triton latent kernel, experts through the exact or the fast path), the Triton latent kernel alone against a
 dense float64 reference, prompts of different lengths in one batch, past several 4-token KV blocks; the cache holds the

@@ -3,7 +3,9 @@
 One gloo world per layout verifies all tiny models (GQA, odd vocabulary padded for TP, tied embeddings with PP>1,
 Qwen2 biases, Qwen3 q/k norms, Llama-3 RoPE scaling), and MoE models without expert parallelism in some worlds:
 GLM-4.5 and GLM-4.7-Flash at TP2 and PP2, DeepSeek-V3's multi-latent attention at TP2, PP2 and CP2 (their EP
-layouts are in `test_moe`). Also: checkpoints written by megatron-core itself.
+layouts are in `test_moe`); at TP2 also GLM-4.7-Flash with latents small enough that their norms' epsilon (1e-6,
+not its `rms_norm_eps` 1e-5) moves the logits far beyond the tolerance (`test_glm4_moe_lite` shows by how much).
+Also: checkpoints written by megatron-core itself.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ multi-latent attention has keys and values of different widths under CP; GLM-4.7
         pytest.param(n, marks=pytest.mark.extended) if n == "tp2cp2" else n for n in LAYOUTS
     ],  # CP x TP: also test_context_parallel
 )
-def test_logit_parity_through_megatron_core(layout_name, tiny_models, tiny_moe_models, tmp_path):
+def test_logit_parity_through_megatron_core(layout_name, tiny_models, tiny_moe_models, request, tmp_path):
     layout = LAYOUTS[layout_name]
     jobs = []
     models = {**tiny_models, **{name: tiny_moe_models[name] for name in MOE_HERE.get(layout_name, ())}}
+    if layout_name == "tp2pp1":  # latents small enough that their norms' epsilon shows (test_glm4_moe_lite)
+        models["small_latent_glm"] = request.getfixturevalue("small_latent_glm")
     for name, hf_dir in models.items():
         convert_hf_to_mcore(hf_dir, tmp_path / name, layout=layout, show_progress=False)
         jobs.append(VerifyJob(hf_dir, tmp_path / name))

@@ -159,7 +159,7 @@ def sdpa_rank(model_cfg: ModelSpec, layout: Layout, lengths: list[int], out: str
         sdpa.zero_grad()
         backward = backend == "dense" or torch.cuda.is_available()  # flex_attention has no CPU backward
         with torch.set_grad_enabled(backward):
-            logits, _ = _forward_step(lambda b, o: (o, {}), iter([batch]), sdpa)
+            logits, _ = _forward_step(lambda b, o: (o, {}), (), iter([batch]), sdpa)
         logprobs = logprobs_of(logits, batch.tokens)
         packed_logits = gather_from_tensor_model_parallel_region(logits.detach())[0]
         results[f"packed_{backend}"] = [packed_logits[start_of[i] : start_of[i] + n] for i, n in enumerate(lengths)]
@@ -201,7 +201,7 @@ def packed_step_sync_rank(model_cfg: ModelSpec, lengths: list[int], out: str) ->
     batch = batch.to(device())
 
     def step() -> None:
-        logits, _ = _forward_step(lambda b, o: (o, {}), iter([batch]), model)
+        logits, _ = _forward_step(lambda b, o: (o, {}), (), iter([batch]), model)
         logits.float().square().mean().backward()
 
     step()  # first use: kernels chosen, memory allocated

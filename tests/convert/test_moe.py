@@ -170,7 +170,10 @@ MTP_ATTENTION = {
 def test_glm_multi_token_prediction_layers_convert_to_megatron_cores_mtp_and_back(name, tiny_moe_models, tmp_path):
     _add_mtp_layer(tiny_moe_models[name], tmp_path / "mtp")
     result = convert_hf_to_mcore(tmp_path / "mtp", tmp_path / "m", layout=Layout(ep=2), show_progress=False)
-    assert result.model.mtp_layers == 1 and not result.notes
+    assert result.model.mtp_layers == 1
+    # GLM-4.7-Flash's tiny model has its published rms_norm_eps (1e-5): only the latent norms' note, no MTP note
+    assert [n for n in result.notes if "latent norms" not in n] == []
+    assert len(result.notes) == (name == "glm4_moe_lite")
     keys = set(DCPCheckpoint(tmp_path / "m" / "release").tensor_keys())
     layer = "mtp.layers.0.transformer_layer"
     assert {"mtp.layers.0.eh_proj.weight", f"{layer}.{MTP_ATTENTION[name]}"} <= keys

@@ -128,6 +128,11 @@ MLA_HF_FIELDS = {
     Size.MLA_V: "num_attention_heads * v_head_dim",
 }
 """The HF config fields of the multi-latent attention's dimensions (named in shape errors)."""
+HF_SIZE_FIELDS = MLA_HF_FIELDS | {
+    Size.EXPERTS: "n_routed_experts",
+    Size.SHARED_FFN: "n_shared_experts * moe_intermediate_size",
+}
+"""Those and the experts' (DeepSeek-V3's names, also GLM-4.7-Flash's)."""
 
 TABLE = (EMBEDDING, *MLA, *dense_only(DENSE_MLP), *MOE, *mtp_layer((*MLA, *MOE)), FINAL_NORM, OUTPUT)
 
@@ -189,11 +194,7 @@ ARCHITECTURE = Architecture(
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
     score_function="sigmoid",
-    hf_size_fields=MLA_HF_FIELDS
-    | {
-        Size.EXPERTS: "n_routed_experts",
-        Size.SHARED_FFN: "n_shared_experts * moe_intermediate_size",
-    },
+    hf_size_fields=HF_SIZE_FIELDS,
     mtp_copies=MTP_COPIES,
     latent_norm_eps=LATENT_NORM_EPS,
     tiny={

@@ -26,9 +26,9 @@ from typing import Any
 from hf_mcore_bridge.mappings.deepseek_v3 import (
     EMBEDDING,
     FINAL_NORM,
+    HF_SIZE_FIELDS,
     LATENT_NORM_EPS,
     MLA,
-    MLA_HF_FIELDS,
     MOE,
     OUTPUT,
 )
@@ -36,7 +36,6 @@ from hf_mcore_bridge.mappings.llama import DENSE_MLP
 from hf_mcore_bridge.mappings.qwen3_moe import FUSED_EXPERTS
 from hf_mcore_bridge.models.architecture import Architecture
 from hf_mcore_bridge.models.config_errors import ConfigError, require
-from hf_mcore_bridge.models.mapping_types import Size
 from hf_mcore_bridge.models.moe import MoeSpec, sigmoid_router, sigmoid_router_to_hf, topk
 from hf_mcore_bridge.models.moe_tables import MTP_COPIES, dense_only, mtp_layer
 
@@ -157,11 +156,7 @@ ARCHITECTURE = Architecture(
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
     score_function="sigmoid",
-    hf_size_fields=MLA_HF_FIELDS
-    | {
-        Size.EXPERTS: "n_routed_experts",
-        Size.SHARED_FFN: "n_shared_experts * moe_intermediate_size",
-    },
+    hf_size_fields=HF_SIZE_FIELDS,
     mtp_copies=MTP_COPIES,
     latent_norm_eps=LATENT_NORM_EPS,
     tiny={

@@ -639,7 +639,8 @@ EXPORT_EXAMPLES = """Examples:
 
 \b
   bridge export runs/grpo ./policy-hf
-  bridge export runs/grpo ./policy-hf --step 100 --push-to-hub my-org/my-policy --private"""
+  bridge export runs/grpo ./policy-hf --step 100 --push-to-hub my-org/my-policy --private
+  bridge export runs/grpo-lora ./policy-adapter --peft"""
 
 
 @app.command(epilog=EXPORT_EXAMPLES)
@@ -655,6 +656,12 @@ def export(
         bool,
         typer.Option(
             help="Replace any non-empty destination, even one this tool did not write (deletes its contents)."
+        ),
+    ] = False,
+    peft: Annotated[
+        bool,
+        typer.Option(
+            help="A LoRA run: write its adapters as a PEFT directory (default: the base model with them merged)."
         ),
     ] = False,
 ) -> None:
@@ -682,6 +689,7 @@ def export(
             private=private,
             overwrite=overwrite,
             overwrite_foreign=overwrite_foreign,
+            peft=peft,
         )
         typer.echo(f"wrote {result.destination}" + (f"; uploaded: {result.repo_url}" if result.repo_url else ""))
 

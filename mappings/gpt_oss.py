@@ -119,6 +119,7 @@ ARCHITECTURE = Architecture(
     moe_to_hf=moe_to_hf,
     fused_experts=FUSED_EXPERTS,
     fused_checkpoint=True,
+    round_routing_weights=True,  # transformers' softmax over the top k runs in the activations' dtype
     tiny={
         "num_hidden_layers": 4,
         "num_local_experts": 8,

@@ -20,8 +20,8 @@ exactly `--max-new-tokens` (4096) new tokens (no stop token), temperature 1. Pri
   with either sort by expert) and a few Triton tiles, beside the bound of the experts they touch (to choose
   `fused_moe`'s default tiles), and each sort by expert alone (`expert_sort`: torch ops, or one Triton kernel).
 
-`--moe-sort triton` runs the fast MoE kernels' sort by expert as one Triton kernel a layer (`EngineConfig.moe_sort`,
-opt-in until timed here; compare the run's decode step with the default `torch` run's).
+`--moe-sort` picks the fast MoE kernels' sort by expert (`EngineConfig.moe_sort`): `auto` (the engine's default: one
+Triton kernel a layer on CUDA), `triton`, or `torch` (about fifteen small torch kernels a layer, to compare).
 
 Shapes (each from its published config.json; `--layers` below the full depth where the model does not fit):
 - `qwen3-30b-a3b` (default `--layers` 48, all): Qwen3-30B-A3B, 128 experts of width 768, top-8; 61 GB in bf16.
@@ -36,7 +36,7 @@ On the GPU machine, in the project's environment (`TORCH_SPEC= EXTRAS= bash scri
     python scripts/bench_moe_generation.py glm4.5-air --json OUT/moe_glm.json
     python scripts/bench_moe_generation.py deepseek-v3 --json OUT/moe_ds.json
     python scripts/bench_moe_generation.py qwen3-30b-a3b --layers 4 --max-new-tokens 256 --sweep-tiles
-    python scripts/bench_moe_generation.py qwen3-30b-a3b --moe-sort triton --json OUT/moe_qwen3_triton_sort.json
+    python scripts/bench_moe_generation.py qwen3-30b-a3b --moe-sort torch --json OUT/moe_qwen3_torch_sort.json
 
 `--tiny --device cpu` runs the same plumbing on the architecture's tiny test shape (a smoke test; its figures mean
 nothing). A shape that does not fit the device is refused before anything is allocated.
@@ -113,7 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=4096)
     parser.add_argument("--moe-kernel", default="auto", choices=("auto", *MOE_KERNELS))
-    parser.add_argument("--moe-sort", default="torch", choices=MOE_SORTS, help="the fast kernels' sort by expert")
+    parser.add_argument(
+        "--moe-sort", default="auto", choices=("auto", *MOE_SORTS), help="the fast kernels' sort by expert"
+    )
     parser.add_argument("--decode-attention", default="auto", choices=("auto", *DECODE_KERNELS))
     parser.add_argument("--tiles", help="the Triton kernel's tile: block_m,block_n,block_k,warps,stages")
     parser.add_argument("--no-cuda-graphs", action="store_true")

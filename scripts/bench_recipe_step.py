@@ -24,6 +24,11 @@ On the GPU machine, after installing the project (offline, megatron-core from .w
     TORCH_SPEC= EXTRAS= WHEELS=.whl bash scripts/setup.sh && . .venv/bin/activate
     python scripts/bench_recipe_step.py qwen3-8b --json OUT/qwen3_8b.json           # depths 2 and 6
     python scripts/bench_recipe_step.py qwen3-30b-a3b --json OUT/qwen3_30b_a3b.json  # depths 2 and 4
+    python scripts/bench_recipe_step.py qwen3-30b-a3b --sequential-experts --layers 2 --json OUT/qwen3_30b_a3b_seq.json
+
+The trainer runs a MoE model's experts as torch grouped GEMMs on GPU (`megatron/grouped_experts.py`);
+`--sequential-experts` runs megatron-core's `SequentialMLP` loop instead, the baseline to compare the training phase
+with.
 
 `--json` is rewritten after every depth, so a run cut short keeps the depths it finished. `--smoke` runs the
 same plumbing on CPU with a tiny shape and short lengths (for the test; its figures mean nothing).
@@ -79,6 +84,8 @@ def one_gpu_config(
     megatron |= {"tensor_model_parallel_size": 1, "sequence_parallel": False}
     if "expert_model_parallel_size" in megatron:
         megatron |= {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
+    if args.sequential_experts:  # the baseline: megatron-core's SequentialMLP, one GEMM pair per local expert
+        megatron["transformer"] = {**(megatron.get("transformer") or {}), "moe_grouped_gemm": False}
     if args.recompute:
         megatron["transformer"] = {
             **(megatron.get("transformer") or {}),
@@ -136,6 +143,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's")
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation (if memory asks)")
+    parser.add_argument(
+        "--sequential-experts",
+        action="store_true",
+        help="MoE: megatron-core's SequentialMLP instead of the grouped GEMMs (moe_grouped_gemm: false), to compare",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_recipe_step"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="tiny shape, short lengths, CPU (plumbing only)")
@@ -155,9 +167,7 @@ def main() -> None:
         shape |= SMOKE_SHAPE | (SMOKE_MOE if "num_experts" in shape else {})
         args.max_new_tokens, args.prompt_tokens = args.max_new_tokens or 8, min(args.prompt_tokens, 8)
         recipe["grpo"] |= {"num_prompts_per_step": 4, "num_generations_per_prompt": 2}
-    depths = args.layers or list(default_depths)
-    if len(set(depths)) < 2:
-        parser.error("--layers needs at least two different depths to fit a per-layer cost")
+    depths = list(dict.fromkeys(args.layers or default_depths))  # one depth: its phases, no per-layer fit
     share, replicas, replica_gpus = replica_share(recipe)
     samples = share * recipe["grpo"]["num_generations_per_prompt"]
     max_new = args.max_new_tokens or recipe["generation"]["max_new_tokens"]

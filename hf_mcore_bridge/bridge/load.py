@@ -25,6 +25,7 @@ from hf_mcore_bridge.bridge.plan import EMBEDDING, Held, Ranks, build_plan, para
 from hf_mcore_bridge.checkpoint.hf_dir import HFCheckpoint
 from hf_mcore_bridge.convert.fp8_checkpoint import open_hf_checkpoint
 from hf_mcore_bridge.convert.model_plan import Placed, placed_entries
+from hf_mcore_bridge.convert.placement import part_rows
 from hf_mcore_bridge.errors import BridgeError, CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims
 from hf_mcore_bridge.models.parallel_style import Parallel
@@ -98,22 +99,44 @@ def _fill(hf: HFCheckpoint, held: Held, dims: Dims, ranks: Ranks) -> None:
             f"{', '.join(entry.hf_sources)} in {hf.path} make a {tuple(whole)} tensor, but the model's {held.name} "
             f"is {tuple(target.shape)} on each of {size} tensor-parallel ranks ({expected} in all)"
         )
-    boxes = rank_boxes(tuple(whole), entry.parallel, size, rank)
+    boxes = rank_boxes(tuple(whole), entry.parallel, size, rank, part_rows(held.placed.template.mcore, dims))
     copies = _copies(entry.mcore_rows(shapes, dims), boxes)
     columns = _columns(boxes, tuple(whole)) if entry.parallel is Parallel.ROW else None
-    spans: dict[str, tuple[int, int]] = {}
-    for copy in copies:
-        if copy.source is not None:
-            first, last = spans.get(copy.source, (copy.source_row, copy.source_row + copy.count))
-            spans[copy.source] = (min(first, copy.source_row), max(last, copy.source_row + copy.count))
-    rows = {name: _read(hf, name, span, columns) for name, span in spans.items()}
-    for copy in copies:
+    spans = _spans(copies)
+    rows = {(name, span): _read(hf, name, span, columns) for name, span in set(spans.values())}
+    for index, copy in enumerate(copies):
         local = target[copy.local_row : copy.local_row + copy.count]
         if copy.source is None:
             local.zero_()
             continue
-        start = copy.source_row - spans[copy.source][0]
-        local.copy_(rows[copy.source][start : start + copy.count])
+        name, span = spans[index]
+        start = copy.source_row - span[0]
+        local.copy_(rows[(name, span)][start : start + copy.count])
+
+
+def _spans(copies: list[_Copy]) -> dict[int, tuple[str, tuple[int, int]]]:
+    """Copy index -> (HF tensor, rows [start, stop) read for it): the rows of one tensor that this rank's copies
+    take, adjacent or overlapping ones read together, separate ones apart (a tensor megatron-core splits part by
+    part puts other ranks' rows between this rank's)."""
+    by_source: dict[str, list[int]] = {}
+    for index, copy in enumerate(copies):
+        if copy.source is not None:
+            by_source.setdefault(copy.source, []).append(index)
+    spans: dict[int, tuple[str, tuple[int, int]]] = {}
+    for name, indices in by_source.items():
+        indices.sort(key=lambda i: copies[i].source_row)
+        groups: list[tuple[list[int], int, int]] = []
+        for i in indices:
+            start, stop = copies[i].source_row, copies[i].source_row + copies[i].count
+            if groups and start <= groups[-1][2]:
+                members, first, last = groups[-1]
+                groups[-1] = ([*members, i], first, max(last, stop))
+            else:
+                groups.append(([i], start, stop))
+        for members, first, last in groups:
+            for i in members:
+                spans[i] = (name, (first, last))
+    return spans
 
 
 def _copies(runs: Iterable[RowRun], boxes: list[Box]) -> list[_Copy]:

@@ -21,10 +21,17 @@ from hf_mcore_bridge.checkpoint.names import LAYER
 from hf_mcore_bridge.models.parallel_style import Parallel
 
 
-def assemble_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
-    """The global tensor from the TP shards in rank order (pure; the inverse of megatron-core's sharding)."""
+def assemble_shards(shards: list[torch.Tensor], parallel: Parallel, parts: tuple[int, ...] = ()) -> torch.Tensor:
+    """The global tensor from the TP shards in rank order (pure; the inverse of megatron-core's sharding). `parts`:
+    the row counts of a tensor of several parts (`Parallel.COLUMN_PARTS`, each rank holding its rows of each)."""
     if parallel is Parallel.REPLICATED or (len(shards) == 1 and parallel is not Parallel.GATED_COLUMN):
         return shards[0]
+    if parallel is Parallel.COLUMN_PARTS:
+        tp = len(shards)
+        if not parts or any(rows % tp for rows in parts):
+            raise ValueError(f"parts {parts} do not split over {tp} ranks")
+        pieces = [shard.split([rows // tp for rows in parts]) for shard in shards]
+        return torch.cat([pieces[rank][part] for part in range(len(parts)) for rank in range(tp)], dim=0)
     if parallel in (Parallel.COLUMN, Parallel.VOCAB):
         return torch.cat(shards, dim=0)
     if parallel is Parallel.ROW:
@@ -47,10 +54,12 @@ def _tp_group(expert: bool) -> tuple[int, object]:
     return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_group()
 
 
-def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> torch.Tensor:
+def gather_tp(
+    local: torch.Tensor, parallel: Parallel, expert: bool = False, parts: tuple[int, ...] = ()
+) -> torch.Tensor:
     """All-gather one parameter over this rank's TP group (the expert-TP group for a routed expert's weight) and
-    assemble it (collective over that group). One `all_gather_into_tensor`; a column-parallel tensor is then a
-    view of the gathered buffer, with no further copy."""
+    assemble it (collective over that group; `parts` as `assemble_shards`). One `all_gather_into_tensor`; a
+    column-parallel tensor is then a view of the gathered buffer, with no further copy."""
     import torch.distributed as dist
 
     if not tp_gathers(parallel, expert):
@@ -60,7 +69,7 @@ def gather_tp(local: torch.Tensor, parallel: Parallel, expert: bool = False) -> 
     dist.all_gather_into_tensor(gathered, local.detach().contiguous(), group=group)
     if parallel in (Parallel.COLUMN, Parallel.VOCAB):
         return gathered
-    return assemble_shards(list(gathered.chunk(size, dim=0)), parallel)
+    return assemble_shards(list(gathered.chunk(size, dim=0)), parallel, parts)
 
 
 def tp_gathers(parallel: Parallel, expert: bool = False) -> bool:
@@ -70,10 +79,15 @@ def tp_gathers(parallel: Parallel, expert: bool = False) -> bool:
 
 def model_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A module's parameters and persistent buffers by local name: what the mapping table covers (megatron-core
-    keeps the router's `expert_bias` as a buffer)."""
+    keeps the router's `expert_bias` as a buffer). LoRA adapters (`megatron.lora`) are no table's: left out (a
+    stream of the merged weights is made inside `megatron.lora.merged`)."""
+    from hf_mcore_bridge.megatron.lora import LinearAdapters
+
     saved = set(module.state_dict())
+    adapters = {id(p) for m in module.modules() if isinstance(m, LinearAdapters) for p in m.parameters()}
     buffers = {name: buffer for name, buffer in module.named_buffers() if name in saved}
-    return {**dict(module.named_parameters()), **buffers}
+    params = {name: p for name, p in module.named_parameters() if id(p) not in adapters}
+    return {**params, **buffers}
 
 
 def table_names(module: torch.nn.Module) -> dict[str, tuple[str, int | None]]:

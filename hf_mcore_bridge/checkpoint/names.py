@@ -17,3 +17,16 @@ def fill(name: str, layer: int | None, expert: int | None = None) -> str:
     if expert is not None:
         name = name.replace(EXPERT, str(expert))
     return name
+
+
+SPLIT_TENSORS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+}
+"""The tensors megatron-core's `GatedDeltaNet.sharded_state_dict` saves in parts (`_split_tensor_factory`), under
+`<key>.<part>`, in the order its module holds them."""
+
+
+def split_tensor_parts(key: str) -> tuple[str, ...] | None:
+    """The part names a checkpoint key is saved under (`SPLIT_TENSORS`), or None."""
+    return next((parts for suffix, parts in SPLIT_TENSORS.items() if key.endswith(suffix)), None)

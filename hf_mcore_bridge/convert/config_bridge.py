@@ -6,10 +6,12 @@ back (`from_megatron_args`), and from it an HF `config.json` (`ModelSpec.to_hf`)
 
 Anything megatron-core cannot compute as transformers does is refused naming the HF config field, over the spec
 (`require_megatron_representable`; `megatron_spec` reads a config and checks it); nothing is approximated. In
-particular: RoPE must be plain, Llama-3 scaled with megatron-core's hard-coded low/high frequency factors (1, 4)
-and original length 8192, or YaRN; no biases but q/k/v ones where the table has them, or every linear layer's
-(GPT-OSS: `add_bias_linear`); SiLU, or GPT-OSS's clamped SwiGLU (`quick_gelu` with `activation_func_clamp_value` and
-`glu_linear_offset` 1); a sliding window only on the layers `layer_types` marks (`window_size`,
+particular: RoPE must be plain, linear (megatron-core's `seq_len_interpolation_factor`), Llama-3 scaled with
+megatron-core's hard-coded low/high frequency factors (1, 4) and original length 8192, or YaRN; the sliding layers'
+own RoPE (Gemma 3) plain; no biases but q/k/v ones where the table has them, or every linear layer's (GPT-OSS:
+`add_bias_linear`); SiLU, GPT-OSS's clamped SwiGLU (`quick_gelu` with `activation_func_clamp_value` and
+`glu_linear_offset` 1), or Gemma's tanh-approximated GeGLU without experts; a sliding window only on the layers
+`layer_types` marks (`window_size`,
 `window_attn_skip_freq`); sinks as `softmax_type: learnable`. Partial rotary
 embeddings (`partial_rotary_factor`, GLM-4.5) are megatron-core's `rotary_percent`: both rotate the first
 `int(head_dim * factor)` dimensions of each head in the `rotate_half` layout and pass the rest through.
@@ -44,7 +46,9 @@ from hf_mcore_bridge.models.moe import HF_GROUP_SCORE_TOPK, MoeSpec
 from hf_mcore_bridge.models.registry import with_features
 from hf_mcore_bridge.models.spec import (
     FULL_ATTENTION,
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
+    LinearAttentionSpec,
     MlaSpec,
     ModelSpec,
     RopeSpec,
@@ -58,6 +62,10 @@ MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 
 MCORE_QUICK_GELU_ALPHA = 1.702
 """The sigmoid's slope in megatron-core's `quick_gelu` (hard-coded), GPT-OSS's `swiglu_alpha`."""
+
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""The gated MLP activations megatron-core computes as transformers does (SwiGLU; GeGLU with the tanh
+approximation, Gemma's)."""
 
 PARAMS_DTYPES = (dtypes.FLOAT32, dtypes.BFLOAT16, dtypes.FLOAT16)
 """The dtypes a model's parameters are held in (`--dtype`'s choices, `dtypes.FLAGS`)."""
@@ -98,8 +106,13 @@ def _require_layers(spec: ModelSpec) -> None:
     linear layer's (`add_bias_linear`), attending to every earlier position or, on the layers `layer_types` marks
     `sliding_attention`, through the window (`window_size`, `window_attn_skip_freq`)."""
     arch = spec.arch
-    if spec.hidden_act != "silu":
-        raise ConfigError(f"config field hidden_act={spec.hidden_act!r} cannot be represented (only 'silu')")
+    if spec.hidden_act not in GATED_ACTIVATIONS or (spec.hidden_act != "silu" and spec.moe is not None):
+        raise ConfigError(
+            f"config field {arch.hidden_act_field}={spec.hidden_act!r} cannot be represented (only 'silu', and "
+            "'gelu_pytorch_tanh' without experts)"
+        )
+    if spec.sliding_rope is not None and spec.sliding_rope.rope_type != "default":
+        raise _unrepresentable(f"rope_parameters.sliding_attention.rope_type={spec.sliding_rope.rope_type!r}")
     if spec.o_bias or (spec.moe is not None and (spec.moe.expert_mlp_bias or spec.moe.router_bias)):
         _require_linear_biases(spec)
     if spec.qkv_bias and not arch.table_has(Feature.QKV_BIAS):
@@ -107,8 +120,9 @@ def _require_layers(spec: ModelSpec) -> None:
     if spec.mlp_bias:
         raise _unrepresentable("mlp_bias=True")
     kinds = set(spec.layer_types)
-    if kinds - {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ConfigError(f"config field layer_types has {sorted(kinds)}; only full and sliding attention are known")
+    known = {FULL_ATTENTION, SLIDING_ATTENTION} | ({LINEAR_ATTENTION} if spec.linear_attention else set())
+    if kinds - known:
+        raise ConfigError(f"config field layer_types has {sorted(kinds)}; only {sorted(known)} are known")
     if spec.sliding_window is not None and SLIDING_ATTENTION not in kinds:
         switch = arch.sliding_window_switch  # a window over every layer, no layer_types saying which
         raise _unrepresentable(f"{switch}=True" if switch else f"sliding_window={spec.sliding_window!r}")
@@ -133,7 +147,8 @@ def _require_linear_biases(spec: ModelSpec) -> None:
 
 
 def _require_rope(spec: ModelSpec) -> None:
-    """Plain RoPE, partial or not; Llama-3 scaling with megatron-core's constants; YaRN (under multi-latent
+    """Plain RoPE, partial or not; linear scaling (Gemma 3's full layers); Llama-3 scaling with megatron-core's
+    constants; YaRN (under multi-latent
     attention with its own limits; otherwise GPTModel's `position_embedding_type='yarn'`, whose attention
     multiplies q and k by the concentration of `yarn_config_attributes`, an explicit `attention_factor` made up
     in the softmax scale)."""
@@ -147,8 +162,10 @@ def _require_rope(spec: ModelSpec) -> None:
         if rope.original_max_position_embeddings is None:
             raise ConfigError("config field rope_type='yarn' needs rope_scaling.original_max_position_embeddings")
         return
-    if rope.rope_type == "llama3" and mla:
-        raise _unrepresentable("rope_type='llama3'", "megatron-core's MLA")
+    if rope.rope_type in ("llama3", "linear") and mla:
+        raise _unrepresentable(f"rope_type={rope.rope_type!r}", "megatron-core's MLA")
+    if rope.rope_type == "linear":  # GPTModel's `seq_len_interpolation_factor`: positions divided by the factor
+        return
     if rope.rope_type != "llama3":
         raise _unrepresentable(f"rope_type={rope.rope_type!r}")
     for name, expected in MCORE_LLAMA3_ROPE.items():
@@ -318,7 +335,8 @@ def transformer_config_kwargs(model: ModelSpec, layout: Layout, dtype: Any) -> d
             "normalization": "RMSNorm",
             "layernorm_epsilon": model.norm_epsilon,
             "gated_linear_unit": True,
-            "activation_func": torch.nn.functional.silu,
+            "activation_func": torch.nn.functional.silu if model.hidden_act == "silu" else gelu_tanh,
+            "layernorm_zero_centered_gamma": model.norm_offset,
             "add_bias_linear": model.o_bias,
             "add_qkv_bias": model.qkv_bias,
             "qk_layernorm": model.qk_norm or model.mla is not None,
@@ -339,7 +357,45 @@ def transformer_config_kwargs(model: ModelSpec, layout: Layout, dtype: Any) -> d
         }
         | _attention_kwargs(model)
         | _activation_kwargs(model.moe)
+        | linear_attention_kwargs(model)
     )
+
+
+def linear_attention_kwargs(model: ModelSpec) -> dict[str, Any]:
+    """megatron-core's Gated DeltaNet (`experimental_attention_variant`, a per-layer `linear_attention_freq`, its
+    dimensions) and the full-attention layers' output gate; nothing for a model without them."""
+    kwargs: dict[str, Any] = {"attention_output_gate": True} if model.attention_output_gate else {}
+    linear = model.linear_attention
+    if linear is None:
+        return kwargs
+    return kwargs | {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [int(kind == LINEAR_ATTENTION) for kind in model.layer_types],
+        "linear_conv_kernel_dim": linear.conv_kernel,
+        "linear_key_head_dim": linear.key_head_dim,
+        "linear_value_head_dim": linear.value_head_dim,
+        "linear_num_key_heads": linear.num_key_heads,
+        "linear_num_value_heads": linear.num_value_heads,
+    }
+
+
+def _linear_attention_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`ModelSpec` fields from `linear_attention_kwargs`' arguments (nothing where they are absent)."""
+    fields: dict[str, Any] = {"attention_output_gate": bool(getattr(args, "attention_output_gate", False))}
+    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+        return fields
+    pattern = getattr(args, "linear_attention_freq", None)
+    if not isinstance(pattern, list):
+        raise ConfigError(f"checkpoint args linear_attention_freq={pattern!r}: only a per-layer list is read")
+    linear = LinearAttentionSpec(
+        num_key_heads=args.linear_num_key_heads,
+        num_value_heads=args.linear_num_value_heads,
+        key_head_dim=args.linear_key_head_dim,
+        value_head_dim=args.linear_value_head_dim,
+        conv_kernel=args.linear_conv_kernel_dim,
+    )
+    kinds = tuple(LINEAR_ATTENTION if on else FULL_ATTENTION for on in pattern)
+    return fields | {"linear_attention": linear, "layer_types": kinds}
 
 
 def _attention_kwargs(model: ModelSpec) -> dict[str, Any]:
@@ -348,6 +404,8 @@ def _attention_kwargs(model: ModelSpec) -> dict[str, Any]:
     the softmax scale where transformers' YaRN concentration is not megatron-core's (not under multi-latent
     attention)."""
     kwargs: dict[str, Any] = {}
+    if model.query_pre_attn_scalar is not None:
+        kwargs["softmax_scale"] = model.softmax_scale
     if model.attention_sinks:
         kwargs["softmax_type"] = "learnable"
     if model.sliding_window is not None:
@@ -366,6 +424,14 @@ def _attention_kwargs(model: ModelSpec) -> dict[str, Any]:
 def _mcore_yarn_concentration(rope: RopeSpec) -> float:
     """megatron-core's YaRN concentration for `yarn_config_attributes`' mscale values."""
     return yarn_mscale(rope.factor, rope.mscale or 1.0) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GeLU with the tanh approximation (transformers' `gelu_pytorch_tanh`): megatron-core's gated MLP activation
+    for Gemma."""
+    import torch
+
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def _activation_kwargs(moe: MoeSpec | None) -> dict[str, Any]:
@@ -409,6 +475,7 @@ def gpt_model_kwargs(model: ModelSpec, padded_vocab: int) -> dict[str, Any]:
         "rotary_base": model.rope.theta,
         "rope_scaling": _llama3(model.rope),
         "rope_scaling_factor": model.rope.factor if _llama3(model.rope) else 8.0,
+        "seq_len_interpolation_factor": _linear_factor(model.rope),
         "share_embeddings_and_output_weights": model.tie_word_embeddings,
     }
 
@@ -451,12 +518,13 @@ def megatron_args(
         rotary_interleaved=False,
         use_rope_scaling=_llama3(model.rope),
         rope_scaling_factor=model.rope.factor if _llama3(model.rope) else 8.0,
+        rotary_seq_len_interpolation_factor=_linear_factor(model.rope),
         normalization="RMSNorm",
         norm_epsilon=model.norm_epsilon,
         layernorm_epsilon=model.norm_epsilon,
-        apply_layernorm_1p=False,
-        layernorm_zero_centered_gamma=False,
-        swiglu=True,
+        apply_layernorm_1p=model.norm_offset,  # Megatron-LM's name of the (1 + weight) norm
+        layernorm_zero_centered_gamma=model.norm_offset,
+        swiglu=model.hidden_act == "silu",
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
         qk_layernorm=model.qk_norm,
@@ -487,6 +555,8 @@ def megatron_args(
     )
     values.update(_mla_kwargs(model))
     values.update(_gpt_oss_args(model))
+    values.update(_gemma_args(model))
+    values.update(linear_attention_kwargs(model))
     if model.mla is not None:  # how the HF weights order their rotary rows (megatron-core's are interleaved)
         values["hf_rope_interleave"] = model.mla.rope_interleave
     return argparse.Namespace(**(loader_defaults() | values))
@@ -508,6 +578,37 @@ def _gpt_oss_args(model: ModelSpec) -> dict[str, Any]:
     if yarn:
         values |= yarn | {"position_embedding_type": "yarn", "hf_rope": dataclasses.asdict(model.rope)}
     return values
+
+
+def _gemma_args(model: ModelSpec) -> dict[str, Any]:
+    """The GeGLU activation, post-norms, embedding scale, the sliding layers' RoPE and the softmax scale, under
+    names of their own (`hf_...`: Megatron-LM has no arguments for them); nothing for a model without them."""
+    values: dict[str, Any] = {}
+    if model.hidden_act != "silu":
+        values["hf_hidden_act"] = model.hidden_act
+    if model.post_norms:
+        values["hf_post_norms"] = True
+    if model.embedding_scale:
+        values["hf_embedding_scale"] = True
+    if model.sliding_rope is not None:
+        values["hf_sliding_rope"] = dataclasses.asdict(model.sliding_rope)
+    if model.query_pre_attn_scalar is not None:
+        values["hf_query_pre_attn_scalar"] = model.query_pre_attn_scalar
+    return values
+
+
+def _gemma_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`ModelSpec` fields from `_gemma_args`' arguments and Megatron-LM's `apply_layernorm_1p`."""
+    local = getattr(args, "hf_sliding_rope", None)
+    scalar = getattr(args, "hf_query_pre_attn_scalar", None)
+    return {
+        "hidden_act": getattr(args, "hf_hidden_act", None) or "silu",
+        "norm_offset": bool(getattr(args, "apply_layernorm_1p", False)),
+        "post_norms": bool(getattr(args, "hf_post_norms", False)),
+        "embedding_scale": bool(getattr(args, "hf_embedding_scale", False)),
+        "sliding_rope": RopeSpec(**local) if isinstance(local, dict) else None,
+        "query_pre_attn_scalar": float(scalar) if scalar is not None else None,
+    }
 
 
 def _gpt_oss_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
@@ -541,6 +642,11 @@ def _moe_args(moe: MoeSpec | None) -> dict[str, Any]:
     del args["moe_router_bias_update_rate"]  # a training setting, not the model's
     # the args describe the model as its HF config does (export writes `router_aux_loss_coef` back from them)
     return args | {"moe_aux_loss_coeff": moe.aux_loss_coeff, "moe_router_load_balancing_type": "aux_loss"}
+
+
+def _linear_factor(rope: RopeSpec) -> float | None:
+    """Linear RoPE's factor (megatron-core's `seq_len_interpolation_factor`); None for any other type."""
+    return rope.factor if rope.rope_type == "linear" else None
 
 
 def _llama3(rope: RopeSpec) -> bool:
@@ -597,7 +703,8 @@ def _mla_from_args(args: argparse.Namespace) -> MlaSpec | None:
 
 def _rope_from_args(args: argparse.Namespace, theta: float, mla: bool) -> RopeSpec:
     """RoPE from Megatron-LM's argument names: YaRN where multi-latent attention says so, Llama-3 scaling with
-    megatron-core's constants where `use_rope_scaling`, else plain (partial where `rotary_percent` < 1)."""
+    megatron-core's constants where `use_rope_scaling`, linear where `rotary_seq_len_interpolation_factor`, else
+    plain (partial where `rotary_percent` < 1)."""
     partial = float(getattr(args, "rotary_percent", None) or 1.0)
     if mla and getattr(args, "rope_type", "yarn") == "yarn":
         all_dim = float(getattr(args, "mscale_all_dim", 0.0) or 0.0)
@@ -612,6 +719,9 @@ def _rope_from_args(args: argparse.Namespace, theta: float, mla: bool) -> RopeSp
             mscale_all_dim=all_dim,
             partial_rotary_factor=partial,
         )
+    linear = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    if linear is not None:
+        return RopeSpec(theta=theta, rope_type="linear", factor=float(linear), partial_rotary_factor=partial)
     if getattr(args, "use_rope_scaling", False):
         return RopeSpec(
             theta=theta,
@@ -635,7 +745,8 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
     heads = get("num_attention_heads")
     hidden = get("hidden_size")
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
-    if not getattr(args, "swiglu", False):
+    gemma = _gemma_from_args(args)
+    if not getattr(args, "swiglu", False) and gemma["hidden_act"] == "silu":
         raise ConfigError("checkpoint args describe a non-gated MLP (swiglu=False); only SwiGLU models are supported")
     if get("normalization", "LayerNorm") != "RMSNorm":
         raise ConfigError(f"checkpoint args normalization={args.normalization!r}; only RMSNorm is supported")
@@ -649,13 +760,20 @@ def from_megatron_args(args: argparse.Namespace) -> ModelSpec:
         shared = moe is not None and bool(moe.shared_expert_size)
         features = {"moe": moe is not None, "shared_expert": shared, "qk_norm": qk_norm, "qkv_bias": qkv_bias}
         features["mla"] = mla is not None
+        features["post_norms"] = gemma["post_norms"]
+        features["linear_attention"] = getattr(args, "experimental_attention_variant", None) == "gated_delta_net"
         if moe is not None:
             features["score_function"] = moe.score_function
         architecture = with_features(**features, experts=moe).hf_name
-    fields = {
-        "rope": _rope_from_args(args, float(get("rotary_base")), mla is not None),
-        "layer_types": (FULL_ATTENTION,) * num_layers,
-    } | _gpt_oss_from_args(args, num_layers)
+    fields = (
+        {
+            "rope": _rope_from_args(args, float(get("rotary_base")), mla is not None),
+            "layer_types": (FULL_ATTENTION,) * num_layers,
+        }
+        | _gpt_oss_from_args(args, num_layers)
+        | gemma
+        | _linear_attention_from_args(args)
+    )
     return ModelSpec(
         architecture=architecture,
         num_layers=num_layers,

@@ -39,6 +39,19 @@ _MLA_MEGATRON_LABELS = {
     Size.TWO_HIDDEN: "2 * hidden_size",
 }
 
+_LINEAR_LABELS = {
+    Size.Q_GATED: "2 * num_attention_heads * head_dim",
+    Size.LINEAR_QKV: "2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim",
+    Size.LINEAR_QKVZ: "2 * (linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * "
+    "linear_value_head_dim)",
+    Size.LINEAR_V: "linear_num_value_heads * linear_value_head_dim",
+    Size.LINEAR_HEADS: "linear_num_value_heads",
+    Size.LINEAR_BA: "2 * linear_num_value_heads",
+    Size.LINEAR_V_HEAD: "linear_value_head_dim",
+    Size.CONV_KERNEL: "linear_conv_kernel_dim",
+}
+"""Gated attention's and Gated DeltaNet's dimensions, under the HF config's names (megatron-core's are alike)."""
+
 
 def hf_sizes(model: ModelSpec, config: Mapping[str, Any]) -> Resolved:
     """Model dimensions labelled with the HF `config.json` fields they come from (the architecture's own names
@@ -58,6 +71,7 @@ def hf_sizes(model: ModelSpec, config: Mapping[str, Any]) -> Resolved:
         Size.EXPERTS: "num_experts" if config.get("num_experts") else "num_local_experts",
         Size.ONE: "1",
         Size.TWO_HIDDEN: "2 * hidden_size",
+        **_LINEAR_LABELS,
         **(fields or {}),
     }
     return {size: (value, labels[size]) for size, value in model.sizes().items() if value is not None}
@@ -78,6 +92,7 @@ def megatron_sizes(model: ModelSpec) -> Resolved:
         Size.EXPERTS: "num_experts",
         Size.ONE: "1",
         **_MLA_MEGATRON_LABELS,
+        **_LINEAR_LABELS,
     }
     return {size: (value, labels[size]) for size, value in model.sizes().items() if value is not None}
 

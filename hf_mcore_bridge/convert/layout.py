@@ -117,6 +117,10 @@ def validate_layout(layout: Layout, model: ModelSpec) -> None:
         layout.cp == 1 or not (model.attention_sinks or model.sliding_window is not None),
         f"cp={layout.cp}: attention sinks and sliding windows are not computed under context parallelism",
     )
+    _require(
+        layout.cp == 1 or model.linear_attention is None,
+        f"cp={layout.cp}: {model.architecture}'s Gated DeltaNet layers are not computed under context parallelism",
+    )
     if model.mla is not None:
         _validate_mla(layout, model.mla)
 

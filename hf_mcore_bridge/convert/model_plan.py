@@ -58,6 +58,9 @@ class Placed:
 
 
 def _applies(entry: Entry, model: ModelSpec, layer: int) -> bool:
+    attention = getattr(entry, "attention", None)
+    if attention is not None and model.layer_types[layer] != attention:
+        return False
     if entry.layers is LayerKind.ALL:
         return True
     if entry.layers is LayerKind.MTP:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER
-from hf_mcore_bridge.models.mapping_types import Entry
+from hf_mcore_bridge.checkpoint.names import EXPERT, LAYER, SPLIT_TENSORS
+from hf_mcore_bridge.models.mapping_types import Dims, Entry
 from hf_mcore_bridge.models.parallel_style import Parallel
 
 
@@ -42,6 +42,26 @@ LOCAL_MLA_SPEC_KEYS = {
 }
 """Transformer-Engine keys -> the keys of megatron-core's local layer spec with multi-latent attention, which maps
 none of its norms onto TE's fused names (a dense layer's pre-MLP norm included)."""
+
+
+def split_parts(mcore_name: str, dims: Dims) -> list[tuple[str, int, int]] | None:
+    """(part, first row, rows) of a tensor megatron-core saves in parts (`SPLIT_TENSORS`), in the whole tensor's
+    rows; None for any other tensor."""
+    suffix = next((s for s in SPLIT_TENSORS if mcore_name.endswith(s)), None)
+    if suffix is None:
+        return None
+    rows = dims.linear_parts()
+    parts, first = [], 0
+    for name in SPLIT_TENSORS[suffix]:
+        parts.append((name, first, rows[name]))
+        first += rows[name]
+    return parts
+
+
+def part_rows(mcore_name: str, dims: Dims) -> tuple[int, ...]:
+    """The row counts of megatron-core's parts of a tensor saved in parts (`split_parts`); () for any other."""
+    parts = split_parts(mcore_name, dims)
+    return tuple(rows for _, _, rows in parts) if parts else ()
 
 
 def placement(
@@ -97,6 +117,11 @@ def extra_state_module(entry: Entry) -> str | None:
     embedding and output layer do not (megatron-core drops the output layer's for compatibility with old
     checkpoints).
     """
-    if entry.parallel in (Parallel.REPLICATED, Parallel.VOCAB):
+    if entry.parallel in (Parallel.REPLICATED, Parallel.VOCAB) or entry.mcore.endswith(NOT_LINEAR):
         return None
     return entry.mcore.rsplit(".", 1)[0]
+
+
+NOT_LINEAR = ("self_attention.conv1d.weight", "self_attention.dt_bias", "self_attention.A_log")
+"""Tensor-parallel tensors of no linear layer (Gated DeltaNet's convolution and its per-head parameters): no
+`_extra_state` beside them."""

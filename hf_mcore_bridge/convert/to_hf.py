@@ -47,6 +47,7 @@ from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.convert.wrapped import WrappedExport
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
+from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.row_runs import RowRun
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.progress import progress_bar
@@ -65,6 +66,9 @@ def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool) -
         return DCPSource(checkpoint_dir)
     if _is_legacy(checkpoint_dir):
         from hf_mcore_bridge.convert.legacy_format import LegacySource
+
+        if any(entry.parallel is Parallel.COLUMN_PARTS for entry in table):
+            raise CheckpointError(f"{checkpoint_dir}: legacy checkpoints of Gated DeltaNet models are not read")
 
         return LegacySource(checkpoint_dir, table, tied=tied)
     raise CheckpointError(f"{checkpoint_dir} is neither a torch_dist nor a legacy torch checkpoint")
@@ -177,6 +181,7 @@ def convert_mcore_to_hf(
     fp8_blockwise: bool = False,
     fp8_scale_format: str = "source",
     mxfp4: bool = False,
+    lora_base: bool = False,
 ) -> ConversionResult:
     """Export a Megatron checkpoint to an HF model directory (safetensors, config, tokenizer).
 
@@ -187,7 +192,8 @@ def convert_mcore_to_hf(
     tensor is written in the export dtype and a `quantization_config` the source config carried is dropped.
     `mxfp4` writes fused expert weights (`Architecture.fused_checkpoint`) as MXFP4 blocks and scales, the source's
     scales where the checkpoint's HF assets kept them (`mxfp4_checkpoint.SCALES_FILE`): bit-identical for weights
-    that came from MXFP4.
+    that came from MXFP4. A LoRA run's checkpoint (adapter tensors `*.lora.lora_*` beside the base) is refused,
+    naming `bridge export`, unless `lora_base`: then its frozen base weights are written (the adapters skipped).
     """
     sources = [source, hf_config, tokenizer]
     check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -207,7 +213,14 @@ def convert_mcore_to_hf(
     padded = _padded_vocab(mcore, placed[0].placement(model).key, model)
     dims = model.dims(padded)
     plan = _plan(placed, mcore, dims, model)
-    unknown = sorted(mcore.keys() - {planned.where.key for planned in plan})
+    held = mcore.keys()
+    adapters = {key for key in held if ".lora.lora_" in key}
+    if adapters and not lora_base:
+        raise CheckpointError(
+            f"{checkpoint_dir} is a LoRA run's checkpoint (adapters such as {min(adapters)}): `bridge export RUN DEST`"
+            " writes its merged weights, `bridge export --peft` its adapters"
+        )
+    unknown = sorted(held - adapters - {planned.where.key for planned in plan})
     if unknown and not ignore_unknown:
         raise CheckpointError(
             f"{len(unknown)} unknown tensor(s) in the checkpoint, e.g. {unknown[0]} (pass --ignore-unknown to skip)"
@@ -396,6 +409,8 @@ class _Tensors:
 
     def _copied(self, planned: _Planned) -> dict[str, tuple[Piece, ...]] | None:
         if not isinstance(self.source, DCPSource) or len(planned.shape) not in (1, 2):
+            return None
+        if self.source.is_split(planned.where.key):  # served from parts: produced, not copied
             return None
         key, dtype = planned.where.key, self.source.dtype(planned.where.key)
         if any(self.specs[n][1] != dtype or shape[1:] != planned.shape[1:] for n, shape in planned.hf_shapes.items()):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,8 +48,9 @@ from hf_mcore_bridge.convert.model_plan import Placed, check_hf_names, placed_en
 from hf_mcore_bridge.convert.mtp import resolve_import as resolve_mtp
 from hf_mcore_bridge.convert.mxfp4_checkpoint import SCALES_FILE as MXFP4_SCALES_FILE
 from hf_mcore_bridge.convert.mxfp4_checkpoint import Mxfp4Checkpoint
-from hf_mcore_bridge.convert.placement import extra_state_module, placement
+from hf_mcore_bridge.convert.placement import extra_state_module, placement, split_parts
 from hf_mcore_bridge.convert.wrapped import keep_carried
+from hf_mcore_bridge.errors import CheckpointError, LayoutError
 from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Dims, Direct, is_expert, keeps_float32
 from hf_mcore_bridge.models.parallel_style import Parallel
@@ -209,14 +210,15 @@ def plan_chunks(
         shapes = {n: hf.info(n).shape for n in p.hf_names()}
         shape = p.entry.mcore_shape(shapes, dims)
         where = p.placement(model, spec=spec)
-        global_shape = (*where.leading_shape, *shape)
         tp = layout.expert_tp if is_expert(p.template.mcore) else layout.tp
-        for box in shard_boxes(shape, p.entry.parallel, tp):
-            offsets, sizes = box
-            produce = _bind(producer, p, box, leading=len(where.leading))
-            pieces = producer.pieces(p, box, shape)
-            offsets, sizes = (*where.leading, *offsets), ((1,) * len(where.leading) + sizes)
-            chunks.append(TensorChunk(where.key, global_shape, offsets, sizes, producer.dtype_of(p), produce, pieces))
+        for key, first, part_shape, box in _part_boxes(p, where.key, shape, dims, tp):
+            (row, *rest), sizes = box
+            whole = ((first + row, *rest), sizes)  # the chunk in the whole tensor's rows
+            produce = _bind(producer, p, whole, leading=len(where.leading))
+            pieces = producer.pieces(p, whole, shape)
+            offsets, sizes = (*where.leading, row, *rest), ((1,) * len(where.leading) + sizes)
+            part_global = (*where.leading_shape, *part_shape)
+            chunks.append(TensorChunk(key, part_global, offsets, sizes, producer.dtype_of(p), produce, pieces))
         module = extra_state_module(p.template)
         if module is not None:
             module_where = placement(
@@ -230,6 +232,26 @@ def plan_chunks(
             object_key = module_where.object_key(module_where.key)
             objects.setdefault(object_key, ObjectItem(object_key, [None]))
     return chunks, list(objects.values())
+
+
+def _part_boxes(
+    placed: Placed, key: str, shape: tuple[int, ...], dims: Dims, tp: int
+) -> Iterator[tuple[str, int, tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """(checkpoint key, first row of the part in the whole tensor, the part's shape, a TP chunk of the part): one
+    part, the whole tensor, for most tensors; each saved part (`placement.split_parts`) split over TP on its own
+    for megatron-core's split tensors (`Parallel.COLUMN_PARTS`)."""
+    parallel = placed.entry.parallel
+    if parallel is not Parallel.COLUMN_PARTS:
+        for box in shard_boxes(shape, parallel, tp):
+            yield key, 0, shape, box
+        return
+    parts = split_parts(placed.template.mcore, dims)
+    if parts is None or sum(rows for _, _, rows in parts) != shape[0]:
+        raise CheckpointError(f"{placed.mcore_name}: {shape[0]} rows are not megatron-core's parts of it")
+    for part, first, rows in parts:
+        part_shape = (rows, *shape[1:])
+        for box in shard_boxes(part_shape, Parallel.COLUMN, tp):
+            yield f"{key}.{part}", first, part_shape, box
 
 
 def _bind(producer: Producer, placed: Placed, box, *, leading: int) -> Callable[[], torch.Tensor]:
@@ -286,6 +308,10 @@ def convert_hf_to_mcore(
         from hf_mcore_bridge.convert.legacy_format import check_legacy_layout
 
         check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
+        if model.linear_attention is not None:
+            raise LayoutError(
+                f"{model.architecture}: the legacy format is not written for Gated DeltaNet models; use torch_dist"
+            )
     if directory_layout == "megatron-bridge" and model.mla is not None:
         raise ConfigError(
             "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"

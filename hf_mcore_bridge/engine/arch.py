@@ -3,9 +3,9 @@
 The model is the description every part of the project reads (`models.spec.ModelSpec`, read once from the HF
 config); `read_spec` reads it and refuses what the engine's decoder cannot run (`require_runnable`). Every
 supported architecture is the same pre-norm decoder (RMSNorm, rotary attention with grouped KV heads or
-multi-latent attention, SiLU-gated MLP or a mixture of SiLU-gated experts); what differs lives in the
-architecture's file in `mappings/` and reaches the engine through the spec (its biases, q/k norms, router) and the
-architecture's table.
+multi-latent attention, on a hybrid model Gated DeltaNet linear attention on most layers, SiLU-gated MLP or a
+mixture of SiLU-gated or clamped-SwiGLU experts); what differs lives in the architecture's file in `mappings/` and
+reaches the engine through the spec (its biases, q/k norms, router) and the architecture's table.
 
 The engine loads the architecture's mapping table itself: each entry's HF names are the names the engine loads,
 and the engine's parameters carry HF's names, so no second name table exists. An entry's parameter follows from
@@ -28,11 +28,22 @@ Simplifications and how to extend:
 - Experts load from HF's per-expert names (the layout saved on the Hub) and from the fused in-memory names of a
   transformers-5 model: `fused_expert_pieces` splits those into the per-expert names with the architecture's own
   rules (`Architecture.fused_experts`), so there is one name table.
-- RoPE types: default, linear and llama3, each also partial (`partial_rotary_factor`: the first
-  `int(head_dim * factor)` dimensions of each head rotate); YaRN (truncated correction range) with multi-latent
-  attention only. Others (dynamic, longrope) are refused, not approximated.
-- Sliding-window attention is not implemented; a config that would use it within `max_model_len` is refused
-  (`engine.Engine`), and so are layer types other than full and sliding attention.
+- RoPE types: default, linear, llama3 and YaRN (its correction range truncated or not, `truncate`), each also
+  partial (`partial_rotary_factor`: the first `int(head_dim * factor)` dimensions of each head rotate); one set for
+  every layer. Others (dynamic, longrope) are refused, not approximated.
+- Sliding windows are per layer (`layer_window`: the layers `layer_types` marks `sliding_attention` get the
+  config's window) and attention sinks per query head (GPT-OSS's `self_attn.sinks`); the attention kernels take
+  any window per layer. A window over layers `layer_types` does not mark (Mistral v0.1's) is refused within
+  `max_model_len` (`engine.Engine`), and so are layer types other than full and sliding attention.
+- Hybrid models (Qwen3.5): the layers `layer_types` marks `linear_attention` run Gated DeltaNet
+  (`gated_delta.GatedDeltaNet`, its parameters under HF's names: each HF tensor of a linear layer fills the
+  parameter of its own name, split under tensor parallelism by `gated_delta.linear_attn_shards`, sectioned for
+  `in_proj_qkv` and `conv1d`), and the table entries marked for the other layer type are left out of each layer
+  (`layer_entries`). A `GatedQKV` entry fills `qkv_proj` as `FusedQKV` does, its q rows each head's query then
+  gate. Qwen3-Next's input projections fused per key head (`GroupedLinearInProj`) load as they are and are split
+  in the layer (`gated_delta.split_fused`).
+- A biased router (GPT-OSS's `mlp.router.bias`) adds its bias to the logits; top-k of the softmax over all experts,
+  renormalised, picks the experts and weights of transformers' top-k-then-softmax (equal to rounding).
 """
 
 from __future__ import annotations
@@ -50,21 +61,22 @@ from hf_mcore_bridge.models.mapping_types import (
     Entry,
     FusedGateUp,
     FusedQKV,
+    GatedQKV,
+    GroupedLinearInProj,
     LayerKind,
+    LinearInProj,
     Size,
     is_expert,
 )
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.registry import REGISTRY
-from hf_mcore_bridge.models.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from hf_mcore_bridge.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 ARCHITECTURES: Mapping[str, Architecture] = REGISTRY
 """The registry the engine serves: every architecture in `mappings/`."""
 
-ROPE_TYPES = ("default", "linear", "llama3")
-"""The RoPE types the engine computes for every attention (`model.rope_inv_freq`)."""
-LATENT_ROPE_TYPES = (*ROPE_TYPES, "yarn")
-"""The RoPE types it computes for multi-latent attention."""
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""The RoPE types the engine computes (`model.rope_inv_freq`)."""
 
 
 def read_spec(hf_config: Any) -> ModelSpec:
@@ -82,25 +94,30 @@ def read_spec(hf_config: Any) -> ModelSpec:
     return spec
 
 
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""The gated MLP activations the engine computes (`gelu_pytorch_tanh`: Gemma's GeGLU)."""
+
+
 def require_runnable(spec: ModelSpec) -> None:
     """Refuse (`NotImplementedError`) what the shared decoder would compute otherwise than transformers."""
-    if spec.hidden_act != "silu":
-        raise NotImplementedError(f"hidden_act={spec.hidden_act!r}: only 'silu' is implemented")
+    if spec.linear_attention is not None and spec.hidden_act != "silu":
+        raise NotImplementedError(f"{spec.architecture}: Gated DeltaNet is implemented with hidden_act 'silu' only")
+    if spec.hidden_act not in HIDDEN_ACTS:
+        raise NotImplementedError(f"hidden_act={spec.hidden_act!r}: only {', '.join(HIDDEN_ACTS)} are implemented")
+    if spec.moe is not None and spec.hidden_act != "silu":
+        raise NotImplementedError(f"hidden_act={spec.hidden_act!r}: experts are implemented with 'silu' only")
     if spec.mlp_bias:
         raise NotImplementedError("mlp_bias=True is not implemented")
-    if spec.attention_sinks:
-        raise NotImplementedError("attention sinks (self_attn.sinks) are not implemented")
-    if spec.moe is not None and spec.moe.router_bias:
-        raise NotImplementedError("a biased router (mlp.router.bias) is not implemented")
-    unknown = sorted(set(spec.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    kinds = {FULL_ATTENTION, SLIDING_ATTENTION} | ({LINEAR_ATTENTION} if spec.linear_attention is not None else set())
+    unknown = sorted(set(spec.layer_types) - kinds)
     if unknown:
-        raise NotImplementedError(f"layer_types {unknown}: only full and sliding attention layers are implemented")
+        raise NotImplementedError(
+            f"layer_types {unknown}: only full, sliding and (with Gated DeltaNet) linear attention layers are "
+            "implemented"
+        )
     rope = spec.rope
-    if rope.rope_type not in (LATENT_ROPE_TYPES if spec.mla else ROPE_TYPES):
-        where = "" if spec.mla else " (yarn with multi-latent attention only)"
-        raise NotImplementedError(f"rope_type={rope.rope_type!r}: only {', '.join(ROPE_TYPES)} are implemented{where}")
-    if rope.rope_type == "yarn" and not rope.truncate:
-        raise NotImplementedError("rope_scaling.truncate=false is not implemented (YaRN's truncated range only)")
+    if rope.rope_type not in ROPE_TYPES:
+        raise NotImplementedError(f"rope_type={rope.rope_type!r}: only {', '.join(ROPE_TYPES)} are implemented")
     if rope.rope_type in ("llama3", "yarn") and rope.original_max_position_embeddings is None:
         raise ValueError(f"rope_type={rope.rope_type!r} needs rope_scaling.original_max_position_embeddings")
     if spec.mla is not None and (spec.qkv_bias or spec.o_bias):
@@ -123,6 +140,11 @@ def _beside(name: str, module: str) -> str:
     return ".".join((*path, module, leaf))
 
 
+def fused_linear_projections(spec: ModelSpec) -> bool:
+    """Whether a hybrid model's Gated DeltaNet input projections are Qwen3-Next's, fused per key head."""
+    return any(isinstance(entry, GroupedLinearInProj) for entry in spec.table())
+
+
 def in_memory_name(arch: Architecture, name: str) -> str:
     """transformers 5's in-memory name of a checkpoint tensor (`Architecture.fused_experts`), else the name."""
     fused = (arch.fused_experts or {}).get(name)
@@ -131,14 +153,33 @@ def in_memory_name(arch: Architecture, name: str) -> str:
 
 def engine_param(arch: Architecture, entry: Entry) -> str:
     """The engine parameter that a table entry's HF tensors fill (with the entry's placeholders)."""
-    if isinstance(entry, FusedQKV):
+    if isinstance(entry, FusedQKV | GatedQKV):
         return _beside(entry.q, QKV_PROJ)
+    if isinstance(entry, LinearInProj | GroupedLinearInProj):
+        raise AssertionError(f"{entry.mcore}: each HF projection of Gated DeltaNet fills its own parameter")
     if isinstance(entry, FusedGateUp):
         return in_memory_name(arch, entry.gate) if is_expert(entry.gate) else _beside(entry.gate, GATE_UP_PROJ)
     param = in_memory_name(arch, entry.hf)
     if is_expert(param):
         raise NotImplementedError(f"{arch.hf_name} declares no stacked in-memory name for {entry.hf} (fused_experts)")
     return param
+
+
+def layer_window(spec: ModelSpec, layer: int) -> int | None:
+    """The attention window of decoder layer `layer`: a query at position p sees keys at p - window + 1 .. p
+    (transformers' `sliding_window_overlay`); None: every earlier position. One window for the layers `layer_types`
+    marks sliding (`ModelSpec.sliding_window`); the attention kernels take any window per layer."""
+    if spec.sliding_window is None or spec.layer_types[layer] != SLIDING_ATTENTION:
+        return None
+    return spec.sliding_window
+
+
+def router_module(spec: ModelSpec) -> str:
+    """The name of a MoE layer's router module, as the table names it (`gate`; GPT-OSS's `router`)."""
+    for entry in spec.table():
+        if isinstance(entry, Direct) and entry.mcore.endswith(".mlp.router.weight"):
+            return entry.hf.split(".")[-2]
+    raise AssertionError(f"{spec.architecture}'s table names no router weight")
 
 
 def shared_expert_module(spec: ModelSpec) -> str | None:
@@ -150,22 +191,29 @@ def shared_expert_module(spec: ModelSpec) -> str | None:
     return None
 
 
-def layer_entries(spec: ModelSpec, kind: LayerKind) -> tuple[Entry, ...]:
-    """Every table entry of a model whose decoder layers have `kind` MLPs (DENSE or MOE), with the model's own
-    (embedding, final norm, output layer), plus the biases the model has where the table has none: the q/k/v
+def layer_entries(spec: ModelSpec, kind: LayerKind, attention: str = FULL_ATTENTION) -> tuple[Entry, ...]:
+    """Every table entry of a model whose decoder layers have `kind` MLPs (DENSE or MOE) and `attention` layer type
+    (entries marked for another layer type left out), with the model's own (embedding, final norm, output layer),
+    plus the biases the model has where the table has none: the q/k/v
     biases beside the q/k/v weights' entry, the o_proj bias beside its weight (whole on every rank: it is added
     after the row-parallel sum)."""
-    table = [e for e in spec.table() if e.layers in (LayerKind.ALL, kind)]
+    table = [e for e in spec.table() if e.layers in (LayerKind.ALL, kind) and _in_layer(e, attention)]
     qkv = next((e for e in table if isinstance(e, FusedQKV)), None)
     biased = any(isinstance(e, FusedQKV) and e.q.endswith(".bias") for e in table)
     if qkv is not None and spec.qkv_bias and not biased:
         names = {field: _bias_of(getattr(qkv, field)) for field in ("mcore", "q", "k", "v")}
         table.append(replace(qkv, **names, tail=()))
-    if spec.o_bias:
+    if spec.o_bias and not any(e.hf_sources[0].endswith("o_proj.bias") for e in table):
         o_proj = next(e for e in table if isinstance(e, Direct) and e.mcore.endswith(O_PROJ))
         names = {"mcore": _bias_of(o_proj.mcore), "hf": _bias_of(o_proj.hf)}
         table.append(replace(o_proj, **names, shape=(Size.HIDDEN,), parallel=Parallel.REPLICATED))
     return tuple(table)
+
+
+def _in_layer(entry: Entry, attention: str) -> bool:
+    """Whether a layer of `layer_types` kind `attention` has the entry (a sliding layer has a full one's)."""
+    only = getattr(entry, "attention", None)
+    return only is None or only == (LINEAR_ATTENTION if attention == LINEAR_ATTENTION else FULL_ATTENTION)
 
 
 def _bias_of(weight_name: str) -> str:

@@ -27,6 +27,11 @@ Two attention shapes:
     attention folds a KV head's query heads into the query-length axis, exact because decode has no causal mask.
 Every shape depends only on (batch, n_blocks), so the decode step can be captured in a CUDA graph.
 
+Sliding windows (per layer) and attention sinks (per head; GPT-OSS): in prefill and `gather` as `sinks_windows`
+describes (a mask term, one extra key); the Triton kernel starts each sequence's loop at its window (it reads only
+the window's blocks) and starts its softmax from the sink. FlexAttention decode implements neither (refused for
+such a model by the engine).
+
 FP8 cache (`EngineConfig.kv_cache_dtype: fp8`): the cache holds e4m3 keys and values, each stored as
 `value / kv_scale` (one per-tensor scale, `EngineConfig.kv_cache_scale`, the same for keys and values of every
 layer: vLLM's uncalibrated default is 1), rounded to nearest and clamped to +-448. Prefill attends over its fresh
@@ -46,6 +51,14 @@ import torch
 import torch.nn.functional as F
 
 from hf_mcore_bridge.engine.compiled import CompiledOrEager
+from hf_mcore_bridge.engine.gated_delta import LinearBatch
+from hf_mcore_bridge.engine.sinks_windows import (
+    append_sink_key,
+    window_key_bias,
+    window_visible,
+    with_sink_dims,
+    with_zero_dims,
+)
 from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
 
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
@@ -126,6 +139,9 @@ class PrefillMetadata:
     """[batch, max_len] bool: True where the padded position holds a real token."""
     batch_size: int
     max_len: int
+    linear: LinearBatch | None = None
+    """A hybrid model's sequences and state slots for its Gated DeltaNet layers (`gated_delta.prefill_batch`),
+    built once per pass; None for a model without them."""
     kv_scale: float = 1.0
     """Per-tensor scale of an FP8 cache's entries (`to_cache`); unused for a cache in the activations' dtype."""
 
@@ -152,6 +168,9 @@ class DecodeMetadata:
     """Per-tensor scale of an FP8 cache's entries (`to_cache`); unused for a cache in the activations' dtype."""
     fused_rope: bool = False
     """Rotate q and k and write the cache in one kernel (`triton_rope`), with the Triton decode kernel only."""
+    linear: LinearBatch | None = None
+    """A hybrid model's state slot per row for its Gated DeltaNet layers (`gated_delta.decode_batch`; padded rows
+    the scratch slot), built once per pass; None for a model without them."""
 
 
 def with_key_bias(meta: DecodeMetadata, block_size: int, dtype: torch.dtype) -> DecodeMetadata:
@@ -250,41 +269,71 @@ def _to_padded(x: torch.Tensor, meta: PrefillMetadata) -> torch.Tensor:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: PrefillMetadata,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence over its own tokens.
+    """Causal attention of each sequence over its own tokens, within `window` (None: all earlier ones), with a sink
+    logit per head (`sinks` [heads], None: none; `sinks_windows`).
 
     q, k: [T, heads / kv_heads, D]; v: [T, kv_heads, Dv] (packed, sequence after sequence). Returns
     [T, heads, Dv].
     """
-    group = q.shape[1] // k.shape[1]
+    group, heads, value_dim = q.shape[1] // k.shape[1], q.shape[1], v.shape[-1]
+    if sinks is not None:
+        q, k, v = with_sink_dims(q, sinks, scale), with_zero_dims(k), with_zero_dims(v)
     qp = _to_padded(q, meta)
     kp = _to_padded(k, meta).repeat_interleave(group, dim=1)
     vp = _to_padded(v, meta).repeat_interleave(group, dim=1)
     length = meta.max_len
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    mask = causal[None, None] & meta.key_valid[:, None, None, :]
+    visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        visible &= window_visible(length, window, q.device)
+    mask = visible[None, None] & meta.key_valid[:, None, None, :]
+    if sinks is not None:
+        kp, vp, mask = append_sink_key(kp, vp, mask)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
-    out = out.transpose(1, 2).reshape(meta.batch_size * length, q.shape[1], v.shape[-1])
-    return out.index_select(0, meta.pad_index)
+    out = out.transpose(1, 2).reshape(meta.batch_size * length, heads, v.shape[-1])
+    return out.index_select(0, meta.pad_index)[..., :value_dim]
 
 
-def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMetadata, scale: float) -> torch.Tensor:
-    """One query token per sequence over its cached tokens (the new one written before this call), through the
-    Triton kernel when `meta.triton`, FlexAttention when `meta` has a block mask, else SDPA over the gathered
-    blocks.
+def decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its cached tokens (the new one written before this call), within `window`
+    (None: all of them), with a sink logit per head (`sinks` [heads]), through the Triton kernel when
+    `meta.triton`, FlexAttention when `meta` has a block mask (neither windows nor sinks), else SDPA over the
+    gathered blocks.
 
     q: [B, heads, D]; layer_cache: [2, NB, BS, kv_heads, D]. Returns [B, heads, D].
     """
     if meta.triton:
         return paged_decode_attention(
-            q, layer_cache, meta.block_tables, meta.context_lens, scale, kv_scale=meta.kv_scale
+            q,
+            layer_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            kv_scale=meta.kv_scale,
+            window=window,
+            sinks=sinks,
         )
     if meta.block_mask is not None:
         if layer_cache.dtype == FP8_CACHE_DTYPE:
             raise ValueError(
                 "FlexAttention decode does not read an FP8 KV cache; use decode_attention triton or gather"
             )
+        if window is not None or sinks is not None:
+            raise ValueError("FlexAttention decode implements no sliding window or attention sinks")
         return _flex_decode(q, layer_cache, meta, scale)
     batch, heads, head_dim = q.shape
     block_size, kv_heads = layer_cache.shape[2], layer_cache.shape[3]
@@ -300,9 +349,15 @@ def decode_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMet
     )
     if meta.key_bias is None:
         meta = with_key_bias(meta, block_size, q.dtype)
-    grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=meta.key_bias, scale=scale)
-    return out.reshape(batch, heads, head_dim)
+    bias = meta.key_bias
+    if window is not None:
+        bias = bias + window_key_bias(meta.context_lens, length, window, q.dtype)
+    if sinks is not None:
+        q, k, v = with_sink_dims(q, sinks, scale), with_zero_dims(k), with_zero_dims(v)
+        k, v, bias = append_sink_key(k, v, bias)
+    grouped_q = q.view(batch, kv_heads, heads // kv_heads, q.shape[-1])
+    out = F.scaled_dot_product_attention(grouped_q, k, v, attn_mask=bias, scale=scale)
+    return out.reshape(batch, heads, -1)[..., :head_dim]
 
 
 def _flex_decode(q: torch.Tensor, layer_cache: torch.Tensor, meta: DecodeMetadata, scale: float) -> torch.Tensor:

@@ -1,27 +1,35 @@
 """Decode-step inputs packed into one int64 buffer, and CUDA graphs of the decode step for shape buckets.
 
-A decode step's inputs (token ids, positions, cache slots, context lengths, block tables) are packed on the host
-into one int64 tensor so a step costs a single host-to-device copy; `unpack` gives device views into it. The
-same packing serves the eager path (exact shapes) and the graph path (shapes rounded up to a bucket).
+A decode step's inputs (token ids, positions, cache slots, context lengths, a hybrid model's state slots, block
+tables) are packed on the host into one int64 tensor so a step costs a single host-to-device copy; `unpack` gives
+device views into it. The same packing serves the eager path (exact shapes) and the graph path (shapes rounded up
+to a bucket).
 
 `DecodeGraphs` captures the decode forward pass once per (batch bucket, block-count bucket) on first use and
 replays it afterwards; padded rows read and write only the scratch block and their logits are dropped. Graphs
 bake in the addresses of the weights and of the KV cache: a refit that copies in place keeps them valid, but
-anything that reallocates either (sleep / wake_up) must call `clear()`. Graphs share one memory pool, which is
-safe because replays never overlap and each replay's logits are consumed before the next one.
+anything that reallocates either (sleep / wake_up) must call `clear()`; the same holds for a hybrid model's state
+tensors (`state_cache.StateCache`), allocated before the first capture and replaced only by sleep / wake_up.
+Graphs share one memory pool, which is safe because replays never overlap and each replay's logits are consumed
+before the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from hf_mcore_bridge.engine.attention import DecodeMetadata
+from hf_mcore_bridge.engine.gated_delta import decode_batch
 from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
+from hf_mcore_bridge.engine.state_cache import SCRATCH_SLOT
+
+COLUMNS = 5
+"""Per-row columns of the packed buffer: token id, position, cache slot, context length, state slot."""
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, DecodeMetadata], torch.Tensor]
 """(input_ids [B], positions [B], metadata) -> logits [B, vocab]."""
@@ -37,32 +45,41 @@ class DecodeBatch:
     context_lens: list[int]
     block_tables: torch.Tensor
     """[B, n_blocks] int32 on the host."""
+    state_slots: list[int] = field(default_factory=list)
+    """A hybrid model's state-cache slot of each row (`state_cache`); empty for other models."""
 
 
 def pack(batch: DecodeBatch, rows: int, n_blocks: int) -> torch.Tensor:
-    """The batch padded to `rows` x `n_blocks`, as one int64 host tensor [4 * rows + rows * n_blocks]."""
+    """The batch padded to `rows` x `n_blocks`, as one int64 host tensor [COLUMNS * rows + rows * n_blocks]."""
     real = len(batch.input_ids)
-    buf = torch.empty(4 * rows + rows * n_blocks, dtype=torch.int64)
-    columns = buf[: 4 * rows].view(4, rows)
+    buf = torch.empty(COLUMNS * rows + rows * n_blocks, dtype=torch.int64)
+    columns = buf[: COLUMNS * rows].view(COLUMNS, rows)
     if real:
         # numpy converts Python lists several times faster than torch.tensor does.
-        values = (batch.input_ids, batch.positions, batch.slots, batch.context_lens)
+        state_slots = batch.state_slots or [SCRATCH_SLOT] * real
+        values = (batch.input_ids, batch.positions, batch.slots, batch.context_lens, state_slots)
         columns[:, :real] = torch.from_numpy(np.array(values, dtype=np.int64))
-    # Padded rows write to the scratch slot and see one (scratch) token, so their softmax stays finite.
+    # Padded rows write to the scratch slot and see one (scratch) token, so their softmax stays finite; their
+    # states are the scratch state slot's.
     columns[:3, real:] = 0
     columns[3, real:] = 1
-    tables = buf[4 * rows :].view(rows, n_blocks)
+    columns[4, real:] = SCRATCH_SLOT
+    tables = buf[COLUMNS * rows :].view(rows, n_blocks)
     tables.fill_(SCRATCH_BLOCK)
     tables[:real, : batch.block_tables.shape[1]] = batch.block_tables
     return buf
 
 
-def unpack(buf: torch.Tensor, rows: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
-    """Views (input_ids, positions, metadata) into a packed buffer."""
+def unpack(
+    buf: torch.Tensor, rows: int, n_blocks: int, linear: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, DecodeMetadata]:
+    """Views (input_ids, positions, metadata) into a packed buffer; `linear`: the metadata carries the state slots
+    of a hybrid model's Gated DeltaNet layers (`gated_delta.decode_batch`)."""
     meta = DecodeMetadata(
         slot_mapping=buf[2 * rows : 3 * rows],
-        block_tables=buf[4 * rows :].view(rows, n_blocks),
+        block_tables=buf[COLUMNS * rows :].view(rows, n_blocks),
         context_lens=buf[3 * rows : 4 * rows],
+        linear=decode_batch(buf[4 * rows : 5 * rows]) if linear else None,
     )
     return buf[:rows], buf[rows : 2 * rows], meta
 
@@ -107,6 +124,7 @@ class DecodeGraphs:
         max_blocks: int,
         block_step: int,
         full_width_rows: int | None = None,
+        linear: bool = False,
     ):
         self.decode_fn = decode_fn
         self.device = device
@@ -116,6 +134,8 @@ class DecodeGraphs:
         self.full_width_rows = full_width_rows
         """Batch buckets of at least this many rows are captured with full-width block tables only (a kernel
         compiled per shape runs there); None: always bucket the width."""
+        self.linear = linear
+        """The model is hybrid: the captured steps read the state slots (`unpack`)."""
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool: tuple[int, int] | None = None
 
@@ -146,7 +166,7 @@ class DecodeGraphs:
     def _capture(self, rows: int, n_blocks: int) -> _Captured:
         empty = DecodeBatch([], [], [], [], torch.zeros(0, 0, dtype=torch.int32))
         inputs = pack(empty, rows, n_blocks).to(self.device)
-        ids, positions, meta = unpack(inputs, rows, n_blocks)
+        ids, positions, meta = unpack(inputs, rows, n_blocks, self.linear)
         graph, logits = self._record(ids, positions, meta)
         captured = _Captured(graph, inputs, logits)
         self._graphs[(rows, n_blocks)] = captured

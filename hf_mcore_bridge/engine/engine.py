@@ -16,6 +16,12 @@ token's compressed latent, not its keys and values, and decodes through the abso
 CUDA through a Triton kernel reading the latent blocks in place (`triton_mla`), elsewhere in torch over the gathered
 blocks; FlexAttention reads no latent cache, nor is an FP8 cache or tensor parallelism implemented for it.
 
+A hybrid model (Qwen3.5) keeps, beside the KV cache of its attention layers, a state cache of its Gated DeltaNet
+layers (`state_cache.StateCache`: a slot per running sequence, plus a scratch slot for padded decode rows, taken
+from the KV-cache budget): the scheduler hands slots out and back, a prefill names each group's slot
+(`gated_delta.prefill_batch`) and then copies the prompt's states to its other samples, and a decode step packs
+each row's slot beside its other inputs (`cuda_graphs.pack`), so its CUDA graphs read them like the rest.
+
 Weights come from an HF directory of safetensors, or only from `load_weights` (a refit from a trainer). The
 cache and the weights can be released for a colocated trainer with `sleep` and restored with `wake_up`.
 
@@ -37,7 +43,8 @@ position (a token's first recording wins), so every sample comes back with the e
 
 Simplifications: one `generate` call at a time (no asynchronous request stream); no chunked prefill (a prompt
 is prefilled in one step, so `max_num_batched_tokens >= max_model_len`); no prefix caching across prompts, only
-sharing within the n samples of one prompt; a preempted sequence is recomputed, never swapped out.
+sharing within the n samples of one prompt (for a hybrid model cross-prompt prefix caching would also need the linear
+layers' states at the prefix's end); a preempted sequence is recomputed, never swapped out.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,12 +71,12 @@ from hf_mcore_bridge.engine.attention import (
     copy_blocks,
 )
 from hf_mcore_bridge.engine.cuda_graphs import DecodeBatch, DecodeGraphs, batch_bucket, pack, unpack
-from hf_mcore_bridge.engine.expert_sort import check_sort
 from hf_mcore_bridge.engine.fused_moe import check_usable as moe_check
 from hf_mcore_bridge.engine.fused_moe import grouped_mm_available
+from hf_mcore_bridge.engine.gated_delta import prefill_batch
 from hf_mcore_bridge.engine.kv_cache import BlockAllocator, blocks_for
 from hf_mcore_bridge.engine.model import CausalLM, MissingWeightsError
-from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
+from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS, MOE_SORTS
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, compiled_ops
 from hf_mcore_bridge.engine.sampling import Sampler, SamplingBatch, SamplingParams, counter_uniforms, stream_key
 from hf_mcore_bridge.engine.scheduler import (
@@ -80,12 +87,14 @@ from hf_mcore_bridge.engine.scheduler import (
     SchedulerStats,
     Sequence,
 )
+from hf_mcore_bridge.engine.state_cache import SlotAllocator, StateCache, state_bytes_per_sequence
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.triton_decode import available as triton_available
 from hf_mcore_bridge.engine.triton_decode import check_usable as triton_check
 from hf_mcore_bridge.engine.triton_decode import supports as triton_supports
 from hf_mcore_bridge.engine.triton_mla import check_usable as mla_check
 from hf_mcore_bridge.models.registry import wrapper_for
+from hf_mcore_bridge.models.spec import SLIDING_ATTENTION
 from hf_mcore_bridge.models.vision_language import VisionLanguage, any_text_name
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -118,7 +127,8 @@ class EngineConfig:
     """Prompt plus generated tokens of one sequence, at most."""
     kv_cache_memory_bytes: int = 4 << 30
     """Memory budget of the paged KV cache; sets the number of blocks (per rank under tensor parallelism, where a
-    rank's blocks hold only its KV heads)."""
+    rank's blocks hold only its KV heads). A hybrid model's Gated DeltaNet states (`max_num_seqs + 1` slots of
+    `EngineStats.state_bytes_per_sequence`) come out of it first."""
     block_size: int = 32
     """Tokens per KV-cache block. FlexAttention's decode visits a sequence's blocks one at a time, and on an H200
     32-token blocks decoded faster than 16-token ones (`docs/PERFORMANCE.md`); the price is coarser prefix sharing
@@ -136,7 +146,8 @@ class EngineConfig:
     gathered, then SDPA; any device), or `auto`: `triton` on CUDA where Triton is installed, else `flex` on CUDA,
     `gather` elsewhere (eager FlexAttention scores every cache slot, and Triton runs on CPU tensors only in its
     interpreter: both exact, for tests only). Multi-latent attention takes `triton` (its own kernel, `triton_mla`)
-    or `gather`, and refuses `flex` (FlexAttention reads no latent cache)."""
+    or `gather`, and refuses `flex` (FlexAttention reads no latent cache); so does a model with sliding windows or
+    attention sinks (GPT-OSS), where `auto` takes `gather` in place of `flex`."""
     flex_min_batch: int = 64
     """With the `flex` kernel, decode steps of fewer sequences (after rounding up to a CUDA-graph batch bucket) use
     `gather`: their attention is a small share of the step, and FlexAttention is compiled once per batch bucket it
@@ -172,12 +183,13 @@ class EngineConfig:
     GEMM: `fused_moe.fused_experts`), `grouped_mm` (the same sort, then `torch._grouped_mm`; bf16 on CUDA), or
     `auto`: `triton` on CUDA where Triton is installed, else `grouped_mm` on CUDA in bf16 where torch has it,
     else `exact` (and `exact` on CPU, where Triton runs only in its interpreter, for tests)."""
-    moe_sort: str = "torch"
+    moe_sort: str = "auto"
     """How `triton` and `grouped_mm` sort the (token, expert) pairs by expert (`expert_sort.sort_experts`; `exact`
-    ignores it): `torch` (about fifteen small torch kernels a MoE layer) or `triton` (one Triton kernel launch a
-    layer for batches of up to 4096 pairs, above that the torch sort; CUDA, or CPU in Triton's interpreter). Opt-in:
-    identical outputs, tested in Triton's interpreter, not yet timed on a GPU (`scripts/bench_moe_generation.py
-    --moe-sort triton`); the default stays `torch` until it is."""
+    ignores it): `torch` (about fifteen small torch kernels a MoE layer), `triton` (one Triton kernel launch a layer
+    for batches of up to 4096 pairs, above that the torch sort; CUDA, or CPU in Triton's interpreter), or `auto`:
+    `triton` on CUDA where Triton is installed, else `torch`. On one H200 the Triton sort took Qwen3-30B-A3B's
+    full-depth decode step from 21.48 to 17.99 ms (one MoE layer's experts at 64 rows: 0.448 -> 0.311 ms;
+    `docs/PERFORMANCE.md`)."""
     record_routing: bool = False
     """Record, for every token a mixture-of-experts model runs (prompt and generated, all but each sample's last
     token, which is never an input), the expert ids each MoE layer chose, and return them with the samples
@@ -208,7 +220,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_scale must be a positive finite number, got {self.kv_cache_scale}")
         if self.moe_kernel not in ("auto", *MOE_KERNELS):
             raise ValueError(f"moe_kernel must be one of {', '.join(('auto', *MOE_KERNELS))}, got {self.moe_kernel!r}")
-        check_sort(self.moe_sort)
+        if self.moe_sort not in ("auto", *MOE_SORTS):
+            raise ValueError(f"moe_sort must be one of {', '.join(('auto', *MOE_SORTS))}, got {self.moe_sort!r}")
 
     def cache_dtype(self) -> torch.dtype:
         """The dtype the KV cache is allocated in (`kv_cache_dtype`)."""
@@ -229,6 +242,13 @@ class EngineConfig:
         if triton_available():
             return "triton"
         return "grouped_mm" if grouped_mm_available() and self.dtype == torch.bfloat16 else "exact"
+
+    def resolved_moe_sort(self) -> str:
+        """The sort by expert `moe_sort` resolves to on this config's device (`auto`: `triton` on CUDA where Triton
+        is installed, else `torch`)."""
+        if self.moe_sort != "auto":
+            return self.moe_sort
+        return "triton" if torch.device(self.device).type == "cuda" and triton_available() else "torch"
 
     def decode_kernel(self, head_dim: int | None = None, latent: bool = False) -> str:
         """The decode attention kernel `decode_attention` resolves to on this config's device (for a model of
@@ -299,7 +319,10 @@ class EngineStats(SchedulerStats):
     kv_bytes_per_token: int = 0
     """KV-cache bytes one token takes over all layers (this rank's, under tensor parallelism): grouped-query
     attention 2 * layers * kv_heads * head_dim * itemsize; multi-latent attention layers * (kv_lora_rank +
-    qk_rope_head_dim) * itemsize (`attention.bytes_per_token`)."""
+    qk_rope_head_dim) * itemsize (`attention.bytes_per_token`); of a hybrid model, its attention layers only."""
+    state_bytes_per_sequence: int = 0
+    """A hybrid model's Gated DeltaNet states of one sequence over all its linear layers, conv windows and float32
+    recurrent states (this rank's; `state_cache.state_bytes_per_sequence`); 0 for other models."""
 
 
 def iter_safetensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -401,8 +424,9 @@ def _weakly(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 class Engine:
-    """An embedded vLLM-style engine for Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5 and
-    DeepSeek-V3 (multi-latent attention: one device, no tensor parallelism) decoders.
+    """An embedded vLLM-style engine for the decoders of `mappings/` (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral,
+    Qwen2-MoE, Qwen3-MoE, GLM-4.5, GPT-OSS, DeepSeek-V3 with multi-latent attention, and the hybrid Gated DeltaNet
+    models Qwen3.5, Qwen3.5 MoE and Qwen3-Next).
 
     Args:
         hf_config: a transformers `PretrainedConfig` or a config.json dict.
@@ -432,12 +456,20 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = torch.device(self.config.device)
         cfg, mc = self.config, self.model_config
-        if mc.sliding_window is not None and cfg.max_model_len > mc.sliding_window:
-            raise NotImplementedError(
-                f"sliding-window attention (window {mc.sliding_window}) is not implemented; "
-                f"use max_model_len <= {mc.sliding_window}"
-            )
         kernel = cfg.decode_kernel(mc.head_dim, latent=mc.mla is not None)
+        windowed = mc.sliding_window is not None and SLIDING_ATTENTION in mc.layer_types
+        if mc.sliding_window is not None and not windowed and cfg.max_model_len > mc.sliding_window:
+            raise NotImplementedError(
+                f"a sliding window (window {mc.sliding_window}) over layers that layer_types does not mark "
+                f"sliding_attention is not implemented; use max_model_len <= {mc.sliding_window}"
+            )
+        if kernel == "flex" and (windowed or mc.attention_sinks) and cfg.decode_attention == "auto":
+            kernel = "gather"  # the Triton kernel does not take this head_dim, FlexAttention no window or sink
+        if kernel == "flex" and (windowed or mc.attention_sinks):
+            raise ValueError(
+                f"{mc.architecture}: decode_attention='flex' implements no sliding window or attention sinks; use "
+                "triton or gather"
+            )
         if mc.mla is not None and cfg.kv_cache_dtype == "fp8":
             raise NotImplementedError("kv_cache_dtype fp8 is not implemented for multi-latent attention")
         if kernel == "triton" and mc.mla is not None:
@@ -448,7 +480,7 @@ class Engine:
             raise ValueError("kv_cache_dtype fp8 needs decode_attention triton or gather (FlexAttention reads no FP8)")
         moe_kernel = cfg.resolved_moe_kernel() if mc.moe is not None else "exact"
         if moe_kernel != "exact":
-            moe_check(moe_kernel, self.device, cfg.dtype, cfg.moe_sort)
+            moe_check(moe_kernel, self.device, cfg.dtype, cfg.resolved_moe_sort())
         self.model = CausalLM(
             mc,
             cfg.dtype,
@@ -459,7 +491,7 @@ class Engine:
             ops=compiled_ops() if cfg.compiled() else EAGER_OPS,
             tp=self.tp,
             moe_kernel=moe_kernel,
-            moe_sort=cfg.moe_sort,
+            moe_sort=cfg.resolved_moe_sort(),
         )
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
         self.model.fused_rope = cfg.fused_rope
@@ -468,18 +500,34 @@ class Engine:
         planes, heads, width = self.cache_entry
         self.num_kv_heads = heads
         """KV heads in this rank's cache (all of the model's without tensor parallelism; 1 for multi-latent)."""
-        self.kv_bytes_per_token = bytes_per_token(mc.num_layers, self.num_kv_heads, width, cfg.cache_dtype(), planes)
-        """KV-cache bytes of one token over all layers (`EngineStats.kv_bytes_per_token`)."""
+        self.kv_bytes_per_token = bytes_per_token(
+            self.model.num_kv_layers, self.num_kv_heads, width, cfg.cache_dtype(), planes
+        )
+        """KV-cache bytes of one token over all attention layers (`EngineStats.kv_bytes_per_token`)."""
+        self.state_shape = self.model.state_shape(cfg.dtype)
+        """A hybrid model's per-sequence Gated DeltaNet states on this rank; None for other models."""
+        self.state_bytes_per_sequence = 0 if self.state_shape is None else state_bytes_per_sequence(self.state_shape)
+        # the scratch slot besides one per sequence; taken from the KV budget before the blocks are counted
+        state_bytes = (cfg.max_num_seqs + 1) * self.state_bytes_per_sequence
         block_bytes = cfg.block_size * self.kv_bytes_per_token
-        self.num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         self.max_blocks_per_seq = blocks_for(cfg.max_model_len, cfg.block_size)
+        need = (self.max_blocks_per_seq + 2) * block_bytes
+        if state_bytes and cfg.kv_cache_memory_bytes - state_bytes < need:
+            raise ValueError(
+                f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} leaves {cfg.kv_cache_memory_bytes - state_bytes} "
+                f"bytes after the Gated DeltaNet states ({cfg.max_num_seqs + 1} slots x "
+                f"{self.state_bytes_per_sequence} = {state_bytes} bytes); one sequence of max_model_len needs "
+                f"{self.max_blocks_per_seq} blocks plus 2 (>= {need} bytes)"
+            )
+        self.num_blocks = (cfg.kv_cache_memory_bytes - state_bytes) // block_bytes
         if self.num_blocks < self.max_blocks_per_seq + 2:
-            need = (self.max_blocks_per_seq + 2) * block_bytes
             raise ValueError(
                 f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} gives {self.num_blocks} blocks; one "
                 f"sequence of max_model_len needs {self.max_blocks_per_seq} plus 2 (>= {need} bytes)"
             )
         self.kv_cache: torch.Tensor | None = self._allocate_cache()
+        # before any decode graph is captured, which reads and writes these tensors in place
+        self.states: StateCache | None = self._allocate_states()
         # Compiled FlexAttention specialises on shapes: its steps run with full-width block tables and bucketed
         # rows, so that it compiles once per batch bucket rather than per (batch, table width).
         flex_rows = cfg.flex_min_batch if kernel == "flex" and self.device.type == "cuda" else None
@@ -567,6 +615,7 @@ class Engine:
             self.max_blocks_per_seq,
             self.config.graph_block_step,
             full_width_rows=self._flex_rows,
+            linear=self.state_shape is not None,
         )
 
     @property
@@ -592,6 +641,7 @@ class Engine:
         if self._graphs is not None:
             self._graphs.clear()
         self.kv_cache = None
+        self.states = None
         if level == 2:
             self.model.release_weights()
         self._sleep_level = max(self._sleep_level, level)
@@ -604,6 +654,8 @@ class Engine:
             self.model.allocate_weights()
         if self.kv_cache is None:
             self.kv_cache = self._allocate_cache()
+        if self.states is None:
+            self.states = self._allocate_states()
         self._sleep_level = 0
 
     # Generation -------------------------------------------------------------------------------------------------
@@ -634,12 +686,15 @@ class Engine:
         prompt_ids = [self._encode(p) for p in prompts]
         per_prompt = self._params_per_prompt(params, len(prompt_ids))
         allocator = BlockAllocator(self.num_blocks)
+        if self.states is not None:  # every slot free at the start of a call, also after one that raised
+            self.states.slots = SlotAllocator(self.states.slots.num_slots)
         scheduler = Scheduler(
             allocator,
             self.config.block_size,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             self.max_blocks_per_seq,
+            self.states,
         )
         seeds = self._seeds(per_prompt)
         groups = [
@@ -668,6 +723,7 @@ class Engine:
             blocks_allocated=allocator.total_allocations,
             num_blocks=self.num_blocks,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            state_bytes_per_sequence=self.state_bytes_per_sequence,
             **self._pipeline_counts,
         )
         return [
@@ -889,10 +945,20 @@ class Engine:
             batch_size=batch,
             max_len=max_len,
         )
+        if self.states is not None:  # each group's prefix runs once, in its first sequence's state slot
+            slots = [group.sequences[0].state_slot for group in step.groups]
+            linear = prefill_batch(step.seq_lens, slots, self.states.shape.conv_kernel, self.device)
+            meta = replace(meta, linear=linear)
         ids = self._to_device(step.input_ids)
         positions = self._to_device(step.positions)
         last_rows = (starts + lens - 1).to(self.device, non_blocking=True)
-        return self.model(ids, positions, self.kv_cache, meta, logits_rows=last_rows)
+        logits = self.model(ids, positions, self.kv_cache, meta, logits_rows=last_rows, states=self.states)
+        if self.states is not None:  # the other samples of a prompt start from its states (a copy: see scheduler)
+            for group in step.groups:
+                first, *others = group.sequences
+                if others:
+                    self.states.copy(first.state_slot, [seq.state_slot for seq in others])
+        return logits
 
     def _run_decode(self, step: DecodeStep, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, vocab] for every running sequence's next token (input tokens from `device_ids` [B] when
@@ -901,7 +967,9 @@ class Engine:
         if step.copies:
             src, dst = zip(*step.copies, strict=True)
             copy_blocks(self.kv_cache, self._to_device(list(src)), self._to_device(list(dst)))
-        batch = DecodeBatch(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
+        batch = DecodeBatch(
+            step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables, step.state_slots
+        )
         if self._graphs is not None:
             return self._graphs.run(batch, device_ids)
         real = rows = len(step.input_ids)
@@ -909,7 +977,8 @@ class Engine:
         bucket = batch_bucket(real, self.config.max_num_seqs)
         if self._flex_rows is not None and bucket >= self._flex_rows:
             rows, n_blocks = bucket, self.max_blocks_per_seq
-        ids, positions, meta = unpack(pack(batch, rows, n_blocks).to(self.device, non_blocking=True), rows, n_blocks)
+        packed = pack(batch, rows, n_blocks).to(self.device, non_blocking=True)
+        ids, positions, meta = unpack(packed, rows, n_blocks, linear=self.states is not None)
         if device_ids is not None:
             ids[:real].copy_(device_ids)
         return self._decode_forward(ids, positions, meta)[:real]
@@ -921,7 +990,7 @@ class Engine:
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         assert self.kv_cache is not None
-        return self.model(ids, positions, self.kv_cache, meta)
+        return self.model(ids, positions, self.kv_cache, meta, states=self.states)
 
     def _report(self, sequences: list[Sequence]) -> None:
         """The output of each finished sequence (its tokens final), made once; handed to `on_sample` if given."""
@@ -942,8 +1011,21 @@ class Engine:
                 finished.on_sample(seq.request_index - finished.first_index, output)
 
     def _allocate_cache(self) -> torch.Tensor:
-        mc, cfg = self.model_config, self.config
+        cfg = self.config
         planes, heads, width = self.cache_entry
         return allocate_kv_cache(
-            mc.num_layers, self.num_blocks, cfg.block_size, heads, width, cfg.cache_dtype(), self.device, planes
+            self.model.num_kv_layers,
+            self.num_blocks,
+            cfg.block_size,
+            heads,
+            width,
+            cfg.cache_dtype(),
+            self.device,
+            planes,
         )
+
+    def _allocate_states(self) -> StateCache | None:
+        """A hybrid model's zeroed state cache: a slot per sequence plus the scratch one; None for other models."""
+        if self.state_shape is None:
+            return None
+        return StateCache(self.state_shape, self.config.max_num_seqs + 1, self.device)

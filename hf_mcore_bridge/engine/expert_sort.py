@@ -10,14 +10,15 @@ captured in a CUDA graph.
 Two implementations give identical outputs (`ExpertSort`, field by field), chosen by `sort_experts`' `method`
 (`options.MOE_SORTS`, the engine's `EngineConfig.moe_sort`):
 
-- `torch` (the default): `sort_by_expert`, about fifteen small torch kernels (scatter_add, cumsum, a stable argsort,
+- `torch`: `sort_by_expert`, about fifteen small torch kernels (scatter_add, cumsum, a stable argsort,
   index_select, searchsorted, ...; no `bincount`, whose CUDA kernel reads the largest id on the host).
 - `triton`: `sort_by_expert_triton`, one Triton kernel launch (`expert_sort_kernel`), a single program, for up to
   `MAX_SORT_PAIRS` pairs over up to `MAX_SORT_EXPERTS` experts (decode batches; the sort of larger ones falls back to
-  `sort_by_expert`). It replaces the torch sort's small kernels in every MoE layer of a decode step. Opt-in: it is
-  tested in Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors) but not yet timed on a GPU, so the default
-  stays `torch` until `scripts/bench_moe_generation.py --moe-sort triton` (and `--sweep-tiles`, which times both
-  sorts alone) shows it faster. Triton itself is imported only when the kernel is first used.
+  `sort_by_expert`). It replaces the torch sort's small kernels in every MoE layer of a decode step, and is the
+  engine's choice on CUDA (`EngineConfig.moe_sort` `auto`): on one H200, one Qwen3-30B-A3B MoE layer's experts at
+  64 rows took 0.311 ms with it against 0.448 ms with the torch sort (`scripts/bench_moe_generation.py
+  --sweep-tiles`). Tested against a reference in Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors) and on
+  the GPU. Triton itself is imported only when the kernel is first used.
 
 Expert ids must lie in [0, num_experts) (neither implementation checks: torch's scatter fails on others, the
 kernel's output is then undefined).

@@ -20,16 +20,25 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> 
 class RMSNorm(nn.Module):
     """RMSNorm with float32 statistics (`F.rms_norm`)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str, offset: bool = False
+    ) -> None:
         super().__init__()
         self.weight = empty_param(size, dtype=dtype, device=device)
         self.eps = eps
+        self.offset = offset
+        """Scale by `1 + weight` (Gemma's norms: the stored weight is the offset from one)."""
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """What the normalised activations are multiplied by: the weight, or `1 + weight` (`offset`)."""
+        return self.weight + 1.0 if self.offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused kernel on CUDA (float32 statistics). transformers rounds the normalised activations to the
         # input dtype before the weight multiply; this rounds once, at the end: identical in float32, and in
         # bfloat16 within one rounding step.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.scale, self.eps)
 
 
 class Linear(nn.Module):

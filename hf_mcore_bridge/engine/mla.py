@@ -30,9 +30,13 @@ mscale(factor, mscale_all_dim)^2 under YaRN (`ModelSpec.softmax_scale`).
 
 Simplifications: FlexAttention reads no latent cache; the Triton kernel is a plain split-KV online softmax over
 blocks of 16 heads (not FlashMLA's tuned pipeline); the cache is in
-the activations' dtype (no FP8 latent cache); no tensor parallelism (the engine refuses MLA at TP > 1: heads would
-split over ranks with the latent replicated, which `tp_shards` does not describe yet); the MLA projections are not
-multiplied by FP8 copies under `EngineConfig.fp8_weights`.
+the activations' dtype (no FP8 latent cache); the MLA projections are not multiplied by FP8 copies under
+`EngineConfig.fp8_weights`.
+
+Tensor parallelism (vLLM's split): the heads split over the ranks (`q_b_proj` or `q_proj` and `kv_b_proj` by rows,
+whole heads; `o_proj` by input columns, then an all-reduce), while the down-projections, the latent norms and the
+latent cache are whole on every rank: every rank's heads read the whole latent. The cache is therefore not
+divided by the TP size (each rank holds every token's 576 values, DeepSeek-V3), as in vLLM.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3) and its
-weight loader.
+"""The shared decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, DeepSeek-V3, GPT-OSS)
+and its weight loader.
 
 Layout follows the inference convention: a batch is a flat run of tokens `[T]` with their positions, and the
 attention metadata says how tokens group into sequences and where they live in the paged KV cache
@@ -22,9 +22,15 @@ per layer for the per-expert row counts, a few kernels per active expert: the CP
 choice on CPU); or the fast one (`fused_moe`): the pairs sorted by expert on the device and a grouped GEMM over
 the sorted rows with on-device offsets (a Triton kernel in the style of vLLM's fused MoE, or `torch._grouped_mm`),
 sync-free and so captured in the decode CUDA graphs as a dense model's step is. Routing, shared experts, expert
-biases and the clamped activation (`MoeSpec.expert_mlp_bias`, `swiglu_limit`: GPT-OSS's, not yet an
-architecture here) are the same on both. `record_routing` makes every pass copy each token's chosen expert ids
-into a buffer (a fixed one, so the copy is captured in decode graphs too): rollout routing replay.
+biases and the clamped activation (`MoeSpec.expert_mlp_bias`, `swiglu_limit`: GPT-OSS's) are the same on both.
+`record_routing` makes every pass copy each token's chosen expert ids into a buffer (a fixed one, so the copy is
+captured in decode graphs too): rollout routing replay.
+
+A hybrid model (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) runs Gated DeltaNet (`gated_delta.GatedDeltaNet`, registered as
+HF's `linear_attn`) in place of `self_attn` on the layers `layer_types` marks `linear_attention`: the KV cache holds
+the attention layers only (`cache_index`: each layer's index in the KV cache or in the state cache), the linear
+layers read and write their states in the pass's state slots (`forward`'s `states`, `meta.linear`). Its attention
+layers gate their output (`Attention.gated`: q_proj's per-head gate rows, sigmoid, before `o_proj`).
 
 Tensor parallelism (a `tp_group.TensorParallel`, built from a given process group; None: one device and not a
 single collective or extra op): the layers are megatron-core's column- and row-parallel ones. `qkv_proj` holds this
@@ -61,14 +67,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_mcore_bridge.checkpoint.expert_parts import take
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.engine.arch import (
     FusedPiece,
     engine_param,
     fused_expert_pieces,
+    fused_linear_projections,
     ignored_names,
     ignored_prefixes,
     layer_entries,
+    layer_window,
+    router_module,
     shared_expert_module,
 )
 from hf_mcore_bridge.engine.attention import (
@@ -89,13 +99,16 @@ from hf_mcore_bridge.engine.fused_moe import (
     gated_activation,
     grouped_mm_experts,
 )
+from hf_mcore_bridge.engine.gated_delta import GatedDeltaNet, LinearAttnSpec, linear_attn_shards
 from hf_mcore_bridge.engine.layers import Linear, RMSNorm, RowLinear, empty_param
 from hf_mcore_bridge.engine.mla import CACHE_HEADS, CACHE_PLANES, LatentAttention
 from hf_mcore_bridge.engine.options import DECODE_KERNELS, MOE_KERNELS
 from hf_mcore_bridge.engine.pointwise import EAGER_OPS, PointwiseOps
+from hf_mcore_bridge.engine.state_cache import StateCache, StateShape
 from hf_mcore_bridge.engine.tp_group import TensorParallel
 from hf_mcore_bridge.engine.tp_shards import (
     LocalSizes,
+    Sections,
     Shard,
     TPRank,
     column_shard,
@@ -105,12 +118,25 @@ from hf_mcore_bridge.engine.tp_shards import (
     vocab_shard,
 )
 from hf_mcore_bridge.engine.triton_rope import fused_rope_write
-from hf_mcore_bridge.models.mapping_types import Entry, FusedGateUp, FusedQKV, LayerKind, Size, is_expert
+from hf_mcore_bridge.models.mapping_types import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    Entry,
+    FusedGateUp,
+    FusedQKV,
+    GatedQKV,
+    LayerKind,
+    Size,
+    is_expert,
+)
 from hf_mcore_bridge.models.moe import HF_GROUP_SCORE_TOPK, MoeSpec
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.spec import ModelSpec, RopeSpec
 
 AttentionMetadata = PrefillMetadata | DecodeMetadata
+
+ONE_DEVICE = TPRank(1, 0)
+"""The place of a model without tensor parallelism."""
 
 _COPY_BATCH = 64
 _COPY_BATCH_BYTES = 256 << 20
@@ -159,7 +185,8 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 def _yarn_inv_freq(rope: RopeSpec, dim: int) -> torch.Tensor:
-    """YaRN's inverse frequencies (transformers' `_compute_yarn_parameters`, truncated correction range): those of
+    """YaRN's inverse frequencies (transformers' `_compute_yarn_parameters`; the correction range's bounds rounded
+    out to whole dimensions with `truncate`, GPT-OSS's without): those of
     more than `beta_fast` rotations over the original context kept, of fewer than `beta_slow` divided by `factor`,
     a linear ramp between."""
 
@@ -170,8 +197,10 @@ def _yarn_inv_freq(rope: RopeSpec, dim: int) -> torch.Tensor:
             / (2 * math.log(rope.theta))
         )
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2).to(dtype=torch.float32) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
     ramp = torch.clamp(
@@ -230,17 +259,27 @@ class Attention(nn.Module):
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
         tp: TensorParallel | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.window = window
+        """The layer's sliding window (`arch.layer_window`); None: every earlier position."""
         self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
         q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
         self.split = (q_rows, kv_rows, kv_rows)
+        self.gated = cfg.attention_output_gate
+        """The output is gated per head (Qwen3.5, Qwen3-Next): `qkv_proj`'s q part holds per head its query rows,
+        then its gate's (HF `q_proj`'s order); the output is multiplied by sigmoid(gate) before `o_proj`."""
         self.scale = cfg.softmax_scale
-        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), cfg.qkv_bias, dtype, device)
+        gate_rows = q_rows if self.gated else 0
+        self.qkv_proj = Linear(cfg.hidden_size, gate_rows + sum(self.split), cfg.qkv_bias, dtype, device)
         self.o_proj = RowLinear(q_rows, cfg.hidden_size, cfg.o_bias, dtype, device, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device) if cfg.qk_norm else None
+        offset = cfg.norm_offset
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, dtype, device, offset) if cfg.qk_norm else None
+        self.sinks = empty_param(sizes.num_heads, dtype=dtype, device=device) if cfg.attention_sinks else None
+        """This rank's heads' sink logits (GPT-OSS's `self_attn.sinks`); None: no sinks."""
 
     def forward(
         self,
@@ -253,10 +292,17 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if isinstance(meta, DecodeMetadata) and meta.fused_rope and self.q_norm is None:
+        gate = None
+        if self.gated:
+            both, kv = qkv.split((2 * self.split[0], self.split[1] + self.split[2]), dim=-1)
+            query, gate = both.view(tokens, heads, 2, head_dim).unbind(2)
+            qkv = torch.cat([query.reshape(tokens, -1), kv], dim=-1)
+            gate = gate.reshape(tokens, -1)
+        if isinstance(meta, DecodeMetadata) and meta.fused_rope and self.q_norm is None and gate is None:
             # one kernel rotates q and k and writes k and v into the cache (`triton_rope`)
             q = fused_rope_write(qkv, cos, sin, layer_cache, meta.slot_mapping, heads, kv_heads, meta.kv_scale)
-            return self.o_proj(decode_attention(q, layer_cache, meta, self.scale).reshape(tokens, -1))
+            out = decode_attention(q, layer_cache, meta, self.scale, self.window, self.sinks)
+            return self.o_proj(out.reshape(tokens, -1))
         v = qkv[:, self.split[0] + self.split[1] :].view(tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split(self.split, dim=-1)
@@ -269,15 +315,17 @@ class Attention(nn.Module):
             q, k = self.ops.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
         write_kv(layer_cache, k, v, meta.slot_mapping, meta.kv_scale)
         if isinstance(meta, PrefillMetadata):
-            out = prefill_attention(q, k, v, meta, self.scale)
+            out = prefill_attention(q, k, v, meta, self.scale, self.window, self.sinks)
         else:
-            out = decode_attention(q, layer_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+            out = decode_attention(q, layer_cache, meta, self.scale, self.window, self.sinks)
+        out = out.reshape(tokens, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class MLP(nn.Module):
-    """A SiLU-gated MLP with fused gate and up projections (`width`: this rank's columns of each); `reduce`: the
-    group its row-parallel down projection sums over (None: no sum, the caller's or no tensor parallelism)."""
+    """A gated MLP (SiLU, or GeGLU with the tanh approximation: `activation`, HF `hidden_act`) with fused gate and up
+    projections (`width`: this rank's columns of each); `reduce`: the group its row-parallel down projection sums
+    over (None: no sum, the caller's or no tensor parallelism)."""
 
     def __init__(
         self,
@@ -287,14 +335,15 @@ class MLP(nn.Module):
         device: torch.device | str,
         ops: PointwiseOps = EAGER_OPS,
         reduce: TensorParallel | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
-        self.ops = ops
+        self.gated = ops.gelu_tanh_mul if activation == "gelu_pytorch_tanh" else ops.silu_mul
         self.gate_up_proj = Linear(hidden, 2 * width, False, dtype, device)
         self.down_proj = RowLinear(width, hidden, False, dtype, device, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gated(self.gate_up_proj(x)))
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -451,13 +500,15 @@ class Experts(nn.Module):
 
 
 class Router(nn.Module):
-    """A MoE layer's router (HF `mlp.gate`): `weight` [E, H] in the model's dtype and, for biased routing,
-    `e_score_correction_bias` [E] in float32 (as transformers and megatron-core hold it). Logits in the model's
-    dtype, or in float32 from float32 copies of input and weight (`MoeSpec.router_fp32`)."""
+    """A MoE layer's router (HF `mlp.gate`; GPT-OSS's `mlp.router`): `weight` [E, H] in the model's dtype, with
+    `MoeSpec.router_bias` a `bias` [E] added to the logits, and, for biased routing, `e_score_correction_bias` [E]
+    in float32 (as transformers and megatron-core hold it). Logits in the model's dtype, or in float32 from float32
+    copies of input and weight (`MoeSpec.router_fp32`)."""
 
     def __init__(self, moe: MoeSpec, hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight = empty_param(moe.num_experts, hidden, dtype=dtype, device=device)
+        self.bias = empty_param(moe.num_experts, dtype=dtype, device=device) if moe.router_bias else None
         self.e_score_correction_bias = (
             empty_param(moe.num_experts, dtype=torch.float32, device=device) if moe.expert_bias else None
         )
@@ -465,8 +516,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32:
-            return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight)
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoe(nn.Module):
@@ -495,7 +546,8 @@ class SparseMoe(nn.Module):
         self.round_routing_weights = cfg.arch.round_routing_weights
         self.tp = tp
         moe = cfg.moe
-        self.gate = Router(moe, cfg.hidden_size, dtype, device)
+        self.router_name = router_module(cfg)
+        self.add_module(self.router_name, Router(moe, cfg.hidden_size, dtype, device))
         first_rank = tp is None or tp.place.rank == 0
         self.experts = Experts(
             moe, sizes.expert_width, cfg.hidden_size, dtype, device, moe_kernel, first_rank, sort=moe_sort
@@ -512,12 +564,13 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
+        router: Router = self._modules[self.router_name]  # type: ignore[assignment]
         weights, experts = route(
-            self.gate(x),
+            router(x),
             moe.topk,
             moe.renormalize,
             score_function=moe.score_function,
-            expert_bias=self.gate.e_score_correction_bias,
+            expert_bias=router.e_score_correction_bias,
             num_groups=moe.num_groups,
             group_topk=moe.group_topk,
             scaling_factor=moe.topk_scaling_factor or 1.0,
@@ -547,20 +600,33 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
         moe_sort: str = "torch",
+        window: int | None = None,
+        linear: LinearAttnSpec | None = None,
+        place: TPRank = ONE_DEVICE,
     ) -> None:
         super().__init__()
         self.ops = ops
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
-        self.self_attn: nn.Module = (
-            Attention(cfg, sizes, dtype, device, ops, tp)
-            if cfg.mla is None
-            else LatentAttention(cfg, sizes.num_heads, dtype, device, ops, tp)
-        )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
+        hidden, eps, offset = cfg.hidden_size, cfg.norm_epsilon, cfg.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, offset)
+        self.linear_attn = GatedDeltaNet(linear, place, dtype, device, tp) if linear is not None else None
+        """A Gated DeltaNet layer (`linear`: its sizes) in place of `self_attn`: its states live in the state cache."""
+        if self.linear_attn is None:
+            self.self_attn: nn.Module = (
+                Attention(cfg, sizes, dtype, device, ops, tp, window)
+                if cfg.mla is None
+                else LatentAttention(cfg, sizes.num_heads, dtype, device, ops, tp)
+            )
+        # Llama's post-attention norm is the MLP's input norm; with post-norms (Gemma) it norms the attention's
+        # output, and the MLP has its own pre- and post-norms
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device, offset) if cfg.post_norms else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, device, offset) if cfg.post_norms else None
+        self.local_rope = window is not None and cfg.sliding_rope is not None
+        """Whether the layer rotates by the sliding layers' own RoPE table (`ModelSpec.sliding_rope`: Gemma 3)."""
         self.mlp: nn.Module = (
             SparseMoe(cfg, sizes, dtype, device, ops, tp, moe_kernel, moe_sort)
             if mlp is LayerKind.MOE
-            else MLP(cfg.hidden_size, sizes.intermediate_size, dtype, device, ops, tp)
+            else MLP(hidden, sizes.intermediate_size, dtype, device, ops, tp, cfg.hidden_act)
         )
 
     def forward(
@@ -569,20 +635,29 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layer_cache: torch.Tensor,
+        layer_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it). h: the previous layer's MLP output, added to `residual` here
-        (fused with the norm that follows); at the first layer the embeddings, with `residual` None."""
+        (fused with the norm that follows); at the first layer the embeddings, with `residual` None. `layer_cache`:
+        the layer's KV cache, or a Gated DeltaNet layer's (conv, recurrent) states (`StateCache.layer`)."""
         norm = self.input_layernorm
         if residual is None:
             residual, x = h, norm(h)
         else:
-            x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-        h = self.self_attn(x, cos, sin, layer_cache, meta)
-        norm = self.post_attention_layernorm
-        x, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(x), residual
+            x, residual = self.ops.add_rms_norm(h, residual, norm.scale, norm.eps)
+        if self.linear_attn is not None:
+            assert isinstance(layer_cache, tuple) and meta.linear is not None, "a hybrid pass needs its state slots"
+            h = self.linear_attn(x, meta.linear, *layer_cache)
+        else:
+            h = self.self_attn(x, cos, sin, layer_cache, meta)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            norm = self.post_attention_layernorm
+            x, residual = self.ops.add_rms_norm(h, residual, norm.scale, norm.eps)
+            return self.mlp(x), residual
+        norm = self.pre_feedforward_layernorm
+        x, residual = self.ops.add_rms_norm(self.post_attention_layernorm(h), residual, norm.scale, norm.eps)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Backbone(nn.Module):
@@ -596,16 +671,54 @@ class Backbone(nn.Module):
         tp: TensorParallel | None = None,
         moe_kernel: str = "exact",
         moe_sort: str = "torch",
+        place: TPRank = ONE_DEVICE,
     ) -> None:
         super().__init__()
+        linear = linear_attn_spec(cfg)
         self.embed_tokens = Embedding(
             sizes.vocab_rows, cfg.hidden_size, dtype, device, tp, sizes.vocab_start, sizes.vocab_held
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sizes, cfg.layer_kind(layer), dtype, device, ops, tp, moe_kernel, moe_sort)
+            DecoderLayer(
+                cfg,
+                sizes,
+                cfg.layer_kind(layer),
+                dtype,
+                device,
+                ops,
+                tp,
+                moe_kernel,
+                moe_sort,
+                layer_window(cfg, layer),
+                linear if layer_type(cfg, layer) == LINEAR_ATTENTION else None,
+                place,
+            )
             for layer in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, dtype, device, cfg.norm_offset)
+
+
+def layer_type(cfg: ModelSpec, layer: int) -> str:
+    """The `layer_types` kind of decoder layer `layer` (full attention where the model lists none)."""
+    return cfg.layer_types[layer] if cfg.layer_types else FULL_ATTENTION
+
+
+def linear_attn_spec(cfg: ModelSpec) -> LinearAttnSpec | None:
+    """The sizes of a hybrid model's Gated DeltaNet layers, their input projections split (Qwen3.5) or fused per key
+    head (Qwen3-Next); None without such layers."""
+    linear = cfg.linear_attention
+    if linear is None:
+        return None
+    return LinearAttnSpec(
+        hidden_size=cfg.hidden_size,
+        num_k_heads=linear.num_key_heads,
+        num_v_heads=linear.num_value_heads,
+        head_k_dim=linear.key_head_dim,
+        head_v_dim=linear.value_head_dim,
+        conv_kernel=linear.conv_kernel,
+        eps=cfg.norm_epsilon,
+        fused_projections=fused_linear_projections(cfg),
+    )
 
 
 @dataclass(frozen=True)
@@ -617,7 +730,7 @@ class Target:
     """None: all rows."""
     expert: int | None = None
     """The index on the leading expert axis; None for a parameter that is not stacked over experts."""
-    shard: Shard | None = None
+    shard: Shard | Sections | None = None
     """This tensor-parallel rank's part of the full HF tensor; None: all of it (also without tensor parallelism)."""
 
 
@@ -654,12 +767,7 @@ class CausalLM(nn.Module):
         self.kv_scale = 1.0
         """Per-tensor scale of an FP8 KV cache's entries (`attention.to_cache`), set by the engine; passed to the
         attention of every layer through the pass's metadata."""
-        place = tp.place if tp is not None else TPRank(1, 0)
-        if cfg.mla is not None and place.size > 1:
-            raise NotImplementedError(
-                f"multi-latent attention ({cfg.architecture}) is not implemented in the tensor-parallel engine "
-                f"(tensor-parallel size {place.size}); run it on one device per engine"
-            )
+        place = tp.place if tp is not None else ONE_DEVICE
         moe = cfg.moe
         self.sizes = local_sizes(
             cfg.num_attention_heads,
@@ -676,7 +784,17 @@ class CausalLM(nn.Module):
         layer, the others never, so only they let a MoE model's decode step be captured in a CUDA graph."""
         self.moe_sort = moe_sort
         """How the fast MoE kernels sort the pairs by expert (`options.MOE_SORTS`; `Experts`)."""
-        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp, moe_kernel, moe_sort)
+        self.model = Backbone(cfg, self.sizes, dtype, device, ops, tp, moe_kernel, moe_sort, place)
+        self.linear = linear_attn_spec(cfg)
+        """The full sizes of a hybrid model's Gated DeltaNet layers; None without them."""
+        linear_layers = [layer_type(cfg, i) == LINEAR_ATTENTION for i in range(cfg.num_layers)]
+        self.cache_index = [linear_layers[:i].count(lin) for i, lin in enumerate(linear_layers)]
+        """Per decoder layer its index in the KV cache (full and sliding attention layers, in order) or, for a
+        Gated DeltaNet layer, in the state cache (linear layers, in order)."""
+        self.num_kv_layers = cfg.num_layers - sum(linear_layers)
+        """Layers with a KV cache (a hybrid model's full-attention layers only)."""
+        self.num_linear_layers = sum(linear_layers)
+        self.place = place
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings
@@ -686,6 +804,13 @@ class CausalLM(nn.Module):
         cos, sin = rope_tables(inv_freq, max_positions, cfg.rope.attention_scaling)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        local = cfg.sliding_rope
+        if local is not None:  # the sliding layers' own table (Gemma 3's `rope_local_base_freq`)
+            cos, sin = rope_tables(rope_inv_freq(local, local.rotary_dim(cfg.head_dim)), max_positions)
+        self.register_buffer("local_rope_cos", cos.to(device) if local is not None else None, persistent=False)
+        self.register_buffer("local_rope_sin", sin.to(device) if local is not None else None, persistent=False)
+        self.embedding_scale = math.sqrt(cfg.hidden_size) if cfg.embedding_scale else None
+        """What the embeddings are multiplied by, rounded to their dtype (Gemma's sqrt(hidden_size)); None: 1."""
         self._shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         self.targets = _expand_targets(cfg, self.sizes, place, self._shapes)
         self.ignored = _expand(ignored_names(cfg), cfg.num_layers)
@@ -723,6 +848,21 @@ class CausalLM(nn.Module):
             layer.routing_out = buffer[index]
         return buffer
 
+    def state_shape(self, conv_dtype: torch.dtype) -> StateShape | None:
+        """This rank's per-sequence states of the Gated DeltaNet layers (`state_cache`); None without them."""
+        if self.linear is None:
+            return None
+        local = self.linear.local(self.place)
+        return StateShape(
+            self.num_linear_layers,
+            local.conv_dim,
+            local.conv_kernel,
+            local.num_v_heads,
+            local.head_k_dim,
+            local.head_v_dim,
+            conv_dtype,
+        )
+
     @property
     def cache_entry(self) -> tuple[int, int, int]:
         """(planes, heads, width) of one token's entry in a layer's KV cache (`attention.allocate_kv_cache`): keys
@@ -739,13 +879,18 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,
+        states: StateCache | None = None,
     ) -> torch.Tensor:
         """Logits [N, vocab] in the model's dtype for the rows `logits_rows` of the flat batch (every row when None);
         the sampler upcasts them to float32 as it reads them (no float32 copy of the [N, vocab] logits is written).
 
-        input_ids, positions: [T]; kv_cache: [layers, planes, NB, BS, heads, D] (`cache_entry`).
+        input_ids, positions: [T]; kv_cache: [kv layers, planes, NB, BS, heads, D] (`cache_entry`; a hybrid model's
+        attention layers only, `cache_index`); states: a hybrid model's Gated DeltaNet states (read and written in
+        the slots `meta.linear` names).
         """
         h = self.model.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
         if self.kv_scale != meta.kv_scale:
             meta = replace(meta, kv_scale=self.kv_scale)
         if isinstance(meta, DecodeMetadata):  # per-pass attention inputs, shared by every layer
@@ -757,11 +902,23 @@ class CausalLM(nn.Module):
                 meta = with_key_bias(meta, kv_cache.shape[3], h.dtype)
         cos = self.rope_cos.index_select(0, positions).to(h.dtype)
         sin = self.rope_sin.index_select(0, positions).to(h.dtype)
+        local = (cos, sin)
+        if self.local_rope_cos is not None and self.local_rope_sin is not None:
+            local = (
+                self.local_rope_cos.index_select(0, positions).to(h.dtype),
+                self.local_rope_sin.index_select(0, positions).to(h.dtype),
+            )
         residual = None
         for index, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache[index], meta)
+            layer_cos, layer_sin = local if layer.local_rope else (cos, sin)
+            if layer.linear_attn is not None:
+                assert states is not None, "a hybrid model's pass needs its state cache"
+                layer_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = states.layer(self.cache_index[index])
+            else:
+                layer_cache = kv_cache[self.cache_index[index]]
+            h, residual = layer(h, residual, layer_cos, layer_sin, layer_cache, meta)
         norm = self.model.norm
-        h = norm(h) if residual is None else self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
+        h = norm(h) if residual is None else self.ops.add_rms_norm(h, residual, norm.scale, norm.eps)[0]
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         logits = F.linear(h, self.lm_head.weight)
@@ -878,12 +1035,15 @@ class CausalLM(nn.Module):
 
 
 def _piece_of(fused: torch.Tensor, piece: FusedPiece) -> torch.Tensor:
-    """One expert's tensor (a view) inside a fused `[num_experts, rows, cols]` tensor."""
+    """One expert's tensor inside a fused `[num_experts, ...]` tensor: a view for `all`, `gate`, `up`; otherwise
+    (GPT-OSS's interleaved, transposed parts) a copy cut as `expert_parts.take` cuts it."""
     tensor = fused if piece.expert is None else fused[piece.expert]
     if piece.part == "all":
         return tensor
-    half = tensor.shape[0] // 2
-    return tensor[:half] if piece.part == "gate" else tensor[half:]
+    if piece.part in ("gate", "up"):
+        half = tensor.shape[0] // 2
+        return tensor[:half] if piece.part == "gate" else tensor[half:]
+    return take(tensor, piece.part)
 
 
 def _expand(templates: Iterable[str], num_layers: int) -> set[str]:
@@ -900,9 +1060,12 @@ def _expand_targets(
     """HF name -> target, for every layer and expert (the table's placeholders filled in); `shapes`: the engine
     parameters' (this rank's) shapes."""
     targets: dict[str, Target] = {}
-    entries = {kind: layer_entries(cfg, kind) for kind in (LayerKind.DENSE, LayerKind.MOE)}
+    kinds = {
+        (kind, layer_type(cfg, layer)) for kind in (LayerKind.DENSE, LayerKind.MOE) for layer in range(cfg.num_layers)
+    }
+    entries = {(kind, attention): layer_entries(cfg, kind, attention) for kind, attention in kinds}
     for layer in range(cfg.num_layers):
-        for entry in entries[cfg.layer_kind(layer)]:
+        for entry in entries[(cfg.layer_kind(layer), layer_type(cfg, layer))]:
             targets.update(_entry_targets(cfg, sizes, tp, shapes, entry, layer))
     if tp.size == 1:  # one device: every tensor whole, nothing narrowed on load
         targets = {name: replace(target, shard=None) for name, target in targets.items()}
@@ -923,10 +1086,13 @@ def _entry_targets(
     parallelism as its style says)."""
     if any(is_expert(name) for name in entry.hf_sources):
         return _expert_targets(cfg, tp, shapes, entry, layer)
+    if any(LINEAR_ATTN in name for name in entry.hf_sources):
+        return _linear_attn_targets(cfg, tp, entry, layer)
     param = fill(engine_param(cfg.arch, entry), layer)
-    if isinstance(entry, FusedQKV):
-        q_rows, kv_rows = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
-        q = head_shard(cfg.num_attention_heads, cfg.head_dim, tp)
+    if isinstance(entry, FusedQKV | GatedQKV):
+        per_head = cfg.head_dim * (2 if isinstance(entry, GatedQKV) else 1)  # a gated head: query rows, gate rows
+        q_rows, kv_rows = sizes.num_heads * per_head, sizes.num_kv_heads * cfg.head_dim
+        q = head_shard(cfg.num_attention_heads, per_head, tp)
         kv = kv_shard(cfg.num_query_groups, cfg.head_dim, tp)
         return {
             fill(entry.q, layer): Target(param, (0, q_rows), shard=q),
@@ -943,7 +1109,40 @@ def _entry_targets(
     if entry.parallel is Parallel.VOCAB:
         shard = vocab_shard(cfg.vocab_size, tp)
         return {fill(name, layer): Target(param, (0, shard.size), shard=shard)}
+    if entry.parallel is Parallel.COLUMN and len(shapes[param]) == 2:
+        return {fill(name, layer): Target(param, shard=_column_rows(cfg, entry, shapes[param], tp))}
     return {fill(name, layer): Target(param, shard=_row_shard(entry.parallel, shapes[param], tp))}
+
+
+LINEAR_ATTN = ".linear_attn."
+"""Where a Gated DeltaNet layer's HF tensors live (`GatedDeltaNet`'s parameters carry their HF names)."""
+
+
+def _linear_attn_targets(cfg: ModelSpec, tp: TPRank, entry: Entry, layer: int) -> dict[str, Target]:
+    """Each HF tensor of a Gated DeltaNet entry fills the parameter of its name, the rank keeping its key heads'
+    sections (`gated_delta.linear_attn_shards`: q, k and v rows each split, so a sectioned shard)."""
+    linear = linear_attn_spec(cfg)
+    assert linear is not None, f"{entry.hf_sources}: a Gated DeltaNet entry in a model without linear attention"
+    shards = linear_attn_shards(linear, tp)
+    targets = {}
+    for name in entry.hf_sources:
+        pieces = shards[name.split(LINEAR_ATTN, 1)[1]]
+        shard = Sections(pieces) if len(pieces) > 1 else pieces[0] if pieces else None
+        targets[fill(name, layer)] = Target(fill(name, layer), shard=shard)
+    return targets
+
+
+def _column_rows(cfg: ModelSpec, entry: Entry, local_shape: tuple[int, ...], tp: TPRank) -> Shard | None:
+    """The rank's output rows of a whole column-parallel matrix: an equal block of them (multi-latent attention's
+    up-projections, per head), or None where the engine builds the matrix whole on every rank (its
+    down-projections, whose latent every rank's heads read)."""
+    full = cfg.sizes()[entry.shape[0]]
+    rows = local_shape[0]
+    if rows == full:
+        return None
+    if rows * tp.size != full:
+        raise AssertionError(f"{entry.hf_sources}: {rows} local rows of {full} at tensor-parallel size {tp.size}")
+    return Shard(0, tp.rank * rows, rows, full)
 
 
 def _width(cfg: ModelSpec, size: Size) -> int:
@@ -958,6 +1157,8 @@ def _row_shard(parallel: Parallel, local_shape: tuple[int, ...], tp: TPRank) -> 
     replicated one."""
     if parallel is Parallel.REPLICATED or tp.size == 1:
         return None
+    if parallel is Parallel.COLUMN and len(local_shape) == 1:  # one value per query head (sinks)
+        return Shard(0, tp.rank * local_shape[0], local_shape[0], tp.size * local_shape[0])
     if parallel is not Parallel.ROW:
         raise AssertionError(f"unexpected parallel style {parallel} for a whole-parameter entry")
     width = local_shape[-1]

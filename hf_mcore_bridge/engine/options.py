@@ -16,4 +16,4 @@ Triton or `torch._grouped_mm` (`engine.fused_moe`)."""
 
 MOE_SORTS = ("torch", "triton")
 """How the fast MoE paths sort the (token, expert) pairs by expert (`engine.expert_sort`): about fifteen small torch
-kernels (the default), or one Triton kernel (opt-in until timed on a GPU)."""
+kernels, or one Triton kernel (the engine's `auto` on CUDA where Triton is installed)."""

@@ -16,6 +16,8 @@ def paged_decode_kernel(
     lens_ptr,
     out_ptr,
     stats_ptr,
+    sinks_ptr,
+    window,
     scale_log2,
     value_scale,
     blocks_per_split,
@@ -36,6 +38,7 @@ def paged_decode_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     NORMALISE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,11 +56,19 @@ def paged_decode_kernel(
         q = q.to(tl.float32)
     dtype = q.dtype  # of the products: an FP8 cache's tiles are converted to it
     length = tl.load(lens_ptr + seq).to(tl.int32)
-    first = split * blocks_per_split * BLOCK_SIZE
+    # the window's first position; the splits share out the blocks from the one holding it
+    lower = tl.maximum(length - window, 0)
+    first = (lower // BLOCK_SIZE + split * blocks_per_split) * BLOCK_SIZE
     last = tl.minimum(first + blocks_per_split * BLOCK_SIZE, length)
+    first = tl.maximum(first, lower)
 
     running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     normaliser = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if HAS_SINKS:  # noqa: SIM102 (a compile-time branch around a run-time one) the sink joins the first split
+        if split == 0:
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            running_max = tl.where(row_ok, sink, running_max)
+            normaliser = tl.where(row_ok, 1.0, normaliser)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     for start in range(first, last, tile):
         position = start + offsets

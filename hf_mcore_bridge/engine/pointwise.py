@@ -35,6 +35,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [gate | up] (Gemma's GeGLU, `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +56,11 @@ class PointwiseOps:
 
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
-EAGER_OPS = PointwiseOps(rope=rope, silu_mul=silu_mul, add_rms_norm=add_rms_norm)
+EAGER_OPS = PointwiseOps(rope=rope, silu_mul=silu_mul, gelu_tanh_mul=gelu_tanh_mul, add_rms_norm=add_rms_norm)
 
 
 def compiled_ops() -> PointwiseOps:
@@ -61,5 +68,6 @@ def compiled_ops() -> PointwiseOps:
     return PointwiseOps(
         rope=CompiledOrEager(rope, "rotary embedding"),
         silu_mul=CompiledOrEager(silu_mul, "SiLU gating"),
+        gelu_tanh_mul=CompiledOrEager(gelu_tanh_mul, "GeGLU gating"),
         add_rms_norm=CompiledOrEager(add_rms_norm, "residual add + RMSNorm"),
     )

@@ -13,6 +13,14 @@ their blocks are released and they wait at the front of the queue to be recomput
 (prompt and generated), which yields the same continuation because sampling is counter-based. A single sequence
 always fits (the engine checks that the cache holds `max_model_len` tokens), so preemption cannot livelock.
 
+A hybrid model (Gated DeltaNet layers beside attention) also gives each sequence a state slot (`state_cache`):
+taken, zeroed, when the sequence starts (every sequence of a group, each its own), given back when it finishes or
+is preempted (never zeroed there: a sequence still queued on the device may write it once more, before the next
+allocation's zeroing in stream order). A preempted sequence recomputes its states from its tokens in a fresh slot,
+as it recomputes its KV. The n samples of a prompt share its KV blocks, but not its states: the engine copies the
+prompt's states into the other samples' slots after the prefill. There is no prefix caching across prompts, which
+for a hybrid model would need the linear layers' states at the cached prefix's end as well as its KV blocks.
+
 Block tables are mirrored in a CPU int32 tensor (one row per sequence slot) so a decode step's table is an
 `index_select`, not a rebuild from Python lists.
 """
@@ -35,6 +43,7 @@ from hf_mcore_bridge.engine.kv_cache import (
     release,
 )
 from hf_mcore_bridge.engine.sampling import SamplingParams
+from hf_mcore_bridge.engine.state_cache import StateCache
 
 
 @dataclass
@@ -55,6 +64,8 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     row: int = -1
     """Row of the scheduler's block-table mirror while running, else -1."""
+    state_slot: int = -1
+    """A hybrid model's state-cache slot while running (`state_cache.StateCache`), else -1."""
     routing: list[torch.Tensor] = field(default_factory=list)
     """With routing recorded (`EngineConfig.record_routing`): host chunks `[moe_layers, n, k]` of the expert ids
     its tokens were routed to, in position order; `routed` rows in all."""
@@ -115,6 +126,8 @@ class DecodeStep:
     """[B, n_blocks] int32 (CPU), padded with the scratch block."""
     copies: list[tuple[int, int]]
     """(src, dst) block copies to do before the step (copy-on-write)."""
+    state_slots: list[int] = field(default_factory=list)
+    """A hybrid model's state slot of each sequence; empty for other models."""
 
 
 class Scheduler:
@@ -125,8 +138,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_blocks_per_seq: int,
+        states: StateCache | None = None,
     ) -> None:
         self.allocator = allocator
+        self.states = states
+        """A hybrid model's state cache (at least `max_num_seqs` slots besides the scratch one); None: no states."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -188,6 +204,8 @@ class Scheduler:
         for seq in others:
             seq.blocks = fork(self.allocator, first.blocks)
         for seq in group.sequences:
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             seq.row = self._free_rows.pop()
             self._mirror(seq)
             self.running.append(seq)
@@ -235,7 +253,10 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.cow_copies += len(copies)
         self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, self.allocator.num_used)
-        return DecodeStep(list(self.running), input_ids, positions, slots, context_lens, block_tables, copies)
+        state_slots = [seq.state_slot for seq in self.running] if self.states is not None else []
+        return DecodeStep(
+            list(self.running), input_ids, positions, slots, context_lens, block_tables, copies, state_slots
+        )
 
     def _blocks_needed(self) -> int:
         """Fresh blocks the next decode step takes: one per sequence at a block boundary or on a shared block."""
@@ -258,6 +279,9 @@ class Scheduler:
         self.tables[seq.row].fill_(SCRATCH_BLOCK)
         self._free_rows.append(seq.row)
         seq.row = -1
+        if self.states is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = -1
 
     def _mirror(self, seq: Sequence) -> None:
         self.tables[seq.row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)

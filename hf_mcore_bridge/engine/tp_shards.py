@@ -53,6 +53,22 @@ class Shard:
         return tuple(self.full if dim == self.dim else size for dim, size in enumerate(part))
 
 
+@dataclass(frozen=True)
+class Sections:
+    """A rank's part of a full tensor made of several pieces along one dim, concatenated in order: its share of each
+    section of a tensor whose sections are split over the ranks one by one (Gated DeltaNet's q, k and v rows of
+    `in_proj_qkv` and of its conv's channels: `gated_delta.linear_attn_shards`)."""
+
+    pieces: tuple[Shard, ...]
+
+    def take(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The rank's part of the full `tensor` (a copy); `ValueError` if `tensor` is not full along the dim."""
+        return torch.cat([piece.take(tensor, name) for piece in self.pieces], dim=self.pieces[0].dim)
+
+    def full_shape(self, part: tuple[int, ...]) -> tuple[int, ...]:
+        return self.pieces[0].full_shape(part)
+
+
 def even_split(extent: int, tp: TPRank, what: str) -> tuple[int, int]:
     """(start, size) of the rank's equal part of `extent`; `ValueError` naming `what` if it does not divide."""
     if extent % tp.size:

@@ -8,6 +8,11 @@ runs an online softmax (base 2) over tiles of blocks (64 or 128 tokens, `tile_bl
 product use `tl.dot` with the group's query heads padded to 16 rows (the smallest matrix-multiply tile); the
 kernel is bound by memory, not arithmetic, so the padding costs no extra reads.
 
+Sliding window (per layer) and attention sinks (per query head, GPT-OSS): a program's range starts at the
+window's first position, so only the window's blocks are read, and with `splits` the window's blocks (not the whole
+table's) are shared out; the first split starts its online softmax from the sink (maximum = the sink's logit,
+normaliser 1, nothing added to the values), so the sink joins the denominator once.
+
 Split-KV: when sequences x KV heads are too few to fill the GPU (small batches, long contexts), each sequence's
 blocks are split into `splits` contiguous ranges, one program each; the programs write float32 partial sums with
 their running maximum and normaliser, and a short torch epilogue combines them (log-sum-exp weighting). The
@@ -47,6 +52,8 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_BLOCKS_PER_SPLIT = 4
 """A split reads at least this many blocks: shorter ranges cost more in the epilogue than they gain."""
+NO_WINDOW = 1 << 30
+"""The window passed for a layer without one (longer than any context)."""
 MIN_HEAD_DIM = 16
 """`tl.dot` needs an inner dimension of at least 16."""
 
@@ -131,8 +138,11 @@ def paged_decode_attention(
     splits: int | None = None,
     tile: int | None = None,
     kv_scale: float = 1.0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its cached tokens.
+    """Attention of one query token per sequence over its cached tokens (the last `window` of them; None: all),
+    with a sink logit per query head (`sinks` [heads]; None: none).
 
     q: [B, heads, D] (any strides with a contiguous last dimension); layer_cache: [2, NB, BS, kv_heads, D];
     block_tables: [B, n_blocks] (entries past a sequence's used blocks are never read); context_lens: [B]
@@ -148,6 +158,8 @@ def paged_decode_attention(
     if q.stride(-1) != 1 or layer_cache.stride(-1) != 1:
         raise ValueError("q and the cache need a contiguous last dimension")
     n_blocks = block_tables.shape[1]
+    if window is not None:  # the blocks a window of `window` positions can touch
+        n_blocks = min(n_blocks, (window - 1) // block_size + 2)
     if splits is None:
         splits = num_splits(batch, kv_heads, n_blocks, device_sm_count(q.device))
     splits = max(1, min(splits, n_blocks))
@@ -173,6 +185,8 @@ def paged_decode_attention(
         context_lens,
         out,
         stats,
+        sinks if sinks is not None else out,  # unused without sinks
+        window if window is not None else NO_WINDOW,
         scale * math.log2(math.e) * kv_scale,
         kv_scale,
         blocks_per_split,
@@ -193,6 +207,7 @@ def paged_decode_attention(
         DOT_FP32=fp32 or interpret,
         PRECISION="ieee" if fp32 else None,  # the precision of float32 products only
         NORMALISE=splits == 1,
+        HAS_SINKS=sinks is not None,
         **({} if interpret else {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}),
     )
     if splits == 1:

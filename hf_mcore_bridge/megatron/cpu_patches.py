@@ -10,6 +10,9 @@ Applied only when CUDA is absent, idempotently, by `apply_cpu_workarounds()`:
 - Context parallelism: RoPE's `get_pos_emb_on_this_cp_rank` builds its chunk index in pinned memory, which needs
   an accelerator: inside `rope_utils`, `pin_memory` is dropped from tensor factories (as in the training modules
   below).
+- MoE's all-to-all token dispatcher (megatron-core's choice for variable sequence lengths, hence under PP) makes a
+  CUDA stream for its device-to-host copies of the token counts, and waits on it: inside `token_dispatcher`,
+  `torch.cuda`'s streams and events are stand-ins that do nothing (on the CPU those copies are no copies).
 Callers must also pass an explicit attention mask: the default causal mask is built on `device="cuda"`.
 
 `apply_te_absent_workarounds()` is applied wherever Transformer Engine is missing, GPU or not:
@@ -18,6 +21,14 @@ Callers must also pass an explicit attention mask: the default causal mask is bu
 - Multi-latent attention believes TE is there whenever `megatron.core.extensions.transformer_engine` imports (it
   does, with stand-ins for TE's classes) and then calls `isinstance` with a stand-in: its `HAVE_TE` is set to
   False.
+
+`apply_fla_absent_workarounds()` is applied wherever flash-linear-attention (`fla`, CUDA/Triton kernels) is missing,
+GPU or not: megatron-core's `GatedDeltaNet` (Qwen3-Next's and Qwen3.5's linear attention) refuses to build without
+it and then calls its `l2norm` and `chunk_gated_delta_rule`. They become torch: `l2norm` as fla and transformers
+compute it (`x * rsqrt(sum(x^2) + 1e-6)` over the last dimension) and megatron-core's own
+`torch_chunk_gated_delta_rule` (written for its deterministic mode, after transformers' torch implementation).
+Without `causal_conv1d` megatron-core already runs its `nn.Conv1d` (padded, cut to the sequence). Packed sequences
+are megatron-core's refusal (`NotImplementedError`), left as it is.
 
 Training (pipeline schedules, DDP, `get_megatron_optimizer`, gradient clipping) needs more, applied by
 `apply_cpu_training_workarounds()` (it imports megatron-core's optimizer, so it is separate and opt-in):
@@ -36,7 +47,7 @@ Not covered: the distributed optimizer's CUDA tensor-type check (use `use_distri
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -62,8 +73,54 @@ def apply_cpu_workarounds() -> bool:
     from megatron.core.models.common.embeddings import rope_utils
 
     rope_utils.torch = _CpuTensorFactories(torch)  # type: ignore[attr-defined]
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.torch = _NoCudaStreams(torch)  # type: ignore[attr-defined]
     _applied = True
     return True
+
+
+class _NoStream:
+    """A CUDA stream and event that do nothing: work on the CPU is already in order."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NoCudaStreamsModule:
+    """`torch.cuda` with `Stream()`, `current_stream()` (one and the same stream) and `stream(...)` that do nothing;
+    everything else is torch's."""
+
+    _STREAM = _NoStream()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    def Stream(self, *args: Any, **kwargs: Any) -> _NoStream:
+        return self._STREAM
+
+    def current_stream(self, *args: Any, **kwargs: Any) -> _NoStream:
+        return self._STREAM
+
+    def stream(self, stream: object) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+class _NoCudaStreams:
+    """Stands in for the `torch` module inside a megatron-core module: `torch.cuda`'s streams do nothing."""
+
+    def __init__(self, real: ModuleType) -> None:
+        self._real = real
+        self.cuda = _NoCudaStreamsModule()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 class _CpuTensorFactories:
@@ -154,3 +211,22 @@ def apply_te_absent_workarounds() -> None:
         moe_utils.te_general_gemm = None
     if not transformer_engine.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+def torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's `l2norm` in torch: `x * rsqrt(sum(x^2) + eps)` over `dim`, computed in x's dtype (transformers'
+    `l2norm` of its Gated DeltaNet models)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def apply_fla_absent_workarounds() -> bool:
+    """Give megatron-core's `GatedDeltaNet` torch kernels where flash-linear-attention is not installed (see the
+    module docstring). Returns whether they are in use."""
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA and gated_delta_net.chunk_gated_delta_rule is not None:
+        return gated_delta_net.chunk_gated_delta_rule is gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.l2norm = torch_l2norm  # type: ignore[attr-defined]
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.HAVE_FLA = True
+    return True

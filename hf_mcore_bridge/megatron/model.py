@@ -7,6 +7,7 @@ initialised the process group and `parallel_state`.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,35 +65,90 @@ def build_gpt_model(
 def layer_spec(model: ModelSpec, config: object, *, vp_stage: int | None = None, core_attention: str = "sdpa"):
     """The layer spec of `config.transformer_impl` (`transformer_impl`): Transformer Engine's, or the local spec
     with SDPA core attention (unless `core_attention="local"`, megatron-core's unfused attention) and norms that
-    take sequence parallelism where the config asks for it (`sequence_parallel_norm`); either way with
-    multi-latent attention's latent norms at the model's `latent_norm_eps` (`latent_norm`)."""
+    take sequence parallelism where the config asks for it (`sequence_parallel_norm`; multi-latent attention's
+    down-projected latents then as `mla_sequence_parallel` hands them on), and with `moe_grouped_gemm` the experts
+    as grouped GEMMs through torch (`grouped_experts`; same parameters as `SequentialMLP`); either way with
+    multi-latent attention's latent norms at the model's `latent_norm_eps` (`latent_norm`), and Gemma's offset
+    norms, post-norms, sliding-layer RoPE and embedding scale (`gemma_layers`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     impl = getattr(config, "transformer_impl", "local")
     check_transformer_impl(impl)
+    if model.linear_attention is not None:
+        return _hybrid_spec(model, config, impl, vp_stage, core_attention)
     if impl == "transformer_engine":
-        return _with_latent_norm_eps(model, _transformer_engine_spec(model, config, vp_stage))
+        return _with_gemma_layers(
+            model, _with_latent_norm_eps(model, _transformer_engine_spec(model, config, vp_stage))
+        )
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
     mla = model.mla is not None
-    if model.moe is None and not sequence_parallel:
+    if model.moe is None and not sequence_parallel and not _has_gemma_layers(model):
         spec = get_gpt_layer_local_spec(
             qk_layernorm=model.qk_norm or mla, multi_latent_attention=mla, normalization="RMSNorm"
         )
     else:  # per-layer specs: dense and MoE layers may be mixed (moe_layer_freq); the final norm is in the spec
-        spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
-        )
+        with warnings.catch_warnings():  # moe_grouped_gemm: the legacy GroupedMLP's deprecation, replaced below
+            warnings.simplefilter("ignore", UserWarning)
+            spec = get_gpt_decoder_block_spec(
+                config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+            )
+        if model.moe is not None and getattr(config, "moe_grouped_gemm", False):
+            from hf_mcore_bridge.megatron.grouped_experts import use_grouped_experts
+
+            use_grouped_experts(spec)
     if sequence_parallel:
         from hf_mcore_bridge.megatron.sequence_parallel_norm import use_sequence_parallel_norms
 
         use_sequence_parallel_norms(spec)
+        if mla:
+            from hf_mcore_bridge.megatron.mla_sequence_parallel import use_sequence_sharded_latents
+
+            use_sequence_sharded_latents(spec)
     if core_attention == "sdpa":
         from hf_mcore_bridge.megatron.sdpa_attention import use_sdpa
 
         use_sdpa(spec)
     if mla:
         use_te_names_for_mla(spec)
-    return _with_latent_norm_eps(model, spec)
+    return _with_gemma_layers(model, _with_latent_norm_eps(model, spec))
+
+
+def _hybrid_spec(model: ModelSpec, config: Any, impl: str, vp_stage: int | None, core_attention: str) -> Any:
+    """Gated DeltaNet and gated full attention (`gated_delta_net_layers`), under the local spec with SDPA core
+    attention; what it does not cover is refused naming the model."""
+    from hf_mcore_bridge.megatron.gated_delta_net_layers import hybrid_block_spec
+
+    name = model.architecture
+    if impl == "transformer_engine":
+        raise ValueError(f"{name}: Gated DeltaNet layers are built with the local spec only (transformer_impl=local)")
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError(f"{name}: sequence parallelism is not supported with Gated DeltaNet layers")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(f"{name}: context parallelism is not supported with Gated DeltaNet layers")
+    if core_attention != "sdpa":
+        raise ValueError(f"{name}: Gated DeltaNet models are built with SDPA core attention")
+    spec = hybrid_block_spec(config, model.layer_types, vp_stage=vp_stage)
+    if model.moe is not None and getattr(config, "moe_grouped_gemm", False):
+        from hf_mcore_bridge.megatron.grouped_experts import use_grouped_experts
+
+        use_grouped_experts(spec)
+    return spec
+
+
+def _has_gemma_layers(model: ModelSpec) -> bool:
+    return model.norm_offset or model.post_norms or model.sliding_rope is not None or model.embedding_scale
+
+
+def _with_gemma_layers(model: ModelSpec, spec: Any) -> Any:
+    """The spec with the offset norms, post-norms, the sliding layers' RoPE and the embedding scale where the model
+    has them (`gemma_layers`); those need a block spec (its final norm)."""
+    if not _has_gemma_layers(model):
+        return spec
+    from hf_mcore_bridge.megatron.gemma_layers import use_gemma_layers
+
+    if getattr(spec, "layer_specs", None) is None:
+        raise ValueError("the offset norms, post-norms and sliding-layer RoPE need a block spec")
+    return use_gemma_layers(spec, model)
 
 
 def _with_latent_norm_eps(model: ModelSpec, spec: Any) -> Any:
@@ -132,7 +188,7 @@ def _transformer_engine_spec(model: ModelSpec, config: object, vp_stage: int | N
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if model.moe is None:
+    if model.moe is None and not _has_gemma_layers(model):
         mla = model.mla is not None
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm or mla, multi_latent_attention=mla)
     return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage)

@@ -8,6 +8,11 @@ over TP the gradient of every parameter marked `sequence_parallel = True` (the m
 carry), and those of `q_layernorm` / `k_layernorm` by name. `SequenceParallelRMSNorm` is `torch.nn.RMSNorm` with
 that mark, built like `WrappedTorchNorm` (same arguments, same parameter), so checkpoints are unchanged.
 
+Multi-latent attention's latent norms (`q_layernorm`, `kv_layernorm` of `MLASelfAttention`) are sequence-parallel
+norms too: megatron-core's `get_query_key_value_tensors` hands them the latents of this rank's slice of the sequence
+(`[s / TP, b, rank]`, scattered back after the down-projections), so they carry the mark. (`kv_layernorm`'s name is
+not one that megatron-core matches; `q_layernorm`'s is, and a parameter is summed once whichever rule picks it.)
+
 Assumes RMSNorm (every architecture of `mappings/`); zero-centred gamma and the other fused-norm options are
 refused as `WrappedTorchNorm` refuses them.
 """
@@ -48,7 +53,7 @@ class _QKNorm(SequenceParallelRMSNorm):
 
 def use_sequence_parallel_norms(block_spec: object) -> object:
     """Put the sequence-parallel norms into a megatron-core block spec (`TransformerBlockSubmodules`): each
-    layer's input and pre-MLP norms, q/k norms, and the final norm."""
+    layer's input and pre-MLP norms, q/k norms or multi-latent attention's latent norms, and the final norm."""
     block_spec.layer_norm = SequenceParallelRMSNorm  # type: ignore[attr-defined]
     for layer in block_spec.layer_specs:  # type: ignore[attr-defined]
         sub = layer.submodules
@@ -56,9 +61,12 @@ def use_sequence_parallel_norms(block_spec: object) -> object:
             if _is_norm(getattr(sub, name, None)):
                 setattr(sub, name, SequenceParallelRMSNorm)
         attention = getattr(sub.self_attention, "submodules", None)
-        for name in ("q_layernorm", "k_layernorm"):
-            if attention is not None and _is_norm(getattr(attention, name, None)):
-                setattr(attention, name, _QKNorm)
+        if attention is None:
+            continue
+        latent = hasattr(attention, "kv_layernorm")  # multi-latent attention: norms of sequence-sharded latents
+        for name in ("q_layernorm", "kv_layernorm") if latent else ("q_layernorm", "k_layernorm"):
+            if _is_norm(getattr(attention, name, None)):
+                setattr(attention, name, SequenceParallelRMSNorm if latent else _QKNorm)
     return block_spec
 
 

@@ -28,8 +28,9 @@ megatron-core and transformers once (`FORKSERVER_PRELOAD`): a rank starts in mil
 again, and ranks share those pages. The fork server is a clean interpreter started once per launcher process (not a
 fork of the launcher: no CUDA context, no threads), so each rank begins as a spawned one would, except that it is
 handed the launcher's environment as it is when the world starts (`os.environ` is copied in, the fork server's own
-being that of its start). It ends with the launcher, and its ranks with it (`PR_SET_PDEATHSIG`). Elsewhere ranks are
-spawned.
+being that of its start). It ends with the launcher, and its ranks with it (`PR_SET_PDEATHSIG`). Elsewhere, and on
+machines with a CUDA device, ranks are spawned: there a preloaded library (megatron-core 0.19, for one) initialises
+CUDA in the fork server as it imports, and a forked child of a process with CUDA initialised cannot use CUDA.
 
 Made of torch's own pieces: the ranks are started by `torch.multiprocessing.start_processes` and joined by its
 context (which also turns a rank's exception into `ProcessRaisedException`), a launched world is torchrun's
@@ -58,7 +59,7 @@ import torch
 
 from hf_mcore_bridge.convert.layout import Layout, check_world, world_size
 from hf_mcore_bridge.errors import BridgeError, LayoutError, RunStopped, WorldError
-from hf_mcore_bridge.megatron.process_death import die_with_parent
+from hf_mcore_bridge.megatron.process_death import die_with_parent, forked_children_die_with_this_process
 
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What an env:// launcher (`torchrun`) sets for each rank it starts."""
@@ -148,6 +149,7 @@ def join_launched_world() -> LaunchedWorld:
     if launched is None:
         raise BridgeError("not started by an env:// launcher: " + ", ".join(LAUNCHER_ENV) + " must be set")
     if not dist.is_initialized():
+        forked_children_die_with_this_process()
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(launched.local_rank % torch.cuda.device_count())
@@ -232,8 +234,8 @@ def _spawn(size: int, layout: Layout | None, fn: Callable[..., None], args: tupl
 
 def _start_method() -> tuple[str, int]:
     """How ranks start here, and the pid their parent process has: the fork server's on Linux (started now if it
-    is not running), else spawn's (this process)."""
-    if sys.platform != "linux":
+    is not running), else spawn's (this process): off Linux, and where CUDA is available (see the module docstring)."""
+    if sys.platform != "linux" or torch.cuda.is_available():
         return "spawn", os.getpid()
     from multiprocessing import forkserver
 
@@ -323,9 +325,10 @@ def _follow_launcher(launcher: int, parent: int) -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    die_with_parent()
-    if os.getppid() != parent or not _alive(launcher):  # it died before the line above took effect
+    die_with_parent(parent)
+    if not _alive(launcher):  # it died before the line above took effect
         os._exit(1)
+    forked_children_die_with_this_process()
 
 
 def _alive(pid: int) -> bool:
@@ -363,11 +366,29 @@ def _rank_main(
     _rank_body(layout, fn, args)
 
 
+def initialize_parallel_state(layout: Layout) -> None:
+    """megatron-core's `parallel_state` for `layout` over the initialised default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+
+
 def _rank_body(layout: Layout | None, fn: Callable[..., None], args: tuple) -> None:
     """On a rank whose default process group is up: megatron-core's state for `layout`, `fn(*args)`, teardown."""
     import torch.distributed as dist
 
-    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_workarounds, apply_te_absent_workarounds
+    from hf_mcore_bridge.megatron.cpu_patches import (
+        apply_cpu_workarounds,
+        apply_fla_absent_workarounds,
+        apply_te_absent_workarounds,
+    )
     from hf_mcore_bridge.quiet import quiet_libraries
 
     quiet_libraries()
@@ -379,16 +400,10 @@ def _rank_body(layout: Layout | None, fn: Callable[..., None], args: tuple) -> N
         return
     apply_cpu_workarounds()
     apply_te_absent_workarounds()
+    apply_fla_absent_workarounds()
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
+    initialize_parallel_state(layout)
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -57,6 +57,35 @@ class Architecture:
     sliding_window_switch: str | None = None
     """The config field that switches sliding-window attention on (Qwen's `use_sliding_window`); None: a set
     `sliding_window` is on (Mistral)."""
+    hidden_act_field: str = "hidden_act"
+    """The config field naming the gated MLP's activation (Gemma 3's `hidden_activation`)."""
+    norm_offset: bool = False
+    """Every RMSNorm scales by `1 + weight`, its stored weight the offset from one (Gemma's norms; megatron-core's
+    `layernorm_zero_centered_gamma`)."""
+    post_norms: bool = False
+    """RMSNorms on the attention's and the MLP's outputs before each residual add (Gemma 3's
+    `post_attention_layernorm` and `post_feedforward_layernorm`; its pre-MLP norm is `pre_feedforward_layernorm`)."""
+    embedding_scale: bool = False
+    """The embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype (Gemma)."""
+    sliding_rope_theta: str | None = None
+    """The config field of the RoPE base of the `sliding_attention` layers, where they have their own (Gemma 3's
+    `rope_local_base_freq`; transformers 5 writes it into `rope_parameters.sliding_attention`)."""
+    softmax_scale_field: str | None = None
+    """The config field whose inverse square root is the attention's softmax scale (Gemma 3's
+    `query_pre_attn_scalar`); None: head_dim^-0.5."""
+    refused_when_set: tuple[str, ...] = ()
+    """Config fields the description has no place for, refused by name where set (Gemma 3's logit soft-capping)."""
+    linear_attention: bool = False
+    """Gated DeltaNet linear attention on the layers `layer_types` marks `linear_attention` (Qwen3-Next, Qwen3.5:
+    its `linear_*` config fields, `models.spec.LinearAttentionSpec`); where a config lacks `layer_types`, the layers
+    `full_attention_period` does not mark full are linear rather than sliding."""
+    attention_output_gate: bool = False
+    """The full-attention layers' query projection also holds a sigmoid gate on the attention's output, per head
+    (Qwen3-Next, Qwen3.5; megatron-core's `attention_output_gate`)."""
+    full_attention_period: str | None = None
+    """The config field from which transformers derives `layer_types` where a config lacks them: every layer whose
+    1-based number it divides is full attention, the others sliding (Gemma 3's `sliding_window_pattern`, 6 where
+    absent); None: no `layer_types` means every layer full."""
     hf_defaults: Mapping[str, Any] | None = None
     """Architecture-specific HF config fields written on export (e.g. Mistral's `sliding_window: null`)."""
     hf_absent: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

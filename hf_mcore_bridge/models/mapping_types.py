@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     import torch
 
 
+FULL_ATTENTION = "full_attention"
+"""The `layer_types` entry of a layer attending to every earlier position."""
+LINEAR_ATTENTION = "linear_attention"
+"""The `layer_types` entry of a Gated DeltaNet (linear attention) layer."""
+
+
 class LayerKind(enum.Enum):
     """The kinds of decoder layer a table entry appears in."""
 
@@ -87,6 +93,15 @@ class Size(enum.Enum):
     KV_DOWN = "kv_lora_rank + qk_rope_head_dim"
     KV_UP = "query heads * (qk_nope_head_dim + v_head_dim)"
     MLA_V = "query heads * v_head_dim"
+    Q_GATED = "2 * query heads * head_dim"
+    """A query projection that also holds the output gate (Qwen3-Next's and Qwen3.5's full attention)."""
+    LINEAR_QKV = "2 * linear key heads * linear key head dim + linear value heads * linear value head dim"
+    LINEAR_QKVZ = "2 * linear key dims + 2 * linear value dims"
+    LINEAR_V = "linear value heads * linear value head dim"
+    LINEAR_HEADS = "linear value heads"
+    LINEAR_V_HEAD = "linear value head dim"
+    LINEAR_BA = "2 * linear value heads"
+    CONV_KERNEL = "linear_conv_kernel_dim"
 
 
 Shape = tuple[Size, ...]
@@ -110,6 +125,20 @@ class Dims:
     rotate_half_rotary: bool = False
     """The HF weights hold the rotary dims in rotate-half order (DeepSeek-V3's `rope_interleave=false`) rather
     than megatron-core MLA's pairwise-interleaved order."""
+    linear_key_heads: int = 0
+    """Gated DeltaNet: query/key heads (0 without linear attention)."""
+    linear_value_heads: int = 0
+    """Gated DeltaNet: value heads (a multiple of the key heads)."""
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+
+    def linear_parts(self) -> dict[str, int]:
+        """Gated DeltaNet's `in_proj` rows, part by part, in megatron-core's order (`query`, `key`, `value`, `z`,
+        `beta`, `alpha`)."""
+        keys = self.linear_key_heads * self.linear_key_head_dim
+        values = self.linear_value_heads * self.linear_value_head_dim
+        heads = self.linear_value_heads
+        return {"query": keys, "key": keys, "value": values, "z": values, "beta": heads, "alpha": heads}
 
 
 @dataclass(frozen=True)
@@ -130,6 +159,9 @@ class Direct:
     float32: bool = False
     """Held in float32 whatever the model's dtype, on both sides (the router's expert score bias: transformers keeps
     `e_score_correction_bias` in float32, megatron-core its `expert_bias`); left out of the mixed-dtype check."""
+    attention: str | None = None
+    """Present only in decoder layers of this `layer_types` kind (`full_attention`, `linear_attention`); None:
+    in every layer."""
 
     @property
     def hf_sources(self) -> tuple[str, ...]:
@@ -397,7 +429,273 @@ class RotaryRows:
         return {self.hf: tensor}
 
 
-Entry = Direct | FusedQKV | FusedGateUp | RotaryRows
+@dataclass(frozen=True)
+class GatedQKV:
+    """A gated attention's q/k/v (Qwen3-Next, Qwen3.5): HF's `q_proj` holds per head its query rows then its output
+    gate's; megatron-core's `linear_qkv` with `attention_output_gate` holds per query group its query heads, their
+    gates, its key head and its value head."""
+
+    mcore: str
+    q: str
+    k: str
+    v: str
+    parallel: Parallel = Parallel.COLUMN
+    untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
+    requires: Feature | None = None
+    attention: str | None = None
+    """As `Direct.attention`."""
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.q, self.k, self.v)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {self.q: (Size.Q_GATED, Size.HIDDEN), self.k: (Size.KV, Size.HIDDEN), self.v: (Size.KV, Size.HIDDEN)}
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        q, k, v = shapes[self.q], shapes[self.k], shapes[self.v]
+        _expect(self.q, q[0], 2 * dims.num_attention_heads * dims.head_dim, "2 * num_attention_heads * head_dim")
+        _expect(self.k, k[0], dims.num_query_groups * dims.head_dim, "num_key_value_heads * head_dim")
+        _expect(self.v, v[0], dims.num_query_groups * dims.head_dim, "num_key_value_heads * head_dim")
+        return (q[0] + k[0] + v[0], *q[1:])
+
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        kv = dims.num_query_groups * dims.head_dim
+        _expect(self.mcore, shape[0], 2 * dims.num_attention_heads * dims.head_dim + 2 * kv, "q + gate + k + v rows")
+        tail = shape[1:]
+        return {self.q: (2 * dims.num_attention_heads * dims.head_dim, *tail), self.k: (kv, *tail), self.v: (kv, *tail)}
+
+    def _layout(self, dims: Dims) -> tuple[int, int, int, int]:
+        """(query groups, heads per group, head_dim, rows per group of the fused tensor)."""
+        groups, head = dims.num_query_groups, dims.head_dim
+        per = dims.num_attention_heads // groups
+        return groups, per, head, 2 * per * head + 2 * head
+
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """q's rows (per head: query, gate), k's and v's as runs of the fused tensor's. ValueError: a row count that
+        is not `num_query_groups` groups."""
+        groups, per, head, period = self._layout(dims)
+        if shape[0] != groups * period:
+            raise ValueError(f"{self.mcore} has {shape[0]} rows, not {groups} query groups of {period}")
+        q = []
+        for g in range(groups):
+            for i in range(per):
+                q += [(MCORE, g * period + i * head, head), (MCORE, g * period + (per + i) * head, head)]
+        return {
+            self.q: merged(q),
+            self.k: merged((MCORE, g * period + 2 * per * head, head) for g in range(groups)),
+            self.v: merged((MCORE, g * period + 2 * per * head + head, head) for g in range(groups)),
+        }
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """Per query group: its heads' query rows, their gate rows, its k rows, its v rows."""
+        groups, per, head, _ = self._layout(dims)
+        runs: list[tuple[str | None, int, int]] = []
+        for g in range(groups):
+            heads = range(g * per, (g + 1) * per)
+            runs += [(self.q, 2 * h * head, head) for h in heads]
+            runs += [(self.q, 2 * h * head + head, head) for h in heads]
+            runs += [(self.k, g * head, head), (self.v, g * head, head)]
+        return merged(runs)
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        import torch
+
+        groups, per, head, _ = self._layout(dims)
+        q = tensors[self.q]
+        tail = q.shape[1:]
+        both = q.reshape(groups, per, 2, head, *tail)
+        parts = (
+            both[:, :, 0].reshape(groups, per * head, *tail),
+            both[:, :, 1].reshape(groups, per * head, *tail),
+            tensors[self.k].reshape(groups, head, *tail),
+            tensors[self.v].reshape(groups, head, *tail),
+        )
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        import torch
+
+        groups, per, head, period = self._layout(dims)
+        tail = tensor.shape[1:]
+        query, gate, k, v = tensor.reshape(groups, period, *tail).split([per * head, per * head, head, head], dim=1)
+        q = torch.stack((query.reshape(groups, per, head, *tail), gate.reshape(groups, per, head, *tail)), dim=2)
+        return {
+            self.q: q.reshape(-1, *tail).contiguous(),
+            self.k: k.reshape(-1, *tail).contiguous(),
+            self.v: v.reshape(-1, *tail).contiguous(),
+        }
+
+
+@dataclass(frozen=True)
+class LinearInProj:
+    """Gated DeltaNet's input projection, split as Qwen3.5 stores it (`in_proj_qkv` = [q; k; v], `in_proj_z`,
+    `in_proj_b`, `in_proj_a`): megatron-core's `in_proj` is, over the whole model, `[q; k; v; z; beta; alpha]`, each
+    part split over TP on its own (`Parallel.COLUMN_PARTS`, `Dims.linear_parts`)."""
+
+    mcore: str
+    qkv: str
+    z: str
+    b: str
+    a: str
+    parallel: Parallel = Parallel.COLUMN_PARTS
+    untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
+    requires: Feature | None = None
+    attention: str | None = None
+    """As `Direct.attention`."""
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.qkv, self.z, self.b, self.a)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {
+            self.qkv: (Size.LINEAR_QKV, Size.HIDDEN),
+            self.z: (Size.LINEAR_V, Size.HIDDEN),
+            self.b: (Size.LINEAR_HEADS, Size.HIDDEN),
+            self.a: (Size.LINEAR_HEADS, Size.HIDDEN),
+        }
+
+    def _rows(self, dims: Dims) -> dict[str, int]:
+        parts = dims.linear_parts()
+        return {
+            self.qkv: parts["query"] + parts["key"] + parts["value"],
+            self.z: parts["z"],
+            self.b: parts["beta"],
+            self.a: parts["alpha"],
+        }
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        for name, rows in self._rows(dims).items():
+            _expect(name, shapes[name][0], rows, "the linear attention's heads and head dims")
+        return (sum(shapes[name][0] for name in self.hf_sources), *shapes[self.qkv][1:])
+
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        rows = self._rows(dims)
+        _expect(self.mcore, shape[0], sum(rows.values()), "q + k + v + z + beta + alpha rows")
+        return {name: (count, *shape[1:]) for name, count in rows.items()}
+
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """Each HF tensor's rows: the next run of the megatron-core tensor's. ValueError: another row count."""
+        rows, out, first = self._rows(dims), {}, 0
+        if shape[0] != sum(rows.values()):
+            raise ValueError(f"{self.mcore} has {shape[0]} rows, not {sum(rows.values())}")
+        for name, count in rows.items():
+            out[name] = merged([(MCORE, first, count)])
+            first += count
+        return out
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """qkv's rows, then z's, b's and a's."""
+        return merged((name, 0, shapes[name][0]) for name in self.hf_sources)
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        import torch
+
+        return torch.cat([tensors[name] for name in self.hf_sources])
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        rows = self._rows(dims)
+        parts = tensor.split(list(rows.values()))
+        return {name: part.contiguous() for name, part in zip(rows, parts, strict=True)}
+
+
+@dataclass(frozen=True)
+class GroupedLinearInProj:
+    """Gated DeltaNet's input projection fused per key head as Qwen3-Next stores it: `in_proj_qkvz` holds for each
+    key head its query, its key, then the values and the gate inputs (`z`) of the value heads it serves;
+    `in_proj_ba` for each key head the `b` rows, then the `a` rows of those value heads (transformers'
+    `fix_query_key_value_ordering`). megatron-core's `in_proj` is `[q; k; v; z; beta; alpha]` over the whole model,
+    as for `LinearInProj`."""
+
+    mcore: str
+    qkvz: str
+    ba: str
+    parallel: Parallel = Parallel.COLUMN_PARTS
+    untied_only: bool = False
+    layers: LayerKind = LayerKind.ALL
+    requires: Feature | None = None
+    attention: str | None = None
+    """As `Direct.attention`."""
+
+    @property
+    def hf_sources(self) -> tuple[str, ...]:
+        return (self.qkvz, self.ba)
+
+    def hf_expected(self) -> dict[str, Shape]:
+        return {self.qkvz: (Size.LINEAR_QKVZ, Size.HIDDEN), self.ba: (Size.LINEAR_BA, Size.HIDDEN)}
+
+    def _groups(self, dims: Dims) -> tuple[int, list[int], list[int]]:
+        """(key heads, one key head's rows of qkvz per part q/k/v/z, of ba per part b/a)."""
+        groups = dims.linear_key_heads
+        per = dims.linear_value_heads // groups
+        key, value = dims.linear_key_head_dim, per * dims.linear_value_head_dim
+        return groups, [key, key, value, value], [per, per]
+
+    def mcore_shape(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[int, ...]:
+        groups, qkvz, ba = self._groups(dims)
+        _expect(self.qkvz, shapes[self.qkvz][0], groups * sum(qkvz), "the linear attention's q/k/v/z rows")
+        _expect(self.ba, shapes[self.ba][0], groups * sum(ba), "2 * linear_num_value_heads")
+        return (shapes[self.qkvz][0] + shapes[self.ba][0], *shapes[self.qkvz][1:])
+
+    def hf_shapes(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[int, ...]]:
+        groups, qkvz, ba = self._groups(dims)
+        _expect(self.mcore, shape[0], groups * (sum(qkvz) + sum(ba)), "q + k + v + z + beta + alpha rows")
+        return {self.qkvz: (groups * sum(qkvz), *shape[1:]), self.ba: (groups * sum(ba), *shape[1:])}
+
+    def _segments(self, dims: Dims) -> list[tuple[str, int, int, int]]:
+        """(HF tensor, its first row, the megatron-core tensor's first row, rows) of every run, per key head."""
+        groups, qkvz, ba = self._groups(dims)
+        out, start = [], 0
+        for name, sizes in ((self.qkvz, qkvz), (self.ba, ba)):
+            for part, size in enumerate(sizes):
+                out += [(name, g * sum(sizes) + sum(sizes[:part]), start + g * size, size) for g in range(groups)]
+                start += groups * size
+        return out
+
+    def hf_rows(self, shape: tuple[int, ...], dims: Dims) -> dict[str, tuple[RowRun, ...]]:
+        """Each HF tensor's rows, per key head, as runs of the megatron-core tensor's. ValueError: another row
+        count."""
+        groups, qkvz, ba = self._groups(dims)
+        if groups <= 0 or shape[0] != groups * (sum(qkvz) + sum(ba)):
+            raise ValueError(f"{self.mcore} has {shape[0]} rows, not {groups} key heads' q/k/v/z/b/a")
+        runs = sorted(self._segments(dims), key=lambda seg: (seg[0] != self.qkvz, seg[1]))
+        return {
+            name: merged((MCORE, first, size) for hf, _, first, size in runs if hf == name) for name in self.hf_sources
+        }
+
+    def mcore_rows(self, shapes: Mapping[str, tuple[int, ...]], dims: Dims) -> tuple[RowRun, ...]:
+        """q of every key head, then k, v, z, b, a, each a run of its HF tensor's rows."""
+        return merged((name, first, size) for name, first, _, size in self._segments(dims))
+
+    def to_mcore(self, tensors: Mapping[str, torch.Tensor], dims: Dims) -> torch.Tensor:
+        import torch
+
+        groups, qkvz, ba = self._groups(dims)
+        parts = []
+        for name, sizes in ((self.qkvz, qkvz), (self.ba, ba)):
+            tensor = tensors[name]
+            tail = tensor.shape[1:]
+            grouped = tensor.reshape(groups, sum(sizes), *tail).split(sizes, dim=1)
+            parts += [part.reshape(-1, *tail) for part in grouped]
+        return torch.cat(parts)
+
+    def to_hf(self, tensor: torch.Tensor, dims: Dims) -> dict[str, torch.Tensor]:
+        import torch
+
+        groups, qkvz, ba = self._groups(dims)
+        tail = tensor.shape[1:]
+        parts = tensor.split([groups * size for size in (*qkvz, *ba)])
+        grouped = [part.reshape(groups, -1, *tail) for part in parts]
+        return {
+            self.qkvz: torch.cat(grouped[:4], dim=1).reshape(-1, *tail).contiguous(),
+            self.ba: torch.cat(grouped[4:], dim=1).reshape(-1, *tail).contiguous(),
+        }
+
+
+Entry = Direct | FusedQKV | FusedGateUp | RotaryRows | GatedQKV | LinearInProj | GroupedLinearInProj
 
 
 def keeps_float32(entry: Entry) -> bool:

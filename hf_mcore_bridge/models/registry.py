@@ -15,6 +15,7 @@ from typing import Any
 from hf_mcore_bridge.errors import UnsupportedArchitectureError
 from hf_mcore_bridge.mappings import (
     deepseek_v3,
+    gemma3,
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
@@ -25,7 +26,10 @@ from hf_mcore_bridge.mappings import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from hf_mcore_bridge.models.architecture import Architecture, Switch
 from hf_mcore_bridge.models.config_errors import ConfigError
@@ -47,10 +51,18 @@ REGISTRY: dict[str, Architecture] = {
         deepseek_v3.ARCHITECTURE,
         glm4_moe_lite.ARCHITECTURE,
         gpt_oss.ARCHITECTURE,
+        gemma3.ARCHITECTURE,
+        qwen3_5.ARCHITECTURE,
+        qwen3_5_moe.ARCHITECTURE,
+        qwen3_next.ARCHITECTURE,
     )
 }
 
-WRAPPERS: dict[str, VisionLanguage] = {name: wrapper for wrapper in (kimi_k25.WRAPPER,) for name in wrapper.names()}
+WRAPPERS: dict[str, VisionLanguage] = {
+    name: wrapper
+    for wrapper in (kimi_k25.WRAPPER, gemma3.WRAPPER, qwen3_5.WRAPPER, qwen3_5_moe.WRAPPER)
+    for name in wrapper.names()
+}
 """Vision-language classes (every `architectures` name of each) whose language model converts."""
 
 
@@ -120,13 +132,16 @@ def with_features(
     score_function: str = "softmax",
     mla: bool = False,
     experts: MoeSpec | None = None,
+    post_norms: bool = False,
+    linear_attention: bool = False,
 ) -> Architecture:
     """The first registered architecture with these features, for Megatron `args` that name none (a checkpoint
     Megatron-LM wrote): plain dense is Llama, plain MoE Mixtral, multi-latent attention DeepSeek-V3. An optional
     part counts where the architecture's table has its tensors; one its config switches (`Switch`, GLM-4.5's q/k
     norms) matches either value. `experts`: the first of them whose config can state this mixture of experts
     (`moe_to_hf`) comes first: MoE layers around a dense one are GLM-4.7-Flash's `mlp_layer_types`, which
-    DeepSeek-V3's `first_k_dense_replace` cannot say."""
+    DeepSeek-V3's `first_k_dense_replace` cannot say. `post_norms`: Gemma 3's norms after attention and MLP must
+    match the architecture's, and so must Gated DeltaNet layers (`linear_attention`)."""
 
     def matches(arch: Architecture, switch: Switch, feature: Feature, wanted: bool) -> bool:
         if wanted:
@@ -140,6 +155,8 @@ def with_features(
         and matches(arch, arch.qk_norm, Feature.QK_NORM, qk_norm)
         and matches(arch, arch.qkv_bias, Feature.QKV_BIAS, qkv_bias)
         and (not moe or arch.score_function == score_function)
+        and arch.post_norms == post_norms
+        and arch.linear_attention == linear_attention
     ]
     writers = [arch for arch in found if experts is None or _writes(arch, experts)]
     if writers or found:  # where none can state the experts, the first: its export refuses them by field name
@@ -149,5 +166,7 @@ def with_features(
         f"qkv_bias={qkv_bias}"
         + (f", {score_function} router" if moe else "")
         + (", multi-latent attention" if mla else "")
+        + (", post-norms" if post_norms else "")
+        + (", Gated DeltaNet layers" if linear_attention else "")
         + "; pass --hf-config"
     )

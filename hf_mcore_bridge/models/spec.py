@@ -9,14 +9,16 @@ owns that translation.
 
 What it refuses: only what it cannot describe: an unknown architecture, a missing or malformed field, values
 transformers itself would not run (a rotary width of an odd number of dimensions, multi-latent attention with
-fewer key/value heads than query heads, an invalid router), and RoPE that differs per layer type. Everything it
+fewer key/value heads than query heads, an invalid router), RoPE per layer type other than full and sliding layers'
+own, and fields an architecture names as unsupported (`Architecture.refused_when_set`). Everything it
 can describe it holds, whether or not a given consumer runs it; each consumer refuses what it cannot compute, over
 the spec: megatron-core's refusals are `convert.config_bridge.require_megatron_representable` (conversion refuses
-Llama's `attention_bias`, linear RoPE or a sliding window), the engine's are `engine.arch.require_runnable` (it
-runs linear RoPE and Llama's biases, but not YaRN without multi-latent attention).
+Llama's `attention_bias` or a sliding window over every layer), the engine's are `engine.arch.require_runnable` (it
+runs Llama's biases, which conversion refuses).
 
 Simplifications: a sliding window, where switched on, is one window for every layer that `layer_types` marks
-`sliding_attention` (or for all of them); RoPE is one set of parameters for every layer.
+`sliding_attention` (or for all of them); RoPE is one set of parameters for every layer, or one for the full and one
+for the sliding layers (Gemma 3's, `sliding_rope`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ from typing import Any
 
 from hf_mcore_bridge.models.architecture import Architecture, Switch
 from hf_mcore_bridge.models.config_errors import ConfigError, require
-from hf_mcore_bridge.models.mapping_types import Dims, Entry, Feature, LayerKind, Size
+from hf_mcore_bridge.models.mapping_types import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    Dims,
+    Entry,
+    Feature,
+    LayerKind,
+    Size,
+)
 from hf_mcore_bridge.models.moe import MoeSpec
 from hf_mcore_bridge.models.registry import for_config, get_architecture, text_config
 
-FULL_ATTENTION = "full_attention"
-"""The `layer_types` entry of a layer attending to every earlier position."""
 SLIDING_ATTENTION = "sliding_attention"
 """The `layer_types` entry of a layer attending through the sliding window."""
 
@@ -124,6 +132,32 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5) on the layers `layer_types` marks `linear_attention`: a causal depthwise
+    convolution over q, k and v, the gated delta rule per value head (each key head serving
+    `num_value_heads / num_key_heads` of them), a gated RMSNorm."""
+
+    num_key_heads: int
+    """Query/key heads (`linear_num_key_heads`)."""
+    num_value_heads: int
+    """Value heads (`linear_num_value_heads`), a multiple of the key heads."""
+    key_head_dim: int
+    """Width of a query/key head (`linear_key_head_dim`)."""
+    value_head_dim: int
+    """Width of a value head (`linear_value_head_dim`)."""
+    conv_kernel: int
+    """Width of the causal convolution (`linear_conv_kernel_dim`)."""
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only model of a registered architecture, as its HF config describes it."""
 
@@ -179,6 +213,22 @@ class ModelSpec:
     mtp_layers: int = 0
     """Multi-token-prediction layers after the decoder (HF `num_nextn_predict_layers`, where the architecture has
     them: DeepSeek-V3, GLM-4.5)."""
+    norm_offset: bool = False
+    """Every RMSNorm scales by `1 + weight` (`Architecture.norm_offset`: Gemma's; the stored weight is the offset)."""
+    post_norms: bool = False
+    """RMSNorms on the attention's and the MLP's outputs before each residual add (`Architecture.post_norms`)."""
+    embedding_scale: bool = False
+    """The embeddings are multiplied by sqrt(hidden_size) rounded to the model's dtype (`Architecture.embedding_scale`).
+    """
+    sliding_rope: RopeSpec | None = None
+    """RoPE of the `sliding_attention` layers, where they have their own (Gemma 3's `rope_local_base_freq`); None:
+    `rope` on every layer."""
+    query_pre_attn_scalar: float | None = None
+    """The attention's softmax scale is this^-0.5 (Gemma 3's `query_pre_attn_scalar`); None: head_dim^-0.5."""
+    linear_attention: LinearAttentionSpec | None = None
+    """Gated DeltaNet on the `linear_attention` layers (`Architecture.linear_attention`); None: no such layers."""
+    attention_output_gate: bool = False
+    """The full-attention layers gate their output per head (`Architecture.attention_output_gate`)."""
 
     @property
     def arch(self) -> Architecture:
@@ -214,7 +264,10 @@ class ModelSpec:
     @property
     def homogeneous(self) -> bool:
         """All decoder layers of one kind: megatron-core then stacks them under one checkpoint key. A MoE model all
-        of whose layers are dense is not (its `moe_layer_freq` is a list, which megatron-core never stacks)."""
+        of whose layers are dense is not (its `moe_layer_freq` is a list, which megatron-core never stacks), nor is
+        a hybrid of Gated DeltaNet and full attention."""
+        if self.linear_attention is not None:  # a per-layer `linear_attention_freq`, never stacked either
+            return False
         return self.moe is None or all(self.moe.moe_layers)
 
     @property
@@ -224,8 +277,11 @@ class ModelSpec:
 
     @property
     def softmax_scale(self) -> float:
-        """The attention's score scale: head_dim^-0.5; under multi-latent attention qk_head_dim^-0.5, times
-        mscale(factor, mscale_all_dim)^2 under YaRN (transformers' DeepSeek-V3 attention)."""
+        """The attention's score scale: query_pre_attn_scalar^-0.5 where set, else head_dim^-0.5; under multi-latent
+        attention qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (transformers' DeepSeek-V3
+        attention)."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
         if self.mla is None:
             return self.head_dim**-0.5
         scale = (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5
@@ -253,32 +309,59 @@ class ModelSpec:
                 Size.KV_UP: heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                 Size.MLA_V: heads * mla.v_head_dim,
             }
-        return mla_sizes | {
-            Size.HIDDEN: self.hidden_size,
-            Size.Q: heads * self.head_dim,
-            Size.KV: self.num_query_groups * self.head_dim,
-            Size.HEAD_DIM: self.head_dim,
-            Size.HEADS: heads,
-            Size.FFN: self.ffn_hidden_size,
-            Size.EXPERT_FFN: moe.ffn_hidden_size if moe else None,
-            Size.SHARED_FFN: moe.shared_expert_size if moe else None,
-            Size.VOCAB: self.vocab_size,
-            Size.EXPERTS: moe.num_experts if moe else None,
-            Size.ONE: 1,
-            Size.TWO_HIDDEN: 2 * self.hidden_size,
+        return (
+            mla_sizes
+            | {
+                Size.HIDDEN: self.hidden_size,
+                Size.Q: heads * self.head_dim,
+                Size.KV: self.num_query_groups * self.head_dim,
+                Size.HEAD_DIM: self.head_dim,
+                Size.HEADS: heads,
+                Size.FFN: self.ffn_hidden_size,
+                Size.EXPERT_FFN: moe.ffn_hidden_size if moe else None,
+                Size.SHARED_FFN: moe.shared_expert_size if moe else None,
+                Size.VOCAB: self.vocab_size,
+                Size.EXPERTS: moe.num_experts if moe else None,
+                Size.ONE: 1,
+                Size.TWO_HIDDEN: 2 * self.hidden_size,
+                Size.Q_GATED: 2 * heads * self.head_dim if self.attention_output_gate else None,
+            }
+            | self._linear_sizes()
+        )
+
+    def _linear_sizes(self) -> dict[Size, int | None]:
+        linear = self.linear_attention
+        if linear is None:
+            return {}
+        return {
+            Size.LINEAR_QKV: 2 * linear.key_dim + linear.value_dim,
+            Size.LINEAR_QKVZ: 2 * linear.key_dim + 2 * linear.value_dim,
+            Size.LINEAR_V: linear.value_dim,
+            Size.LINEAR_HEADS: linear.num_value_heads,
+            Size.LINEAR_V_HEAD: linear.value_head_dim,
+            Size.LINEAR_BA: 2 * linear.num_value_heads,
+            Size.CONV_KERNEL: linear.conv_kernel,
         }
 
     def dims(self, padded_vocab: int) -> Dims:
         """The dimensions the mapping table's fused transforms need, with the vocabulary padded to
         `padded_vocab` rows."""
         mla = self.mla
-        latent = {}
+        latent: dict[str, Any] = {}
         if mla is not None:
             latent = {
                 "qk_nope_head_dim": mla.qk_nope_head_dim,
                 "qk_rope_head_dim": mla.qk_rope_head_dim,
                 "kv_lora_rank": mla.kv_lora_rank,
                 "rotate_half_rotary": not mla.rope_interleave,
+            }
+        linear = self.linear_attention
+        if linear is not None:
+            latent |= {
+                "linear_key_heads": linear.num_key_heads,
+                "linear_value_heads": linear.num_value_heads,
+                "linear_key_head_dim": linear.key_head_dim,
+                "linear_value_head_dim": linear.value_head_dim,
             }
         return Dims(
             num_attention_heads=self.num_attention_heads,
@@ -297,6 +380,7 @@ class ModelSpec:
         raw = dict(text_config(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
         arch = for_config(raw)
         hf = arch.with_absent(raw)
+        _require_fields(arch, hf)
         heads = _positive_int(hf, "num_attention_heads")
         groups = hf.get("num_key_value_heads") or heads
         if heads % groups:
@@ -307,6 +391,9 @@ class ModelSpec:
         mla = _mla(hf, heads)
         rope = _rope(hf)
         _check_rotation(rope, mla.qk_rope_head_dim if mla else head_dim)
+        other = LINEAR_ATTENTION if arch.linear_attention else SLIDING_ATTENTION
+        layer_types = _layer_types(hf, num_layers, arch.full_attention_period, other)
+        scalar = hf.get(arch.softmax_scale_field) if arch.softmax_scale_field else None
         dtype = hf.get("torch_dtype", hf.get("dtype"))
         return cls(
             architecture=arch.hf_name,
@@ -325,14 +412,21 @@ class ModelSpec:
             qk_norm=arch.switched_on(arch.qk_norm, hf),
             o_bias=arch.switched_on(arch.o_bias, hf),
             mlp_bias=bool(hf.get("mlp_bias") or False),
-            hidden_act=str(hf.get("hidden_act", "silu")),
+            hidden_act=str(hf.get(arch.hidden_act_field, "silu")),
             sliding_window=_sliding_window(arch, hf),
             attention_sinks=arch.attention_sinks,
-            layer_types=_layer_types(hf, num_layers),
+            layer_types=layer_types,
             torch_dtype=str(dtype) if dtype is not None else None,
             moe=arch.moe_from_hf(hf, num_layers) if arch.moe_from_hf else None,
             mla=mla,
             mtp_layers=mtp_layer_count(hf) if arch.has_mtp else 0,
+            norm_offset=arch.norm_offset,
+            post_norms=arch.post_norms,
+            embedding_scale=arch.embedding_scale,
+            sliding_rope=_sliding_rope(arch, hf, rope) if SLIDING_ATTENTION in layer_types else None,
+            query_pre_attn_scalar=float(scalar) if scalar is not None else None,
+            linear_attention=_linear_attention(hf) if arch.linear_attention else None,
+            attention_output_gate=arch.attention_output_gate,
         )
 
     def to_hf(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -342,7 +436,7 @@ class ModelSpec:
         config: dict[str, Any] = {
             "architectures": [arch.hf_name],
             "model_type": arch.model_type,
-            "hidden_act": self.hidden_act,
+            arch.hidden_act_field: self.hidden_act,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.ffn_hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -366,6 +460,9 @@ class ModelSpec:
             config["layer_types"] = list(self.layer_types)
         if arch.has_mtp:
             config["num_nextn_predict_layers"] = self.mtp_layers
+        config.update(self._gemma_fields_to_hf())
+        if self.linear_attention is not None:
+            config.update(_linear_attention_to_hf(self.linear_attention))
         if self.moe is not None and arch.moe_to_hf is not None:
             if self.moe.score_function != arch.score_function:
                 raise ConfigError(
@@ -379,6 +476,16 @@ class ModelSpec:
         for key, value in (extra or {}).items():
             config.setdefault(key, value)
         return config
+
+    def _gemma_fields_to_hf(self) -> dict[str, Any]:
+        """The sliding layers' RoPE base and the softmax scale's field, where the architecture names them."""
+        arch, fields = self.arch, {}
+        if arch.sliding_rope_theta is not None:
+            fields[arch.sliding_rope_theta] = (self.sliding_rope or self.rope).theta
+        if arch.softmax_scale_field is not None and self.query_pre_attn_scalar is not None:
+            scalar = self.query_pre_attn_scalar
+            fields[arch.softmax_scale_field] = int(scalar) if scalar == int(scalar) else scalar
+        return fields
 
     def _switches_to_hf(self) -> dict[str, Any]:
         """The config fields that switch this model's optional parts on or off."""
@@ -416,10 +523,19 @@ def mtp_layer_count(config: Mapping[str, Any]) -> int:
     return count
 
 
-def _rope_fields(config: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
-    """(theta, the RoPE parameters) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`."""
+def _require_fields(arch: Architecture, config: Mapping[str, Any]) -> None:
+    """The architecture's refused fields unset."""
+    for name in arch.refused_when_set:
+        if config.get(name):
+            raise ConfigError(f"config field {name}={config[name]!r} is not supported")
+
+
+def _rope_fields(config: Mapping[str, Any], layer_type: str = FULL_ATTENTION) -> tuple[Any, Mapping[str, Any]]:
+    """(theta, the RoPE parameters) from transformers 5's `rope_parameters` (per layer type where it is keyed by
+    `layer_types` entries: the `layer_type` ones) or the older `rope_theta` + `rope_scaling`."""
     params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and layer_type in params and isinstance(params[layer_type], Mapping):
+        params = params[layer_type]
     if params is not None:
         if not isinstance(params, Mapping) or ("rope_type" not in params and "rope_theta" not in params):
             raise ConfigError(f"config field rope_parameters={params!r} (per-layer-type RoPE) is not supported")
@@ -427,9 +543,23 @@ def _rope_fields(config: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
     return config.get("rope_theta"), config.get("rope_scaling") or {}
 
 
-def _rope(config: Mapping[str, Any]) -> RopeSpec:
+def _sliding_rope(arch: Architecture, config: Mapping[str, Any], rope: RopeSpec) -> RopeSpec | None:
+    """The sliding layers' own RoPE: transformers 5's `rope_parameters.sliding_attention`, else plain RoPE at the
+    architecture's local base (`Architecture.sliding_rope_theta`); None where they have none (or it is `rope`)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get(SLIDING_ATTENTION), Mapping):
+        local = _rope(config, SLIDING_ATTENTION)
+    elif arch.sliding_rope_theta is not None and config.get(arch.sliding_rope_theta) is not None:
+        partial = rope.partial_rotary_factor
+        local = RopeSpec(theta=float(config[arch.sliding_rope_theta]), partial_rotary_factor=partial)
+    else:
+        return None
+    return None if local == rope else local
+
+
+def _rope(config: Mapping[str, Any], layer_type: str = FULL_ATTENTION) -> RopeSpec:
     """RoPE from either spelling; the fields of its type (llama3's and yarn's required ones refused when missing)."""
-    theta, params = _rope_fields(config)
+    theta, params = _rope_fields(config, layer_type)
     if theta is None:
         raise ConfigError("config field 'rope_theta' is missing (no default is assumed: it changes the logits)")
     rope_type = str(params.get("rope_type", params.get("type")) or "default")
@@ -529,13 +659,47 @@ def _sliding_window(arch: Architecture, config: Mapping[str, Any]) -> int | None
     return int(window) if window else None
 
 
-def _layer_types(config: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+def _layer_types(
+    config: Mapping[str, Any], num_layers: int, period_field: str | None = None, other: str = SLIDING_ATTENTION
+) -> tuple[str, ...]:
+    """`layer_types` as listed; where absent, derived as transformers does from the architecture's full-attention
+    period (`Architecture.full_attention_period`: the layers it does not mark full are `other`), else every layer
+    full."""
     listed = config.get("layer_types")
+    if not listed and period_field is not None:
+        period = _positive_int(config, period_field)
+        return tuple(FULL_ATTENTION if (i + 1) % period == 0 else other for i in range(num_layers))
     if not listed:
         return (FULL_ATTENTION,) * num_layers
     if len(listed) != num_layers:
         raise ConfigError(f"config field layer_types lists {len(listed)} layers, not num_hidden_layers={num_layers}")
     return tuple(str(kind) for kind in listed)
+
+
+LINEAR_FIELDS = {
+    "num_key_heads": "linear_num_key_heads",
+    "num_value_heads": "linear_num_value_heads",
+    "key_head_dim": "linear_key_head_dim",
+    "value_head_dim": "linear_value_head_dim",
+    "conv_kernel": "linear_conv_kernel_dim",
+}
+"""`LinearAttentionSpec`'s fields and the HF config fields they come from."""
+
+
+def _linear_attention(config: Mapping[str, Any]) -> LinearAttentionSpec:
+    """Gated DeltaNet's dimensions; value heads a multiple of the key heads (transformers repeats each key head over
+    consecutive value heads)."""
+    linear = LinearAttentionSpec(**{name: _positive_int(config, hf) for name, hf in LINEAR_FIELDS.items()})
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ConfigError(
+            f"linear_num_value_heads={linear.num_value_heads} is not a multiple of "
+            f"linear_num_key_heads={linear.num_key_heads}"
+        )
+    return linear
+
+
+def _linear_attention_to_hf(linear: LinearAttentionSpec) -> dict[str, Any]:
+    return {hf: getattr(linear, name) for name, hf in LINEAR_FIELDS.items()}
 
 
 def _rope_scaling_to_hf(rope: RopeSpec) -> dict[str, Any] | None:

@@ -114,13 +114,26 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def shard_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int) -> list[Box]:
+def shard_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int, parts: tuple[int, ...] = ()) -> list[Box]:
     """The chunks that `tp` ranks hold of a global tensor of `shape`, as megatron-core saves them.
 
     COLUMN and VOCAB split dim 0, ROW splits dim 1, GATED_COLUMN splits each half of dim 0 separately (each rank
-    holds [gate_r; up_r]), REPLICATED keeps one chunk.
+    holds [gate_r; up_r]), REPLICATED keeps one chunk. COLUMN_PARTS (megatron-core's tensors of several parts, such
+    as Gated DeltaNet's `in_proj`) splits each part of dim 0 separately, `parts` giving their row counts (each rank
+    holds its rows of every part, part after part); without `parts` it is refused over more than one rank
+    (ValueError). Boxes of several per rank come part by part, each part's in rank order.
     """
     zeros = (0,) * len(shape)
+    if parallel is Parallel.COLUMN_PARTS and tp > 1:
+        if not parts:
+            raise ValueError("a tensor saved in parts is split part by part: its parts' rows are needed")
+        if sum(parts) != shape[0]:
+            raise ValueError(f"a tensor of parts {parts} has {sum(parts)} rows, not {shape[0]}")
+        boxes, first = [], 0
+        for rows in parts:
+            boxes += _split_axis(shape, 0, tp, base=first, extent=rows)
+            first += rows
+        return boxes
     if parallel is Parallel.REPLICATED or (tp == 1 and parallel is not Parallel.GATED_COLUMN):
         return [(zeros, tuple(shape))]
     if parallel in (Parallel.COLUMN, Parallel.VOCAB):
@@ -133,22 +146,34 @@ def shard_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int) -> list[Box
     raise ValueError(f"unknown parallel style {parallel}")
 
 
-def rank_boxes(shape: tuple[int, ...], parallel: Parallel, tp: int, rank: int) -> list[Box]:
-    """The chunks one tensor-parallel rank holds, in the order its local tensor stacks them."""
-    boxes = shard_boxes(shape, parallel, tp)
+def rank_boxes(
+    shape: tuple[int, ...], parallel: Parallel, tp: int, rank: int, parts: tuple[int, ...] = ()
+) -> list[Box]:
+    """The chunks one tensor-parallel rank holds, in the order its local tensor stacks them (`parts`: as
+    `shard_boxes`)."""
+    boxes = shard_boxes(shape, parallel, tp, parts)
     if parallel is Parallel.GATED_COLUMN:  # [gate_r; up_r]
         return [boxes[rank], boxes[tp + rank]]
+    if parallel is Parallel.COLUMN_PARTS and tp > 1:  # its rows of each part
+        return [boxes[part * tp + rank] for part in range(len(parts))]
     return [boxes[0] if len(boxes) == 1 else boxes[rank]]
 
 
-def rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, rank: int) -> torch.Tensor:
+def rank_shard(full: torch.Tensor, parallel: Parallel, tp: int, rank: int, parts: tuple[int, ...] = ()) -> torch.Tensor:
     """The local tensor of one tensor-parallel rank (a copy)."""
     import torch
 
-    return torch.cat([take_box(full, box) for box in rank_boxes(tuple(full.shape), parallel, tp, rank)])
+    boxes = rank_boxes(tuple(full.shape), parallel, tp, rank, parts)
+    return torch.cat([take_box(full, box) for box in boxes])
 
 
-SPLIT_AXIS = {Parallel.COLUMN: 0, Parallel.VOCAB: 0, Parallel.GATED_COLUMN: 0, Parallel.ROW: 1}
+SPLIT_AXIS = {
+    Parallel.COLUMN: 0,
+    Parallel.VOCAB: 0,
+    Parallel.GATED_COLUMN: 0,
+    Parallel.COLUMN_PARTS: 0,
+    Parallel.ROW: 1,
+}
 """The dimension each parallel style splits (replicated tensors split none)."""
 
 
@@ -160,7 +185,7 @@ def global_shape(local: tuple[int, ...], parallel: Parallel, tp: int) -> tuple[i
     return tuple(size * tp if dim == axis else size for dim, size in enumerate(local))
 
 
-def merge_rank_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.Tensor:
+def merge_rank_shards(shards: list[torch.Tensor], parallel: Parallel, parts: tuple[int, ...] = ()) -> torch.Tensor:
     """Inverse of `rank_shard`: the whole tensor (a new one) from every rank's local tensor, in rank order."""
     import torch
 
@@ -171,7 +196,7 @@ def merge_rank_shards(shards: list[torch.Tensor], parallel: Parallel) -> torch.T
     out = torch.empty(shape, dtype=shards[0].dtype)
     for rank, shard in enumerate(shards):
         start = 0
-        for box in rank_boxes(shape, parallel, len(shards), rank):
+        for box in rank_boxes(shape, parallel, len(shards), rank, parts):
             size = box[1][axis]
             out[tuple(slice(o, o + s) for o, s in zip(*box, strict=True))] = shard.narrow(axis, start, size)
             start += size

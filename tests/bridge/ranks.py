@@ -3,7 +3,8 @@
 Each job's model is built here with megatron-core's own `GPTModel` and layer specs from the bridge's config
 (`transformer_config`, `gpt_model_kwargs`): `get_gpt_layer_local_spec` for dense models,
 `get_gpt_decoder_block_spec` for MoE ones; multi-latent attention takes the bridge's spec (`layer_spec`), because
-megatron-core 0.16's local spec cannot build MLA attention (its `DotProductAttention` refuses MLA's `k_channels`).
+megatron-core 0.16's local spec cannot build MLA attention (its `DotProductAttention` refuses MLA's `k_channels`),
+and so does Gemma 3, whose post-norms, sliding layers' RoPE base and embedding scale megatron-core's specs lack.
 The model is then loaded by `load_hf_weights`, run by the forward below (plain megatron-core calls: stages and
 virtual stages hand activations on point to point) and exported. What each rank saw is saved for the test:
 
@@ -146,7 +147,11 @@ def build_chunks(bridge: Any, qk_norm: bool = True, post_process: bool = True) -
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
-        if bridge.model_config.mla is not None:
+        if (
+            bridge.model_config.mla is not None
+            or bridge.model_config.post_norms
+            or bridge.model_config.linear_attention
+        ):
             spec = bridge.layer_spec(config, vp_stage=vp_stage)
         elif bridge.model_config.moe is not None:
             spec = get_gpt_decoder_block_spec(

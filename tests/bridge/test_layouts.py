@@ -1,8 +1,8 @@
 """The bridge API in gloo worlds at TP2, PP2 (with two virtual stages), EP2 and TP2 x PP2, on a dense, a MoE, a
-DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all), at TP2 x EP2 with expert TP 1 (GLM-4.7-Flash
-there too) and at CP2
-(the bridge's own spec: megatron-core's local one refuses CP), at PP2 on the real SmolLM2-135M-Instruct, and an FP8
-DeepSeek-V3 checkpoint at TP2.
+DeepSeek-V3 and a GLM-4.5 tiny model (one world per layout runs them all; at PP2 also Gemma 3, at TP2 also Qwen3.5 and
+Qwen3-Next, whose Gated DeltaNet tensors megatron-core splits part by part), at TP2 x EP2 with
+expert TP 1 (GLM-4.7-Flash there too) and at CP2 (the bridge's own spec: megatron-core's local one refuses CP), at
+PP2 on the real SmolLM2-135M-Instruct, and an FP8 DeepSeek-V3 checkpoint at TP2.
 
 Each model is built by the test's own megatron-core code from the bridge's config (`ranks.build_chunks`), loaded by
 `load_hf_weights`, and must give transformers' logits (fp32, max |dlogit| <= 1e-4) on random tokens; its
@@ -90,6 +90,8 @@ def test_tp2(models, tmp_path):
         Job("qwen3_moe", models["qwen3_moe"]),
         Job("deepseek_v3", models["deepseek_v3"], get_model=True),
         Job("glm4_moe", models["glm4_moe"]),
+        Job("qwen3_5", models["qwen3_5"]),  # Gated DeltaNet's in_proj and conv1d: each rank its rows of each part
+        Job("qwen3_next", models["qwen3_next"]),
     ]
     tokens, results = _run(Layout(tp=2), jobs, tmp_path)
     for job in (j for j in jobs if not j.misbuilt):
@@ -148,6 +150,8 @@ def test_pp2_with_virtual_stages(models, tmp_path):
         Job("mixtral", models["mixtral"]),
         Job("deepseek_v3", models["deepseek_v3"]),
         Job("glm4_moe", models["glm4_moe"], trace=True),
+        # four chunks of two layers: the sliding layers and the first layer (the embedding scale) found globally
+        Job("gemma3", models["gemma3"], get_model=True),
     ]
     tokens, results = _run(Layout(pp=2, vpp=2), jobs, tmp_path)
     for job in jobs:

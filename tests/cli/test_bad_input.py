@@ -196,3 +196,11 @@ def test_export_args_contradicting_tensors(converted, tmp_path):
 
 def test_export_unknown_iteration(converted, tmp_path):
     assert_one_line_error(_to_hf(converted, tmp_path / "out", "--iteration", "5"), "no iteration 5")
+
+
+def test_bridge_export_peft_of_a_checkpoint_without_adapters(converted, tmp_path):
+    """`bridge export --peft` of a checkpoint that holds no LoRA adapters (full weights): one line, nothing
+    written."""
+    result = run("export", converted, tmp_path / "out", "--peft")
+    assert_one_line_error(result, "--peft", "holds no LoRA adapters")
+    assert not (tmp_path / "out").exists()

@@ -156,6 +156,39 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    "google/gemma-3-270m": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "_sliding_window_pattern": 6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 640,
+        "initializer_range": 0.02,
+        "intermediate_size": 2048,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 18,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_bidirectional_attention": False,
+        "use_cache": True,
+        "vocab_size": 262144,
+    },
 }
 
 LAYOUTS = {
@@ -165,6 +198,7 @@ LAYOUTS = {
     "mistralai/Mistral-7B-v0.3": (4, 2),
     "Qwen/Qwen2.5-7B": (4, 2),
     "Qwen/Qwen3-8B": (8, 2),
+    "google/gemma-3-270m": (1, 2),
 }
 """A layout each model is typically trained at (TP, PP)."""
 

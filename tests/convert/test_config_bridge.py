@@ -68,7 +68,7 @@ def test_published_config_builds_megatron_transformer_config(name):
     assert config.kv_channels == original.get("head_dim", original["hidden_size"] // original["num_attention_heads"])
     assert config.num_query_groups == original["num_key_value_heads"]
     assert config.add_qkv_bias is (arch.hf_name == "Qwen2ForCausalLM")
-    assert config.qk_layernorm is (arch.hf_name == "Qwen3ForCausalLM")
+    assert config.qk_layernorm is (arch.hf_name in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"))
     kwargs = config_bridge.gpt_model_kwargs(model, config_bridge.padded_vocab(model, layout))
     assert kwargs["rotary_base"] == original["rope_theta"]
     assert kwargs["vocab_size"] % (128 * tp) == 0 and kwargs["vocab_size"] >= original["vocab_size"]

@@ -15,6 +15,9 @@ from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.megatron.verify import _hf_logits
 from hf_mcore_bridge.megatron.world import run_world
 
+NOT_LEGACY = ("qwen3_5",)
+"""Tiny models the legacy format refuses by name (Gated DeltaNet: `test_qwen3_5`)."""
+
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -22,6 +25,8 @@ def test_legacy_round_trip_is_bit_exact(layout_name, dtype, tiny_models, tiny_mo
     models = tiny_models if dtype == "fp32" else tiny_models_bf16
     for spec in ("te", "local"):
         for name, hf_dir in models.items():
+            if name in NOT_LEGACY:
+                continue
             mcore, back = tmp_path / f"{name}-{spec}", tmp_path / f"{name}-{spec}-hf"
             convert_hf_to_mcore(
                 hf_dir, mcore, layout=LAYOUTS[layout_name], spec=spec, checkpoint_format="torch", show_progress=False

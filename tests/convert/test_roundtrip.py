@@ -51,6 +51,11 @@ def test_dtype_cast_on_the_way_in(tiny_models, tmp_path):
     assert all(b[n].dtype == torch.bfloat16 and torch.equal(b[n], a[n].to(torch.bfloat16)) for n in a)
 
 
+PRODUCED = ("qwen3_5",)
+"""Tiny models with tensors always produced: Gated DeltaNet's 3-D `conv1d`, and on export its tensors that
+megatron-core saves in parts (read whole, one at a time)."""
+
+
 @pytest.mark.parametrize("layout_name", ["tp2pp2", "tp4pp1"])
 def test_same_dtype_round_trip_is_all_kernel_copies(layout_name, tiny_models_bf16, tmp_path, monkeypatch):
     """Without a dtype change every tensor's bytes are copied from the files, in both directions: the tensor path
@@ -63,6 +68,8 @@ def test_same_dtype_round_trip_is_all_kernel_copies(layout_name, tiny_models_bf1
     monkeypatch.setattr(to_mcore.Producer, "chunk", no_tensors)
     monkeypatch.setattr(to_hf._Tensors, "_producer", no_tensors)
     for name, hf_dir in tiny_models_bf16.items():
+        if name in PRODUCED:
+            continue
         mcore, back = tmp_path / f"{name}-mcore", tmp_path / f"{name}-hf"
         convert_hf_to_mcore(hf_dir, mcore, layout=LAYOUTS[layout_name], show_progress=False)
         convert_mcore_to_hf(mcore, back, show_progress=False, max_shard_size="40KB")

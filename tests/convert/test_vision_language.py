@@ -1,6 +1,7 @@
 """Language models inside vision-language checkpoints (`models.vision_language`), on a tiny Kimi-K2.5
 (`Kimi_K25ForConditionalGeneration`: the tiny DeepSeek-V3 as its language model, `model_type` `kimi_k2`, and a
-one-layer vision tower) built and saved by transformers.
+one-layer vision tower) and a tiny `Gemma3ForConditionalGeneration` (`gemma3_vl`), built and saved by transformers.
+Logit parity of the Gemma 3 one's language model through megatron-core at PP2: `tests/megatron/test_parity.py`.
 
 The references are transformers' own: the class it saves (in its `save_pretrained` layout, and renamed into the
 layout Moonshot publishes), its logits on text, and the bytes of its safetensors files. Conversion to megatron-core
@@ -231,3 +232,27 @@ def test_the_wrappers_flag_ties_the_output_layer_as_in_transformers(tied):
     model = Kimi_K25ForConditionalGeneration(config)
     transformers_ties = model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert ModelSpec.from_hf(raw).tie_word_embeddings is transformers_ties
+
+
+def test_gemma3s_language_model_converts_and_export_writes_the_whole_class_again(gemma3_vl_dir, tmp_path):
+    """At TP2 x PP2 and back: every tensor's bytes under its name (the SigLIP tower and the projector carried), the
+    `config.json` file itself, and transformers' logits of the exported class those of the source."""
+    from gemma3_vl import gemma3_vl
+
+    result = convert_hf_to_mcore(gemma3_vl_dir, tmp_path / "m", layout=Layout(tp=2, pp=2), show_progress=False)
+    (note,) = result.notes
+    assert "Gemma3ForConditionalGeneration: its language model (Gemma3ForCausalLM) converted" in note
+    assert result.model.architecture == "Gemma3ForCausalLM" and result.model.post_norms
+    keys = DCPCheckpoint(tmp_path / "m" / "release").tensor_keys()
+    assert not any("vision" in key or "projector" in key for key in keys)
+    assert convert_mcore_to_hf(tmp_path / "m", tmp_path / "hf", show_progress=False).notes == ()
+    original, back = _raw_tensors(gemma3_vl_dir), _raw_tensors(tmp_path / "hf")
+    assert sorted(back) == sorted(original)
+    assert [name for name in original if back[name] != original[name]] == []
+    assert len([name for name in original if not name.startswith("language_model.")]) == 34
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (gemma3_vl_dir / "config.json").read_bytes()
+    from transformers import AutoModelForImageTextToText
+
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 207, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_text_logits(loaded, tokens), _text_logits(gemma3_vl(), tokens))

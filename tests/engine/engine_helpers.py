@@ -1,7 +1,8 @@
 """Shared helpers of the engine tests.
 
 Tiny HF models (2-3 layers, hidden 64, 4 heads, 2 KV heads, vocab 211; the MoE ones with 4-8 experts, top-2;
-GLM-4.5's top-4 of 8 in 4 groups, sigmoid scores with a score bias, partial rotary, an ungated shared expert)
+GLM-4.5's top-4 of 8 in 4 groups, sigmoid scores with a score bias, partial rotary, an ungated shared expert;
+GPT-OSS's sliding window, sinks, YaRN, biased router and experts with the clamped activation)
 built from configs in code, and the transformers references the engine tests compare against (greedy `generate`,
 log-probs of a forward pass). Weights reach the engine as transformers saves them (`hub_weights`): for the MoE
 models that is one tensor per expert, not the fused expert tensors of their in-memory state dict.
@@ -14,10 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from engine_vs_generate import hf_greedy as hf_greedy  # shared with the real-model checks
 from safetensors.torch import load_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -29,6 +33,7 @@ from transformers import (
 )
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
 VOCAB = 211
 COMMON = dict(
@@ -114,6 +119,26 @@ MOE_CONFIGS.update(
         ),
     }
 )
+# GPT-OSS: window 6 on layer 0 (prompts and generations run past it), a sink logit per head, YaRN without truncation
+# over a short original context (so it changes short prompts' logits), biased router and experts, and a clamp low
+# enough that the tiny model's activations reach it
+MOE_CONFIGS["gpt_oss"] = lambda: GptOssConfig(
+    **COMMON,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=6,
+    layer_types=["sliding_attention", "full_attention"],
+    swiglu_limit=0.5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+)
 MOE_ARCH_NAMES = tuple(MOE_CONFIGS)
 
 
@@ -137,6 +162,19 @@ def build_hf_from_config(config: object, seed: int) -> PreTrainedModel:
                 p.copy_(0.2 * noise)
             else:
                 p.copy_(0.08 * noise)
+    return model
+
+
+def build_hybrid_model(arch: str, seed: int = 0) -> PreTrainedModel:
+    """The registry's tiny model of a hybrid Gated DeltaNet architecture, every weight random; its zero-centred
+    norms (weight + 1, all but Gated DeltaNet's own) at 1 + 0.2 noise in effect, as the other architectures' plain
+    norms are (`build_hf_from_config`)."""
+    fields = tiny_config(arch)
+    model = build_hf_from_config(AutoConfig.for_model(fields.pop("model_type"), **fields), seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and ".linear_attn." not in name:
+                param.sub_(1.0)
     return model
 
 
@@ -174,20 +212,6 @@ def engine_from_hf(model: PreTrainedModel, **overrides: object) -> Engine:
     engine = Engine(model.config, tiny_engine_config(**overrides))
     engine.load_weights(hub_weights(model))
     return engine
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
-    """transformers' greedy `generate` on one unpadded prompt; the new tokens only."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def hf_token_logprobs(

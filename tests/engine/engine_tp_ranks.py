@@ -28,12 +28,23 @@ from engine_helpers import (
     random_prompts,
     tiny_engine_config,
 )
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import AutoConfig, LlamaConfig, PreTrainedModel
 
 from hf_mcore_bridge.engine import Engine, SamplingParams
 from hf_mcore_bridge.engine.attention import bytes_per_block
+from hf_mcore_bridge.models.tiny_models import tiny_config
 
-TP_ARCHS = (*ARCH_NAMES, *(a for a in MOE_ARCH_NAMES if a != "qwen3_moe_unnormalised"), "llama_mqa")
+FROM_TINY_CONFIGS = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+"""Built from the project's tiny configs: multi-latent attention (heads split, the latent whole on each rank),
+Gemma 3 (windows, both RoPE bases, offset and post-norms), Qwen3.5 (Gated DeltaNet split by key heads, its states
+per rank, beside gated attention) and Qwen3-Next (the same with projections fused per key head, and experts)."""
+TP_ARCHS = (*ARCH_NAMES, *(a for a in MOE_ARCH_NAMES if a != "qwen3_moe_unnormalised"), "llama_mqa", *FROM_TINY_CONFIGS)
 """Every supported architecture, plus Llama with one KV head (replicated on both ranks)."""
 TP_MOE_ARCHS = tuple(a for a in TP_ARCHS if a in MOE_ARCH_NAMES)
 """The mixture-of-experts ones, also run through the fast expert path."""
@@ -42,6 +53,9 @@ MAX_TOKENS = 10
 
 
 def _model(arch: str) -> PreTrainedModel:
+    if arch in FROM_TINY_CONFIGS:
+        fields = tiny_config(FROM_TINY_CONFIGS[arch])
+        return build_hf_from_config(AutoConfig.for_model(fields.pop("model_type"), **fields), seed=0)
     if arch == "llama_mqa":
         return build_hf_from_config(LlamaConfig(**{**COMMON, "num_key_value_heads": 1}), seed=0)
     return build_hf_model(arch, seed=0)
@@ -72,7 +86,8 @@ def tp_engine_rank(out: str) -> None:
     for arch in TP_ARCHS:
         models[arch] = model = _model(arch)
         dirs[arch] = _save(model, Path(out, arch))
-        engine = _tp_engine(dirs[arch], group)
+        cache = {"kv_cache_memory_bytes": 1 << 20} if arch in FROM_TINY_CONFIGS else {}  # 4-8 layers, not 2
+        engine = _tp_engine(dirs[arch], group, **cache)
         mine["greedy"][arch] = engine_greedy(engine, prompts)
         if arch == "qwen3_moe":
             # sleep/wake: weights released, then reloaded as a live transformers-5 model names them (fused
@@ -83,7 +98,7 @@ def tp_engine_rank(out: str) -> None:
             mine["after_wake"] = engine_greedy(engine, prompts)
         if rank == 0:
             refs["hf"][arch] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-            refs["tp1"][arch] = engine_greedy(engine_from_hf(model), prompts)
+            refs["tp1"][arch] = engine_greedy(engine_from_hf(model, **cache), prompts)
 
     # The fast expert path under expert tensor parallelism: `torch._grouped_mm` (its CPU loop), and the Triton
     # grouped GEMM where Triton runs on CPU tensors (its interpreter, machines without CUDA: see conftest)

@@ -29,17 +29,23 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the Triton kernel runs: compiled on a GPU, else in Triton's interpreter (see conftest)."""
 
 
-def _dense_reference(q, cache, tables, lengths, scale):
-    """Each sequence's keys/values laid out contiguously, grouped heads repeated, softmax in float64."""
+def _dense_reference(q, cache, tables, lengths, scale, window=None, sinks=None):
+    """Each sequence's keys/values laid out contiguously, grouped heads repeated, softmax in float64; only the last
+    `window` keys, and a sink logit per head in every denominator (as transformers' GPT-OSS attention)."""
     out = []
     block, kv_heads, head_dim = cache.shape[2:]
     group = q.shape[1] // kv_heads
     for b in range(q.shape[0]):
         slots = torch.cat([torch.arange(blk * block, blk * block + block) for blk in tables[b].tolist()])
         slots = slots[: int(lengths[b])]
+        if window is not None:
+            slots = slots[-window:]
         k = cache[0].reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
         v = cache[1].reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double()[:, None]), dim=-1)
+        weights = torch.softmax(scores, dim=-1)[:, : len(slots)]
         out.append(torch.einsum("ht,thd->hd", weights, v))
     return torch.stack(out).float()
 
@@ -137,6 +143,69 @@ def test_triton_kernel_reads_only_the_sequences_slots():
     poisoned[:, SCRATCH_BLOCK] = float("nan")  # its table's next entry, past its length
     for splits in (1, 2, 4):
         torch.testing.assert_close(paged_decode_attention(q, poisoned, tables, lengths, 0.3, splits=splits), before)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 5, 9])
+@pytest.mark.parametrize(("kernel", "splits"), [("gather", None), ("triton", 1), ("triton", 3)])
+def test_sliding_windows_and_sinks_match_a_dense_reference(kernel, splits, window, sinks):
+    """A layer's sliding window (only the last `window` keys: shorter, longer than and crossing blocks) and a sink
+    logit per head (GPT-OSS), through `gather` and the Triton kernel (split over the window's blocks: the sink
+    counted once); sequences shorter than the window and a padded row of length 0 (zeros) included."""
+    torch.manual_seed(5)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.stack([torch.randperm(NUM_BLOCKS - 1)[:6] + 1 for _ in range(4)])
+    lengths = torch.tensor([3, 13, 24, 0])
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM)
+    sink_logits = torch.randn(HEADS) if sinks else None
+    meta = DecodeMetadata(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.long), block_tables=tables, context_lens=lengths
+    )
+    on = TRITON_DEVICE if kernel == "triton" else "cpu"
+    if kernel == "triton":
+        out = paged_decode_attention(
+            q.to(on),
+            cache.to(on),
+            tables.to(on),
+            lengths.to(on),
+            0.3,
+            splits=splits,
+            window=window,
+            sinks=None if sink_logits is None else sink_logits.to(on),
+        ).cpu()
+    else:
+        out = decode_attention(q, cache, meta, 0.3, window=window, sinks=sink_logits)
+    expected = _dense_reference(q[:-1], cache, tables[:-1], lengths[:-1], 0.3, window, sink_logits)
+    torch.testing.assert_close(out[:-1], expected, atol=1e-5, rtol=1e-5)
+    if kernel == "triton":
+        assert torch.equal(out[-1], torch.zeros(HEADS, HEAD_DIM))
+
+
+def test_triton_kernel_reads_only_the_windows_blocks():
+    """With a window, the blocks wholly before it are never read (NaN there changes nothing), the block holding
+    its first position is; FlexAttention refuses windows and sinks."""
+    torch.manual_seed(6)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    tables = torch.tensor([[4, 6, 1, 9, 12]])  # 18 tokens: window 7 covers positions 11..17, blocks 1, 9, 12
+    lengths = torch.tensor([18])
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    q, cache, tables, lengths = (t.to(TRITON_DEVICE) for t in (q, cache, tables, lengths))
+    before = paged_decode_attention(q, cache, tables, lengths, 0.3, window=7)
+    poisoned = cache.clone()
+    poisoned[:, 4] = float("nan")
+    poisoned[:, 6] = float("nan")
+    poisoned[:, 1, :3] = float("nan")  # positions 8..10 of the window's first block: masked, though read
+    for splits in (1, 2, 3):
+        torch.testing.assert_close(paged_decode_attention(q, poisoned, tables, lengths, 0.3, splits, window=7), before)
+    poisoned[:, 1, 3] = float("nan")  # position 11: inside the window
+    assert paged_decode_attention(q, poisoned, tables, lengths, 0.3, window=7).isnan().all()
+    meta = with_block_mask(
+        DecodeMetadata(slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=tables, context_lens=lengths),
+        BLOCK,
+        NUM_BLOCKS,
+    )
+    with pytest.raises(ValueError, match="no sliding window or attention sinks"):
+        decode_attention(q.cpu(), cache.cpu(), meta, 0.3, window=7)
 
 
 def test_split_count_fills_the_gpu_only_when_the_batch_does_not():

@@ -18,6 +18,13 @@ from hf_mcore_bridge.mappings.qwen2 import ARCHITECTURE as QWEN2
 from hf_mcore_bridge.mappings.qwen3 import ARCHITECTURE as QWEN3
 from hf_mcore_bridge.models.spec import RopeSpec
 
+YARN = {
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+    "truncate": False,
+}
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -41,7 +48,7 @@ def test_missing_rope_theta_is_an_error():
         read_rope({"rope_scaling": None})
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_unimplemented_rope_types_are_refused(rope_type):
     with pytest.raises(NotImplementedError, match=rope_type):
         read_rope({"rope_parameters": {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}})
@@ -54,6 +61,8 @@ def test_unimplemented_rope_types_are_refused(rope_type):
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3},
         {"rope_type": "llama3", "rope_theta": 500000.0, **{**LLAMA3, "original_max_position_embeddings": 32}},
+        {"rope_type": "yarn", "rope_theta": 150000.0, **YARN},  # GPT-OSS's: the correction range not truncated
+        {"rope_type": "yarn", "rope_theta": 10000.0, **{**YARN, "truncate": True, "beta_fast": 16.0}},
     ],
 )
 def test_inverse_frequencies_equal_transformers(rope_parameters):
@@ -65,6 +74,9 @@ def test_inverse_frequencies_equal_transformers(rope_parameters):
         expected, _ = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
     got = rope_inv_freq(read_spec(config).rope, 64)
     assert torch.equal(got, expected)
+    if rope_type == "yarn":
+        _, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=None)
+        assert read_spec(config).rope.attention_scaling == scaling != 1.0
 
 
 def test_architecture_comes_from_the_explicit_registry():

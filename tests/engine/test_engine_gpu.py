@@ -14,6 +14,7 @@ from engine_helpers import (
     MOE_ARCH_NAMES,
     MOE_CONFIGS,
     build_hf_model,
+    build_hybrid_model,
     hf_token_logprobs,
     hub_weights,
     random_prompts,
@@ -291,3 +292,105 @@ def test_routing_recorded_in_decode_graphs_equals_eager_recording(arch):
     for (tokens, routed), (eager_tokens, eager_routed) in zip(recorded[True], recorded[False], strict=True):
         assert tokens == eager_tokens
         assert routed is not None and eager_routed is not None and torch.equal(routed, eager_routed)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "triton+fused_rope", "gather"])
+def test_gpt_oss_window_and_sinks_decode_in_graphs_matches_eager_and_transformers(kernel):
+    """GPT-OSS (window 6 on layer 0, sinks, YaRN, biased clamped experts through the Triton grouped GEMM) decoding
+    past its window through each decode kernel that takes windows and sinks, in CUDA graphs and eagerly."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference_model = build_hf_model("gpt_oss", 0)
+    prompts = random_prompts([5, 20, 33], seed=14)
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=20, seed=6)
+    kernel, _, fused = kernel.partition("+")
+    outputs = {}
+    for graphs in (True, False):
+        config = tiny_engine_config(
+            device="cuda",
+            use_cuda_graphs=graphs,
+            block_size=16,
+            decode_attention=kernel,
+            fused_rope=fused == "fused_rope",
+            moe_kernel="triton",
+        )
+        engine = Engine(reference_model.config, config)
+        engine.load_weights(hub_weights(reference_model))
+        outputs[graphs] = engine.generate(prompts, params)
+        assert (engine.num_cuda_graphs > 0) == graphs
+    for prompt, graphed, eager in zip(prompts, outputs[True], outputs[False], strict=True):
+        for sample, eager_sample in zip(graphed.samples, eager.samples, strict=True):
+            assert sample.token_ids == eager_sample.token_ids
+            expected = hf_token_logprobs(reference_model, prompt, sample.token_ids, 0.8)
+            assert sample.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 128])
+def test_triton_decode_with_window_and_sinks_at_gpt_oss_20b_shape(window, dtype):
+    """The compiled Triton decode kernel at gpt-oss-20b's attention shape (64 query heads over 8 KV heads of 64,
+    window 128 on its sliding layers, a sink per head, 32-token blocks), long and short contexts, one row and a
+    batch (split and unsplit over the window's blocks), against float64 attention written here."""
+    from hf_mcore_bridge.engine.triton_decode import paged_decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, head_dim, block = 64, 8, 64, 32
+    lengths = torch.tensor([1, 100, 129, 1000, 4000], device="cuda")
+    n_blocks = -(-int(lengths.max()) // block)
+    cache = torch.randn(2, len(lengths) * n_blocks + 1, block, kv_heads, head_dim, device="cuda", generator=gen)
+    cache = cache.to(dtype)
+    tables = torch.randperm(len(lengths) * n_blocks, device="cuda", generator=gen).view(len(lengths), n_blocks) + 1
+    q = torch.randn(len(lengths), heads, head_dim, device="cuda", generator=gen).to(dtype)
+    sinks = torch.randn(heads, device="cuda", generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    expected = []
+    for b, length in enumerate(lengths.tolist()):
+        slots = (tables[b][:, None] * block + torch.arange(block, device="cuda")).flatten()[:length]
+        slots = slots if window is None else slots[-window:]
+        k = cache[0].view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = cache[1].view(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.cat((torch.einsum("hd,thd->ht", q[b].double(), k) * scale, sinks.double()[:, None]), dim=-1)
+        expected.append(torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1)[:, :-1], v))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    # one long row (split over the KV length: the window's 5 blocks make 1 split by default, 3 asked for), then the
+    # batch
+    for rows, splits in ((slice(3, 4), None), (slice(3, 4), 3), (slice(None), None)):
+        out = paged_decode_attention(
+            q[rows], cache, tables[rows], lengths[rows], scale, splits, window=window, sinks=sinks
+        ).double()
+        torch.testing.assert_close(out, torch.stack(expected)[rows], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gather"])
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
+def test_hybrid_decode_in_graphs_matches_eager_and_transformers(arch, kernel):
+    """Gated DeltaNet's states in CUDA graphs: the state slots travel in the packed graph inputs (padded rows in the
+    scratch slot), the state tensors are allocated before the first capture. After sleep and wake_up (new state
+    tensors, graphs cleared) the same samples come back."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference_model = build_hybrid_model(arch)
+    model = build_hybrid_model(arch).to("cuda")
+    prompts = random_prompts([5, 20, 70], seed=11)
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=20, seed=3)
+    config = dict(
+        device="cuda", block_size=16, decode_attention=kernel, max_model_len=128, kv_cache_memory_bytes=1 << 20
+    )
+
+    def engine(graphs: bool) -> Engine:
+        runner = Engine(model.config, tiny_engine_config(**config, use_cuda_graphs=graphs))
+        runner.load_weights(model.state_dict().items())
+        return runner
+
+    prompts = prompts[:1] + prompts  # 8 sequences, fewer as they finish: padded buckets
+    eager = engine(graphs=False).generate(prompts, params)
+    graphed_engine = engine(graphs=True)
+    graphed = graphed_engine.generate(prompts, params)
+    assert graphed_engine.num_cuda_graphs > 0
+    graphed_engine.sleep(level=1)
+    graphed_engine.wake_up()
+    again = graphed_engine.generate(prompts, params)
+    for prompt, a, b, c in zip(prompts, eager, graphed, again, strict=True):
+        for sa, sb, sc in zip(a.samples, b.samples, c.samples, strict=True):
+            assert sa.token_ids == sb.token_ids == sc.token_ids
+            assert sb.logprobs == pytest.approx(sa.logprobs, abs=1e-5)
+            expected = hf_token_logprobs(reference_model, prompt, sb.token_ids, 0.8)
+            assert sb.logprobs == pytest.approx(expected, abs=1e-4)

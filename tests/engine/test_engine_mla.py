@@ -16,7 +16,6 @@ own; refusals.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,8 +34,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from hf_mcore_bridge.engine import Engine, read_spec, triton_mla
 from hf_mcore_bridge.engine.kv_cache import SCRATCH_BLOCK
 from hf_mcore_bridge.engine.mla import LatentAttention
-from hf_mcore_bridge.engine.model import CausalLM, rope_inv_freq
-from hf_mcore_bridge.engine.tp_shards import TPRank
+from hf_mcore_bridge.engine.model import rope_inv_freq
 from hf_mcore_bridge.engine.triton_mla import paged_mla_decode
 from hf_mcore_bridge.models.tiny_models import build_tiny_model
 
@@ -238,6 +236,3 @@ def test_what_multi_latent_attention_refuses(mla_models):
         Engine(config, tiny_engine_config(decode_attention="flex"))
     with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8"):
         Engine(config, tiny_engine_config(kv_cache_dtype="fp8"))
-    tp = SimpleNamespace(place=TPRank(2, 0))
-    with pytest.raises(NotImplementedError, match=r"multi-latent attention .* tensor-parallel engine"):
-        CausalLM(read_spec(config), torch.float32, "cpu", 64, tp=tp)  # type: ignore[arg-type]

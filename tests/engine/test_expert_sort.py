@@ -13,6 +13,7 @@ import torch
 from engine_helpers import MOE_CONFIGS, engine_from_hf, hf_greedy, random_prompts, tiny_engine_config
 
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams, expert_sort, fused_moe
+from hf_mcore_bridge.engine import engine as engine_module
 from hf_mcore_bridge.engine.expert_sort import sort_by_expert, sort_by_expert_triton, sort_experts
 from hf_mcore_bridge.engine.fused_moe import check_usable, fused_experts, grouped_mm_experts
 from hf_mcore_bridge.engine.model import Experts, route, routed_experts
@@ -146,8 +147,10 @@ def test_bad_moe_sort_values_are_refused_in_one_line(monkeypatch):
     interpreter, as the Triton kernel does."""
     message = "moe_sort must be one of torch, triton, got 'fast'"
     moe = MoeSpec(num_experts=8, ffn_hidden_size=48, topk=2, moe_layers=(True,), renormalize=True, aux_loss_coeff=0.0)
+    with pytest.raises(ValueError) as err:
+        EngineConfig(moe_sort="fast")
+    assert str(err.value) == "moe_sort must be one of auto, torch, triton, got 'fast'"
     refusals = (
-        lambda: EngineConfig(moe_sort="fast"),
         lambda: Experts(moe, 48, 64, torch.float32, "cpu", "triton", sort="fast"),
         lambda: check_usable("grouped_mm", torch.device("cpu"), torch.float32, sort="fast"),
         lambda: sort_experts(torch.zeros(2, 1, dtype=torch.int64), 4, 4, "fast"),
@@ -156,7 +159,12 @@ def test_bad_moe_sort_values_are_refused_in_one_line(monkeypatch):
         with pytest.raises(ValueError) as err:
             refuse()
         assert str(err.value) == message
-    assert EngineConfig().moe_sort == "torch"  # the default until the kernel is timed on a GPU
+    assert EngineConfig(device="cpu").resolved_moe_sort() == "torch"  # `auto`: the Triton sort on CUDA only
+    assert EngineConfig(device="cpu", moe_sort="triton").resolved_moe_sort() == "triton"
+    monkeypatch.setattr(engine_module, "triton_available", lambda: True)
+    assert EngineConfig(device="cuda").resolved_moe_sort() == "triton"
+    monkeypatch.setattr(engine_module, "triton_available", lambda: False)
+    assert EngineConfig(device="cuda").resolved_moe_sort() == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="moe_sort triton runs on CUDA devices"):
         check_usable("grouped_mm", torch.device("cpu"), torch.float32, sort="triton")

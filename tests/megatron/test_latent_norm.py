@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hf_mcore_bridge.megatron.latent_norm import use_latent_norm_eps
-from hf_mcore_bridge.megatron.sequence_parallel_norm import use_sequence_parallel_norms
+from hf_mcore_bridge.megatron.sequence_parallel_norm import SequenceParallelRMSNorm, use_sequence_parallel_norms
 
 RMS_NORM_EPS, LATENT_EPS = 1e-5, 1e-6
 LATENT_RANKS = {"q_layernorm": 32, "kv_layernorm": 24}
@@ -82,10 +82,12 @@ def test_sequence_parallel_latent_norms_keep_their_class_and_mark_and_layers_sha
     use_latent_norm_eps(block, LATENT_EPS)
     assert attention.q_layernorm.params["base"] is q_class  # wrapped once, not a wrapper of a wrapper
     config = _config(sequence_parallel=True, tensor_model_parallel_size=2)
-    norm = _build_norm(attention, "q_layernorm", config)
-    assert type(norm) is q_class and norm.eps == LATENT_EPS
-    assert norm.weight.sequence_parallel is False  # as `use_sequence_parallel_norms` marks a q norm
-    _check_norm(norm, LATENT_RANKS["q_layernorm"])
+    for name, width in LATENT_RANKS.items():
+        norm = _build_norm(attention, name, config)
+        assert type(norm) is SequenceParallelRMSNorm and norm.eps == LATENT_EPS
+        assert norm.weight.sequence_parallel is True  # sequence-sharded latents: summed over TP
+        _check_norm(norm, width)
+    assert q_class is SequenceParallelRMSNorm
 
 
 class _FusedNormLinear(torch.nn.Module):

@@ -114,9 +114,8 @@ def test_verify_text_without_a_tokenizer_is_refused_in_one_line(smollm2: Path, t
 
 @pytest.mark.real_model
 def test_engine_greedy_chat_completions_are_transformers_generate(smollm2: Path) -> None:
+    from engine_vs_generate import greedy_as_generate
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
@@ -126,30 +125,12 @@ def test_engine_greedy_chat_completions_are_transformers_generate(smollm2: Path)
         for c in CHATS
     ]
     prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p) for p in prompts]
-    config = EngineConfig(dtype=torch.float32, device="cpu", max_num_seqs=4, max_model_len=256, block_size=16)
-    engine = Engine(json.loads((smollm2 / "config.json").read_text()), config)
-    engine.load_weights(load_file(smollm2 / "model.safetensors").items())
-    outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(end,)))
-    texts = []
-    for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.no_grad():
-            reference = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=40,
-                do_sample=False,
-                eos_token_id=end,
-                pad_token_id=end,
-            )[0, len(prompt) :].tolist()
-        (sample,) = output.samples
-        assert sample.token_ids == reference
-        texts.append(tokenizer.decode(sample.token_ids, skip_special_tokens=True))
-        # the log-probs of a trained model's greedy tokens: mostly confident, unlike a random model's ~1/vocab
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + reference])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(reference)[:, None])[:, 0]
-        assert sample.logprobs == pytest.approx(expected.tolist(), abs=2e-4)
-        assert float(expected.exp().mean()) > 0.5
+    results = greedy_as_generate(
+        smollm2, model, prompts, end, 40, 2e-4, max_num_seqs=4, max_model_len=256, block_size=16
+    )
+    # the log-probs of a trained model's greedy tokens: mostly confident, unlike a random model's ~1/vocab
+    assert all(float(expected.exp().mean()) > 0.5 for _, expected in results)
+    texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens, _ in results]
     assert "Paris" in texts[0]
 
 

@@ -27,14 +27,11 @@ from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.engine import Engine, EngineConfig, SamplingParams
-from hf_mcore_bridge.engine.arch import require_runnable
 from hf_mcore_bridge.models.registry import REGISTRY
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 NAMES = sorted(REGISTRY)
-ENGINE_PENDING = {"GptOssForCausalLM": "sinks"}
-"""Architectures whose new mechanism the engine does not compute yet: what `require_runnable` refuses them for."""
 
 
 def _transformers_config(name: str) -> object:
@@ -74,16 +71,13 @@ def _reference_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[
 @pytest.mark.parametrize("name", NAMES)
 def test_the_engine_runs_transformers_weights_as_transformers_does(name: str) -> None:
     torch.manual_seed(0)
-    if name in ENGINE_PENDING:  # refused by name until the engine's decoder computes it
-        with pytest.raises(NotImplementedError, match=ENGINE_PENDING[name]):
-            require_runnable(ModelSpec.from_hf(tiny_config(name)))
-        return
     model = AutoModelForCausalLM.from_config(_transformers_config(name), dtype=torch.float32).eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:  # norms start at 1, biases at 0: randomised so a misplaced one shows
                 param.add_(torch.randn_like(param) * 0.1)
-    engine = Engine(model.config, EngineConfig(device="cpu", dtype=torch.float32, max_model_len=64))
+    config = EngineConfig(device="cpu", dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    engine = Engine(model.config, config)
     loaded = engine.load_weights(model.state_dict().items())
     engine.model.check_loaded()
     assert loaded == set(engine.model.targets)

@@ -21,7 +21,16 @@ from row_trace import trace
 from hf_mcore_bridge.convert import config_bridge
 from hf_mcore_bridge.convert.input_checks import concrete, hf_sizes
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.models.mapping_types import Dims, Direct, Entry, FusedQKV, RotaryRows, Size
+from hf_mcore_bridge.models.architecture import Architecture
+from hf_mcore_bridge.models.mapping_types import (
+    Dims,
+    Direct,
+    Entry,
+    FusedQKV,
+    GroupedLinearInProj,
+    RotaryRows,
+    Size,
+)
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.registry import REGISTRY
 from hf_mcore_bridge.models.row_runs import MCORE, RowRun
@@ -41,8 +50,18 @@ class Case:
 
 _QKV = frozenset({("Direct", 1), ("Direct", 2), ("FusedGateUp", 2), ("FusedQKV", 2)})
 _MLA = frozenset({("Direct", 1), ("Direct", 2), ("FusedGateUp", 2), ("RotaryRows", 2)})
+_HYBRID = frozenset({("Direct", 1), ("Direct", 2), ("FusedGateUp", 2), ("GatedQKV", 2), ("LinearInProj", 2)})
+"""Gated attention and Gated DeltaNet's input projection (Qwen3.5)."""
+
+
+def _kinds(arch: Architecture) -> frozenset[tuple[str, int]]:
+    if arch.linear_attention and any(isinstance(e, GroupedLinearInProj) for e in arch.table):
+        return _HYBRID - {("LinearInProj", 2)} | {("GroupedLinearInProj", 2)}
+    return _HYBRID if arch.linear_attention else _MLA if arch.multi_latent else _QKV
+
+
 CASES = {
-    **{arch.model_type: Case(name, has=_MLA if arch.multi_latent else _QKV) for name, arch in REGISTRY.items()},
+    **{arch.model_type: Case(name, has=_kinds(arch)) for name, arch in REGISTRY.items()},
     "qwen2-biases": Case("Qwen2ForCausalLM", has=_QKV | {("FusedQKV", 1)}),
     "llama-unpadded": Case("LlamaForCausalLM", divisible_by=1, has=_QKV),
     "llama-one-group": Case("LlamaForCausalLM", {"num_key_value_heads": 1}, has=_QKV),

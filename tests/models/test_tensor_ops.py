@@ -87,7 +87,7 @@ def test_shard_boxes_cover_each_style():
         shard_boxes((6, 4), Parallel.COLUMN, 4)
 
 
-@pytest.mark.parametrize("parallel", list(Parallel))
+@pytest.mark.parametrize("parallel", [p for p in Parallel if p is not Parallel.COLUMN_PARTS])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_rank_shards_merge_back(parallel, tp):
     full = torch.randn(16, 8)
@@ -95,6 +95,26 @@ def test_rank_shards_merge_back(parallel, tp):
     for shard in shards:
         assert global_shape(tuple(shard.shape), parallel, tp) == (16, 8)
     assert torch.equal(merge_rank_shards(shards, parallel), full)
+
+
+def test_a_tensor_saved_in_parts_is_not_split_without_them():
+    assert len(shard_boxes((6, 4), Parallel.COLUMN_PARTS, 1)) == 1
+    with pytest.raises(ValueError, match="split part by part"):
+        shard_boxes((6, 4), Parallel.COLUMN_PARTS, 2)
+    with pytest.raises(ValueError, match="has 5 rows, not 6"):
+        shard_boxes((6, 4), Parallel.COLUMN_PARTS, 2, parts=(2, 3))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_tensor_of_parts_splits_part_by_part(tp):
+    full = torch.randn(16, 8)
+    parts = (4, 8, 4)
+    for rank in range(tp):  # megatron-core's GatedDeltaNet: each rank holds its rows of each part, part after part
+        expected = torch.cat([part.chunk(tp)[rank] for part in full.split(parts)])
+        assert torch.equal(rank_shard(full, Parallel.COLUMN_PARTS, tp, rank, parts), expected)
+    shards = [rank_shard(full, Parallel.COLUMN_PARTS, tp, r, parts) for r in range(tp)]
+    assert global_shape(tuple(shards[0].shape), Parallel.COLUMN_PARTS, tp) == (16, 8)
+    assert torch.equal(merge_rank_shards(shards, Parallel.COLUMN_PARTS, parts), full)
 
 
 def test_gated_rank_shard_is_gate_then_up():

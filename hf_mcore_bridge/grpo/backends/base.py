@@ -10,7 +10,7 @@ builds the enabled one on every rank (`run.ranks.build_backend`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -81,20 +81,36 @@ class TrainingBackend(Protocol):
         """The HF names `hf_weights` streams, in its order."""
         ...
 
-    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole policy as (HF name, full tensor), on every rank. Collective: exhaust it everywhere.
-        `times` collects the seconds of its `gather` and `transfer` phases."""
+    def trained_names(self) -> list[str] | None:
+        """The HF names of the tensors training changes, where that is not all of them (LoRA: the adapted
+        projections, each refit after the first streams those alone); None: every tensor."""
         ...
 
-    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """This rank's part of every HF tensor from its own tensor-parallel shards, for an engine sharded over the
-        trainer's TP group (`Engine.load_weights(..., parts=True)`); None where the backend cannot (then
-        `hf_weights`). Collective where it returns a stream: exhaust it everywhere."""
+    def hf_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole policy as (HF name, full tensor), on every rank (`names`: only those tensors, and fused
+        neighbours). Collective: exhaust it everywhere. `times` collects the seconds of its `gather` and `transfer`
+        phases. With LoRA adapters the adapted weights are merged (W + s B A) unless `merged` is False (the base
+        weights, as the checkpoint holds them)."""
+        ...
+
+    def shard_local_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """This rank's part of every HF tensor (or of `names`, as `hf_weights`) from its own tensor-parallel shards,
+        for an engine sharded over the trainer's TP group (`Engine.load_weights(..., parts=True)`); None where the
+        backend cannot (then `hf_weights`). Collective where it returns a stream: exhaust it everywhere."""
         ...
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         """The tensors `hf_weights` reads, where producing it takes no collective and the engine shares the
         trainer's GPU (the refit can then be recorded and replayed: `refit.replay`); else None."""
+        ...
+
+    def save_adapters(self, out_dir: Path, base_model: str) -> bool:
+        """Where the policy trains adapters (LoRA), write them as a PEFT adapter directory at `out_dir` (on rank 0)
+        and return True; else nothing and False. Collective: every rank calls it."""
         ...
 
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:

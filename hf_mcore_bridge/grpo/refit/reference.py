@@ -25,14 +25,23 @@ What rank `r` of `t` holds, as assumed here (megatron-core's tensor parallelism 
 - `REPLICATED` tensors (norms, q/k norms, router, expert score bias, shared-expert gate): whole;
 - routed experts: every rank holds every expert (expert tensor parallelism over the engine's whole group; the
   engine has no expert parallelism);
-- multi-latent attention: refused for t > 1 (the engine runs it on one device);
+- gated attention (Qwen3-Next, Qwen3.5): `q_proj` holds per query head its query rows then its output gate's, so
+  the r-th of t blocks of query heads is twice the rows of a plain query's;
+- Gated DeltaNet (`engine.gated_delta`'s split, by key heads with the value heads each serves): `in_proj_qkv` and
+  `conv1d` the r-th of t blocks of each of their q, k and v sections (megatron-core splits them part by part too);
+  `in_proj_z`, `in_proj_b`, `in_proj_a`, `dt_bias`, `A_log` and Qwen3-Next's per-key-head fused `in_proj_qkvz`,
+  `in_proj_ba` the r-th of t blocks of rows; `out_proj` as `ROW`; the gated norm whole;
+- multi-latent attention (vLLM's split): the down-projections (`q_a_proj`, `kv_a_proj_with_mqa`) and the latent
+  norms whole on every rank (each rank's heads read the whole latent, and the cache holds it whole on each rank);
+  the per-head up-projections (`q_b_proj` or `q_proj`, `kv_b_proj`) the r-th of t blocks of rows (whole heads);
+  `o_proj` as `ROW`;
 - a name the table does not list: whole (if the engine keeps a part of it, the check fails rather than passes).
 
 Streams: a full-tensor refit (`bridge.export.export_hf_weights`, or a DTensor policy's) is cut as above; in a
 shard-local refit (`refit.stream.shard_local_hf_weights`: engine TP = trainer TP, the same ranks in the same order)
 each tensor is already the trainer's own megatron-core shard in HF terms, which is itself the reference
 (`trainer_part=True`), except the vocabulary tensors, which come whole and are cut. At t = 1 every tensor is its own
-reference.
+reference. A cut is a view of the full tensor, except Gated DeltaNet's sections (three blocks joined: a copy).
 """
 
 from __future__ import annotations
@@ -44,7 +53,16 @@ from dataclasses import dataclass
 import torch
 
 from hf_mcore_bridge.convert.model_plan import placed_entries
-from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, FusedQKV, keeps_float32
+from hf_mcore_bridge.models.mapping_types import (
+    Direct,
+    FusedGateUp,
+    FusedQKV,
+    GatedQKV,
+    GroupedLinearInProj,
+    LinearInProj,
+    Size,
+    keeps_float32,
+)
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tensor_ops import padded_vocab_size, rank_boxes
@@ -57,20 +75,25 @@ class Role(enum.Enum):
 
     WHOLE = "whole"
     QUERY = "query heads"
+    GATED_QUERY = "query heads, each with its output gate's rows"
+    SECTIONS = "rows of each of the q, k and v sections"
     KEY_VALUE = "key/value heads"
     GATE = "gate half of a gated column"
     UP = "up half of a gated column"
     ROW = "input columns"
     COLUMN = "output rows"
     VOCAB = "vocabulary rows"
-    LATENT = "multi-latent attention"
 
+
+LATENT_DOWN_ROWS = (Size.Q_LORA, Size.KV_DOWN)
+"""Output rows of multi-latent attention's down-projections, which every engine rank holds whole."""
 
 _DIRECT = {
     Parallel.REPLICATED: Role.WHOLE,
     Parallel.ROW: Role.ROW,
     Parallel.COLUMN: Role.COLUMN,
     Parallel.VOCAB: Role.VOCAB,
+    Parallel.COLUMN_PARTS: Role.SECTIONS,
 }
 
 
@@ -85,12 +108,19 @@ def roles(model_cfg: ModelSpec) -> tuple[dict[str, Role], frozenset[str]]:
             found.update({entry.q: Role.QUERY, entry.k: Role.KEY_VALUE, entry.v: Role.KEY_VALUE})
         elif isinstance(entry, FusedGateUp):
             found.update({entry.gate: Role.GATE, entry.up: Role.UP})
+        elif isinstance(entry, GatedQKV):
+            found.update({entry.q: Role.GATED_QUERY, entry.k: Role.KEY_VALUE, entry.v: Role.KEY_VALUE})
+        elif isinstance(entry, LinearInProj):
+            found.update({entry.qkv: Role.SECTIONS, entry.z: Role.COLUMN, entry.b: Role.COLUMN, entry.a: Role.COLUMN})
+        elif isinstance(entry, GroupedLinearInProj):
+            found.update({entry.qkvz: Role.COLUMN, entry.ba: Role.COLUMN})
         elif isinstance(entry, Direct):
-            found[entry.hf] = _DIRECT[entry.parallel]
+            latent_down = entry.parallel is Parallel.COLUMN and entry.shape[0] in LATENT_DOWN_ROWS
+            found[entry.hf] = Role.WHOLE if latent_down else _DIRECT[entry.parallel]
             if keeps_float32(entry):
                 float32.add(entry.hf)
-        else:  # multi-latent attention's projections with rotary rows
-            found.update(dict.fromkeys(entry.hf_sources, Role.LATENT))
+        else:  # multi-latent attention's projections with rotary rows: per head (the query's), or the shared latent
+            found.update(dict.fromkeys(entry.hf_sources, Role.COLUMN if entry.per_head else Role.WHOLE))
     return found, frozenset(float32)
 
 
@@ -112,8 +142,6 @@ class EnginePartReference:
             raise ValueError(f"engine tensor-parallel rank {rank} of {size} is out of range")
         heads, groups = model_cfg.num_attention_heads, model_cfg.num_query_groups
         if size > 1:
-            if model_cfg.mla is not None:
-                raise ValueError(f"multi-latent attention has no tensor-parallel engine (engine TP {size})")
             if heads % size:
                 raise ValueError(f"num_attention_heads ({heads}) does not divide by the engine's TP size {size}")
             if groups % size and size % groups:
@@ -121,6 +149,9 @@ class EnginePartReference:
         self.size, self.rank = size, rank
         self.heads, self.groups, self.head_dim = heads, groups, model_cfg.head_dim
         self.roles, self.float32 = roles(model_cfg)
+        linear = model_cfg.linear_attention
+        self.sections = (linear.key_dim, linear.key_dim, linear.value_dim) if linear is not None else ()
+        """Gated DeltaNet's q, k and v rows (in `in_proj_qkv` and `conv1d`)."""
 
     def part(self, name: str, tensor: torch.Tensor, trainer_part: bool = False) -> torch.Tensor:
         """This rank's part of the streamed `tensor` of HF name `name`: cut from the full tensor, or, with
@@ -131,6 +162,12 @@ class EnginePartReference:
         role = self.roles.get(name, Role.WHOLE)
         if role is Role.WHOLE or (trainer_part and role is not Role.VOCAB):
             return tensor
+        if role is Role.SECTIONS:
+            if not self.sections or tensor.shape[0] != sum(self.sections):
+                raise ValueError(
+                    f"{name}: expected the full tensor, {sum(self.sections)} rows, got {tuple(tensor.shape)}"
+                )
+            return torch.cat([section.chunk(self.size)[self.rank] for section in tensor.split(self.sections)])
         cut = self._cut(name, role, tuple(tensor.shape))
         return tensor.narrow(cut.dim, cut.start, cut.size)
 
@@ -139,7 +176,7 @@ class EnginePartReference:
         return torch.float32 if name in self.float32 else default
 
     def _cut(self, name: str, role: Role, shape: tuple[int, ...]) -> _Cut:
-        if role in (Role.QUERY, Role.KEY_VALUE):
+        if role in (Role.QUERY, Role.GATED_QUERY, Role.KEY_VALUE):
             return self._attention_cut(name, role, shape)
         if role in (Role.GATE, Role.UP):
             half = shape[0]
@@ -160,13 +197,14 @@ class EnginePartReference:
         raise ValueError(f"{name}: no tensor-parallel reference for {role.value}")
 
     def _attention_cut(self, name: str, role: Role, shape: tuple[int, ...]) -> _Cut:
-        """The rank's query heads (an equal block), or the KV heads those heads read."""
-        d = self.head_dim
-        count = self.heads if role is Role.QUERY else self.groups
+        """The rank's query heads (an equal block; a gated query's heads hold their gate's rows after their own), or
+        the KV heads those heads read."""
+        d = 2 * self.head_dim if role is Role.GATED_QUERY else self.head_dim
+        count = self.groups if role is Role.KEY_VALUE else self.heads
         if not shape or shape[0] != count * d:
             raise ValueError(f"{name}: expected the full tensor, {count} heads of {d} rows, got shape {shape}")
         ((first,), (held,)) = rank_boxes((self.heads,), Parallel.COLUMN, self.size, self.rank)[0]
-        if role is Role.QUERY:
+        if role is not Role.KEY_VALUE:
             return _Cut(0, first * d, held * d)
         per_group = self.heads // self.groups
         first_group, last_group = first // per_group, (first + held - 1) // per_group

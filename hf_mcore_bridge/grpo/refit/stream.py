@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -184,7 +184,11 @@ def _plan(module: torch.nn.Module, model_cfg: ModelSpec) -> list[_Step]:
 
 
 def shard_local_hf_weights(
-    module: torch.nn.Module, model_cfg: ModelSpec, padded_vocab: int, times: PhaseTimes | None = None
+    module: torch.nn.Module,
+    model_cfg: ModelSpec,
+    padded_vocab: int,
+    times: PhaseTimes | None = None,
+    names: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's tensor-parallel part of every HF tensor, straight from its own megatron-core shards through the
     mapping table (`entry.to_hf` with the rank's head counts): for an engine sharded over the trainer's own TP
@@ -193,16 +197,21 @@ def shard_local_hf_weights(
     the padded vocabulary, the engine the vocabulary itself, so those come whole (the engine slices them). With
     PP > 1 each stage's engine (its TP group) needs every stage's layers: the ranks of one TP rank exchange their
     parts over the pipeline group (`transfer`), so each receives only its own part of the other stages' tensors.
-    `times` collects the vocabulary gathers (`gather`) and that exchange."""
+    `times` collects the vocabulary gathers (`gather`) and that exchange. `names`: only the table entries that yield
+    one of them (a fused entry whole)."""
     from megatron.core import parallel_state
 
     times = times or PhaseTimes()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dims = model_cfg.dims(padded_vocab)
-    local = dataclasses.replace(
-        dims, num_attention_heads=dims.num_attention_heads // tp, num_query_groups=dims.num_query_groups // tp
+    local = dataclasses.replace(  # Gated DeltaNet's heads split as attention's (`engine.gated_delta`: by key heads)
+        dims,
+        num_attention_heads=dims.num_attention_heads // tp,
+        num_query_groups=dims.num_query_groups // tp,
+        linear_key_heads=dims.linear_key_heads // tp,
+        linear_value_heads=dims.linear_value_heads // tp,
     )
-    parts = _shard_local_parts(module, model_cfg, dims, local, tp, times)
+    parts = _shard_local_parts(module, model_cfg, dims, local, tp, times, names)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         yield from parts
         return
@@ -210,10 +219,18 @@ def shard_local_hf_weights(
 
 
 def _shard_local_parts(
-    module: torch.nn.Module, model_cfg: ModelSpec, dims: Dims, local: Dims, tp: int, times: PhaseTimes
+    module: torch.nn.Module,
+    model_cfg: ModelSpec,
+    dims: Dims,
+    local: Dims,
+    tp: int,
+    times: PhaseTimes,
+    names: Collection[str] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's part of `shard_local_hf_weights`."""
     for step in _plan(module, model_cfg):
+        if names is not None and not set(step.entry.hf_sources) & set(names):
+            continue
         if step.expert_entries is not None:
             raise ValueError("a shard-local refit covers dense models only")
         parallel = step.entry.parallel

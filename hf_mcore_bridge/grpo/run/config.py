@@ -20,7 +20,9 @@ parallelism needs Transformer Engine and is refused by megatron-core's local spe
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -35,8 +37,9 @@ from hf_mcore_bridge.grpo.algorithm.options import DynamicSamplingConfig, LeaveO
 from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig, validate_dtensor
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, validate_forwarded, validate_megatron
 from hf_mcore_bridge.grpo.data.config import DataConfig, RewardConfig, validate_data, validate_reward
-from hf_mcore_bridge.grpo.errors import GRPOConfigError, require, unknown_key
+from hf_mcore_bridge.grpo.errors import GRPOConfigError, real_number, require, unknown_key
 from hf_mcore_bridge.grpo.run.plan import cluster_ranks, parallel_dims
+from hf_mcore_bridge.megatron.lora_config import FUSED, INITS, PROJECTIONS, LoraConfig
 
 __all__ = [
     "CheckpointingConfig",
@@ -83,6 +86,8 @@ class PolicyConfig:
     """DTensor (FSDP2) settings; exactly one of `megatron_cfg` and `dtensor_cfg` is enabled."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """Rollout routing replay for mixture-of-experts models (see `RouterReplayConfig`)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (see `megatron.lora_config.LoraConfig`, docs/lora.md)."""
     refit_bucket_mb: int = 1024
     """Refit hands the engine its new weights in buckets of at most this many MiB (one `load_weights` call per
     bucket; a larger tensor goes alone): the memory the refit holds beyond both models."""
@@ -451,6 +456,7 @@ def _validate(config: GRPOConfig) -> None:
     require(policy.refit_bucket_mb >= 1, f"policy.refit_bucket_mb={policy.refit_bucket_mb} must be >= 1")
     if policy.router_replay.enabled:
         _validate_router_replay(config)
+    _validate_lora(config)
     _validate_grpo(config.grpo)
     _validate_cluster(config.cluster)
     _validate_data_parallel(config, parallel_dims(config).dp)
@@ -495,6 +501,76 @@ def _validate_router_replay(config: GRPOConfig) -> None:
     for key, why in _NO_REPLAY_KEYS.items():
         value = config.policy.megatron_cfg.transformer.get(key)
         require(value in (None, False), f"{where} cannot be combined with policy.megatron_cfg.transformer.{key}: {why}")
+
+
+def _check_adapter_path(lora: LoraConfig) -> None:
+    """`policy.lora.adapter_path` is a PEFT LoRA directory whose rank, alpha and target modules are the config's
+    (its `adapter_config.json` read as JSON, before torch loads)."""
+    where = f"policy.lora.adapter_path={lora.adapter_path}"
+    config_file = Path(str(lora.adapter_path)) / "adapter_config.json"
+    require(config_file.is_file(), f"{where}: no adapter_config.json there (a PEFT adapter directory is expected)")
+    require((config_file.parent / "adapter_model.safetensors").is_file(), f"{where}: no adapter_model.safetensors")
+    try:
+        saved = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise GRPOConfigError(f"{where}: adapter_config.json is not readable JSON ({err})") from None
+    targets = saved.get("target_modules")
+    targets = sorted(targets if isinstance(targets, list) else [targets])
+    found = (saved.get("r"), float(saved.get("lora_alpha", 0)), targets)
+    wanted = (lora.rank, float(lora.alpha), sorted(lora.target_modules))
+    require(
+        found == wanted,
+        f"{where}: the adapter has rank {found[0]}, alpha {found[1]:g}, target_modules {found[2]}; the config asks for"
+        f" rank {wanted[0]}, alpha {wanted[1]:g}, target_modules {wanted[2]} (set policy.lora to the adapter's)",
+    )
+
+
+def _validate_lora(config: GRPOConfig) -> None:
+    """`policy.lora`'s values, always; with `enabled`, what is not implemented yet, refused by name."""
+    lora = config.policy.lora
+    require(lora.rank >= 1, f"policy.lora.rank={lora.rank} must be >= 1")
+    require(real_number(lora.alpha, "policy.lora.alpha") > 0, f"policy.lora.alpha={lora.alpha} must be > 0")
+    require(
+        lora.dropout == 0,
+        f"policy.lora.dropout={lora.dropout}: dropout on the adapters' input is not implemented; use 0",
+    )
+    require(lora.init in INITS, f"policy.lora.init={lora.init!r}: one of {', '.join(INITS)}")
+    require(bool(lora.target_modules), "policy.lora.target_modules is empty: name at least one HF projection")
+    for name in lora.target_modules:
+        if name not in PROJECTIONS:
+            close = difflib.get_close_matches(name, PROJECTIONS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; implemented: {', '.join(PROJECTIONS)}"
+            raise GRPOConfigError(f"policy.lora.target_modules: {name!r} is not an implemented projection{hint}")
+    for group in FUSED:
+        chosen = [name for name in group if name in lora.target_modules]
+        require(
+            not chosen or len(chosen) == len(group),
+            f"policy.lora.target_modules: {', '.join(group)} share one megatron-core linear; target all of them or"
+            " none (a part of them is not implemented)",
+        )
+    if not lora.enabled:
+        return
+    if lora.adapter_path is not None:
+        _check_adapter_path(lora)
+    dtensor = config.policy.dtensor_cfg
+    if dtensor.enabled:
+        require(
+            dtensor.tensor_parallel_size == 1,
+            f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
+            " LoRA on the DTensor backend is implemented with FSDP2 alone (tensor_parallel_size 1)",
+        )
+        require(
+            not config.checkpointing.enabled,
+            "policy.lora.enabled=true on the DTensor backend cannot be combined with checkpointing.enabled (its"
+            " checkpoints of adapters are not implemented; the megatron-core backend's are)",
+        )
+        return
+    megatron = config.policy.megatron_cfg
+    require(
+        not (megatron.sequence_parallel or megatron.transformer.get("sequence_parallel", False)),
+        "policy.lora.enabled=true cannot be combined with policy.megatron_cfg.sequence_parallel (adapters under"
+        " sequence parallelism are not implemented)",
+    )
 
 
 def _validate_backend_switch(policy: PolicyConfig) -> None:

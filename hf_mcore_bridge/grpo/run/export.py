@@ -16,6 +16,11 @@ written (the run's own, else one built from the model config's and tokenizer's s
 curve and the config come from the run directory, or, given its checkpoint directory, from beside it when exactly
 one is there (`_find`): never from another run's logs. What the export reads there is a source like the run
 itself: the destination may not overlap it.
+
+A LoRA run's megatron checkpoint (`megatron.lora_checkpoint`) exports as the base model with its adapters merged
+(W + (B A) * alpha / rank, the product in fp32 and added in the checkpoint's dtype, as PEFT's `merge_and_unload`),
+or with `peft=True` as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) that
+`peft.PeftModel.from_pretrained` loads onto the base model. `peft=True` on a checkpoint without adapters is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import hf_policy_of
 from hf_mcore_bridge.grpo.run.metrics import METRICS_FILE, read_metrics
 from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
 
 CONFIG_FILE = "grpo_config.yaml"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -96,12 +102,17 @@ def model_card(
     records: list[dict[str, float]],
     step: int | None,
     backend: str = "megatron-core",
+    peft: bool = False,
 ):
-    """The README.md of an exported policy; `backend` names what trained it (`megatron-core` or `fsdp2`)."""
-    front = ["---", "library_name: transformers", "tags:", "- grpo", f"- {backend}", "- reinforcement-learning"]
+    """The README.md of an exported policy; `backend` names what trained it (`megatron-core` or `fsdp2`); `peft`: the
+    export is a PEFT adapter directory."""
+    library = "peft" if peft else "transformers"
+    front = ["---", f"library_name: {library}", "tags:", "- grpo", f"- {backend}", "- reinforcement-learning"]
+    if peft:
+        front.append("- lora")
     if base_model:
         front.append(f"base_model: {base_model}")
-    lines = [*front, "---", "", "# GRPO policy", ""]
+    lines = [*front, "---", "", "# GRPO policy" + (" (LoRA adapter)" if peft else ""), ""]
     exported = f"step {step}" if step is not None else "a release checkpoint (no training step recorded)"
     lines.append(
         f"Trained with GRPO on {_BACKEND_NAMES.get(backend, backend)} with hf-mcore-bridge; exported from {exported}."
@@ -129,10 +140,12 @@ def export_run(
     private: bool = False,
     overwrite: bool = False,
     overwrite_foreign: bool = False,
+    peft: bool = False,
 ) -> ExportResult:
     """Export a run's checkpoint (the latest, or `step`) to `destination`; upload it when `push_to_hub` names a repo.
 
-    `overwrite` replaces an earlier output of this tool, `overwrite_foreign` anything (see `destination`).
+    `overwrite` replaces an earlier output of this tool, `overwrite_foreign` anything (see `destination`). `peft`: a
+    LoRA run's adapters as a PEFT directory instead of the merged model (BridgeError for a run without adapters).
     """
     run_dir, destination = Path(run_dir), Path(destination)
     if push_to_hub is not None:
@@ -145,6 +158,11 @@ def export_run(
     check_overlap(destination, sources)
     _, checkpoint_dir = resolve_checkpoint(checkpoints, step)
     exported_step = step_of(checkpoint_dir)
+    if peft and checkpoint_lora(checkpoint_dir) is None:
+        raise BridgeError(
+            f"--peft: {checkpoint_dir} holds no LoRA adapters (the run trained its full weights); export it without"
+            " --peft"
+        )
     # What makes two exports the same (a retry may reuse the first): the run, the step, the card's base model.
     record = {
         "command": _EXPORT_COMMAND,
@@ -152,6 +170,8 @@ def export_run(
         "step": exported_step,
         "base_model": base_model,
     }
+    if peft:
+        record["peft"] = True
     reuse = push_to_hub is not None and not (overwrite or overwrite_foreign) and _holds_export(destination, record)
     if not reuse:
         check_destination(destination, sources, overwrite=overwrite, overwrite_foreign=overwrite_foreign)
@@ -169,6 +189,51 @@ def export_run(
         )
     url = upload(api, destination, push_to_hub) if api is not None and push_to_hub is not None else None
     return ExportResult(destination, exported_step, url)
+
+
+def checkpoint_lora(checkpoint_dir: Path) -> LoraConfig | None:
+    """The `policy.lora` of a megatron checkpoint written by a LoRA run; None otherwise (also a DTensor run's)."""
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+    from hf_mcore_bridge.megatron.lora_checkpoint import lora_of_common
+
+    if hf_policy_of(checkpoint_dir) is not None:
+        return None
+    return lora_of_common(read_common(checkpoint_dir))
+
+
+def _write_policy(checkpoint_dir: Path, staging: Path, lora: LoraConfig | None, peft: bool, base: str | None) -> None:
+    """The policy itself into `staging`: a DTensor run's HF copy; a megatron checkpoint converted to HF (a LoRA
+    run's with its adapters merged); or a LoRA run's adapters as a PEFT directory (`peft`)."""
+    hf_copy = hf_policy_of(checkpoint_dir)
+    if hf_copy is not None:
+        for file in hf_copy.iterdir():
+            if file.is_file():
+                shutil.copy2(file, staging / file.name)
+        return
+    adapters = None
+    if lora is not None:
+        from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+        from hf_mcore_bridge.convert.config_bridge import from_megatron_args
+        from hf_mcore_bridge.megatron.lora_checkpoint import checkpoint_adapters
+        from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+        model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
+        adapters = checkpoint_adapters(checkpoint_dir, model_cfg, lora)
+        if peft:
+            write_peft_adapter(adapters, lora, staging, base)
+            return
+    # Converted into a subdirectory of the staging directory, so that an interruption leaves nothing outside it;
+    # then moved up.
+    converted = staging / "converted"
+    convert_mcore_to_hf(checkpoint_dir, converted, show_progress=False, lora_base=adapters is not None)
+    if adapters is not None and lora is not None:
+        from hf_mcore_bridge.megatron.lora_checkpoint import merge_adapters
+
+        merge_adapters(converted, adapters, lora.scale)
+    for file in converted.iterdir():
+        if file.name != MARKER_NAME:
+            file.rename(staging / file.name)
+    shutil.rmtree(converted)
 
 
 def _write_export(
@@ -189,6 +254,7 @@ def _write_export(
         records = [r for r in records if r["step"] <= step]
     config_text = Path(config_file).read_text() if config_file else None
     hf_copy = hf_policy_of(checkpoint_dir)
+    peft = bool(record.get("peft"))
     with written_atomically(
         destination,
         sources=sources,
@@ -196,27 +262,16 @@ def _write_export(
         overwrite_foreign=overwrite_foreign,
         record=record,
     ) as staging:
-        if hf_copy is not None:
-            for file in hf_copy.iterdir():
-                if file.is_file():
-                    shutil.copy2(file, staging / file.name)
-        else:
-            # Converted into a subdirectory of the staging directory, so that an interruption leaves nothing
-            # outside it; then moved up.
-            converted = staging / "converted"
-            convert_mcore_to_hf(checkpoint_dir, converted, show_progress=False)
-            for file in converted.iterdir():
-                if file.name != MARKER_NAME:
-                    file.rename(staging / file.name)
-            shutil.rmtree(converted)
-        write_generation_config(staging)
+        _write_policy(checkpoint_dir, staging, checkpoint_lora(checkpoint_dir), peft, base_model)
+        if not peft:
+            write_generation_config(staging)
         if records:
             plot_metrics(records, staging / PLOT_FILE)
             (staging / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
         if config_text:
             (staging / CONFIG_FILE).write_text(config_text)
         backend = "megatron-core" if hf_copy is None else "fsdp2"
-        (staging / "README.md").write_text(model_card(base_model, config_text, records, step, backend))
+        (staging / "README.md").write_text(model_card(base_model, config_text, records, step, backend, peft))
 
 
 def step_of(checkpoint_dir: Path) -> int | None:

@@ -156,11 +156,11 @@ def measure_gate_rank(config: Any, prepared: Any, faults: list[str], out_file: s
             raise ValueError(f"unknown refit fault {fault!r}; known: {', '.join(FAULTS)}")
         undo = _with_fault(policy, fault, prepared.hf_config)
         try:
-            trainer._refit(ctx, policy, 0)
+            trainer._refit(ctx, policy, 0, initial=True)
         finally:
             undo()
         results[fault], tokens = _step_one_error(ctx, policy, trainer, train=False)
-    trainer._refit(ctx, policy, 0)
+    trainer._refit(ctx, policy, 0, initial=True)
     before = {name: tensor.detach().clone() for name, tensor in ctx.engine.model.named_parameters()}
     results["correct"], tokens = _step_one_error(ctx, policy, trainer, train=True)  # the weights move
     results["stale_probe"] = trainer._probe(_Ungated(ctx), policy, 1)["probe_token_mult_prob_error"]

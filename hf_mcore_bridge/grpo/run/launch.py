@@ -10,7 +10,8 @@ from it, and all ranks write checkpoints into `checkpointing.checkpoint_dir`: bo
 sees at the same path, which `check_shared_storage` verifies at start (one line naming the ranks that do not).
 
 Resuming: `check_resumable` refuses, in one line naming both, a checkpoint directory that holds another model
-(architecture or shape) or the other backend's checkpoints, before any rank starts.
+(architecture or shape), the other backend's checkpoints, or another `policy.lora` (adapters or none, rank, alpha,
+targets), before any rank starts.
 
 Stopping: `stopped_message` is the one line printed when SIGINT / SIGTERM stopped the spawned ranks
 (`world.RunStopped`): the steps done and the last checkpoint (read from the checkpoint tracker), after removing the
@@ -182,6 +183,8 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
             f"checkpointing.checkpoint_dir={root} holds {backend[saved_dtensor]} checkpoints (step {step}) but this"
             f" run trains with the {backend[dtensor]} backend: give the run a new checkpointing.checkpoint_dir"
         )
+    if not saved_dtensor:
+        _check_lora(config, directory)
     saved = _model_of(directory / HF_DIR if saved_dtensor else directory)
     model = _model_of(Path(config.policy.model_path))
     ignored = {"torch_dtype"}
@@ -192,6 +195,28 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
             f"cannot resume: checkpointing.checkpoint_dir={root} (step {step}) holds {_describe(saved)} but"
             f" policy.model_path={config.policy.model_path} is {_describe(model)}; give a new"
             " checkpointing.checkpoint_dir to train this model"
+        )
+
+
+def _check_lora(config: GRPOConfig, directory: Path) -> None:
+    """A megatron checkpoint resumes only with the `policy.lora` it was written with (adapters or none; rank, alpha
+    and targets): its tensors and optimizer state are those adapters'."""
+    from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+    from hf_mcore_bridge.megatron.lora_checkpoint import lora_of_common
+
+    saved = lora_of_common(read_common(directory))
+    lora = config.policy.lora if config.policy.lora.enabled else None
+
+    def describe(value: Any) -> str:
+        if value is None:
+            return "no LoRA adapters (full training)"
+        return f"LoRA rank {value.rank}, alpha {value.alpha:g}, target_modules {sorted(value.target_modules)}"
+
+    if describe(saved) != describe(lora):
+        raise GRPOConfigError(
+            f"cannot resume: checkpointing.checkpoint_dir={directory.parent} ({directory.name}) holds {describe(saved)}"
+            f" but policy.lora asks for {describe(lora)}; set policy.lora as it was or give a new"
+            " checkpointing.checkpoint_dir"
         )
 
 

@@ -217,5 +217,20 @@ def plan_run(config: GRPOConfig, dims: ParallelDims, model: ModelSpec) -> RunPla
     the engine's device type is where this process runs (CUDA where there is one)."""
     import torch
 
+    if model.linear_attention is not None:
+        _check_linear_attention(config, model)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return RunPlan(dims, refit_path(dims, model, config.generation.backend), engine_config(config, device_type))
+
+
+def _check_linear_attention(config: GRPOConfig, model: ModelSpec) -> None:
+    """What the trainer does not compute for Gated DeltaNet layers, refused naming the model and the key: sequence
+    parallelism (so a mixture-of-experts hybrid trains at TP 1, megatron-core taking experts under TP only with it);
+    context parallelism is refused with the layout (`convert.layout`)."""
+    section = config.policy.megatron_cfg
+    if section.enabled:
+        require(
+            not section.sequence_parallel,
+            f"policy.megatron_cfg.sequence_parallel: {model.architecture}'s Gated DeltaNet layers are not "
+            "sequence-parallel",
+        )

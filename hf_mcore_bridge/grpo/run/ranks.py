@@ -34,7 +34,12 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
         from hf_mcore_bridge.grpo.backends.dtensor.policy import build_dtensor_policy
 
         policy = build_dtensor_policy(
-            prepared.checkpoint_dir, config.policy.dtensor_cfg, dtype, total_steps, keep_reference
+            prepared.checkpoint_dir,
+            config.policy.dtensor_cfg,
+            dtype,
+            total_steps,
+            keep_reference,
+            lora=config.policy.lora,
         )
         return DTensorBackend(policy, assets)
     from hf_mcore_bridge.grpo.backends.megatron.backend import MegatronBackend
@@ -52,8 +57,10 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
         total_optimizer_steps=total_steps,
         keep_reference=keep_reference,
         router_replay=config.policy.router_replay.enabled,
+        lora=config.policy.lora,
     )
-    return MegatronBackend(megatron, config.policy.megatron_cfg, dims.layout, assets)
+    lora = config.policy.lora if config.policy.lora.enabled else None
+    return MegatronBackend(megatron, config.policy.megatron_cfg, dims.layout, assets, lora)
 
 
 def start_world(dims: ParallelDims, fn: Callable[..., None], *args: Any) -> None:

@@ -193,11 +193,6 @@ def prepare_run(config: GRPOConfig, dims: ParallelDims | None = None) -> Prepare
     model_cfg = dataclasses.replace(from_megatron_args(read_common(checkpoint_dir)["args"]), mtp_layers=0)
     validate_layout(layout, model_cfg)
     check_router_replay(config, model_cfg)
-    if model_cfg.moe is not None and layout.pp > 1 and not torch.cuda.is_available():
-        raise GRPOConfigError(
-            "a mixture-of-experts policy at pipeline_model_parallel_size > 1 needs CUDA (megatron-core's all-to-all"
-            " token dispatcher, required for variable sequence lengths under PP, allocates CUDA streams)"
-        )
     if model_cfg.moe is not None and layout.tp > 1 and not config.policy.megatron_cfg.sequence_parallel:
         raise GRPOConfigError(
             "policy.megatron_cfg.sequence_parallel must be true for a mixture-of-experts policy at"
@@ -389,6 +384,11 @@ class _RankContext:
         """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
+        self.trained_names: list[str] | None = None
+        """What a refit after the initial one streams (`trained_names`: LoRA's adapted projections; None: every
+        tensor), listed at the first refit."""
+        self.refit_bytes = 0
+        """Bytes of the tensors the last eager refit streamed on this rank (as streamed: full or shard-local)."""
         self.engine_dtype = self.plan.engine.dtype
         """The engine's weights' dtype: streamed tensors are checksummed in it (float32 where the table says)."""
         self._set_up()
@@ -706,22 +706,29 @@ def fuses_old_logprobs(config: GRPOConfig) -> bool:
     return config.grpo.num_minibatches == 1 and not config.grpo.separate_old_logprobs
 
 
+ADAPTER_DIR = "lora_adapter"
+"""Where a LoRA run writes its trained adapters (a PEFT directory), under `logger.log_dir`."""
+
 _PER_MINIBATCH = ("loss", "grad_norm")
 """Metrics logged for each mini-batch (`minibatch{i}_loss`, ...) when a step has several."""
 
 
-def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, float]:
+def _refit(ctx: _RankContext, policy: TrainingBackend, step: int, initial: bool = False) -> dict[str, float]:
     """Stream the policy into every rank's engine (or replay the recorded refit, `refit.replay`), then check on
     every rank that its engine holds every streamed tensor (its part of it) exactly as streamed
-    (`_check_transfer`). `step`: the step the weights are from (0: the initial refit). Rank 0 returns the
-    metrics (its own phases)."""
+    (`_check_transfer`). `step`: the step the weights are from (0 for a fresh start); `initial`: the engine's
+    first weights (every tensor, also when a resumed run starts at a later step). Rank 0 returns the metrics
+    (its own phases)."""
     started = time.perf_counter()
-    if ctx.refit_names is None:  # the names do not change during a run: listed once
+    if ctx.refit_names is None:  # the names do not change during a run: listed once (collective, every rank here)
         ctx.refit_names = policy.hf_names()
+        ctx.trained_names = policy.trained_names()
+    # after the initial refit, only what training changes (LoRA: the adapted projections, merged)
+    only = None if initial else ctx.trained_names
     times = PhaseTimes()
     sources = policy.refit_sources()
     sent, mode = ctx.refit_replay.run(
-        lambda phase_times: _stream_into_engine(ctx, policy, sources, phase_times),
+        lambda phase_times: _stream_into_engine(ctx, policy, sources, phase_times, only),
         sources,
         engine_weights_version(ctx.engine),
         times,
@@ -731,7 +738,7 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
     refit_s = time.perf_counter() - started
     phases = times.totals()
     started = time.perf_counter()
-    compared = _check_transfer(ctx, policy, sent, step)  # every rank checks its own engine
+    compared = _check_transfer(ctx, policy, sent, step, only)  # every rank checks its own engine
     if not ctx.is_rank0:
         return {}
     return {
@@ -747,28 +754,35 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int) -> dict[str, f
         # the path: 1 each rank its own shards into its engine's (engine TP = trainer TP, PP 1), 0 full tensors
         "refit_shard_local": float(ctx.refit_shard_local),
         "refit_gathers": float(times.counts["gather"]),  # all-gathered tensors (TP / EP / DTensor) on rank 0
+        "refit_bytes": float(ctx.refit_bytes),  # bytes of the tensors streamed on rank 0 (as streamed, before cuts)
     }
 
 
 def _stream_into_engine(
-    ctx: _RankContext, policy: TrainingBackend, sources: list[torch.Tensor] | None, times: PhaseTimes
+    ctx: _RankContext,
+    policy: TrainingBackend,
+    sources: list[torch.Tensor] | None,
+    times: PhaseTimes,
+    only: list[str] | None = None,
 ) -> Checksums:
     """One eager refit on this rank: the policy's HF tensors through the engine's `load_weights`, bucket by bucket;
     returns the checksums of every tensor as streamed (the part this rank's engine must hold, cut on the trainer's
     side by `ctx.refit_reference`, never by the engine's own slicing; in the engine's dtype) and of the `sources`
-    it read."""
+    it read. `only`: stream those tensors alone (the others stay as the engine holds them)."""
     names: list[str] = []
+    ctx.refit_bytes = 0
     sums: list[torch.Tensor] = []
     # the planned path: each rank its own shards into its engine's part (no all-gather but the vocabulary's); else
     # full tensors, each engine rank keeping its part
-    stream = policy.shard_local_weights(times) if ctx.plan.refit is RefitPath.SHARD_LOCAL else None
+    stream = policy.shard_local_weights(times, only) if ctx.plan.refit is RefitPath.SHARD_LOCAL else None
     ctx.refit_shard_local = stream is not None
-    groups = buckets(stream or policy.hf_weights(times), ctx.config.policy.refit_bucket_mb << 20)
+    groups = buckets(stream or policy.hf_weights(times, only), ctx.config.policy.refit_bucket_mb << 20)
     while True:
         with times.phase("produce"):  # gathering, transferring, converting and checksumming up to a bucket
             bucket = next(groups, None)
             if bucket is not None:
                 names.extend(name for name, _ in bucket)
+                ctx.refit_bytes += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
                 reference = ctx.refit_reference
                 parts = [
                     reference.part(name, tensor, ctx.refit_shard_local).to(reference.dtype(name, ctx.engine_dtype))
@@ -786,7 +800,9 @@ def _stream_into_engine(
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
 
 
-def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int) -> int:
+def _check_transfer(
+    ctx: _RankContext, policy: TrainingBackend, sent: Checksums, step: int, only: list[str] | None = None
+) -> int:
     """Transfer integrity (on every rank, of its own engine), after every refit, eager or replayed: every HF tensor of
     the table was streamed once; every tensor the engine holds (all of them, where it exposes them: the embedded engine)
     has the checksum of the part of the streamed tensor this engine rank must hold, as the trainer's side works it out
@@ -801,7 +817,11 @@ def _check_transfer(ctx: _RankContext, policy: TrainingBackend, sent: Checksums,
     names = list(sent.names)
     streamed = set(names)
     problems = []
-    expected = set(ctx.refit_names or ()) | set(engine_tensor_names(ctx.engine) or ())
+    # a refit of `only` (LoRA's trained tensors): those must all come; the engine's others were checked when last
+    # streamed (the initial refit) and training does not change them
+    expected = (
+        set(only) if only is not None else set(ctx.refit_names or ()) | set(engine_tensor_names(ctx.engine) or ())
+    )
     if missing := sorted(expected - streamed):
         problems.append(f"not streamed: {_few(missing)}")
     if len(streamed) != len(names):
@@ -891,7 +911,7 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
     first_step = _maybe_resume(ctx, policy) + 1
     # the engine's first weights come from the trainer, through the table and the refit's checks: a wrong
     # conversion shows in the first step's rollouts (the gate below)
-    initial = _refit(ctx, policy, first_step - 1)
+    initial = _refit(ctx, policy, first_step - 1, initial=True)
     if first_step == 1 and prepared.source_hf_dir is not None and config.grpo.check_initial_weights:
         initial["initial_weights_checked"] = _check_initial_weights(ctx, policy, prepared.source_hf_dir)
     for step in range(first_step, config.grpo.max_num_steps + 1):
@@ -918,6 +938,8 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
                 | {"generation_s": generation_s, "step_s": step_s, "tokens_per_s": tokens / step_s},
             )
         _maybe_save(ctx, policy, step)
+    # LoRA: the trained adapters as a PEFT directory beside the metrics (`bridge export --peft` of a checkpoint too)
+    policy.save_adapters(Path(config.logger.log_dir) / ADAPTER_DIR, config.policy.model_path)
     ctx.scorer.close()
     if ctx.logger is not None:
         ctx.logger.close()
@@ -926,10 +948,11 @@ def _train_rank(config: GRPOConfig, prepared: PreparedRun) -> None:
 def _check_initial_weights(ctx: _RankContext, policy: TrainingBackend, hf_dir: Path) -> float:
     """The policy's full-tensor refit stream against the HF directory it came from (`grpo.refit.source_check`),
     compared on rank 0, which stops the run on a difference (the world ends with its failing rank); every rank
-    exhausts the stream (it gathers). Returns the tensors compared (on rank 0)."""
+    exhausts the stream (it gathers). Returns the tensors compared (on rank 0). With LoRA adapters the base weights
+    are compared (unmerged: adapters read from `policy.lora.adapter_path` are not the checkpoint's)."""
     from hf_mcore_bridge.grpo.refit.source_check import compare_with_source
 
-    return float(compare_with_source(policy.hf_weights(), hf_dir, report=ctx.is_rank0))
+    return float(compare_with_source(policy.hf_weights(merged=False), hf_dir, report=ctx.is_rank0))
 
 
 def _rollouts_gate(ctx: _RankContext, step: int) -> Callable[[float], None]:

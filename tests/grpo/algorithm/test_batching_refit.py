@@ -53,6 +53,11 @@ def test_rollout_refuses_mismatched_logprobs() -> None:
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_assemble_shards_inverts_megatron_sharding(style: Parallel, tp: int) -> None:
     full = torch.randn(16, 8)
+    parts = (4, 8, 4) if style is Parallel.COLUMN_PARTS else ()
+    if style is Parallel.COLUMN_PARTS:  # megatron-core's GatedDeltaNet: each rank holds its rows of each part
+        shards = [torch.cat([part.chunk(tp)[r] for part in full.split(parts)]) for r in range(tp)]
+        assert torch.equal(assemble_shards(shards, style, parts), full)
+        return
     boxes = shard_boxes(tuple(full.shape), style, tp)
     if style is Parallel.GATED_COLUMN:  # each rank holds [gate_r; up_r]: its two boxes stacked
         shards = [torch.cat([take_box(full, boxes[r]), take_box(full, boxes[tp + r])]) for r in range(tp)]

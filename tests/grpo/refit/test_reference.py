@@ -164,6 +164,40 @@ def test_mlp_expert_vocabulary_and_replicated_parts() -> None:
     assert reference.dtype("model.layers.2.mlp.gate.weight", torch.bfloat16) == torch.bfloat16
 
 
+def test_multi_latent_attention_parts_are_whole_heads_and_a_whole_latent() -> None:
+    """DeepSeek-V3 (vLLM's split): each rank's block of heads of the query and key/value up-projections (rows
+    `heads / tp * (nope + rope)`, `heads / tp * (nope + v)`), `o_proj` by input columns; the down-projections and
+    the latent norms whole."""
+    cfg = _model_cfg("DeepseekV3ForCausalLM")
+    mla, heads, hidden = cfg.mla, cfg.num_attention_heads, cfg.hidden_size
+    assert mla is not None and mla.q_lora_rank is not None
+    qk, kv_up = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    gen = torch.Generator().manual_seed(4)
+    attn = "model.layers.0.self_attn"
+    per_head = {  # name -> (tensor, rows of one head, dim)
+        f"{attn}.q_b_proj.weight": (torch.randn(heads * qk, mla.q_lora_rank, generator=gen), qk, 0),
+        f"{attn}.kv_b_proj.weight": (torch.randn(heads * kv_up, mla.kv_lora_rank, generator=gen), kv_up, 0),
+        f"{attn}.o_proj.weight": (torch.randn(hidden, heads * mla.v_head_dim, generator=gen), mla.v_head_dim, 1),
+    }
+    whole = {
+        f"{attn}.q_a_proj.weight": torch.randn(mla.q_lora_rank, hidden, generator=gen),
+        f"{attn}.q_a_layernorm.weight": torch.randn(mla.q_lora_rank, generator=gen),
+        f"{attn}.kv_a_proj_with_mqa.weight": torch.randn(
+            mla.kv_lora_rank + mla.qk_rope_head_dim, hidden, generator=gen
+        ),
+        f"{attn}.kv_a_layernorm.weight": torch.randn(mla.kv_lora_rank, generator=gen),
+    }
+    tp = 2
+    local = heads // tp
+    for rank in range(tp):
+        reference = EnginePartReference(cfg, tp, rank)
+        for name, (tensor, rows, dim) in per_head.items():
+            expected = tensor.narrow(dim, rank * local * rows, local * rows)
+            assert torch.equal(reference.part(name, tensor), expected), (name, rank)
+        for name, tensor in whole.items():
+            assert reference.part(name, tensor) is tensor, name
+
+
 def test_a_shard_local_part_is_its_own_reference_but_the_vocabulary_is_cut() -> None:
     cfg = _model_cfg("LlamaForCausalLM")
     reference = EnginePartReference(cfg, 2, 1)
@@ -194,8 +228,6 @@ def test_settings_the_engine_cannot_shard_are_refused() -> None:
     odd = _model_cfg("LlamaForCausalLM", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) neither divides by nor divides engine TP 2"):
         EnginePartReference(odd, 2, 0)
-    with pytest.raises(ValueError, match="multi-latent attention has no tensor-parallel engine"):
-        EnginePartReference(_model_cfg("DeepseekV3ForCausalLM"), 2, 0)
     with pytest.raises(ValueError, match="rank 2 of 2 is out of range"):
         EnginePartReference(_model_cfg("LlamaForCausalLM"), 2, 2)
 
@@ -209,10 +241,13 @@ class _SafetensorsPolicy:
     def __init__(self, directory: Path) -> None:
         self.file = directory / "model.safetensors"
 
-    def shard_local_weights(self, times: PhaseTimes | None = None) -> None:
+    def trained_names(self) -> None:
         return None
 
-    def hf_weights(self, times: PhaseTimes | None = None) -> Any:
+    def shard_local_weights(self, times: PhaseTimes | None = None, names: Any = None) -> None:
+        return None
+
+    def hf_weights(self, times: PhaseTimes | None = None, names: Any = None) -> Any:
         return iter(load_file(self.file).items())
 
     def refit_sources(self) -> None:
@@ -272,6 +307,9 @@ def _named(error: BridgeError) -> set[str]:
     return names
 
 
+HYBRID = ["linear_attention", "full_attention"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("refit-reference")
@@ -284,6 +322,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # a dense layer 0 and a MoE layer 1 each (every tensor is corrupted in turn, each time a whole refit)
         "glm4_moe": build_tiny_model(root / "glm4_moe", "Glm4MoeForCausalLM", seed=4, num_hidden_layers=2),
         "deepseek_v3": build_tiny_model(root / "deepseek_v3", "DeepseekV3ForCausalLM", seed=5, num_hidden_layers=2),
+        # a Gated DeltaNet layer and a gated full-attention layer (Qwen3-Next: fused projections, experts)
+        "qwen3_5": build_tiny_model(
+            root / "qwen3_5", "Qwen3_5ForCausalLM", seed=6, num_hidden_layers=2, layer_types=HYBRID
+        ),
+        "qwen3_next": build_tiny_model(
+            root / "qwen3_next", "Qwen3NextForCausalLM", seed=7, num_hidden_layers=2, layer_types=HYBRID
+        ),
     }
 
 
@@ -356,18 +401,26 @@ KINDS = {
     "routed expert": lambda n: ".mlp.experts." in n,
     "shared expert": lambda n: ".shared_experts." in n,
     "expert score bias": lambda n: n.endswith("e_score_correction_bias"),
+    "gated delta net": lambda n: ".linear_attn." in n,
 }
 """Kinds of tensor the stream must cover, by name."""
 DENSE_KINDS = ("embedding", "output layer", "norm", "linear", "bias")
 MODEL_KINDS = {
     "qwen2": DENSE_KINDS,
-    "glm4_moe": tuple(KINDS),
-    "deepseek_v3": tuple(k for k in KINDS if k != "bias"),  # no q/k/v biases; multi-latent projections and norms
+    "glm4_moe": tuple(k for k in KINDS if k != "gated delta net"),
+    "deepseek_v3": tuple(k for k in KINDS if k not in ("bias", "gated delta net")),  # multi-latent projections
+    "qwen3_5": ("embedding", "output layer", "norm", "linear", "gated delta net"),
+    "qwen3_next": ("embedding", "output layer", "norm", "linear", "router", "routed expert", "gated delta net"),
 }
 
 
 @pytest.mark.parametrize(
-    ("model", "tp"), [("qwen2", 1), ("glm4_moe", 1), ("deepseek_v3", 1), ("qwen2", 2), ("glm4_moe", 2)]
+    ("model", "tp"),
+    [
+        *((model, tp) for tp in (1, 2) for model in ("qwen2", "glm4_moe", "deepseek_v3")),
+        ("qwen3_5", 2),  # Gated DeltaNet's sections and the gated query split over the ranks
+        ("qwen3_next", 2),
+    ],
 )
 def test_every_streamed_tensor_corrupted_in_turn_is_named_by_the_check(
     tiny: dict[str, Path], model: str, tp: int

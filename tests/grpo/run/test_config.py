@@ -230,3 +230,85 @@ def test_a_config_error_is_found_without_the_training_stack(
         return
     assert verdict.startswith("refused: ") and re.search(message, verdict), done.stdout + done.stderr
     assert loaded == "loaded:", loaded
+
+
+LORA = ["policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"]
+
+
+def test_lora_section_loads_with_its_defaults_and_values() -> None:
+    config = config_from_dict(BASE, [*LORA, "policy.lora.rank=4", "policy.lora.alpha=8", "policy.lora.init=gaussian"])
+    lora = config.policy.lora
+    assert (lora.enabled, lora.rank, lora.alpha, lora.scale, lora.init) == (False, 4, 8.0, 2.0, "gaussian")
+    assert lora.target_modules[-1] == "down_proj"
+    assert config_from_dict(BASE).policy.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("policy.lora.rnak=4", "did you mean 'policy.lora.rank'"),
+        ("policy.lora.rank=0", r"policy\.lora\.rank=0 must be >= 1"),
+        ("policy.lora.alpha=-1", r"policy\.lora\.alpha=-1\.0 must be > 0"),
+        ("policy.lora.dropout=0.05", r"policy\.lora\.dropout=0\.05: dropout .* not implemented"),
+        ("policy.lora.init=xavier", r"policy\.lora\.init='xavier': one of kaiming, gaussian"),
+        (
+            "policy.lora.target_modules=[q_prj, k_proj, v_proj]",
+            "'q_prj' is not an implemented projection; did you mean 'q_proj'",
+        ),
+        ("policy.lora.target_modules=[experts]", "'experts' is not an implemented projection; implemented: q_proj"),
+        ("policy.lora.target_modules=[]", "target_modules is empty"),
+        ("policy.lora.target_modules=[q_proj, v_proj]", "q_proj, k_proj, v_proj share one megatron-core linear"),
+        ("policy.lora.target_modules=[up_proj]", "gate_proj, up_proj share one megatron-core linear"),
+    ],
+)
+def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> None:
+    with pytest.raises(GRPOConfigError, match=message):
+        config_from_dict(BASE, [override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [
+                "policy.megatron_cfg.enabled=false",
+                "policy.dtensor_cfg.enabled=true",
+                "policy.dtensor_cfg.tensor_parallel_size=2",
+                "cluster.gpus_per_node=2",
+            ],
+            "LoRA on the DTensor backend is implemented with FSDP2 alone",
+        ),
+        (
+            ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true", "checkpointing.enabled=true"],
+            "on the DTensor backend cannot be combined with checkpointing.enabled",
+        ),
+        (
+            ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
+            "cannot be combined with policy.megatron_cfg.sequence_parallel",
+        ),
+    ],
+)
+def test_lora_runs_not_implemented_yet_are_refused_by_name(overrides: list[str], message: str) -> None:
+    with pytest.raises(GRPOConfigError, match=message):
+        config_from_dict(BASE, ["policy.lora.enabled=true", *overrides])
+
+
+def test_a_lora_adapter_path_must_be_a_peft_directory_of_the_configs_shape(tmp_path: Path) -> None:
+    """`policy.lora.adapter_path`: a PEFT LoRA directory whose rank, alpha and targets are the config's; anything
+    else is one line naming the difference, before torch loads."""
+    on = ["policy.lora.enabled=true", f"policy.lora.adapter_path={tmp_path}"]
+    with pytest.raises(GRPOConfigError, match=r"no adapter_config\.json there"):
+        config_from_dict(BASE, on)
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"]})
+    )
+    with pytest.raises(GRPOConfigError, match=r"no adapter_model\.safetensors"):
+        config_from_dict(BASE, on)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    message = r"the adapter has rank 8, alpha 16, target_modules \['q_proj', 'v_proj'\]; the config asks for rank 8"
+    with pytest.raises(GRPOConfigError, match=message):
+        config_from_dict(BASE, on)
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    )
+    assert config_from_dict(BASE, on).policy.lora.adapter_path == str(tmp_path)

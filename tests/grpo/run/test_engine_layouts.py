@@ -131,6 +131,30 @@ def test_qwen3_moe_at_ep2_generates_on_both_replicas_with_every_refit_checked(tm
     assert len(first) == 8 and len({tuple(p) for p, _ in first}) == 2  # both prompts' groups, gathered in order
 
 
+@pytest.mark.parametrize(
+    "architecture, layout, engine_tp",
+    [("Qwen3_5ForCausalLM", {"tp": 2}, None), ("Qwen3NextForCausalLM", {"ep": 2}, None)],
+    ids=["qwen3_5-tp2-engine-tp2", "qwen3_next-ep2"],  # the refit from each rank's shards, and from gathered tensors
+)
+def test_gated_delta_net_models_train_with_every_refit_checked(
+    architecture: str, layout: dict[str, int], engine_tp: int | None, tmp_path: Path
+) -> None:
+    """Qwen3.5 at TP2 with the engine on the trainer's TP group (each rank refits its engine from its own shards,
+    Gated DeltaNet's parts included), Qwen3-Next at EP2 (an engine a rank, refit from gathered tensors): the
+    transfer check on every rank and the log-prob gate at its fp32 default at every step."""
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
+
+    policy = build_tiny_policy(
+        tmp_path / "policy", seed=4, architecture=architecture, layer_types=["linear_attention", "full_attention"]
+    )
+    run = train_grpo(_config(tmp_path, policy, "run", layout, engine_tp))
+    assert run.steps == STEPS
+    assert max(run.series("token_mult_prob_error")) <= EXACT
+    assert max(run.series("probe_token_mult_prob_error")) <= EXACT
+    shard_local = layout.get("tp", 1) == 2 and engine_tp is None
+    assert all(m["refit_shard_local"] == int(shard_local) for m in run.metrics)
+
+
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 

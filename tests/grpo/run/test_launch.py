@@ -106,6 +106,22 @@ def _running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process
             return running
 
 
+def _in_groups(groups: set[int]) -> list[psutil.Process]:
+    """The processes whose process group is one of `groups`."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) in groups:
+                found.append(proc)
+    return found
+
+
+def _described(proc: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return f"{proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())[:200]}"
+    return f"{proc.pid} (gone)"
+
+
 def _ranks(launcher: int) -> list[psutil.Process]:
     """The launcher's rank processes: the children of its fork server (`world`'s way on Linux), or its spawned
     children elsewhere (a rank's own children come and go during saves)."""
@@ -272,10 +288,14 @@ def test_signals_and_kill_stop_every_rank_within_seconds(tmp_path: Path) -> None
 
         _wait_for(lambda: _logged_a_step(tmp_path / "kill" / "logs"), 180, "the killed run's first step")
         kill_procs = psutil.Process(kill.pid).children(recursive=True)
+        groups = {rank.pid for rank in _ranks(kill.pid)}  # each rank leads a process group of its own
         started += kill_procs
         kill.kill()
         began = time.monotonic()
-        assert not _running(kill_procs, STOPPED_WITHIN_S)  # the ranks die with their launcher
+        kill_procs += _in_groups(groups)  # also what a rank forked after the snapshot (a checkpoint's writers)
+        started += kill_procs
+        left = _running(kill_procs, STOPPED_WITHIN_S)
+        assert not left, [_described(proc) for proc in left]  # the ranks and their children die with the launcher
         kill_s = time.monotonic() - began
 
         ckpt = tmp_path / "int" / "ckpt"

@@ -42,9 +42,11 @@ MOE_LAYOUTS = {
     "ep2": {"ep": 2},
     "tp2_ep2_sp": {"tp": 2, "ep": 2, "sequence_parallel": True},
     "ep2_cp2": {"ep": 2, "cp": 2},
+    "pp2": {"pp": 2},
 }
-"""Mixture-of-experts layouts (EP2 on two ranks makes two data-parallel replicas of the dense layers). PP > 1 needs
-megatron-core's all-to-all dispatcher (variable sequence lengths), which needs CUDA: not run here."""
+"""Mixture-of-experts layouts (EP2 on two ranks makes two data-parallel replicas of the dense layers). PP > 1 runs
+megatron-core's all-to-all token dispatcher (variable sequence lengths; on the CPU with `cpu_patches`' stand-in
+CUDA streams)."""
 
 
 def _run(

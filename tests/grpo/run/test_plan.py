@@ -172,3 +172,12 @@ def test_prepare_run_hands_the_ranks_the_plan(tmp_path: Path) -> None:
     assert plan.refit is RefitPath.SHARD_LOCAL  # a dense Llama, the embedded engine at the policy's TP
     assert (plan.engine.max_model_len, plan.engine.dtype) == (64, torch.float32)
     assert plan.engine_on("cpu").device == "cpu"
+
+
+def test_a_gated_delta_net_model_is_planned_like_any_other() -> None:
+    """Qwen3.5 trains (its refusals, sequence and context parallelism, are tested with its GRPO step)."""
+    from hf_mcore_bridge.grpo.run.plan import plan_run
+
+    config = config_from_dict(BASE)
+    hybrid = megatron_spec(tiny_config("Qwen3_5ForCausalLM"))
+    assert plan_run(config, parallel_dims(config), hybrid).dims == plan_run(config, parallel_dims(config), DENSE).dims

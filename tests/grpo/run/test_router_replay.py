@@ -2,7 +2,8 @@
 expert score bias, 4 of 8 experts in 2 of 4 groups) whose routers' score biases move between generation and training
 (`perturbed_router`). The bias only chooses experts, so with replay the trainer's log-probs of the rollouts are the
 engine's (`token_mult_prob_error` within fp32 rounding of 1, the gate's fp32 bound) and without it they are not; both
-runs log the metric. Replay at TP2 with sequence parallelism and packed rows, and at EP2 x CP2, is `extended`.
+runs log the metric. Replay at TP2 with sequence parallelism and packed rows, at EP2 x CP2 and at PP2 (each stage's
+routers their own layers), is `extended`.
 
 The pieces alone are checked in the fast tier: the engine's recorded ids against transformers' top-k
 (`tests/engine/test_engine_moe.py`), the layout each router sees against a reference written here, the micro-batch
@@ -178,6 +179,7 @@ def _run(root: Path, name: str, policy: Path, replay: bool, **layout: object) ->
                 "megatron_cfg": {
                     "tensor_model_parallel_size": layout.get("tp", 1),
                     "expert_model_parallel_size": layout.get("ep", 1),
+                    "pipeline_model_parallel_size": layout.get("pp", 1),
                     "context_parallel_size": layout.get("cp", 1),
                     "sequence_parallel": layout.get("tp", 1) > 1,
                     "sequence_packing": bool(layout.get("packing", False)),
@@ -202,8 +204,8 @@ def _run(root: Path, name: str, policy: Path, replay: bool, **layout: object) ->
     return train_grpo(config).metrics
 
 
-def _glm_policy(root: Path) -> Path:
-    return build_tiny_policy(root / "policy", seed=2, architecture="Glm4MoeForCausalLM")
+def _glm_policy(root: Path, **overrides: object) -> Path:
+    return build_tiny_policy(root / "policy", seed=2, architecture="Glm4MoeForCausalLM", **overrides)
 
 
 @pytest.mark.slow
@@ -228,11 +230,16 @@ def test_replay_gives_the_trainer_the_engines_logprobs_on_a_moved_router(
 
 
 REPLAY_LAYOUTS = {
+    "pp2": {"pp": 2},
     "tp2_sp_packed": {"tp": 2, "packing": True},
     "ep2_cp2": {"ep": 2, "cp": 2},
 }
 """Routing replay at tensor parallelism with sequence parallelism and packed rows (each TP rank's routers see their
-slice of a packed row), and at context parallelism beside expert parallelism (each CP rank its positions)."""
+slice of a packed row), at context parallelism beside expert parallelism (each CP rank its positions) and at
+pipeline parallelism (megatron-core's all-to-all dispatcher; each stage's routers their own layers' choices: at PP2
+without replay the same run's `token_mult_prob_error` is 1.005 and 1.003)."""
+REPLAY_POLICIES = {"pp2": {"first_k_dense_replace": 0}}
+"""Changes to the tiny GLM-4.5 per layout: at PP2 both layers routed, so each stage replays its own layer."""
 
 
 @pytest.mark.extended
@@ -243,5 +250,6 @@ def test_replay_at_more_layouts(name: str, tmp_path: Path, monkeypatch: pytest.M
     from .perturbed_router import train_rank_with_perturbed_router
 
     monkeypatch.setattr(trainer, "_train_rank", train_rank_with_perturbed_router)
-    replayed = _run(tmp_path, name, _glm_policy(tmp_path), replay=True, **REPLAY_LAYOUTS[name])
+    policy = _glm_policy(tmp_path, **REPLAY_POLICIES.get(name, {}))
+    replayed = _run(tmp_path, name, policy, replay=True, **REPLAY_LAYOUTS[name])
     assert all(m["token_mult_prob_error"] <= 1.0001 for m in replayed)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,11 +73,32 @@ class DTensorBackend:
     def hf_names(self) -> list[str]:
         return [name for name, _, _ in self.policy.hf_specs()]
 
-    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.policy.hf_weights(times)
+    def trained_names(self) -> list[str] | None:
+        return self.policy.adapted_names() or None  # LoRA: the adapted projections; else every tensor changes
 
-    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
+    def hf_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.policy.hf_weights(times, names, merged)  # the same selection on every rank: collective alike
+
+    def shard_local_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
         return None  # FSDP2 shards are not the engine's tensor-parallel parts: `hf_weights` makes full tensors
+
+    def save_adapters(self, out_dir: Path, base_model: str) -> bool:
+        """With LoRA, the adapters gathered whole and written by rank 0 as a PEFT directory; False without."""
+        if self.policy.lora is None:
+            return False
+        import torch.distributed as dist
+
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
+        from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+        values = {name: (a.cpu(), b.cpu()) for name, (a, b) in full_adapters(self.policy.model)}
+        if dist.get_rank() == 0:
+            write_peft_adapter(values, self.policy.lora, out_dir, base_model)
+        return True
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         return None  # FSDP2's full_tensor() is a collective, and its unsharded copies are fresh each time

@@ -44,6 +44,8 @@ def layer_tp_plan(arch: Architecture) -> dict[str, type[ParallelStyle]]:
     """Module (relative to a decoder layer) -> its DTensor style, from the architecture's mapping table: the
     q/k/v and gate/up projections column-wise, o and down row-wise, as megatron-core shards them (the Megatron
     pattern); norms stay replicated. Biases shard with their module."""
+    if arch.linear_attention:
+        raise BridgeError(f"tensor parallelism over DTensor is not planned for {arch.hf_name}'s Gated DeltaNet")
     plan: dict[str, type[ParallelStyle]] = {}
     for entry in arch.table:
         if entry.parallel not in _STYLES:
@@ -75,6 +77,8 @@ def _architecture(model: torch.nn.Module, tp: int) -> Architecture:
         raise BridgeError(
             f"tensor parallelism over DTensor is for dense models; {spec.architecture} has routed experts"
         )
+    if spec.linear_attention is not None:
+        raise BridgeError(f"tensor parallelism over DTensor is not planned for {spec.architecture}'s Gated DeltaNet")
     for field, value in (
         ("num_attention_heads", spec.num_attention_heads),
         ("num_key_value_heads", spec.num_query_groups),

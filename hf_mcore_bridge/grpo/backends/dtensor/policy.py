@@ -22,6 +22,9 @@ from an HF directory (safetensors only) and sharded by `backends.dtensor.paralle
   (megatron-core's default grouping), global-norm clipping over DTensors, megatron-core's LR schedule
   (`grpo.backends.dtensor.lr_schedule`).
 
+- LoRA (`policy.lora`): PEFT's LoRA layers injected before sharding (`backends.dtensor.lora`), the base frozen and
+  the adapters alone in the optimizer; the HF-named stream holds the adapted weights merged (W + (B A) * scale).
+
 Simplifications: every rank reads the whole safetensors checkpoint before sharding it (host memory for one full
 copy per rank while loading; a meta-device build with a broadcast from rank 0 would avoid it); the KL reference is
 a copy of this rank's initial shards swapped in for a forward pass, as the megatron side does.
@@ -30,7 +33,7 @@ a copy of this rank's initial shards swapped in for a forward pass, as the megat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, global_valid_count, grpo_loss
@@ -52,6 +56,7 @@ from hf_mcore_bridge.grpo.backends.dtensor.parallel import (
     parallelize_hf_model,
 )
 from hf_mcore_bridge.grpo.refit.stream import PhaseTimes
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
 
 __all__ = ["DTensorPolicy", "build_dtensor_policy", "hf_policy_dir", "load_hf_model", "token_logprobs"]
 
@@ -93,7 +98,7 @@ def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [p for n, p in named if not _no_decay(n, p)], "weight_decay": weight_decay},
         {"params": [p for n, p in named if _no_decay(n, p)], "weight_decay": 0.0},
@@ -118,6 +123,8 @@ class DTensorPolicy:
     reference: list[torch.Tensor] | None = None
     """This rank's initial parameter shards (the KL reference), or None when no KL term is used."""
     optimizer_steps: int = field(default=0)
+    lora: LoraConfig | None = None
+    """The run's `policy.lora` when enabled (PEFT's LoRA layers in `model`)."""
 
     @property
     def device(self) -> torch.device:
@@ -212,26 +219,59 @@ class DTensorPolicy:
         dist.all_gather_object(everyone, results, group=self.dp_group)
         return [r for replica in everyone for r in replica]
 
-    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole model as (HF name, full tensor in the compute dtype), on every rank; tied weights once.
+    def hf_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model (or the tensors of `names`) as (HF name, full tensor in the compute dtype), on every rank;
+        tied weights once; with LoRA the adapted weights merged, unless `merged` is False (the base weights).
 
         Collective: every rank must exhaust it. `times` collects the all-gathers' seconds (`gather`).
         """
         times = times or PhaseTimes()
-        tensors = full_hf_tensors(self.model)
+        tensors = full_hf_tensors(self.model) if self.lora is None else self._lora_hf_tensors(names, merged)
         while True:
             with times.phase("gather"):  # each step of the stream all-gathers one DTensor
                 item = next(tensors, None)
             if item is None:
                 return
             name, tensor = item
+            if names is not None and name not in names:
+                continue
             yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+    def _lora_hf_tensors(self, names: Collection[str] | None, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """`full_hf_tensors` of a model with PEFT's LoRA layers: HF names, adapted weights merged (`merged`), only
+        `names` gathered (the same selection on every rank)."""
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries, lora_modules, merged_weight
+
+        modules = lora_modules(self.model) if merged else {}
+        for name, value in hf_entries(self.model):
+            if names is not None and name not in names:
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            module = modules.get(name.removesuffix(".weight"))
+            yield name, full if module is None else merged_weight(full, module)
+
+    def adapted_names(self) -> list[str]:
+        """The HF weights of the adapted projections (LoRA), in the stream's order; empty without LoRA."""
+        if self.lora is None:
+            return []
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries, lora_modules
+
+        adapted = set(lora_modules(self.model))
+        return [name for name, _ in hf_entries(self.model) if name.removesuffix(".weight") in adapted]
 
     def hf_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, global shape, dtype) of what `hf_weights` yields, in its order, without communication."""
+        if self.lora is not None:
+            from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries
+
+            entries = hf_entries(self.model)
+        else:
+            entries = hf_state_entries(self.model)
         return [
             (name, tuple(value.shape), self.dtype if value.is_floating_point() else value.dtype)
-            for name, value in hf_state_entries(self.model)
+            for name, value in entries
         ]
 
 
@@ -275,10 +315,12 @@ def build_dtensor_policy(
     total_optimizer_steps: int,
     keep_reference: bool,
     model: torch.nn.Module | None = None,
+    lora: LoraConfig | None = None,
 ) -> DTensorPolicy:
     """This rank's sharded policy loaded from `hf_dir`, with optimizer and scheduler (collective). `model`: an HF
     model already built in fp32 (random weights, any attention implementation) to shard instead of reading
-    `hf_dir`: how `scripts/bench_training.py` measures the trainer's own DTensor step."""
+    `hf_dir`: how `scripts/bench_training.py` measures the trainer's own DTensor step. `lora` (enabled): PEFT's
+    LoRA layers injected before sharding (`backends.dtensor.lora`), the optimizer holding the adapters alone."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     tp = settings.tensor_parallel_size
     mesh = make_mesh(dist.get_world_size() // tp, tp, device_type)  # the world is dp_shard x tp (`ParallelDims`)
@@ -286,6 +328,11 @@ def build_dtensor_policy(
         if hf_dir is None:
             raise ValueError("build_dtensor_policy needs hf_dir or model")
         model = load_hf_model(hf_dir)
+    lora = lora if lora is not None and lora.enabled else None
+    if lora is not None:
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import add_peft_lora
+
+        add_peft_lora(model, lora)
     parallelize_hf_model(
         model,
         mesh,
@@ -304,4 +351,4 @@ def build_dtensor_policy(
     )
     scheduler = lr_scheduler(optimizer, settings.scheduler, settings.lr, total_optimizer_steps)
     reference = [p.detach().clone() for p in model.parameters()] if keep_reference else None
-    return DTensorPolicy(model, optimizer, scheduler, mesh, settings, dtype, reference)
+    return DTensorPolicy(model, optimizer, scheduler, mesh, settings, dtype, reference, lora=lora)

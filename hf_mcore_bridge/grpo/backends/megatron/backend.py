@@ -5,7 +5,7 @@ checkpoints (`backends.megatron.checkpoint`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,7 @@ from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.grpo.backends.megatron.policy import Policy
@@ -36,6 +37,8 @@ class MegatronBackend:
     """The run's layout (its plan's), written into checkpoints."""
     assets: dict[str, str]
     """The HF files every checkpoint carries (`checkpoint_assets`)."""
+    lora: LoraConfig | None = None
+    """The run's `policy.lora` when enabled (the adapters' rank, alpha and targets, for `save_adapters`)."""
 
     @property
     def dp_rank(self) -> int:
@@ -95,34 +98,87 @@ class MegatronBackend:
         model_cfg = self.policy.model_cfg
         return [n for p in placed_entries(model_cfg) for n in p.hf_names()]
 
-    def hf_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def trained_names(self) -> list[str] | None:
+        """With LoRA, the HF weights of the adapted linears (every HF tensor of their table entries); else None.
+        Collective over the pipeline stages: each holds its own layers' adapters, and the stream that follows is
+        collective, so every stage must name the same tensors."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from hf_mcore_bridge.megatron.lora import adapter_modules
+
+        adapted = {name for holder in adapter_modules(self.policy.module) for name in holder.names}
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(stages, adapted, group=parallel_state.get_pipeline_model_parallel_group())
+            adapted = set().union(*stages)
+        if not adapted:
+            return None
+        return [name for name in self.hf_names() if name.removesuffix(".weight") in adapted]
+
+    def hf_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The bridge API's stream (`export_hf_weights`), which first completes DDP's deferred parameter all-gather
-        on every rank (a stream read before it would hold stale shards)."""
+        on every rank (a stream read before it would hold stale shards); with LoRA adapters, of the merged
+        weights (`_merged`), the adapters' own deferred all-gather completed before they are merged."""
         from hf_mcore_bridge.bridge import export
+        from hf_mcore_bridge.grpo.refit.stream import finish_param_gather
+        from hf_mcore_bridge.megatron.lora import adapter_modules
 
-        return export.export_hf_weights([self.policy.model], self.policy.model_cfg, phases=times)
+        model, model_cfg = self.policy.model, self.policy.model_cfg
+        if adapter_modules(self.policy.module):  # collective; before the merge, not in the lazy stream
+            finish_param_gather(model)
+        stream = export.export_hf_weights([model], model_cfg, phases=times, names=names)
+        return _merged(self.policy.module, stream) if merged else stream
 
-    def shard_local_weights(self, times: PhaseTimes | None = None) -> Iterator[tuple[str, torch.Tensor]] | None:
+    def shard_local_weights(
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]] | None:
         from hf_mcore_bridge.grpo.refit.stream import finish_param_gather, shard_local_hf_weights
 
         if self.policy.model_cfg.moe is not None:
             return None
         finish_param_gather(self.policy.model)
-        return shard_local_hf_weights(self.policy.module, self.policy.model_cfg, self.policy.padded_vocab, times)
+        module = self.policy.module
+        stream = shard_local_hf_weights(module, self.policy.model_cfg, self.policy.padded_vocab, times, names)
+        return _merged(module, stream)
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         import torch.distributed as dist
 
-        if dist.get_world_size() > 1 or not torch.cuda.is_available():
+        from hf_mcore_bridge.megatron.lora import adapter_modules
+
+        # the merged weights a LoRA refit streams exist only while it streams: no sources to replay from
+        if dist.get_world_size() > 1 or not torch.cuda.is_available() or adapter_modules(self.policy.module):
             return None
         from hf_mcore_bridge.grpo.refit.stream import model_tensors
 
         return list(model_tensors(self.policy.module).values())
 
+    def save_adapters(self, out_dir: Path, base_model: str) -> bool:
+        """The adapters gathered whole (over TP, then the pipeline stages' layers) and written by global rank 0 as a
+        PEFT directory (`megatron.lora_peft`); False without adapters."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from hf_mcore_bridge.megatron.lora import adapter_modules, full_adapters
+        from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+        adapters = adapter_modules(self.policy.module)
+        if self.lora is None or not adapters:
+            return False
+        mine = {name: (a.cpu(), b.cpu()) for name, (a, b) in full_adapters(adapters).items()}
+        stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
+        if dist.get_rank() == 0:
+            write_peft_adapter({k: v for stage in stages for k, v in stage.items()}, self.lora, out_dir, base_model)
+        return True
+
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.backends.megatron.checkpoint import save_checkpoint
 
-        save_checkpoint(self.policy, root, step, trainer_state, self._megatron_args(), self.assets)
+        save_checkpoint(self.policy, root, step, trainer_state, self._megatron_args(), self.assets, self.lora)
 
     def load_checkpoint(self, root: Path, step: int) -> dict[str, Any]:
         from hf_mcore_bridge.grpo.backends.megatron.checkpoint import load_checkpoint
@@ -139,3 +195,20 @@ class MegatronBackend:
             make_vocab_size_divisible_by=self.section.make_vocab_size_divisible_by,
             spec="te" if self.policy.model.config.transformer_impl == "transformer_engine" else "local",
         )
+
+
+def _merged(module: torch.nn.Module, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`stream` read while the adapted weights of `module` hold W + s B A (`megatron.lora.merged`, put back exactly
+    once the stream ends or is dropped); the stream itself where the model has no adapters. A streamed tensor that
+    shares an adapted weight's storage (a TP1 column-parallel view) is copied: a bucketed refit may load it after
+    the stream, hence the merge, has ended."""
+    from hf_mcore_bridge.megatron.lora import adapter_modules, merged
+
+    if not adapter_modules(module):
+        yield from stream
+        return
+    adapted = {m.weight.untyped_storage().data_ptr() for m in module.modules() if hasattr(m, "lora")}
+    with merged(module):
+        for name, tensor in stream:
+            shared = tensor.untyped_storage().data_ptr() in adapted
+            yield name, tensor.clone() if shared else tensor

@@ -11,6 +11,10 @@ The trainer state (`trainer` in `common.pt`): the step, the prompt iterator's po
 and the optimizer step count; sampling seeds are derived from the step, so a resumed run repeats an uninterrupted
 one. The KL reference is the run's initial policy, reloaded from its original checkpoint on resume, not saved.
 
+A LoRA run's checkpoint holds the frozen base weights, the adapters beside their linears (`megatron.lora`) and the
+optimizer's state of the adapters alone (the only parameters it holds); its `policy.lora` is kept in the common
+state (`megatron.lora_checkpoint.LORA_KEY`), for the resume check and `bridge export`.
+
 Simplifications: saving is synchronous; old checkpoints are not pruned.
 
 megatron-core's `torch_dist` writer passes its results through a `multiprocessing` manager, a server process each
@@ -33,6 +37,8 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import (
     publish_iteration,
 )
 from hf_mcore_bridge.grpo.backends.megatron.policy import Policy
+from hf_mcore_bridge.megatron.lora_checkpoint import LORA_KEY, lora_state
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
 
 __all__ = ["latest_step", "load_checkpoint", "save_checkpoint"]
 
@@ -58,11 +64,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     args: argparse.Namespace,
     assets: dict[str, str],
+    lora: LoraConfig | None = None,
 ) -> Path:
     """Write policy, optimizer and `trainer_state` for `step` (collective: every rank calls it).
 
     `args` is the Megatron-LM namespace describing the model; `assets` maps HF asset file names (`config.json`,
-    `tokenizer.json`) to their text, written once under `<root>/hf_assets/`.
+    `tokenizer.json`) to their text, written once under `<root>/hf_assets/`; `lora`: the run's adapters' config.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -77,6 +84,8 @@ def save_checkpoint(
     state = _sharded_state(policy, is_loading=False)
     state["trainer"] = {**trainer_state, "step": step, "scheduler": policy.scheduler.state_dict()}
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=step)
+    if lora is not None:
+        state[LORA_KEY] = lora_state(lora)
     _write_results_queue()
     dist_checkpointing.save(state, str(staging))
     dist.barrier()

@@ -59,6 +59,7 @@ from hf_mcore_bridge.grpo.algorithm.batching import (
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig, global_valid_count, grpo_loss
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
 from hf_mcore_bridge.megatron.cpu_patches import cuda_type_names
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
 from hf_mcore_bridge.megatron.model import load_distributed_checkpoint, transformer_config
 from hf_mcore_bridge.models.spec import ModelSpec
 
@@ -112,6 +113,8 @@ def _transformer_config(
         kwargs["moe_router_bias_update_rate"] = megatron.moe_router_bias_update_rate
     if torch.cuda.is_available():  # megatron-core's torch-compiled SwiGLU: no Transformer Engine needed
         kwargs["bias_activation_fusion"] = True
+        if model_cfg.moe is not None:  # the experts as torch grouped GEMMs (`grouped_experts`) where torch has them
+            kwargs["moe_grouped_gemm"] = hasattr(torch, "_grouped_mm")
     if layout.pp > 1:  # micro-batches are padded to their own longest row
         kwargs["variable_seq_lengths"] = True
         # megatron-core refuses variable lengths with the allgather dispatcher (dense models included)
@@ -138,11 +141,14 @@ def build_policy(
     total_optimizer_steps: int,
     keep_reference: bool,
     router_replay: bool = False,
+    lora: LoraConfig | None = None,
 ) -> Policy:
     """This rank's policy at `layout` (the run's, as `parallel_state` was initialised with it), loaded from
     `checkpoint_dir`, with optimizer and scheduler. `checkpoint_dir=None` gives random weights (initialised on this
     rank's GPU where there is one): how `scripts/bench_training.py` measures the trainer's own training step.
-    `router_replay`: build the MoE routers able to replay the engine's routing (`router_replay`)."""
+    `router_replay`: build the MoE routers able to replay the engine's routing (`router_replay`). `lora` (when
+    enabled): every base parameter frozen and adapters added (`megatron.lora.add_lora`) before DDP is built, so
+    DDP's buffers and the optimizer hold the adapters alone."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -156,6 +162,14 @@ def build_policy(
     cast_parameters(gpt, dtype)
     if checkpoint_dir is not None:
         load_distributed_checkpoint(gpt, checkpoint_dir)
+    if lora is not None and lora.enabled:
+        from hf_mcore_bridge.megatron.lora import add_lora, set_adapters
+
+        adapters = add_lora(gpt, model_cfg, lora)
+        if lora.adapter_path is not None:  # the run starts from a PEFT directory's A and B (validated up front)
+            from hf_mcore_bridge.megatron.lora_peft import read_peft_adapter
+
+            set_adapters(adapters, read_peft_adapter(Path(lora.adapter_path))[1])
     ddp_config = DistributedDataParallelConfig(**ddp_settings(megatron, parallel_state.get_data_parallel_world_size()))
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.no_sync_func = model.no_sync

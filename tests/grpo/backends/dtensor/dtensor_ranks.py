@@ -44,3 +44,39 @@ def logprobs_and_step_rank(
     weights = {name: tensor.cpu() for name, tensor in policy.hf_weights()}
     if dist.get_rank() == 0:
         torch.save({**results, "metrics": metrics, "weights": weights}, out)
+
+
+def lora_step_rank(
+    hf_dir: str,
+    settings: DTensorConfig,
+    lora: object,
+    rollouts: list[Rollout],
+    micro_batch_size: int,
+    loss_config: LossConfig,
+    temperature: float,
+    out: str,
+) -> None:
+    """The DTensor policy with `policy.lora` (PEFT's LoRA layers, FSDP2): the initial adapters, one
+    `train_minibatch` on this data-parallel rank's share (old and reference log-probs computed first), the adapters
+    after it, the merged and the base HF streams, the HF names `trained_names` would give and the elements the
+    optimizer holds. Rank 0 saves them."""
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
+
+    policy = build_dtensor_policy(
+        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    )
+    initial = {name: (a.clone(), b.clone()) for name, (a, b) in full_adapters(policy.model)}
+    share = rollouts[policy.dp_rank :: policy.dp_size]
+    mine = make_microbatches(share, micro_batch_size)
+    old = policy.compute_logprobs(mine, temperature)
+    ref = policy.compute_logprobs(mine, temperature, reference=True)
+    metrics = policy.train_minibatch(mine, old, ref, loss_config, temperature)
+    trained = dict(full_adapters(policy.model))
+    merged = {name: tensor.cpu() for name, tensor in policy.hf_weights()}
+    base = {name: tensor.cpu() for name, tensor in policy.hf_weights(merged=False)}
+    adapted = policy.adapted_names()
+    only = {name: tensor.cpu() for name, tensor in policy.hf_weights(names=adapted)}
+    held = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
+    if dist.get_rank() == 0:
+        result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
+        torch.save(result | {"adapted": adapted, "only": only, "held": held}, out)

@@ -38,7 +38,7 @@ def logprobs_and_gradients_rank(configs: list[Any], prepared: Any, rollouts: lis
     from megatron.core import parallel_state
 
     from hf_mcore_bridge.grpo.run.ranks import build_backend
-    from hf_mcore_bridge.grpo.run.trainer import _minibatches, _train_step
+    from hf_mcore_bridge.grpo.run.trainer import _minibatches
 
     results = []
     for config in configs:
@@ -47,29 +47,65 @@ def logprobs_and_gradients_rank(configs: list[Any], prepared: Any, rollouts: lis
         flat = [b for mini in _minibatches(backend, config, rollouts) for b in mini]
         logprobs = backend.compute_logprobs(flat, config.generation.temperature)
         completion = [seq for lp, b in zip(logprobs, flat, strict=True) for seq in _by_sequence(lp, b)]
-        module, optimizer = backend.policy.module, backend.policy.optimizer
-        grads: list[torch.Tensor] = []
-        step = optimizer.step
-
-        def step_after_snapshot(step: Any = step, module: Any = module, grads: list = grads) -> Any:
-            grads.extend(param.main_grad.detach().clone() for param in module.parameters())
-            return step()
-
-        optimizer.step = step_after_snapshot
-        metrics = _train_step(backend, config, rollouts)
-        with torch.no_grad():
-            for param, grad in zip(module.parameters(), grads, strict=True):
-                param.copy_(grad)
+        metrics, grads = _step_gradients(backend, config, rollouts)
         results.append(
             {
                 "dp_rank": parallel_state.get_data_parallel_rank(),
                 "cp_rank": parallel_state.get_context_parallel_rank(),
                 "logprobs": completion,
                 "metrics": metrics,
-                "grads": {name: tensor.detach().cpu().clone() for name, tensor in backend.hf_weights()},
+                "grads": grads,
             }
         )
     torch.save(results, Path(out) / f"rank{dist.get_rank()}.pt")
+
+
+def layouts_rank(runs: list[tuple[Any, Any]], rollouts: list[Any], out: str) -> None:
+    """For each `(config, prepared)` of `runs` (one model; layouts of the same number of ranks), in one world:
+    megatron-core's `parallel_state` set up for the run's layout (`prepared.plan.dims.layout`), `build_backend`,
+    the refit stream of the initial weights and `_train_step` on `rollouts` with the gradients the optimizer
+    receives (as `logprobs_and_gradients_rank` takes them). Rank 0 saves, per run, `weights`, `metrics` and `grads`
+    (under HF names, gathered over TP and EP) as `<out>`."""
+    from megatron.core import parallel_state
+
+    from hf_mcore_bridge.grpo.run.ranks import build_backend
+    from hf_mcore_bridge.megatron.world import initialize_parallel_state
+
+    results = []
+    for config, prepared in runs:
+        layout = prepared.plan.dims.layout
+        parallel_state.destroy_model_parallel()
+        initialize_parallel_state(layout)
+        torch.manual_seed(config.grpo.seed)
+        backend = build_backend(config, prepared)
+        weights = {name: tensor.detach().cpu().clone() for name, tensor in backend.hf_weights()}
+        metrics, grads = _step_gradients(backend, config, rollouts)
+        results.append({"weights": weights, "metrics": metrics, "grads": grads})
+    if dist.get_rank() == 0:
+        torch.save(results, Path(out))
+
+
+def _step_gradients(backend: Any, config: Any, rollouts: list[Any]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """`_train_step` on `rollouts`: its metrics, and the gradients the optimizer receives (`main_grad`, after
+    megatron-core's `finalize_model_grads`: reduced over data x context ranks, sequence-parallel and q/k norms
+    summed over TP; before clipping) under their HF names, streamed by the refit's mapping (`hf_weights` of the
+    gradients put in place of the weights, which the step leaves there)."""
+    from hf_mcore_bridge.grpo.run.trainer import _train_step
+
+    module, optimizer = backend.policy.module, backend.policy.optimizer
+    grads: list[torch.Tensor] = []
+    step = optimizer.step
+
+    def step_after_snapshot() -> Any:
+        grads.extend(param.main_grad.detach().clone() for param in module.parameters())
+        return step()
+
+    optimizer.step = step_after_snapshot
+    metrics = _train_step(backend, config, rollouts)
+    with torch.no_grad():
+        for param, grad in zip(module.parameters(), grads, strict=True):
+            param.copy_(grad)
+    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.hf_weights()}
 
 
 def _by_sequence(logprobs: torch.Tensor, batch: Any) -> list[tuple[list[int], torch.Tensor]]:

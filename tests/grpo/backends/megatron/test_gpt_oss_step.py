@@ -4,7 +4,7 @@ biased experts; TP2 without EP is refused, see below), against `offpolicy_refere
 from the same initial weights on the same rollouts. Loss and gradient norm must agree; the refit's weight stream
 (gathered over TP and EP through the mapping table, experts by their per-expert linear-layer names) must be the HF
 checkpoint's tensors cut as transformers computes with them. Completions are longer than the window (3), so rows
-see it; the engine does not run GPT-OSS yet, so the rollouts are made here (as `test_deepseek_step` makes them)."""
+see it; the rollouts are made here, without the engine (as `test_deepseek_step` makes them)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,351 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears, one adapter per HF projection (1:1 with PEFT's).
+
+A targeted projection W (out x in) computes W x + s B A x, s = alpha / rank. Where the adapters sit on a rank:
+
+- column-parallel linear (q/k/v in the fused `linear_qkv`, gate/up in `linear_fc1`, any `Parallel.COLUMN` entry):
+  A (rank x in) whole on every rank, as the base layer's input is; B split by output rows like the base weight,
+  each rank holding the rows of its projection that its shard of the fused weight holds. Which local output row
+  of the fused weight is which projection's row comes from the mapping table's own transform (`entry.to_mcore` on
+  row indices, then `tensor_ops.rank_shard` in the entry's parallel style), so an adapter's rows are where
+  megatron-core puts that projection's rows (per query group for q/k/v, [gate_r; up_r] for gate/up).
+- row-parallel linear (`o_proj`, `down_proj`): A split by input columns like the base weight, B whole.
+
+Communication: a replicated factor's gradient (A of a column-parallel linear, B of a row-parallel one) is a sum
+over the tensor-parallel ranks. Rather than reduce those gradients after the backward, the rank-r activation is
+reduced: for a column-parallel linear `copy_to_tensor_model_parallel_region` on A x (forward: nothing, backward:
+an all-reduce of a [tokens, n * rank] gradient, n the projections fused there), for a row-parallel one
+`reduce_from_tensor_model_parallel_region` on A_local x_local (forward: an all-reduce of [tokens, rank], backward:
+nothing). That is rank / hidden of the base layer's own all-reduce, and every gradient is then complete on every
+rank (replicated factors equal everywhere without a further reduction).
+
+Assumes and refuses: dense attention and dense MLP linears only (experts, multi-latent attention's projections
+and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
+sequence-sharded) and no dropout (`LoraConfig.dropout` must be 0). Every base parameter is frozen
+(`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
+
+Checkpoints: an adapted linear's sharded state dict holds its adapters beside its weight (`<linear>.lora.lora_a.<i>`,
+`lora_b.<i>`), the split factor sharded on the axis it is split on, the replicated one replicated; so each adapter's
+global tensor is PEFT's A or B of that projection (stacked over layers as the weight is), whatever the layout, and a
+checkpoint reloads at any TP and PP (`checkpoint_adapters` reads them back by HF module name).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import MethodType
+from typing import Any
+
+import torch
+
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.models.mapping_types import Direct, Entry, FusedGateUp, FusedQKV, LayerKind
+from hf_mcore_bridge.models.parallel_style import Parallel
+from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tensor_ops import global_shape, rank_shard
+
+__all__ = [
+    "LinearAdapters",
+    "adapter_modules",
+    "add_lora",
+    "full_adapters",
+    "merged",
+    "set_adapters",
+    "targeted_entries",
+]
+
+LAYER_PREFIX = "decoder.layers.{layer}."
+_COLUMN_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN)
+
+
+def projection(hf_name: str) -> str:
+    """The HF projection of a weight's name: `model.layers.{layer}.self_attn.q_proj.weight` -> `q_proj`."""
+    return hf_name.rsplit(".", 2)[-2]
+
+
+class LinearAdapters(torch.nn.Module):
+    """The adapters of one megatron-core linear: one (A, B) pair per HF projection it computes, this rank's parts.
+
+    `names[i]` is the HF module name of pair i (`model.layers.0.self_attn.q_proj`, PEFT's without its prefix);
+    `lora_a[i]` and `lora_b[i]` are its local A and B. `rows` (column-parallel only) maps the linear's local output
+    rows to the rows of the adapters' concatenated outputs."""
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        a: list[torch.Tensor],
+        b: list[torch.Tensor],
+        parallel: Parallel,
+        rows: torch.Tensor | None,
+        scale: float,
+        tp_group: Any,
+    ) -> None:
+        super().__init__()
+        self.names = names
+        self.parallel = parallel
+        self.scale = scale
+        self.tp_group = tp_group
+        self.lora_a = torch.nn.ParameterList([torch.nn.Parameter(t) for t in a])
+        self.lora_b = torch.nn.ParameterList([torch.nn.Parameter(t) for t in b])
+        self.register_buffer("rows", rows, persistent=False)
+        _mark_split(self)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """s * B A x for this rank: the local output rows of a column-parallel linear, or the whole (reduced) output
+        of a row-parallel one. x: [..., in_local]."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        if self.parallel is Parallel.ROW:
+            (a,), (b,) = self.lora_a, self.lora_b
+            low = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(x, a), group=self.tp_group)
+            return self.scale * torch.nn.functional.linear(low, b)
+        low = torch.nn.functional.linear(x, torch.cat(list(self.lora_a)))
+        low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
+        parts = low.split([a.shape[0] for a in self.lora_a], dim=-1)
+        out = torch.cat([torch.nn.functional.linear(p, b) for p, b in zip(parts, self.lora_b, strict=True)], dim=-1)
+        return self.scale * out.index_select(-1, self.rows)
+
+    def weight_delta(self) -> torch.Tensor:
+        """s * B A as this rank's part of the linear's weight (its local rows, or its local columns)."""
+        if self.parallel is Parallel.ROW:
+            (a,), (b,) = self.lora_a, self.lora_b
+            return self.scale * (b @ a)
+        parts = torch.cat([b @ a for a, b in zip(self.lora_a, self.lora_b, strict=True)])
+        return self.scale * parts.index_select(0, self.rows)
+
+
+def _mark_split(holder: LinearAdapters) -> None:
+    """megatron-core's tensor-parallel attributes on each factor: the split ones (B of a column-parallel linear by
+    rows, A of a row-parallel one by columns) counted on every rank, the replicated ones on TP rank 0 only, as its
+    gradient norm (hence clipping) and checkpoints count a base layer's weight and its replicated norms."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    row = holder.parallel is Parallel.ROW
+    for a, b in zip(holder.lora_a, holder.lora_b, strict=True):
+        set_tensor_model_parallel_attributes(a, is_parallel=row, dim=1, stride=1)
+        set_tensor_model_parallel_attributes(b, is_parallel=not row, dim=0, stride=1)
+
+
+def _hook(linear: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Adds the adapters' product to a megatron-core linear's output `(output, bias)`."""
+    x = args[0] if args else kwargs["input_"]
+    out, bias = output
+    return out + linear.lora.delta(x).to(out.dtype), bias
+
+
+def _sharded_state_dict(
+    linear: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+) -> dict[str, Any]:
+    """megatron-core's sharded state dict of a column- or row-parallel linear (as its own method builds it) with
+    its adapters' split factors sharded on their axis: B of a column-parallel linear by rows, A of a row-parallel
+    one by columns. (megatron-core's method would mark them replicated, keeping TP rank 0's part alone.)"""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    holder = linear.lora
+    if holder.parallel is Parallel.ROW:
+        axes = {"weight": 1, "lora.lora_a.0": 1}
+    else:
+        axes = {"weight": 0, "bias": 0, **{f"lora.lora_b.{i}": 0 for i in range(len(holder.lora_b))}}
+    return make_sharded_tensors_for_checkpoint(
+        linear.state_dict(prefix="", keep_vars=True),
+        prefix,
+        axes,
+        sharded_offsets,
+        tp_group=linear.tp_group,
+        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
+    )
+
+
+def targeted_entries(model_cfg: ModelSpec, lora: LoraConfig) -> Iterator[Entry]:
+    """The table's per-layer linear entries with at least one targeted projection; others are refused by name."""
+    for entry in model_cfg.table():
+        if not entry.mcore.startswith(LAYER_PREFIX) or not entry.mcore.endswith(".weight"):
+            continue
+        hit = [projection(s) for s in entry.hf_sources if projection(s) in lora.target_modules]
+        if not hit:
+            continue
+        what = f"LoRA on {', '.join(entry.hf_sources)} ({entry.mcore})"
+        if "{expert}" in entry.mcore or "{expert}" in entry.hf_sources[0]:
+            raise ValueError(f"{what}: adapters on experts are not implemented")
+        if not isinstance(entry, Direct | FusedQKV | FusedGateUp) or entry.parallel not in (
+            *_COLUMN_STYLES,
+            Parallel.ROW,
+        ):
+            raise ValueError(f"{what}: only dense column- and row-parallel linears take adapters")
+        if len(hit) != len(entry.hf_sources):
+            raise ValueError(
+                f"{what}: target all of {[projection(s) for s in entry.hf_sources]} or none (they share one"
+                " megatron-core linear; targeting part of them is not implemented)"
+            )
+        yield entry
+
+
+def initial_a(name: str, shape: tuple[int, int], lora: LoraConfig) -> torch.Tensor:
+    """A's whole initial value, the same on every rank: seeded by `lora.seed` and the adapter's name."""
+    generator = torch.Generator().manual_seed(lora.seed * 1_000_003 + zlib.crc32(name.encode()))
+    a = torch.empty(shape)
+    if lora.init == "gaussian":
+        return a.normal_(0.0, 1.0 / lora.rank, generator=generator)
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3), bound gain * sqrt(3 / fan_in)
+    return a.uniform_(-bound, bound, generator=generator)
+
+
+def column_rows(entry: Entry, out_rows: Mapping[str, int], dims: Any, tp: int, rank: int) -> torch.Tensor:
+    """For a column-parallel entry: each local output row's index into the concatenation of its projections'
+    local rows (projection order `entry.hf_sources`, each rank holding the `rank`-th of `tp` equal row chunks of
+    each). ValueError: a layout where some rank's rows of a projection are not one such chunk."""
+    offsets, start = {}, 0
+    for source in entry.hf_sources:
+        offsets[source], start = start, start + out_rows[source]
+    coded = {s: (offsets[s] + torch.arange(out_rows[s]))[:, None] for s in entry.hf_sources}
+    local = rank_shard(entry.to_mcore(coded, dims), entry.parallel, tp, rank)[:, 0]
+    position = torch.empty_like(local)
+    concatenated = 0
+    for source in entry.hf_sources:
+        chunk = out_rows[source] // tp
+        first = offsets[source] + rank * chunk
+        mine = (local >= offsets[source]) & (local < offsets[source] + out_rows[source])
+        if not torch.equal(local[mine], torch.arange(first, first + chunk)):
+            raise ValueError(f"{source}: rank {rank}'s rows of {entry.mcore} are not its {rank}-th of {tp} chunks")
+        position[mine] = local[mine] - first + concatenated
+        concatenated += chunk
+    return position
+
+
+def _linear(layer: torch.nn.Module, entry: Entry) -> torch.nn.Module:
+    path = entry.mcore.removeprefix(LAYER_PREFIX).removesuffix(".weight")
+    linear = layer.get_submodule(path)
+    what = f"LoRA on {entry.mcore}"
+    if getattr(linear, "sequence_parallel", False):
+        raise ValueError(f"{what}: sequence parallelism is not implemented with LoRA")
+    if getattr(linear, "gather_output", False) or getattr(linear, "explicit_expert_comm", False):
+        raise ValueError(f"{what}: a linear that gathers its output or is an expert's is not implemented")
+    return linear
+
+
+def _adapters_for(
+    entry: Entry, linear: torch.nn.Module, layer_index: int, model_cfg: ModelSpec, lora: LoraConfig
+) -> LinearAdapters:
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    weight = linear.weight
+    dims = model_cfg.dims(model_cfg.vocab_size)
+    names = tuple(s.removesuffix(".weight").format(layer=layer_index) for s in entry.hf_sources)
+    whole = global_shape(tuple(weight.shape), entry.parallel, tp)
+    if entry.parallel is Parallel.ROW:
+        a = rank_shard(initial_a(names[0], (lora.rank, whole[1]), lora), Parallel.ROW, tp, rank)
+        b = torch.zeros(whole[0], lora.rank)
+        a_list, b_list, rows = [a], [b], None
+    else:
+        out_rows = {s: n[0] for s, n in entry.hf_shapes(whole, dims).items()}
+        a_list = [initial_a(n, (lora.rank, whole[1]), lora) for n in names]
+        b_list = [torch.zeros(out_rows[s] // tp, lora.rank) for s in entry.hf_sources]
+        rows = column_rows(entry, out_rows, dims, tp, rank).to(weight.device)
+    cast = [t.to(device=weight.device, dtype=weight.dtype) for t in (*a_list, *b_list)]
+    style = Parallel.ROW if entry.parallel is Parallel.ROW else Parallel.COLUMN
+    group = getattr(linear, "tp_group", None)
+    return LinearAdapters(names, cast[: len(a_list)], cast[len(a_list) :], style, rows, lora.scale, group)
+
+
+def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> list[LinearAdapters]:
+    """Freeze every parameter of `model` (a `GPTModel` stage of the local spec) and give each targeted linear of
+    its decoder layers adapters (as its submodule `lora`; a forward hook adds their product). Collective-free;
+    every rank calls it alike. ValueError: a target that is not implemented (named)."""
+    if lora.dropout != 0:
+        raise ValueError(f"LoRA dropout {lora.dropout}: only 0 is implemented")
+    entries = list(targeted_entries(model_cfg, lora))
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    added = []
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        index = layer.layer_number - 1
+        kind = model_cfg.layer_kind(index)
+        for entry in entries:
+            if entry.layers not in (LayerKind.ALL, kind):
+                continue
+            linear = _linear(layer, entry)
+            linear.lora = _adapters_for(entry, linear, index, model_cfg, lora)
+            linear.register_forward_hook(_hook, with_kwargs=True)
+            linear.sharded_state_dict = MethodType(_sharded_state_dict, linear)
+            added.append(linear.lora)
+    if not added:
+        raise ValueError(f"LoRA: no linear of this model matches target_modules {list(lora.target_modules)}")
+    return added
+
+
+def adapter_modules(model: torch.nn.Module) -> list[LinearAdapters]:
+    """Every `LinearAdapters` of `model` (looked through wrappers such as DDP), in module order."""
+    return [m for m in model.modules() if isinstance(m, LinearAdapters)]
+
+
+def _gather(local: torch.Tensor, axis: int, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if size == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=axis)
+
+
+def full_adapters(adapters: list[LinearAdapters], grad: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module name -> (A, B) whole, gathered over the tensor-parallel group (or their gradients, `grad=True`;
+    zeros where none). Collective over the tensor-parallel group: every rank calls it alike."""
+
+    def value(p: torch.Tensor) -> torch.Tensor:
+        if not grad:
+            return p.detach()
+        return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+
+    result = {}
+    for holder in adapters:
+        row = holder.parallel is Parallel.ROW
+        for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True):
+            whole_a = _gather(value(a), 1, holder.tp_group) if row else value(a).clone()
+            whole_b = value(b).clone() if row else _gather(value(b), 0, holder.tp_group)
+            result[name] = (whole_a, whole_b)
+    return result
+
+
+def set_adapters(adapters: list[LinearAdapters], values: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy whole (A, B) pairs by HF module name into this rank's parts (a PEFT adapter's, say). KeyError: an
+    adapter of the model missing from `values`."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for holder in adapters:
+            row = holder.parallel is Parallel.ROW
+            for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True):
+                whole_a, whole_b = values[name]
+                a.copy_(rank_shard(whole_a, Parallel.ROW, tp, rank) if row else whole_a)
+                b.copy_(whole_b if row else whole_b.chunk(tp, dim=0)[rank])
+
+
+@contextmanager
+def merged(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, every adapted linear of `model` holds W + s B A in its weight (each rank its own part), e.g. for the
+    refit or an export to stream the merged weights under HF names through the mapping table; on leaving, the
+    weights are put back exactly (from copies, not by subtracting). Run no forward inside: the adapters' hooks
+    would add their product a second time. Not collective."""
+    linears = [m for m in model.modules() if isinstance(getattr(m, "lora", None), LinearAdapters)]
+    saved = []
+    try:
+        with torch.no_grad():
+            for linear in linears:
+                saved.append(linear.weight.detach().clone())
+                linear.weight.add_(linear.lora.weight_delta().to(linear.weight.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for linear, weight in zip(linears, saved, strict=False):
+                linear.weight.copy_(weight)

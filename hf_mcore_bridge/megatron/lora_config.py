@@ -1,0 +1,54 @@
+"""LoRA's configuration (`policy.lora`, NeMo-RL's shape): which HF projections get adapters, their rank, scale
+and initialisation. Standard library only: a run's config is validated before torch is imported.
+
+What is implemented is named here (`PROJECTIONS`, `INITS`); `grpo.run.config` refuses everything else by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FUSED", "INITS", "PROJECTIONS", "LoraConfig"]
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The HF projection names adapters can target: dense attention and dense MLP linears (the last part of the HF
+module's name, as PEFT's `target_modules` matches them)."""
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Projections megatron-core computes in one linear (`linear_qkv`, `linear_fc1`): targeted all together or not at
+all."""
+
+INITS = ("kaiming", "gaussian")
+"""How A is initialised (B starts at zero, so a new adapter leaves the model unchanged): `kaiming`, PEFT's
+default (`kaiming_uniform_` with a = sqrt(5)); `gaussian`, normal with std 1 / rank (PEFT's `gaussian`)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the policy's linears: each targeted projection W (out x in) becomes
+    W + (alpha / rank) * B A, with A (rank x in) and B (out x rank) trained and W frozen."""
+
+    enabled: bool = False
+    """Train adapters instead of the full weights (the megatron-core backend only, for now)."""
+    rank: int = 8
+    """The adapters' rank r (PEFT's `r`, NeMo-RL's `dim`)."""
+    alpha: float = 16.0
+    """The scale's numerator: the adapter's product is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input; only 0 is implemented (other values are refused)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """HF projection names that get an adapter, any of `PROJECTIONS`; one adapter per projection, also where
+    megatron-core fuses several into one linear (q/k/v in `linear_qkv`, gate/up in `linear_fc1`)."""
+    init: str = "kaiming"
+    """How A is initialised, one of `INITS`; B starts at zero."""
+    seed: int = 0
+    """Seeds A's initialisation (the same on every rank, whatever the layout)."""
+    adapter_path: str | None = None
+    """Start from an existing PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`, as a run
+    writes in `<logger.log_dir>/lora_adapter/` or PEFT's `save_pretrained`): its A and B replace the initialisation.
+    Its rank, alpha and target modules must be these (checked before the run starts)."""
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor of the adapters' product."""
+        return self.alpha / self.rank

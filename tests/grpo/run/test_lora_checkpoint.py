@@ -1,0 +1,165 @@
+"""A LoRA run's checkpoints, resume and `bridge export`, on CPU: the tiny Llama at TP2, adapters on all seven
+projections, checkpoints every two steps.
+
+- The checkpoint holds the frozen base weights under the ordinary keys, the adapters beside their linears, and
+  optimizer state for the adapters alone (the only parameters the optimizer holds).
+- A run stopped after step 2 and resumed to step 4 logs exactly the metrics of an uninterrupted 4-step run (each
+  adapter's TP-split factor sharded on its axis: with megatron-core's default, which marks the adapters replicated,
+  TP rank 1's half of every split factor would be lost and the resumed run would differ from step 3 on).
+- `bridge export --peft` writes the adapters the run gathered from its live model at its end (`lora_adapter/`,
+  another path to the same tensors), under PEFT's names; `PeftModel.from_pretrained` on the base model gives the
+  logits of the merged export in transformers; the merged export equals PEFT's `merge_and_unload` of that adapter
+  on the base model, tensor by tensor (torch.equal: the same fp32 arithmetic, W + (B A) * scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from cli_errors import assert_one_line_error
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+from hf_mcore_bridge.cli.main import app
+from hf_mcore_bridge.grpo.backends.megatron.checkpoint import latest_step
+from hf_mcore_bridge.grpo.errors import GRPOConfigError
+from hf_mcore_bridge.grpo.run.config import config_from_dict
+from hf_mcore_bridge.grpo.run.launch import check_resumable
+from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, RunResult, train_grpo
+from hf_mcore_bridge.megatron.lora_config import PROJECTIONS
+
+from ..tiny_policy import WORDS, build_tiny_policy
+
+pytestmark = pytest.mark.slow
+
+TIMINGS = ("_s", "tokens_per_s")
+
+
+def _config(root: Path, name: str, steps: int, policy: Path) -> object:
+    prompts = root / "say7.jsonl"
+    if not prompts.exists():
+        rows = [{"prompt": " ".join(["Say"] + ["7"] * k) + ". Answer:", "answer": "7"} for k in range(1, 7)]
+        prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return config_from_dict(
+        {
+            "policy": {
+                "model_path": str(policy),
+                "megatron_cfg": {
+                    "tensor_model_parallel_size": 2,
+                    "micro_batch_size": 16,
+                    "optimizer": {"lr": 5e-2, "weight_decay": 0.0, "clip_grad": 1.0},
+                },
+                "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": list(PROJECTIONS)},
+            },
+            "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": steps},
+            "loss_fn": {"kl_coef": 0.0},
+            "generation": {
+                "max_new_tokens": 3,
+                "stop_token_ids": [WORDS.index("[EOS]")],
+                "max_model_len": 64,
+                "decode_attention": "gather",
+                "torch_compile": False,
+            },
+            "data": {"train_jsonl": str(prompts)},
+            "reward": {"name": "number"},
+            "checkpointing": {"enabled": True, "checkpoint_dir": str(root / name / "ckpt"), "save_period": 2},
+            "logger": {"log_dir": str(root / name / "logs"), "print_progress": False},
+        }
+    )
+
+
+def _comparable(result: RunResult) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if not k.endswith(TIMINGS) and k != "initial_refit_s"} for m in result.metrics]
+
+
+def test_lora_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
+    policy = build_tiny_policy(tmp_path / "policy")
+    straight = train_grpo(_config(tmp_path, "straight", 4, policy))
+    train_grpo(_config(tmp_path, "stopped", 2, policy))
+    assert latest_step(tmp_path / "stopped" / "ckpt") == 2
+    resumed = train_grpo(_config(tmp_path, "stopped", 4, policy))
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4]
+    assert _comparable(resumed) == _comparable(straight)
+    assert len({m["grad_norm"] for m in straight.metrics}) == 4
+
+    checkpoint = tmp_path / "straight" / "ckpt"
+    _check_checkpoint_contents(checkpoint / "iter_0000004", policy)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, ["--peft"]), (merged, [])):
+        result = CliRunner().invoke(app, ["export", str(checkpoint), str(out), *extra])
+        assert result.exit_code == 0, result.output
+    _check_exports(adapter, merged, tmp_path / "straight" / "logs" / ADAPTER_DIR, policy)
+    _check_refusals(tmp_path, checkpoint, policy)
+
+
+def _check_refusals(tmp_path: Path, checkpoint: Path, policy: Path) -> None:
+    """`bridge convert --to hf` of a LoRA checkpoint (it would write the base without the adapters) and a resume
+    with another `policy.lora`, or without adapters: one line each."""
+    result = CliRunner().invoke(
+        app, ["convert", "--to", "hf", str(checkpoint), str(tmp_path / "base"), "--no-progress"]
+    )
+    assert_one_line_error(result, "is a LoRA run's checkpoint", "bridge export")
+    assert not (tmp_path / "base").exists()
+    config = _config(tmp_path, "straight", 4, policy)
+    check_resumable(config, 4)
+    lora = config.policy.lora
+    for changed, message in (
+        (dataclasses.replace(lora, rank=8), "holds LoRA rank 4, alpha 8, target_modules"),
+        (dataclasses.replace(lora, enabled=False), "asks for no LoRA adapters (full training)"),
+    ):
+        other = dataclasses.replace(config, policy=dataclasses.replace(config.policy, lora=changed))
+        with pytest.raises(GRPOConfigError, match=re.escape(message)):
+            check_resumable(other, 4)
+
+
+def _check_checkpoint_contents(iteration: Path, policy: Path) -> None:
+    """Base weights as the HF model's (frozen), adapters whole (PEFT's shapes), optimizer state of adapters only."""
+    dcp = DCPCheckpoint(iteration)
+    keys = dcp.tensor_keys()
+    optimizer = [k for k in keys if k.startswith("optimizer.")]
+    assert optimizer and all(".lora.lora_" in k for k in optimizer), optimizer[:5]
+    adapters = [k for k in keys if ".lora.lora_" in k and not k.startswith("optimizer.")]
+    assert len(adapters) == 2 * (3 + 1 + 2 + 1)  # A and B of q, k, v | o | gate, up | down, stacked over layers
+    # B of q at TP2: both halves of its rows stored (the split factor sharded on its axis), global shape PEFT's
+    hf = load_file(policy / "model.safetensors")
+    q_rows = hf["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert dcp.tensor_meta("decoder.layers.self_attention.linear_qkv.lora.lora_b.0").shape == (2, q_rows, 4)
+    chunks = dcp.tensor_meta("decoder.layers.self_attention.linear_qkv.lora.lora_b.0").chunks
+    assert sorted({offsets[1] for offsets, _ in chunks}) == [0, q_rows // 2]  # each TP rank's half, per layer
+    embedding = dcp.read("embedding.word_embeddings.weight")
+    assert torch.equal(embedding[: hf["model.embed_tokens.weight"].shape[0]], hf["model.embed_tokens.weight"])
+
+
+def _check_exports(adapter: Path, merged: Path, live: Path, policy: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    exported = load_file(adapter / "adapter_model.safetensors")
+    gathered = load_file(live / "adapter_model.safetensors")
+    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    assert "library_name: peft" in (adapter / "README.md").read_text()
+
+    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(WORDS), (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=ids).logits
+        merged_logits = merged_model(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+
+    reference = with_adapter.merge_and_unload().state_dict()
+    written = load_file(merged / "model.safetensors")
+    assert written.keys() <= reference.keys()
+    assert all(torch.equal(written[k], reference[k]) for k in written), [
+        k for k in written if not torch.equal(written[k], reference[k])
+    ]

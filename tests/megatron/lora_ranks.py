@@ -1,0 +1,132 @@
+"""The rank function of the LoRA tests, run in a TP2 or EP2 gloo world (`megatron.world.run_world`).
+
+Each case builds the model with `AutoBridge.get_model` (fp32, CPU, loaded from the HF directory), adds adapters
+(`megatron.lora.add_lora`), copies in the test's whole A and B per HF module (`set_adapters`), and runs one forward
+and backward of the test's loss: sum(logits * weights), logits whole (gathered over the vocabulary). Saved per
+case on global rank 0: the logits, every adapter's gradients gathered whole (`full_adapters(grad=True)`), which
+parameters require gradients and, from each rank, the replicated factors' gradients (equal on both ranks).
+
+A case may break one thing on purpose (`fault`), for the test to show its comparison fails then:
+`scale` (alpha / rank doubled on every adapter), `qkv_rows` (the k and v adapters' output rows of the fused
+`linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LoraCase:
+    """One model with adapters in the world."""
+
+    name: str
+    hf_dir: str
+    adapters: str
+    """A `torch.save`d dict: HF module name -> (A, B), whole."""
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    fault: str | None = None
+    merged: bool = False
+    """Also stream the model's HF weights with the adapters merged (`megatron.lora.merged` around the bridge's
+    `export_hf_weights`) and record whether every parameter is bit-for-bit restored after; and write the adapters
+    as a PEFT directory (`megatron.lora_peft`) at `out_dir/<case>.peft`."""
+    optimizer: bool = False
+    """Also wrap the model in megatron-core's `DistributedDataParallel`, build its optimizer and record the
+    elements of both (they must be the adapters' alone)."""
+
+
+def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
+    """Exchange the output rows of two of a column-parallel holder's projections (same row count)."""
+    sizes = [b.shape[0] for b in holder.lora_b]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert sizes[first] == sizes[second]
+    rows = holder.rows.clone()
+    for i, j in ((first, second), (second, first)):
+        hit = (holder.rows >= starts[i]) & (holder.rows < starts[i] + sizes[i])
+        rows[hit] = holder.rows[hit] - starts[i] + starts[j]
+    holder.rows = rows
+
+
+def _break(adapters: list, fault: str | None) -> None:
+    for holder in adapters:
+        if fault == "scale":
+            holder.scale *= 2
+        if fault == "qkv_rows" and holder.names[0].endswith("q_proj"):
+            _swap_rows(holder, 1, 2)
+        if fault == "gate_up_rows" and holder.names[0].endswith("gate_proj"):
+            _swap_rows(holder, 0, 1)
+
+
+def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, out_dir: str) -> None:
+    """Run every case on this rank (see the module docstring); results in `out_dir/<case>.pt` (TP rank 0) and
+    `out_dir/<case>.replicated.<rank>.pt`."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hf_mcore_bridge import AutoBridge
+    from hf_mcore_bridge.megatron.lora import add_lora, full_adapters, merged, set_adapters
+    from hf_mcore_bridge.megatron.lora_config import LoraConfig
+    from hf_mcore_bridge.models.parallel_style import Parallel
+
+    loss_weights = torch.load(weights_path)
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).expand(batch, -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    for case in cases:
+        bridge = AutoBridge.from_pretrained(case.hf_dir)
+        (model,) = bridge.get_model(dtype="float32", load_weights=True)
+        config = LoraConfig(enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules)
+        adapters = add_lora(model, bridge.model_config, config)
+        set_adapters(adapters, torch.load(case.adapters))
+        _break(adapters, case.fault)
+        output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+        vocab = bridge.model_config.vocab_size
+        logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
+        (logits * loss_weights).sum().backward()
+        grads = full_adapters(adapters, grad=True)
+        replicated = {
+            name: (a.grad if holder.parallel is Parallel.COLUMN else b.grad)
+            for holder in adapters
+            for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True)
+        }
+        torch.save(replicated, Path(out_dir) / f"{case.name}.replicated.{dist.get_rank()}.pt")
+        whole = full_adapters(adapters)  # collective
+        if case.merged and dist.get_rank() == 0:
+            from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+            write_peft_adapter(whole, config, Path(out_dir) / f"{case.name}.peft", case.hf_dir)
+        stream, restored = None, None
+        if case.merged:
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with merged(model):
+                stream = {name: tensor.clone() for name, tensor in bridge.export_hf_weights([model])}
+            restored = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        if dist.get_rank() == 0:  # TP rank 0; at EP2 both ranks hold whole adapters: one writes
+            trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+            result = {"logits": logits.detach(), "grads": grads, "trainable": trainable}
+            result |= {"merged": stream, "restored": restored}
+            result["optimizer"] = _optimizer_elements(model) if case.optimizer else None
+            torch.save(result, Path(out_dir) / f"{case.name}.pt")
+        elif case.optimizer:
+            _optimizer_elements(model)  # collective
+
+
+def _optimizer_elements(model: torch.nn.Module) -> dict[str, int]:
+    """Elements in megatron-core's DDP gradient buffers and in its optimizer's parameter groups for `model`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds, cuda_type_names
+
+    apply_cpu_training_workarounds()
+    ddp = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+    with cuda_type_names():
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
+    in_buffers = sum(p.numel() for buffer in ddp.buffers for p in buffer.params)
+    in_optimizer = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    return {"ddp": in_buffers, "optimizer": in_optimizer}

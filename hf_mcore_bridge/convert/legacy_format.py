@@ -5,7 +5,11 @@
 the rank's local tensor-parallel shards under the module's own state-dict names, with stage-local layer
 numbers. Unlike `torch_dist` it is layout-specific: written exactly at one layout, read back by reassembling
 the shards. Names depend on the layer spec: the local spec keeps `input_layernorm` / `pre_mlp_layernorm` where
-Transformer Engine fuses the norms into `linear_qkv` / `linear_fc1`.
+Transformer Engine fuses the norms into `linear_qkv` / `linear_fc1` (a Gated DeltaNet layer's input norm into
+`in_proj`). A tensor megatron-core saves in parts in a distributed checkpoint (`Parallel.COLUMN_PARTS`: Gated
+DeltaNet's `in_proj` and `conv1d`) is one tensor here, as its module holds it: each rank's rows of each part, part
+after part (`[q_r; k_r; v_r; z_r; b_r; a_r]`), the parts' rows given by the model's dimensions
+(`placement.part_rows`).
 
 Files are written one rank at a time and read with `torch.load(weights_only=True, mmap=True)` one tensor at a
 time, so memory holds one rank's shards when writing and one layer tensor when reading.
@@ -27,19 +31,24 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import CHECKPOINT_VERSION, safe_to
 from hf_mcore_bridge.checkpoint.names import fill
 from hf_mcore_bridge.convert.layout import Layout, stage_layer_counts
 from hf_mcore_bridge.convert.model_plan import Placed
-from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, dcp_key, extra_state_module
+from hf_mcore_bridge.convert.placement import LOCAL_MLA_SPEC_KEYS, dcp_key, extra_state_module, part_rows
 from hf_mcore_bridge.errors import CheckpointError, LayoutError
-from hf_mcore_bridge.models.mapping_types import Entry, is_layered
+from hf_mcore_bridge.models.mapping_types import Dims, Entry, is_layered
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.tensor_ops import global_shape, merge_rank_shards, rank_shard
 
 FILE_NAME = "model_optim_rng.pt"
 LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 """Transformer-Engine names (as the distributed checkpoint stores them) -> the local spec's module names (with
-multi-latent attention: `LOCAL_MLA_SPEC_KEYS`, its input norm having one name in both)."""
+multi-latent attention: `LOCAL_MLA_SPEC_KEYS`, its input norm having one name in both). A Gated DeltaNet layer's
+input norm is fused into its `in_proj` where a full-attention layer's is fused into `linear_qkv`: read back, the
+local `input_layernorm.weight` is the one of whichever projection its layer holds."""
+GATED_DELTA_NET_IN_PROJ = "self_attention.in_proj.weight"
+"""The tensor that marks a Gated DeltaNet layer (its input norm fused into `in_proj` under TE's names)."""
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
@@ -117,13 +126,15 @@ def write_legacy(
     tied: bool,
     spec: str,
     args: Any,
+    dims: Dims,
     on_write: Callable[[], None] = lambda: None,
     mla: bool = False,
 ) -> int:
     """Write one file per (TP, PP, EP) rank; returns the number of files. `full_tensor` gives a placed entry's tensor.
 
     Experts are numbered locally on their expert-parallel rank and sharded like the rest over TP (expert tensor
-    parallelism other than TP is not written in this format).
+    parallelism other than TP is not written in this format). `dims` gives the rows of the parts of a tensor
+    sharded part by part (`Parallel.COLUMN_PARTS`).
     """
     check_legacy_layout(layout, num_experts, spec)
     chunks = model_chunks(layout, num_layers)
@@ -136,7 +147,7 @@ def write_legacy(
                 experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
                 for chunk in (c for c in chunks if c.pp_rank == pp_rank):
                     state[chunk.state_key] = _chunk_state(
-                        chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, (spec, mla)
+                        chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, (spec, mla), dims
                     )
                 directory = checkpoint_dir / rank_dirname(tp_rank, pp_rank, ep_rank, layout)
                 directory.mkdir(parents=True)
@@ -149,7 +160,7 @@ def write_legacy(
     return files
 
 
-def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, naming) -> dict[str, Any]:
+def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, tied, naming, dims) -> dict[str, Any]:
     first, last = chunk == chunks[0], chunk == chunks[-1]
     spec, mla = naming
     state: dict[str, Any] = {}
@@ -169,7 +180,8 @@ def _chunk_state(chunk, chunks, placed, full_tensor, layout, tp_rank, experts, t
                 continue
             local_expert = p.expert - experts.start
         name = local_name(template, local_layer, spec, local_expert, mla)
-        state[name] = rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank)
+        parts = part_rows(template, dims) if p.entry.parallel is Parallel.COLUMN_PARTS else ()
+        state[name] = rank_shard(full_tensor(p), p.entry.parallel, layout.tp, tp_rank, parts)
         module = extra_state_module(p.template)
         if module is not None:
             state[local_name(module, local_layer, spec, local_expert, mla) + "._extra_state"] = None
@@ -191,12 +203,15 @@ class LegacySource:
     Keys are given in the distributed-checkpoint form with Transformer-Engine names, whatever spec the files were
     written for: stacked over layers (addressed by (layer, expert) leading indices) where every decoder layer holds
     the same tensors, else per layer (`decoder.layers.{i}.*`, addressed by the expert index), as megatron-core saves
-    a heterogeneous stack (dense and MoE layers mixed).
+    a heterogeneous stack (dense and MoE layers mixed, Gated DeltaNet and full attention). A tensor sharded part by
+    part (`Parallel.COLUMN_PARTS`) is served whole, its parts one after another (as `DCPSource` serves it), which
+    needs the model's `dims` (their linear-attention fields) over more than one tensor-parallel rank.
     """
 
-    def __init__(self, checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool):
+    def __init__(self, checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool, dims: Dims | None = None):
         self.directory = checkpoint_dir
         self._tied = tied
+        self._dims = dims
         self._files: dict[tuple[int, int, int], Path] = {}
         found = {}
         for path in sorted(checkpoint_dir.glob("mp_rank_*")):
@@ -298,11 +313,16 @@ class LegacySource:
             for ep_rank in range(self.ep):
                 module_state = self._load(0, pp_rank, ep_rank)[state_key]
                 moe_layers = {m.group(1) for n in module_state if (m := _LAYER_KEY.fullmatch(n)) and "router" in n}
+                linear_layers = {
+                    m.group(1)
+                    for n in module_state
+                    if (m := _LAYER_KEY.fullmatch(n)) and m.group(2) == GATED_DELTA_NET_IN_PROJ
+                }
                 for name, value in module_state.items():
                     if name.endswith("._extra_state") or not isinstance(value, torch.Tensor):
                         continue
                     located = self._locate(
-                        name, first_layer, ep_rank, len(self._local_experts(module_state)), moe_layers
+                        name, first_layer, ep_rank, len(self._local_experts(module_state)), (moe_layers, linear_layers)
                     )
                     if located is None or (ep_rank and located[1] == ()):
                         continue
@@ -360,8 +380,10 @@ class LegacySource:
             shape.append(1 + max(index[1] for index in by_leading))
         return tuple(shape)
 
-    def _locate(self, name, first_layer, ep_rank, local_experts, moe_layers):
-        """(stacked key, leading indices, local layer) of a state-dict name; None for a tied output copy."""
+    def _locate(self, name, first_layer, ep_rank, local_experts, kinds):
+        """(stacked key, leading indices, local layer) of a state-dict name; None for a tied output copy. `kinds`:
+        the local layers (as named) that hold routed experts, and those that are Gated DeltaNet layers."""
+        moe_layers, linear_layers = kinds
         match = _LAYER_KEY.fullmatch(name)
         if match is None:
             if name == "output_layer.weight" and self._tied:
@@ -376,18 +398,25 @@ class LegacySource:
         elif ep_rank:
             return None  # non-expert tensors are the same on every expert-parallel rank
         if not (suffix == "pre_mlp_layernorm.weight" and match.group(1) in moe_layers):
-            suffix = self._te_name(suffix)
+            suffix = self._te_name(suffix, linear=match.group(1) in linear_layers)
         return f"decoder.layers.{suffix}", leading, local_layer
 
-    def _te_name(self, suffix: str) -> str:
+    def _te_name(self, suffix: str, *, linear: bool = False) -> str:
         """A (dense-layer) module name as the table (Transformer Engine's names) has it: a local-spec name is
         renamed where the table holds the renamed key (multi-latent attention keeps `input_layernorm`, which has no
-        fused name in its table); without a table, as the plain local spec names it."""
+        fused name in its table); without a table, as the plain local spec names it. The input norm of a Gated
+        DeltaNet layer (`linear`) is renamed to its `in_proj`'s, any other layer's to `linear_qkv`'s."""
+        fused_into = "self_attention.in_proj." if linear else "self_attention.linear_qkv."
+        names = [
+            (te_name, local)
+            for te_name, local in LOCAL_SPEC_NAMES.items()
+            if local != "input_layernorm.weight" or te_name.startswith(fused_into)
+        ]
         if not self._parallel:
-            for te_name, local in LOCAL_SPEC_NAMES.items():
+            for te_name, local in names:
                 suffix = suffix.replace(local, te_name)
             return suffix
-        for te_name, local in (*LOCAL_SPEC_NAMES.items(), *LOCAL_MLA_SPEC_KEYS.items()):
+        for te_name, local in (*names, *LOCAL_MLA_SPEC_KEYS.items()):
             renamed = suffix.replace(local, te_name)
             if renamed != suffix and f"decoder.layers.{renamed}" in self._parallel:
                 return renamed
@@ -410,7 +439,16 @@ class LegacySource:
             raise CheckpointError(f"tensor {key} at {leading} is missing from {self.directory}")
         pp_rank, ep_rank, state_key, name = location
         shards = [self._load(t, pp_rank, ep_rank)[state_key][name] for t in range(self.tp)]
-        return merge_rank_shards(shards, self._style(key))
+        style = self._style(key)
+        parts: tuple[int, ...] = ()
+        if style is Parallel.COLUMN_PARTS and self.tp > 1:
+            if self._dims is None:
+                raise CheckpointError(f"{key} is sharded part by part: reading it needs the model's dimensions")
+            parts = part_rows(key, self._dims)
+        try:
+            return merge_rank_shards(shards, style, parts)
+        except ValueError as error:
+            raise CheckpointError(f"{self._files[(0, pp_rank, ep_rank)]}: {name}: {error}") from None
 
     def _style(self, key: str) -> Parallel:
         return self._parallel.get(_PER_LAYER.sub("decoder.layers.", key, count=1), Parallel.REPLICATED)

@@ -47,7 +47,6 @@ from hf_mcore_bridge.convert.placement import Placement
 from hf_mcore_bridge.convert.wrapped import WrappedExport
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.mapping_types import Dims, Entry, keeps_float32
-from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.row_runs import RowRun
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.progress import progress_bar
@@ -60,17 +59,15 @@ def _is_legacy(checkpoint_dir: Path) -> bool:
     return not (checkpoint_dir / ".metadata").exists() and any(checkpoint_dir.glob("mp_rank_*"))
 
 
-def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool) -> McoreSource:
-    """The reader for a checkpoint directory's format (the table gives the legacy format its TP styles)."""
+def open_source(checkpoint_dir: Path, table: tuple[Entry, ...], *, tied: bool, dims: Dims | None = None) -> McoreSource:
+    """The reader for a checkpoint directory's format (the table gives the legacy format its TP styles, `dims` the
+    rows of the parts of Gated DeltaNet's tensors sharded part by part)."""
     if (checkpoint_dir / ".metadata").exists():
         return DCPSource(checkpoint_dir)
     if _is_legacy(checkpoint_dir):
         from hf_mcore_bridge.convert.legacy_format import LegacySource
 
-        if any(entry.parallel is Parallel.COLUMN_PARTS for entry in table):
-            raise CheckpointError(f"{checkpoint_dir}: legacy checkpoints of Gated DeltaNet models are not read")
-
-        return LegacySource(checkpoint_dir, table, tied=tied)
+        return LegacySource(checkpoint_dir, table, tied=tied, dims=dims)
     raise CheckpointError(f"{checkpoint_dir} is neither a torch_dist nor a legacy torch checkpoint")
 
 
@@ -206,7 +203,9 @@ def convert_mcore_to_hf(
     wrapped = WrappedExport.of(config, hf_assets_dir(root, checkpoint_dir))  # a vision-language class, written whole
     original_config = wrapped.text_config() if wrapped else config
     model = config_bridge.megatron_spec(config)
-    mcore = open_source(checkpoint_dir, model.arch.table, tied=model.tie_word_embeddings)
+    # the parts' rows depend on the linear-attention heads only, not on the (yet unknown) padded vocabulary
+    part_dims = model.dims(model.vocab_size)
+    mcore = open_source(checkpoint_dir, model.arch.table, tied=model.tie_word_embeddings, dims=part_dims)
     _check_against_args(model, args)
     model, mtp_note = resolve_export(model, mcore.keys())
     placed = placed_entries(model)

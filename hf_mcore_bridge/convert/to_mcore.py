@@ -50,7 +50,7 @@ from hf_mcore_bridge.convert.mxfp4_checkpoint import SCALES_FILE as MXFP4_SCALES
 from hf_mcore_bridge.convert.mxfp4_checkpoint import Mxfp4Checkpoint
 from hf_mcore_bridge.convert.placement import extra_state_module, placement, split_parts
 from hf_mcore_bridge.convert.wrapped import keep_carried
-from hf_mcore_bridge.errors import CheckpointError, LayoutError
+from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.models.config_errors import ConfigError
 from hf_mcore_bridge.models.mapping_types import Dims, Direct, is_expert, keeps_float32
 from hf_mcore_bridge.models.parallel_style import Parallel
@@ -308,10 +308,6 @@ def convert_hf_to_mcore(
         from hf_mcore_bridge.convert.legacy_format import check_legacy_layout
 
         check_legacy_layout(layout, model.moe.num_experts if model.moe else None, spec)
-        if model.linear_attention is not None:
-            raise LayoutError(
-                f"{model.architecture}: the legacy format is not written for Gated DeltaNet models; use torch_dist"
-            )
     if directory_layout == "megatron-bridge" and model.mla is not None:
         raise ConfigError(
             "multi-latent attention models are not written in the Megatron-Bridge layout (its run_config.yaml names"
@@ -366,6 +362,7 @@ def convert_hf_to_mcore(
                     tied=model.tie_word_embeddings,
                     spec=spec,
                     args=args,
+                    dims=dims,
                     on_write=step,
                     mla=model.mla is not None,
                 )

@@ -1,7 +1,8 @@
 """Qwen3.5's text model (`Qwen3_5ForCausalLM`): its checkpoint as megatron-core names and splits it, bit-exact round
-trips in bf16 at TP1 and TP2 (TP2 x PP2 fp32: `test_every_architecture`), what is refused by name, and the
-description read from a Qwen3.5 config as published (`full_attention_interval`, rope_parameters with
-`mrope_section`).
+trips in bf16 at TP1 and TP2 (TP2 x PP2 fp32: `test_every_architecture`), the legacy per-rank files holding each
+rank's shards as megatron-core's modules hold them (against a mapping written in the test, `gdn_ranks`), what is
+refused by name, and the description read from a Qwen3.5 config as published (`full_attention_interval`,
+rope_parameters with `mrope_section`).
 
 Logit parity of converted checkpoints through megatron-core at TP1, TP2 and PP2: `megatron/test_gated_delta_net`.
 """
@@ -12,18 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from gdn_ranks import _gated_qkv
+from gdn_ranks import _gated_qkv, _layer_tensors
 from hf_weights import assert_same_weights, read_weights
 from transformers import AutoConfig
 
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.checkpoint.megatron_dirs import resolve_checkpoint
-from hf_mcore_bridge.convert import config_bridge
+from hf_mcore_bridge.convert import config_bridge, legacy_format
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
 from hf_mcore_bridge.errors import BridgeError
+from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.spec import ModelSpec
+from hf_mcore_bridge.models.tensor_ops import rank_shard
 from hf_mcore_bridge.models.tiny_models import build_tiny_model, tiny_config
 
 NAME = "Qwen3_5ForCausalLM"
@@ -106,12 +109,60 @@ def test_checkpoint_names_and_parts_are_megatron_cores(tiny_bf16, layout, tmp_pa
     assert_same_weights(tiny_bf16, tmp_path / "back")
 
 
+LEGACY_LAYOUT = Layout(tp=2, pp=2)
+
+
+def plain_column_split(full, parallel, tp, rank, parts=()):
+    """A broken `rank_shard` for the legacy writer: a tensor of parts split as one plain column split."""
+    return rank_shard(full, Parallel.COLUMN if parallel is Parallel.COLUMN_PARTS else parallel, tp, rank)
+
+
+def _legacy_mismatches(root: Path, hf_dir: Path, layout: Layout) -> list[str]:
+    """The decoder-layer tensors of the legacy rank files (local spec) that differ from what megatron-core's modules
+    hold at that rank, built from the HF weights by the mapping written in `gdn_ranks` (each part of `in_proj` and
+    `conv1d` split over TP on its own); the rank files' layer tensors must be exactly those names."""
+    config = AutoConfig.from_pretrained(hf_dir)
+    weights = read_weights(hf_dir)
+    per_stage = config.num_hidden_layers // layout.pp
+    checkpoint_dir = resolve_checkpoint(root)[1]
+    differing = []
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            path = checkpoint_dir / legacy_format.rank_dirname(tp_rank, pp_rank, 0, layout) / legacy_format.FILE_NAME
+            state = torch.load(path, weights_only=False)["model"]
+            held = {n: t for n, t in state.items() if n.startswith("decoder.layers.") and isinstance(t, torch.Tensor)}
+            expected = {
+                f"decoder.layers.{local}.{name}": tensor
+                for local in range(per_stage)
+                for name, tensor in _layer_tensors(
+                    weights, pp_rank * per_stage + local, config, layout.tp, tp_rank
+                ).items()
+            }
+            assert sorted(held) == sorted(expected), path
+            differing += [f"{path.parent.name}/{n}" for n in expected if not torch.equal(held[n], expected[n])]
+    return differing
+
+
+def test_legacy_rank_files_hold_megatron_cores_shards(tiny_models, tmp_path, monkeypatch) -> None:
+    """Every rank's `in_proj` (`[q_r; k_r; v_r; z_r; b_r; a_r]`), `conv1d` and the rest at TP2 x PP2 as written in
+    the test; the check fails on files whose parts were split as one plain column split."""
+    hf_dir = tiny_models["qwen3_5"]
+    kwargs = {"layout": LEGACY_LAYOUT, "spec": "local", "checkpoint_format": "torch", "show_progress": False}
+    convert_hf_to_mcore(hf_dir, tmp_path / "m", **kwargs)
+    assert _legacy_mismatches(tmp_path / "m", hf_dir, LEGACY_LAYOUT) == []
+    monkeypatch.setattr(legacy_format, "rank_shard", plain_column_split)
+    convert_hf_to_mcore(hf_dir, tmp_path / "broken", **kwargs)
+    differing = _legacy_mismatches(tmp_path / "broken", hf_dir, LEGACY_LAYOUT)
+    assert differing and {n.rsplit(".", 1)[0].split(".", 3)[-1] for n in differing} == {
+        "self_attention.in_proj",
+        "self_attention.conv1d",
+    }
+
+
 def test_what_is_not_supported_is_refused_by_name(tiny_bf16, tmp_path) -> None:
-    with pytest.raises(BridgeError, match=f"^{NAME}: the legacy format is not written"):
-        convert_hf_to_mcore(tiny_bf16, tmp_path / "a", checkpoint_format="torch", show_progress=False)
     with pytest.raises(BridgeError, match=f"cp=2: {NAME}'s Gated DeltaNet layers are not computed"):
         convert_hf_to_mcore(tiny_bf16, tmp_path / "b", layout=Layout(cp=2), show_progress=False)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
 
 
 VISION = {

@@ -393,3 +393,37 @@ def test_unsupported_peft_directories_are_refused_by_name(config, tensors, messa
         save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=message):
         read_peft_adapter(tmp_path)
+
+
+@pytest.mark.parametrize("target", EXPERTS)
+def test_one_expert_target_alone_loads_in_peft(target, tiny_moe_models, tmp_path):
+    """A PEFT directory of one expert target alone (no `base_layer` nesting, `target_modules` empty): PEFT loads
+    every tensor of it, and its merged model adds s * B_e A_e to expert e's slice of the fused tensor, written here
+    from the per-expert factors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+    hf_dir = tiny_moe_models["qwen3_moe"]
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    parameter = target.split(".")[1]
+    fused = {n.removesuffix(f".{parameter}") for n in base if n.endswith(f"mlp.experts.{parameter}")}
+    generator = torch.Generator().manual_seed(5)
+    values = {}
+    for module in sorted(fused):
+        experts, out, columns = base[f"{module}.{parameter}"].shape
+        for e in range(experts):
+            a, b = torch.randn(RANK, columns, generator=generator), torch.randn(out, RANK, generator=generator)
+            values[f"{module}.{parameter}[{e}]"] = (a, b)
+    lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, target_modules=(target,))
+    write_peft_adapter(values, lora, tmp_path, str(hf_dir))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"] == [target]
+    loaded = [n for n, _ in model.named_parameters() if ".lora_" in n]
+    assert len(loaded) == 2 * len(fused) and not any("base_layer" in n for n in loaded), loaded
+    merged = model.merge_and_unload().state_dict()
+    for name, (a, b) in values.items():
+        module, e = name.split("[")[0], int(name.split("[")[1][:-1])
+        want = base[module][e] + (ALPHA / RANK) * (b @ a)
+        torch.testing.assert_close(merged[module][e], want, atol=1e-5, rtol=1e-5, msg=name)

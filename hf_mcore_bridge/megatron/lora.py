@@ -28,8 +28,8 @@ expert-parallel group.
 `SequentialMLP`'s experts add the product through the same forward hook as dense linears; `GroupedExperts` runs it
 as two more grouped GEMMs per linear (`grouped_experts`).
 
-Assumes and refuses: attention, dense MLP and routed-expert linears only (multi-latent attention's projections and
-the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
+Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
+projections and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
 sequence-sharded) and no dropout (`LoraConfig.dropout` must be 0). Every base parameter is frozen
 (`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
 
@@ -199,6 +199,8 @@ def targeted_entries(model_cfg: ModelSpec, lora: LoraConfig) -> Iterator[Entry]:
         if not hit:
             continue
         what = f"LoRA on {', '.join(entry.hf_sources)} ({entry.mcore})"
+        if ".shared_experts." in entry.mcore:
+            raise ValueError(f"{what}: adapters on shared experts are not implemented")
         if not isinstance(entry, Direct | FusedQKV | FusedGateUp) or entry.parallel not in (
             *_COLUMN_STYLES,
             Parallel.ROW,

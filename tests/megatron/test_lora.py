@@ -351,9 +351,12 @@ def test_unimplemented_adapters_are_refused_by_name(config, message, tiny_models
         ("gpt_oss", ("experts.gate_up_proj",), "experts.gate_up_proj of GptOssForCausalLM: its experts are not plain"),
         ("gpt_oss", ("experts.down_proj",), "experts.down_proj of GptOssForCausalLM: its experts are not plain"),
         ("llama", ("experts.down_proj",), "experts.down_proj: LlamaForCausalLM is a dense model"),
+        ("qwen2_moe", ("gate_proj", "up_proj", "down_proj"), "adapters on shared experts are not implemented"),
     ],
 )
 def test_unimplemented_expert_adapters_are_refused_by_name(model, targets, message, tiny_models, tiny_moe_models):
+    """GPT-OSS's interleaved experts, expert targets on a dense model, Qwen2-MoE's shared expert (which PEFT's
+    `gate_proj` / `up_proj` / `down_proj` would adapt)."""
     directory = {**tiny_models, **tiny_moe_models}[model]
     with pytest.raises(ValueError, match=message):
         add_lora(torch.nn.Linear(1, 1), _spec(directory), LoraConfig(enabled=True, target_modules=targets))

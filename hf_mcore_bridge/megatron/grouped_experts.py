@@ -16,6 +16,11 @@ all local experts as two grouped GEMMs over the expert-sorted rows (`torch._grou
   megatron-core's own fused `weighted_bias_swiglu_impl` where `bias_activation_fusion` is on, else in torch as its
   `MLP` does (silu(gate) * up, times the probabilities, in the input's dtype).
 
+LoRA adapters on the experts (`megatron.lora`: a `lora` holder on each expert's `linear_fc1` / `linear_fc2`, whose
+forward hook `SequentialMLP`'s forward would fire) are added here as two more grouped GEMMs per linear:
+s * (x A_e^T) B_e^T over each expert's rows, A_e [rank, in] and B_e [out, rank]; where the rank's rows are not
+16-byte multiples the experts run `SequentialMLP`'s forward (and the hooks) instead.
+
 Under expert tensor parallelism each rank holds column shards of fc1 and row shards of fc2 and megatron-core leaves
 the reduction to the token dispatcher, so the local grouped GEMMs compute exactly what the local `SequentialMLP` does.
 
@@ -121,8 +126,9 @@ class GroupedExperts(SequentialMLP):
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
-        if self.unsupported is not None:
+        if self.sequential_reason() is not None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        fc1_adapters, fc2_adapters = self._adapters("linear_fc1"), self._adapters("linear_fc2")
         x = permuted_local_hidden_states
         counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
         dest, offsets, capacity = aligned_rows(counts, x.shape[0], ALIGN_BYTES // x.element_size())
@@ -130,9 +136,30 @@ class GroupedExperts(SequentialMLP):
         padded = x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x)
         probs = permuted_probs.new_zeros(capacity).index_copy(0, dest, permuted_probs)
         fc1 = GroupedGemm.apply(padded, offsets, *(expert.linear_fc1.weight for expert in self.local_experts))
+        if fc1_adapters:
+            fc1 = fc1 + _lora_delta(padded, offsets, fc1_adapters).to(fc1.dtype)
         hidden = self._weighted_swiglu(fc1, probs)
         out = GroupedGemm.apply(hidden, offsets, *(expert.linear_fc2.weight for expert in self.local_experts))
+        if fc2_adapters:
+            out = out + _lora_delta(hidden, offsets, fc2_adapters).to(out.dtype)
         return out.index_select(0, dest), None
+
+    def sequential_reason(self) -> str | None:
+        """Why the forward runs `SequentialMLP`'s (None: grouped GEMMs): `unsupported`, or LoRA adapters whose rank
+        is not a multiple of 16 bytes (the rank-r activation's rows)."""
+        if self.unsupported is not None:
+            return self.unsupported
+        for linear in ("linear_fc1", "linear_fc2"):
+            holders = self._adapters(linear)
+            a = holders[0].lora_a[0] if holders else None
+            if a is not None and (a.shape[0] * a.element_size()) % ALIGN_BYTES:
+                return f"LoRA rank {a.shape[0]} not a multiple of {ALIGN_BYTES} bytes"
+        return None
+
+    def _adapters(self, linear: str) -> list[Any] | None:
+        """The LoRA holders (`megatron.lora.LinearAdapters`) of every local expert's `linear`; None without."""
+        holders = [getattr(getattr(expert, linear), "lora", None) for expert in self.local_experts]
+        return holders if all(h is not None for h in holders) else None
 
     def _weighted_swiglu(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """What megatron-core's expert `MLP` does between its two linear layers, with `per_token_scale=probs`."""
@@ -144,6 +171,12 @@ class GroupedExperts(SequentialMLP):
             )
         gate, up = torch.chunk(fc1, 2, dim=-1)
         return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1.dtype)
+
+
+def _lora_delta(x: torch.Tensor, offsets: torch.Tensor, holders: list[Any]) -> torch.Tensor:
+    """s * B_e A_e applied to each expert's rows of `x`: two grouped GEMMs through the rank-r activation."""
+    low = GroupedGemm.apply(x, offsets, *(holder.lora_a[0] for holder in holders))
+    return holders[0].scale * GroupedGemm.apply(low, offsets, *(holder.lora_b[0] for holder in holders))
 
 
 def use_grouped_experts(spec: Any) -> Any:

@@ -18,8 +18,18 @@ an all-reduce of a [tokens, n * rank] gradient, n the projections fused there), 
 nothing). That is rank / hidden of the base layer's own all-reduce, and every gradient is then complete on every
 rank (replicated factors equal everywhere without a further reduction).
 
-Assumes and refuses: dense attention and dense MLP linears only (experts, multi-latent attention's projections
-and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
+Routed experts (`experts.gate_up_proj`, `experts.down_proj`, PEFT's `target_parameters`): one adapter per expert on
+its `linear_fc1` (over the fused [gate; up] rows together, as PEFT's adapter of the fused `gate_up_proj`) or
+`linear_fc2`, on the experts this rank holds (expert parallelism splits them, each rank keeping its own experts'
+adapters, like their weights, marked as expert parameters for megatron-core's DDP and optimizer). Expert tensor
+parallelism must be 1 (ValueError otherwise). An expert adapter's name is `<fused HF tensor>[<global expert>]`
+(`model.layers.0.mlp.experts.gate_up_proj[3]`, `lora_experts`); `full_adapters` gathers them over the
+expert-parallel group.
+`SequentialMLP`'s experts add the product through the same forward hook as dense linears; `GroupedExperts` runs it
+as two more grouped GEMMs per linear (`grouped_experts`).
+
+Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
+projections and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
 sequence-sharded) and no dropout (`LoraConfig.dropout` must be 0). Every base parameter is frozen
 (`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
 
@@ -40,7 +50,8 @@ from typing import Any
 
 import torch
 
-from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_config import EXPERT_PROJECTIONS, LoraConfig
+from hf_mcore_bridge.megatron.lora_experts import expert_name, expert_target, fused_expert_template, is_expert
 from hf_mcore_bridge.models.mapping_types import Direct, Entry, FusedGateUp, FusedQKV, LayerKind
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.spec import ModelSpec
@@ -48,6 +59,7 @@ from hf_mcore_bridge.models.tensor_ops import global_shape, rank_shard
 
 __all__ = [
     "LinearAdapters",
+    "adapted_weights",
     "adapter_modules",
     "add_lora",
     "full_adapters",
@@ -68,9 +80,11 @@ def projection(hf_name: str) -> str:
 class LinearAdapters(torch.nn.Module):
     """The adapters of one megatron-core linear: one (A, B) pair per HF projection it computes, this rank's parts.
 
-    `names[i]` is the HF module name of pair i (`model.layers.0.self_attn.q_proj`, PEFT's without its prefix);
-    `lora_a[i]` and `lora_b[i]` are its local A and B. `rows` (column-parallel only) maps the linear's local output
-    rows to the rows of the adapters' concatenated outputs."""
+    `names[i]` is the HF module name of pair i (`model.layers.0.self_attn.q_proj`, PEFT's without its prefix; an
+    expert's: `expert_name`); `lora_a[i]` and `lora_b[i]` are its local A and B. `rows` (column-parallel only) maps
+    the linear's local output rows to the rows of the adapters' concatenated outputs. `weights`: the HF weight names
+    the linear's (merged) weight is streamed as. `expert`: the linear is a routed expert's (whole at expert tensor
+    parallelism 1; its adapters are expert parameters)."""
 
     def __init__(
         self,
@@ -81,9 +95,13 @@ class LinearAdapters(torch.nn.Module):
         rows: torch.Tensor | None,
         scale: float,
         tp_group: Any,
+        weights: tuple[str, ...] = (),
+        expert: bool = False,
     ) -> None:
         super().__init__()
         self.names = names
+        self.weights = weights
+        self.expert = expert
         self.parallel = parallel
         self.scale = scale
         self.tp_group = tp_group
@@ -127,8 +145,12 @@ def _mark_split(holder: LinearAdapters) -> None:
 
     row = holder.parallel is Parallel.ROW
     for a, b in zip(holder.lora_a, holder.lora_b, strict=True):
-        set_tensor_model_parallel_attributes(a, is_parallel=row, dim=1, stride=1)
-        set_tensor_model_parallel_attributes(b, is_parallel=not row, dim=0, stride=1)
+        # an expert's factors: counted as megatron-core counts its experts' weights (tensor-parallel, of the
+        # expert groups: `allreduce` False puts them in DDP's expert buffers, reduced over the expert-data group)
+        set_tensor_model_parallel_attributes(a, is_parallel=row or holder.expert, dim=1, stride=1)
+        set_tensor_model_parallel_attributes(b, is_parallel=not row or holder.expert, dim=0, stride=1)
+        if holder.expert:
+            a.allreduce = b.allreduce = False
 
 
 def _hook(linear: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -162,16 +184,23 @@ def _sharded_state_dict(
 
 
 def targeted_entries(model_cfg: ModelSpec, lora: LoraConfig) -> Iterator[Entry]:
-    """The table's per-layer linear entries with at least one targeted projection; others are refused by name."""
+    """The table's per-layer linear entries with at least one targeted projection; others are refused by name.
+    `PROJECTIONS` names match dense linears only; routed experts' linears are targeted by `EXPERT_PROJECTIONS`."""
     for entry in model_cfg.table():
         if not entry.mcore.startswith(LAYER_PREFIX) or not entry.mcore.endswith(".weight"):
+            continue
+        if is_expert(entry):
+            target = expert_target(entry)
+            if target is not None and target in lora.target_modules:
+                fused_expert_template(entry, model_cfg)
+                yield entry
             continue
         hit = [projection(s) for s in entry.hf_sources if projection(s) in lora.target_modules]
         if not hit:
             continue
         what = f"LoRA on {', '.join(entry.hf_sources)} ({entry.mcore})"
-        if "{expert}" in entry.mcore or "{expert}" in entry.hf_sources[0]:
-            raise ValueError(f"{what}: adapters on experts are not implemented")
+        if ".shared_experts." in entry.mcore:
+            raise ValueError(f"{what}: adapters on shared experts are not implemented")
         if not isinstance(entry, Direct | FusedQKV | FusedGateUp) or entry.parallel not in (
             *_COLUMN_STYLES,
             Parallel.ROW,
@@ -217,15 +246,50 @@ def column_rows(entry: Entry, out_rows: Mapping[str, int], dims: Any, tp: int, r
     return position
 
 
-def _linear(layer: torch.nn.Module, entry: Entry) -> torch.nn.Module:
+def _linear(layer: torch.nn.Module, entry: Entry, expert: int | None = None) -> torch.nn.Module:
     path = entry.mcore.removeprefix(LAYER_PREFIX).removesuffix(".weight")
-    linear = layer.get_submodule(path)
+    linear = layer.get_submodule(path if expert is None else path.format(expert=expert))
     what = f"LoRA on {entry.mcore}"
     if getattr(linear, "sequence_parallel", False):
         raise ValueError(f"{what}: sequence parallelism is not implemented with LoRA")
-    if getattr(linear, "gather_output", False) or getattr(linear, "explicit_expert_comm", False):
+    if getattr(linear, "gather_output", False) or (expert is None and getattr(linear, "explicit_expert_comm", False)):
         raise ValueError(f"{what}: a linear that gathers its output or is an expert's is not implemented")
     return linear
+
+
+def _local_experts(layer: torch.nn.Module, entry: Entry) -> tuple[int, int]:
+    """(first global expert, local expert count) of a MoE layer's experts on this rank. ValueError: experts
+    other than megatron-core's `SequentialMLP` (or `GroupedExperts`), or expert tensor parallelism > 1."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    experts = layer.get_submodule("mlp.experts")
+    what = f"LoRA on {entry.mcore}"
+    if not isinstance(experts, SequentialMLP):
+        raise ValueError(f"{what}: adapters on {type(experts).__name__} experts are not implemented (SequentialMLP)")
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp != 1:
+        raise ValueError(f"{what}: adapters on experts at expert tensor parallelism {etp} are not implemented (use 1)")
+    count = experts.num_local_experts
+    return parallel_state.get_expert_model_parallel_rank() * count, count
+
+
+def _expert_adapters(
+    entry: Entry, linear: torch.nn.Module, layer_index: int, expert: int, model_cfg: ModelSpec, lora: LoraConfig
+) -> LinearAdapters:
+    """One expert's adapter on its whole linear (expert tensor parallelism 1): A (rank x in), B (out x rank), as
+    PEFT's per-expert slices of its `target_parameters` adapter of the fused tensor."""
+    weight = linear.weight
+    name = expert_name(fused_expert_template(entry, model_cfg).format(layer=layer_index), expert)
+    out_rows, columns = weight.shape
+    a = initial_a(name, (lora.rank, columns), lora).to(device=weight.device, dtype=weight.dtype)
+    b = torch.zeros(out_rows, lora.rank, device=weight.device, dtype=weight.dtype)
+    row = entry.parallel is Parallel.ROW
+    rows = None if row else torch.arange(out_rows, device=weight.device)
+    sources = tuple(s.format(layer=layer_index, expert=expert) for s in entry.hf_sources)
+    style = Parallel.ROW if row else Parallel.COLUMN
+    group = getattr(linear, "tp_group", None)
+    return LinearAdapters((name,), [a], [b], style, rows, lora.scale, group, weights=sources, expert=True)
 
 
 def _adapters_for(
@@ -251,7 +315,10 @@ def _adapters_for(
     cast = [t.to(device=weight.device, dtype=weight.dtype) for t in (*a_list, *b_list)]
     style = Parallel.ROW if entry.parallel is Parallel.ROW else Parallel.COLUMN
     group = getattr(linear, "tp_group", None)
-    return LinearAdapters(names, cast[: len(a_list)], cast[len(a_list) :], style, rows, lora.scale, group)
+    weights = tuple(s.format(layer=layer_index) for s in entry.hf_sources)
+    return LinearAdapters(
+        names, cast[: len(a_list)], cast[len(a_list) :], style, rows, lora.scale, group, weights=weights
+    )
 
 
 def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> list[LinearAdapters]:
@@ -261,6 +328,9 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
     if lora.dropout != 0:
         raise ValueError(f"LoRA dropout {lora.dropout}: only 0 is implemented")
     entries = list(targeted_entries(model_cfg, lora))
+    missing = [t for t in EXPERT_PROJECTIONS if t in lora.target_modules and not any(map(expert_target, entries))]
+    if missing and model_cfg.moe is None:
+        raise ValueError(f"LoRA on {missing[0]}: {model_cfg.architecture} is a dense model (no routed experts)")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     added = []
@@ -269,6 +339,14 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
         kind = model_cfg.layer_kind(index)
         for entry in entries:
             if entry.layers not in (LayerKind.ALL, kind):
+                continue
+            if is_expert(entry):
+                first, count = _local_experts(layer, entry)
+                for local in range(count):
+                    linear = _linear(layer, entry, local)
+                    linear.lora = _expert_adapters(entry, linear, index, first + local, model_cfg, lora)
+                    linear.register_forward_hook(_hook, with_kwargs=True)
+                    added.append(linear.lora)
                 continue
             linear = _linear(layer, entry)
             linear.lora = _adapters_for(entry, linear, index, model_cfg, lora)
@@ -285,6 +363,26 @@ def adapter_modules(model: torch.nn.Module) -> list[LinearAdapters]:
     return [m for m in model.modules() if isinstance(m, LinearAdapters)]
 
 
+def adapted_weights(model: torch.nn.Module) -> set[str]:
+    """The HF weight names of every adapted linear of the whole model (`LinearAdapters.weights`: what a refit of the
+    merged weights must stream), gathered over the pipeline stages and the expert-parallel group (each holds its own
+    layers' and experts' adapters). Collective over both groups: every rank calls it alike."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    adapted = {name for holder in adapter_modules(model) for name in holder.weights}
+    groups = (
+        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_group),
+        (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_group),
+    )
+    for size, group in groups:
+        if size > 1:
+            parts: list[Any] = [None] * size
+            dist.all_gather_object(parts, adapted, group=group())
+            adapted = set().union(*parts)
+    return adapted
+
+
 def _gather(local: torch.Tensor, axis: int, group: Any) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -297,8 +395,10 @@ def _gather(local: torch.Tensor, axis: int, group: Any) -> torch.Tensor:
 
 
 def full_adapters(adapters: list[LinearAdapters], grad: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF module name -> (A, B) whole, gathered over the tensor-parallel group (or their gradients, `grad=True`;
-    zeros where none). Collective over the tensor-parallel group: every rank calls it alike."""
+    """HF module name (an expert's: `expert_name`) -> (A, B) whole, gathered over the tensor-parallel group, the
+    experts' over the expert-parallel group (on the CPU there), or their gradients (`grad=True`; zeros where none).
+    Collective over the tensor-parallel group (and the expert-parallel one, with expert adapters): every rank calls
+    it alike."""
 
     def value(p: torch.Tensor) -> torch.Tensor:
         if not grad:
@@ -312,7 +412,25 @@ def full_adapters(adapters: list[LinearAdapters], grad: bool = False) -> dict[st
             whole_a = _gather(value(a), 1, holder.tp_group) if row else value(a).clone()
             whole_b = value(b).clone() if row else _gather(value(b), 0, holder.tp_group)
             result[name] = (whole_a, whole_b)
+    if any(holder.expert for holder in adapters):
+        result |= _gather_experts({n for h in adapters if h.expert for n in h.names}, result)
     return result
+
+
+def _gather_experts(
+    names: set[str], mine: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every expert-parallel rank's expert adapters (the named ones of `mine`), on the CPU. Collective over the
+    expert-parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return {}
+    local = {n: (a.cpu(), b.cpu()) for n, (a, b) in mine.items() if n in names}
+    parts: list[Any] = [None] * parallel_state.get_expert_model_parallel_world_size()
+    dist.all_gather_object(parts, local, group=parallel_state.get_expert_model_parallel_group())
+    return {name: pair for part in parts for name, pair in part.items()}
 
 
 def set_adapters(adapters: list[LinearAdapters], values: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -327,6 +445,10 @@ def set_adapters(adapters: list[LinearAdapters], values: Mapping[str, tuple[torc
             row = holder.parallel is Parallel.ROW
             for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True):
                 whole_a, whole_b = values[name]
+                if holder.expert:  # whole on its rank (expert tensor parallelism 1)
+                    a.copy_(whole_a)
+                    b.copy_(whole_b)
+                    continue
                 a.copy_(rank_shard(whole_a, Parallel.ROW, tp, rank) if row else whole_a)
                 b.copy_(whole_b if row else whole_b.chunk(tp, dim=0)[rank])
 

@@ -22,7 +22,7 @@ import torch
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.megatron.lora import LAYER_PREFIX, targeted_entries
-from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_config import LoraConfig, expert_targets
 from hf_mcore_bridge.models.mapping_types import LayerKind
 from hf_mcore_bridge.models.spec import ModelSpec
 
@@ -64,7 +64,13 @@ def checkpoint_adapters(
     checkpoint_dir: Path, model_cfg: ModelSpec, lora: LoraConfig
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """HF module name -> (A, B), whole, of every adapter of a LoRA run's checkpoint (an iteration directory).
-    CheckpointError: an adapter the config's targets imply is missing, or one the checkpoint holds is not implied."""
+    CheckpointError: an adapter the config's targets imply is missing, or one the checkpoint holds is not implied;
+    adapters on experts (their checkpoints are not implemented)."""
+    experts = expert_targets(lora)
+    if experts:
+        raise CheckpointError(
+            f"{checkpoint_dir}: checkpoints of adapters on experts ({list(experts)}) are not implemented"
+        )
     dcp = DCPCheckpoint(checkpoint_dir)
     result = {}
     read = set()

@@ -1,18 +1,39 @@
 """LoRA's configuration (`policy.lora`, NeMo-RL's shape): which HF projections get adapters, their rank, scale
 and initialisation. Standard library only: a run's config is validated before torch is imported.
 
-What is implemented is named here (`PROJECTIONS`, `INITS`); `grpo.run.config` refuses everything else by name.
+What is implemented is named here (`PROJECTIONS`, `EXPERT_PROJECTIONS`, `INITS`); `grpo.run.config` refuses
+everything else by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["FUSED", "INITS", "PROJECTIONS", "LoraConfig"]
+__all__ = [
+    "EXPERT_PROJECTIONS",
+    "FUSED",
+    "INITS",
+    "PROJECTIONS",
+    "TARGETS",
+    "LoraConfig",
+    "expert_targets",
+    "peft_targets",
+]
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The HF projection names adapters can target: dense attention and dense MLP linears (the last part of the HF
 module's name, as PEFT's `target_modules` matches them)."""
+
+EXPERT_PROJECTIONS = ("experts.gate_up_proj", "experts.down_proj")
+"""The routed experts' fused parameters of a mixture-of-experts layer, as PEFT's `target_parameters` names them
+(transformers 5's `mlp.experts.gate_up_proj` [experts, 2 * ffn, hidden] and `mlp.experts.down_proj`
+[experts, hidden, ffn]): each gets one rank-r adapter per expert (PEFT's `ParamWrapper`), `gate_up_proj`'s over the
+fused gate and up rows together. In the order transformers defines them (PEFT nests its wrappers so)."""
+
+TARGETS = PROJECTIONS + EXPERT_PROJECTIONS
+"""Every name `target_modules` may hold."""
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections megatron-core computes in one linear (`linear_qkv`, `linear_fc1`): targeted all together or not at
@@ -37,8 +58,10 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input; only 0 is implemented (other values are refused)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """HF projection names that get an adapter, any of `PROJECTIONS`; one adapter per projection, also where
-    megatron-core fuses several into one linear (q/k/v in `linear_qkv`, gate/up in `linear_fc1`)."""
+    """HF projection names that get an adapter, any of `TARGETS`: `PROJECTIONS` (one adapter per projection, also
+    where megatron-core fuses several into one linear: q/k/v in `linear_qkv`, gate/up in `linear_fc1`; they match
+    dense layers only, as PEFT's `target_modules` do) and `EXPERT_PROJECTIONS` (one adapter per routed expert on its
+    `linear_fc1` / `linear_fc2`, PEFT's `target_parameters`)."""
     init: str = "kaiming"
     """How A is initialised, one of `INITS`; B starts at zero."""
     seed: int = 0
@@ -52,3 +75,16 @@ class LoraConfig:
     def scale(self) -> float:
         """alpha / rank, the factor of the adapters' product."""
         return self.alpha / self.rank
+
+
+def expert_targets(lora: LoraConfig) -> tuple[str, ...]:
+    """The `EXPERT_PROJECTIONS` among `lora.target_modules`, in their order."""
+    return tuple(name for name in EXPERT_PROJECTIONS if name in lora.target_modules)
+
+
+def peft_targets(config: Mapping[str, Any]) -> list[str]:
+    """An `adapter_config.json`'s targets as `LoraConfig.target_modules` holds them: its `target_modules` and its
+    `target_parameters` (PEFT's names of fused expert tensors)."""
+    targets = config.get("target_modules") or []
+    parameters = config.get("target_parameters") or []
+    return [*(targets if isinstance(targets, list) else [targets]), *parameters]

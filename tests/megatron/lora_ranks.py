@@ -3,12 +3,16 @@
 Each case builds the model with `AutoBridge.get_model` (fp32, CPU, loaded from the HF directory), adds adapters
 (`megatron.lora.add_lora`), copies in the test's whole A and B per HF module (`set_adapters`), and runs one forward
 and backward of the test's loss: sum(logits * weights), logits whole (gathered over the vocabulary). Saved per
-case on global rank 0: the logits, every adapter's gradients gathered whole (`full_adapters(grad=True)`), which
-parameters require gradients and, from each rank, the replicated factors' gradients (equal on both ranks).
+case on global rank 0: the logits, every adapter's gradients gathered whole (`full_adapters(grad=True)`, experts'
+over the expert-parallel group), which parameters require gradients, the HF weights the adapters name for the
+refit (`adapted_weights`), the experts' module and, from each rank, the replicated factors' gradients of the
+dense linears (equal on both ranks).
 
 A case may break one thing on purpose (`fault`), for the test to show its comparison fails then:
 `scale` (alpha / rank doubled on every adapter), `qkv_rows` (the k and v adapters' output rows of the fused
-`linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged).
+`linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged), `experts_swapped` (the
+adapters of each rank's first two experts exchanged, on `linear_fc1` and `linear_fc2`), `expert_gate_up` (the gate
+and up halves of every expert's `linear_fc1` adapter output exchanged).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class LoraCase:
     optimizer: bool = False
     """Also wrap the model in megatron-core's `DistributedDataParallel`, build its optimizer and record the
     elements of both (they must be the adapters' alone)."""
+    overrides: tuple[tuple[str, object], ...] = ()
+    """megatron-core config values for `get_model` (`moe_grouped_gemm`, say)."""
 
 
 def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
@@ -53,8 +59,26 @@ def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
     holder.rows = rows
 
 
+def _swap_experts(adapters: list) -> None:
+    """Exchange the adapters of this rank's first two experts on every adapted expert linear."""
+    linears: dict[str, list] = {}
+    for holder in (h for h in adapters if h.expert):
+        linears.setdefault(holder.names[0].split("[")[0], []).append(holder)
+    with torch.no_grad():
+        for first, second, *_ in linears.values():
+            for mine, theirs in zip((*first.lora_a, *first.lora_b), (*second.lora_a, *second.lora_b), strict=True):
+                saved = mine.clone()
+                mine.copy_(theirs)
+                theirs.copy_(saved)
+
+
 def _break(adapters: list, fault: str | None) -> None:
+    if fault == "experts_swapped":
+        _swap_experts(adapters)
     for holder in adapters:
+        if fault == "expert_gate_up" and holder.expert and holder.names[0].split("[")[0].endswith("gate_up_proj"):
+            half = holder.rows.numel() // 2
+            holder.rows = torch.cat((holder.rows[half:], holder.rows[:half]))
         if fault == "scale":
             holder.scale *= 2
         if fault == "qkv_rows" and holder.names[0].endswith("q_proj"):
@@ -69,7 +93,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from hf_mcore_bridge import AutoBridge
-    from hf_mcore_bridge.megatron.lora import add_lora, full_adapters, merged, set_adapters
+    from hf_mcore_bridge.megatron.lora import adapted_weights, add_lora, full_adapters, merged, set_adapters
     from hf_mcore_bridge.megatron.lora_config import LoraConfig
     from hf_mcore_bridge.models.parallel_style import Parallel
 
@@ -79,7 +103,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     for case in cases:
         bridge = AutoBridge.from_pretrained(case.hf_dir)
-        (model,) = bridge.get_model(dtype="float32", load_weights=True)
+        (model,) = bridge.get_model(dtype="float32", load_weights=True, **dict(case.overrides))
         config = LoraConfig(enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules)
         adapters = add_lora(model, bridge.model_config, config)
         set_adapters(adapters, torch.load(case.adapters))
@@ -92,6 +116,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
         replicated = {
             name: (a.grad if holder.parallel is Parallel.COLUMN else b.grad)
             for holder in adapters
+            if not holder.expert  # each expert-parallel rank holds its own experts
             for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True)
         }
         torch.save(replicated, Path(out_dir) / f"{case.name}.replicated.{dist.get_rank()}.pt")
@@ -106,9 +131,18 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             with merged(model):
                 stream = {name: tensor.clone() for name, tensor in bridge.export_hf_weights([model])}
             restored = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        adapted = adapted_weights(model)  # collective: over the pipeline stages and the expert-parallel group
         if dist.get_rank() == 0:  # TP rank 0; at EP2 both ranks hold whole adapters: one writes
+            from megatron.core.transformer.moe.experts import SequentialMLP
+
             trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
             result = {"logits": logits.detach(), "grads": grads, "trainable": trainable}
+            result["adapted"] = adapted
+            experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
+            # the experts' module, and why GroupedExperts would run SequentialMLP's forward (None: grouped GEMMs)
+            result["experts"] = sorted(
+                {(type(m).__name__, getattr(m, "sequential_reason", lambda: None)()) for m in experts}
+            )
             result |= {"merged": stream, "restored": restored}
             result["optimizer"] = _optimizer_elements(model) if case.optimizer else None
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
@@ -129,4 +163,7 @@ def _optimizer_elements(model: torch.nn.Module) -> dict[str, int]:
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
     in_buffers = sum(p.numel() for buffer in ddp.buffers for p in buffer.params)
     in_optimizer = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    in_expert_buffers = sum(p.numel() for buffer in ddp.expert_parallel_buffers for p in buffer.params)
+    if in_expert_buffers:  # expert parameters: reduced over the expert-data-parallel group
+        return {"ddp": in_buffers, "ddp_experts": in_expert_buffers, "optimizer": in_optimizer}
     return {"ddp": in_buffers, "optimizer": in_optimizer}

@@ -8,7 +8,9 @@ are equal on both ranks; only adapters require gradients and megatron-core's DDP
 else; the model's HF weight stream with the adapters merged equals PEFT's `merge_and_unload`; the adapters
 written as a PEFT directory load with `PeftModel.from_pretrained` and give the same logits. The same world
 shows the comparison failing with the scale alpha / rank doubled and with adapters on the wrong rows of the
-fused `linear_qkv` (k and v exchanged) and `linear_fc1` (gate and up exchanged).
+fused `linear_qkv` (k and v exchanged) and `linear_fc1` (gate and up exchanged). An EP2 world does the same for
+attention and routed-expert adapters on tiny MoE models against PEFT's `target_parameters` adapters of the fused
+expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
 """
 
 from __future__ import annotations
@@ -29,17 +31,22 @@ from hf_mcore_bridge.models.mapping_types import FusedQKV
 
 RANK, ALPHA = 4, 8.0
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 FAULTS = ("scale", "qkv_rows", "gate_up_rows")
+MOE_FAULTS = ("experts_swapped", "expert_gate_up")
 
 
 def _peft(hf_dir, targets: tuple[str, ...], seed: int):
-    """The PEFT model of `hf_dir` with random A and B; returns it and HF module name -> (A, B)."""
+    """The PEFT model of `hf_dir` with random A and B; returns it and name -> (module, A, B): a module's HF name,
+    or for the experts' fused tensors (PEFT's `target_parameters`, `lora.ParamWrapper`) the tensor's HF name."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(targets))
+    modules = [t for t in targets if t not in EXPERTS]
+    parameters = {"target_parameters": [t for t in targets if t in EXPERTS]} if set(EXPERTS) & set(targets) else {}
+    config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=modules, **parameters)
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     values = {}
@@ -50,8 +57,37 @@ def _peft(hf_dir, targets: tuple[str, ...], seed: int):
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             a.copy_(torch.randn(a.shape, generator=generator) * 0.2)
             b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
-            values[name.removeprefix("base_model.model.")] = (module, a.clone(), b.clone())
+            key = name.removeprefix("base_model.model.")
+            if hasattr(module, "parameter_name"):  # a ParamWrapper: the fused tensor it adapts
+                key = f"{key.replace('.base_layer', '')}.{module.parameter_name}"
+            values[key] = (module, a.clone(), b.clone())
     return peft_model, values
+
+
+def _per_expert(name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's `ParamWrapper` factors of a fused expert tensor split per expert, as its `get_delta_weight` reads
+    them: A [experts * rank, in] reshaped [experts, rank, in], B [out, rank * experts] reshaped [out, rank, experts]
+    (expert e's delta B[:, :, e] @ A[e]). Keyed `<tensor>[<expert>]`, the adapters' names on megatron-core."""
+    experts = a.shape[0] // RANK
+    b = b.reshape(b.shape[0], RANK, experts)
+    return {f"{name}[{e}]": (a.reshape(experts, RANK, -1)[e].clone(), b[:, :, e].clone()) for e in range(experts)}
+
+
+def _fused(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_per_expert`: the per-expert pairs of `name` stacked back into PEFT's two factors."""
+    found = sorted((int(key[len(name) + 1 : -1]), pair) for key, pair in pairs.items() if key.startswith(f"{name}["))
+    assert [e for e, _ in found] == list(range(len(found))), (name, [e for e, _ in found])
+    a = torch.cat([pair[0] for _, pair in found])
+    b = torch.stack([pair[1] for _, pair in found], dim=-1)
+    return a, b.reshape(b.shape[0], -1)
+
+
+def _whole_values(values: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`_peft`'s values as the adapters' names on megatron-core hold them: experts' split per expert."""
+    whole = {}
+    for name, (_, a, b) in values.items():
+        whole |= _per_expert(name, a, b) if name.endswith(EXPERTS) else {name: (a, b)}
+    return whole
 
 
 def _reference(peft_model, values, tokens, weights):
@@ -121,7 +157,7 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
     assert held == {"ddp": adapters, "optimizer": adapters}, (held, adapters)
 
     _check_merged(torch.load(tmp_path / "llama.pt"), tiny_models["llama"])
-    _check_peft_directory(tmp_path, tiny_models["llama"], tokens)
+    _check_peft_directory(tmp_path, "llama", tiny_models["llama"], tokens, PROJECTIONS)
 
     for fault in FAULTS:
         got = torch.load(tmp_path / f"llama_{fault}.pt")
@@ -130,42 +166,118 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
 
 @pytest.mark.slow
 def test_lora_at_ep2_on_moe_equals_peft(tiny_moe_models, tmp_path):
-    """Attention adapters on tiny MoE models at EP2 (experts split over the two ranks, adapters whole on each):
-    Qwen3-MoE (a heterogeneous stack, layer 1 dense) and Mixtral. Logits and every A and B gradient against PEFT as
-    at TP2; the factors' gradients equal on both ranks (both ran the same tokens); only adapters trainable."""
+    """Attention and expert adapters on tiny MoE models at EP2 (experts and their adapters split over the two ranks,
+    attention adapters whole on each): Qwen3-MoE (a heterogeneous stack, layer 1 dense) with the experts as
+    `SequentialMLP` and as `GroupedExperts` (`moe_grouped_gemm`), and Mixtral; PEFT's reference targets the experts'
+    fused tensors (`target_parameters`). Logits and every A and B gradient against PEFT as at TP2 (the experts'
+    per-expert gradients stacked into PEFT's factors; each expert ran the tokens of both ranks, which ran the same
+    batch, so its gradients are twice PEFT's, as its base weights' would be: megatron-core's DDP scales expert
+    gradients by 1 / data-parallel size like the dense ones); the attention factors' gradients equal on both ranks; only
+    adapters trainable, DDP holding the experts' adapters in its expert buffers; the merged stream equal to PEFT's
+    `merge_and_unload`, the adapted weights exactly the moved ones, and the PEFT directory loading in
+    `PeftModel.from_pretrained`. Each rank's first two experts' adapters exchanged, or gate and up exchanged in
+    the experts' `linear_fc1` adapters, move the logits."""
     vocab = 211
     tokens = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(3))
     weights = torch.randn(2, 12, vocab, generator=torch.Generator().manual_seed(4))
     torch.save(weights, tmp_path / "weights.pt")
+    targets = (*ATTENTION, *EXPERTS)
+    plans = {"qwen3_moe": ("qwen3_moe", ()), "mixtral": ("mixtral", ())}
+    plans["qwen3_moe_grouped"] = ("qwen3_moe", (("moe_grouped_gemm", True),))
+    plans.update({f"qwen3_moe_{fault}": ("qwen3_moe", ()) for fault in MOE_FAULTS})
     references, cases = {}, []
-    for seed, model in enumerate(("qwen3_moe", "mixtral")):
-        peft_model, values = _peft(tiny_moe_models[model], ATTENTION, seed)
-        references[model] = _reference(peft_model, values, tokens, weights)
-        torch.save({n: (a, b) for n, (_, a, b) in values.items()}, tmp_path / f"{model}.adapters.pt")
+    for seed, (case, (model, overrides)) in enumerate(plans.items()):
+        peft_model, values = _peft(tiny_moe_models[model], targets, seed)
+        references[case] = _reference(peft_model, values, tokens, weights)
+        torch.save(_whole_values(values), tmp_path / f"{case}.adapters.pt")
+        fault = case.removeprefix("qwen3_moe_") if case.removeprefix("qwen3_moe_") in MOE_FAULTS else None
         cases.append(
-            LoraCase(model, str(tiny_moe_models[model]), str(tmp_path / f"{model}.adapters.pt"), RANK, ALPHA, ATTENTION)
+            LoraCase(
+                case,
+                str(tiny_moe_models[model]),
+                str(tmp_path / f"{case}.adapters.pt"),
+                RANK,
+                ALPHA,
+                targets,
+                fault,
+                merged=case == "qwen3_moe",
+                optimizer=case == "qwen3_moe",
+                overrides=overrides,
+            )
         )
     run_world(lora_rank, Layout(ep=2), cases, tokens, str(tmp_path / "weights.pt"), str(tmp_path))
 
-    for model in ("qwen3_moe", "mixtral"):
-        logits, grads = references[model]
-        got = torch.load(tmp_path / f"{model}.pt")
-        assert (got["logits"] - logits).abs().max() <= 1e-4, model
-        layers = read_json(tiny_moe_models[model] / "config.json")["num_hidden_layers"]
-        assert sorted(got["grads"]) == sorted(grads) and len(grads) == 4 * layers  # q, k, v, o of every layer
+    for case in ("qwen3_moe", "mixtral", "qwen3_moe_grouped"):
+        logits, grads = references[case]
+        got = torch.load(tmp_path / f"{case}.pt")
+        module = "GroupedExperts" if case.endswith("grouped") else "SequentialMLP"
+        assert got["experts"] == [(module, None)], got["experts"]
+        assert (got["logits"] - logits).abs().max() <= 1e-4, case
+        config = read_json(tiny_moe_models[plans[case][0]] / "config.json")
+        moe_layers = config["num_hidden_layers"] - len(config.get("mlp_only_layers", []))
+        experts = config.get("num_experts") or config["num_local_experts"]
+        assert len(grads) == 4 * config["num_hidden_layers"] + 2 * moe_layers, sorted(grads)
+        assert len(got["grads"]) == 4 * config["num_hidden_layers"] + 2 * moe_layers * experts
         for name, (grad_a, grad_b) in grads.items():
-            mine_a, mine_b = got["grads"][name]
+            mine_a, mine_b = got["grads"][name] if not name.endswith(EXPERTS) else _fused(name, got["grads"])
+            if name.endswith(EXPERTS):  # an expert runs both ranks' tokens (the same batch twice): twice the sum
+                mine_a, mine_b = mine_a / 2, mine_b / 2
             assert grad_a.abs().max() > 0 and grad_b.abs().max() > 0, name
-            assert _relative(mine_a, grad_a) <= 1e-4, (model, name, "A", _relative(mine_a, grad_a))
-            assert _relative(mine_b, grad_b) <= 1e-4, (model, name, "B", _relative(mine_b, grad_b))
+            assert _relative(mine_a, grad_a) <= 1e-4, (case, name, "A", _relative(mine_a, grad_a))
+            assert _relative(mine_b, grad_b) <= 1e-4, (case, name, "B", _relative(mine_b, grad_b))
         assert got["trainable"] and all(".lora.lora_" in n for n in got["trainable"]), got["trainable"]
-        rank0, rank1 = (torch.load(tmp_path / f"{model}.replicated.{r}.pt") for r in (0, 1))
-        assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), model
+        rank0, rank1 = (torch.load(tmp_path / f"{case}.replicated.{r}.pt") for r in (0, 1))
+        assert sorted(rank0) == sorted(rank1) and all(torch.equal(rank0[n], rank1[n]) for n in rank0), case
+
+    # each rank: the attention adapters whole, its four experts' adapters (in DDP's expert buffers)
+    whole = torch.load(tmp_path / "qwen3_moe.adapters.pt")
+    attention = sum(a.numel() + b.numel() for n, (a, b) in whole.items() if "[" not in n)
+    expert = sum(a.numel() + b.numel() for n, (a, b) in whole.items() if "[" in n) // 2
+    held = torch.load(tmp_path / "qwen3_moe.pt")["optimizer"]
+    assert held == {"ddp": attention, "ddp_experts": expert, "optimizer": attention + expert}, held
+
+    _check_merged_moe(torch.load(tmp_path / "qwen3_moe.pt"), tiny_moe_models["qwen3_moe"], targets)
+    _check_peft_directory(tmp_path, "qwen3_moe", tiny_moe_models["qwen3_moe"], tokens, targets)
+
+    for fault in MOE_FAULTS:
+        got = torch.load(tmp_path / f"qwen3_moe_{fault}.pt")
+        assert (got["logits"] - references[f"qwen3_moe_{fault}"][0]).abs().max() > 1e-2, fault
+
+
+def _check_merged_moe(got: dict, hf_dir, targets: tuple[str, ...]) -> None:
+    """The merged stream (per-expert HF names) equals PEFT's `merge_and_unload` (transformers 5's fused experts:
+    `gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`), name for name; the moved tensors are exactly the
+    attention projections and every expert's, which are the weights the adapters name for the refit."""
+    import re
+
+    from safetensors.torch import load_file
+
+    peft_model, _ = _peft(hf_dir, targets, seed=0)  # the "qwen3_moe" case's seed: the same A and B
+    reference = peft_model.merge_and_unload().state_dict()
+    base = load_file(hf_dir / "model.safetensors")
+    stream = got["merged"]
+    assert got["restored"] and sorted(stream) == sorted(base)
+    expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    for name, tensor in stream.items():
+        found = expert.fullmatch(name)
+        if found is None:
+            want = reference[name]
+        elif found[3] == "down":
+            want = reference[f"{found[1]}.down_proj"][int(found[2])]
+        else:
+            gate_up = reference[f"{found[1]}.gate_up_proj"][int(found[2])]
+            want = gate_up.chunk(2)[0 if found[3] == "gate" else 1]
+        torch.testing.assert_close(tensor, want, atol=1e-6, rtol=0, msg=name)
+    moved = {name for name in stream if not torch.equal(stream[name], base[name])}
+    wanted = {n for n in base if n.rsplit(".", 2)[-2] in ATTENTION or expert.fullmatch(n)}
+    assert moved == wanted, sorted(moved ^ wanted)
+    assert got["adapted"] == wanted, sorted(got["adapted"] ^ wanted)
 
 
 def _check_merged(got: dict, hf_dir) -> None:
     """The stream of the merged model equals PEFT's `merge_and_unload` of the same adapters, name for name; the
-    targeted weights moved away from the base (so the comparison could fail), and the model was restored."""
+    targeted weights moved away from the base (so the comparison could fail), exactly the weights the adapters name
+    for the refit (`adapted_weights`), and the model was restored."""
     from safetensors.torch import load_file
 
     peft_model, _ = _peft(hf_dir, PROJECTIONS, seed=0)  # the "llama" case's seed: the same A and B
@@ -177,24 +289,29 @@ def _check_merged(got: dict, hf_dir) -> None:
         torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0, msg=name)
     moved = {name for name in stream if not torch.equal(stream[name], base[name])}
     assert moved == {n for n in base if n.rsplit(".", 2)[-2] in PROJECTIONS}, sorted(moved)
+    assert got["adapted"] == moved  # what the adapters name for the refit (`adapted_weights`)
 
 
-def _check_peft_directory(tmp_path, hf_dir, tokens) -> None:
-    """The adapters written as a PEFT directory load with `PeftModel.from_pretrained` onto the base model and give
-    the megatron-core model's logits; read back, they are the adapters set, bit for bit."""
+def _check_peft_directory(tmp_path, case: str, hf_dir, tokens, targets: tuple[str, ...]) -> None:
+    """The adapters written as a PEFT directory load with `PeftModel.from_pretrained` onto the base model (the
+    file's tensors are exactly the adapter parameters PEFT builds for the config) and give the megatron-core model's
+    logits; read back, they are the adapters set, bit for bit."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from hf_mcore_bridge.megatron.lora_peft import read_peft_adapter
 
-    directory = tmp_path / "llama.peft"
+    directory = tmp_path / f"{case}.peft"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), directory)
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if ".lora_" in n}
+    assert sorted(loaded) == sorted(load_file(directory / "adapter_model.safetensors"))
     with torch.no_grad():
         logits = model(tokens).logits
-    assert (logits - torch.load(tmp_path / "llama.pt")["logits"]).abs().max() <= 1e-4
+    assert (logits - torch.load(tmp_path / f"{case}.pt")["logits"]).abs().max() <= 1e-4
     lora, values = read_peft_adapter(directory)
-    assert (lora.rank, lora.alpha, lora.target_modules) == (RANK, ALPHA, tuple(sorted(PROJECTIONS)))
-    written = torch.load(tmp_path / "llama.adapters.pt")
+    assert (lora.rank, lora.alpha, lora.target_modules) == (RANK, ALPHA, tuple(sorted(targets)))
+    written = torch.load(tmp_path / f"{case}.adapters.pt")
     assert sorted(values) == sorted(written)
     assert all(torch.equal(values[n][0], written[n][0]) and torch.equal(values[n][1], written[n][1]) for n in values)
 
@@ -228,10 +345,33 @@ def test_unimplemented_adapters_are_refused_by_name(config, message, tiny_models
         add_lora(torch.nn.Linear(1, 1), _spec(tiny_models["llama"]), config)
 
 
-def test_adapters_on_experts_are_refused(tiny_moe_models):
+@pytest.mark.parametrize(
+    ("model", "targets", "message"),
+    [
+        ("gpt_oss", ("experts.gate_up_proj",), "experts.gate_up_proj of GptOssForCausalLM: its experts are not plain"),
+        ("gpt_oss", ("experts.down_proj",), "experts.down_proj of GptOssForCausalLM: its experts are not plain"),
+        ("llama", ("experts.down_proj",), "experts.down_proj: LlamaForCausalLM is a dense model"),
+        ("qwen2_moe", ("gate_proj", "up_proj", "down_proj"), "adapters on shared experts are not implemented"),
+    ],
+)
+def test_unimplemented_expert_adapters_are_refused_by_name(model, targets, message, tiny_models, tiny_moe_models):
+    """GPT-OSS's interleaved experts, expert targets on a dense model, Qwen2-MoE's shared expert (which PEFT's
+    `gate_proj` / `up_proj` / `down_proj` would adapt)."""
+    directory = {**tiny_models, **tiny_moe_models}[model]
+    with pytest.raises(ValueError, match=message):
+        add_lora(torch.nn.Linear(1, 1), _spec(directory), LoraConfig(enabled=True, target_modules=targets))
+
+
+def test_dense_projection_names_leave_the_experts_alone(tiny_moe_models):
+    """`down_proj` (PEFT's `target_modules`) adapts dense MLPs only, as in PEFT: no routed expert's entry."""
+    from hf_mcore_bridge.megatron.lora import targeted_entries
+
     config = LoraConfig(enabled=True, target_modules=("gate_proj", "up_proj", "down_proj"))
-    with pytest.raises(ValueError, match="adapters on experts are not implemented"):
-        add_lora(torch.nn.Linear(1, 1), _spec(tiny_moe_models["qwen3_moe"]), config)
+    found = [entry.mcore for entry in targeted_entries(_spec(tiny_moe_models["qwen3_moe"]), config)]
+    assert found and not any("experts" in name for name in found), found
+    experts = LoraConfig(enabled=True, target_modules=("experts.down_proj",))
+    found = [entry.mcore for entry in targeted_entries(_spec(tiny_moe_models["qwen3_moe"]), experts)]
+    assert found == ["decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"], found
 
 
 @pytest.mark.parametrize(
@@ -256,3 +396,37 @@ def test_unsupported_peft_directories_are_refused_by_name(config, tensors, messa
         save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=message):
         read_peft_adapter(tmp_path)
+
+
+@pytest.mark.parametrize("target", EXPERTS)
+def test_one_expert_target_alone_loads_in_peft(target, tiny_moe_models, tmp_path):
+    """A PEFT directory of one expert target alone (no `base_layer` nesting, `target_modules` empty): PEFT loads
+    every tensor of it, and its merged model adds s * B_e A_e to expert e's slice of the fused tensor, written here
+    from the per-expert factors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
+
+    hf_dir = tiny_moe_models["qwen3_moe"]
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    parameter = target.split(".")[1]
+    fused = {n.removesuffix(f".{parameter}") for n in base if n.endswith(f"mlp.experts.{parameter}")}
+    generator = torch.Generator().manual_seed(5)
+    values = {}
+    for module in sorted(fused):
+        experts, out, columns = base[f"{module}.{parameter}"].shape
+        for e in range(experts):
+            a, b = torch.randn(RANK, columns, generator=generator), torch.randn(out, RANK, generator=generator)
+            values[f"{module}.{parameter}[{e}]"] = (a, b)
+    lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, target_modules=(target,))
+    write_peft_adapter(values, lora, tmp_path, str(hf_dir))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["target_parameters"] == [target]
+    loaded = [n for n, _ in model.named_parameters() if ".lora_" in n]
+    assert len(loaded) == 2 * len(fused) and not any("base_layer" in n for n in loaded), loaded
+    merged = model.merge_and_unload().state_dict()
+    for name, (a, b) in values.items():
+        module, e = name.split("[")[0], int(name.split("[")[1][:-1])
+        want = base[module][e] + (ALPHA / RANK) * (b @ a)
+        torch.testing.assert_close(merged[module][e], want, atol=1e-5, rtol=1e-5, msg=name)

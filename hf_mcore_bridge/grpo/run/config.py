@@ -39,7 +39,7 @@ from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, valida
 from hf_mcore_bridge.grpo.data.config import DataConfig, RewardConfig, validate_data, validate_reward
 from hf_mcore_bridge.grpo.errors import GRPOConfigError, real_number, require, unknown_key
 from hf_mcore_bridge.grpo.run.plan import cluster_ranks, parallel_dims
-from hf_mcore_bridge.megatron.lora_config import FUSED, INITS, PROJECTIONS, LoraConfig
+from hf_mcore_bridge.megatron.lora_config import FUSED, INITS, TARGETS, LoraConfig, expert_targets, peft_targets
 
 __all__ = [
     "CheckpointingConfig",
@@ -514,8 +514,7 @@ def _check_adapter_path(lora: LoraConfig) -> None:
         saved = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
         raise GRPOConfigError(f"{where}: adapter_config.json is not readable JSON ({err})") from None
-    targets = saved.get("target_modules")
-    targets = sorted(targets if isinstance(targets, list) else [targets])
+    targets = sorted(peft_targets(saved))
     found = (saved.get("r"), float(saved.get("lora_alpha", 0)), targets)
     wanted = (lora.rank, float(lora.alpha), sorted(lora.target_modules))
     require(
@@ -537,9 +536,9 @@ def _validate_lora(config: GRPOConfig) -> None:
     require(lora.init in INITS, f"policy.lora.init={lora.init!r}: one of {', '.join(INITS)}")
     require(bool(lora.target_modules), "policy.lora.target_modules is empty: name at least one HF projection")
     for name in lora.target_modules:
-        if name not in PROJECTIONS:
-            close = difflib.get_close_matches(name, PROJECTIONS, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; implemented: {', '.join(PROJECTIONS)}"
+        if name not in TARGETS:
+            close = difflib.get_close_matches(name, TARGETS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; implemented: {', '.join(TARGETS)}"
             raise GRPOConfigError(f"policy.lora.target_modules: {name!r} is not an implemented projection{hint}")
     for group in FUSED:
         chosen = [name for name in group if name in lora.target_modules]
@@ -552,8 +551,14 @@ def _validate_lora(config: GRPOConfig) -> None:
         return
     if lora.adapter_path is not None:
         _check_adapter_path(lora)
+    experts = expert_targets(lora)
     dtensor = config.policy.dtensor_cfg
     if dtensor.enabled:
+        require(
+            not experts,
+            f"policy.lora.target_modules {list(experts)} on the DTensor backend: adapters on experts are implemented"
+            " on the megatron-core backend only",
+        )
         require(
             dtensor.tensor_parallel_size == 1,
             f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
@@ -571,6 +576,19 @@ def _validate_lora(config: GRPOConfig) -> None:
         "policy.lora.enabled=true cannot be combined with policy.megatron_cfg.sequence_parallel (adapters under"
         " sequence parallelism are not implemented)",
     )
+    if experts:
+        etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+        require(
+            etp == 1,
+            f"policy.lora.target_modules {list(experts)} with expert tensor parallelism {etp}"
+            " (policy.megatron_cfg.expert_tensor_parallel_size, else tensor_model_parallel_size): adapters on experts"
+            " are implemented at expert_tensor_parallel_size 1 (set it to 1)",
+        )
+        require(
+            not config.checkpointing.enabled,
+            f"policy.lora.target_modules {list(experts)} cannot be combined with checkpointing.enabled (checkpoints"
+            " of adapters on experts are not implemented)",
+        )
 
 
 def _validate_backend_switch(policy: PolicyConfig) -> None:

@@ -233,6 +233,7 @@ def test_a_config_error_is_found_without_the_training_stack(
 
 
 LORA = ["policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"]
+EXPERTS = ["policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, experts.gate_up_proj, experts.down_proj]"]
 
 
 def test_lora_section_loads_with_its_defaults_and_values() -> None:
@@ -241,6 +242,8 @@ def test_lora_section_loads_with_its_defaults_and_values() -> None:
     assert (lora.enabled, lora.rank, lora.alpha, lora.scale, lora.init) == (False, 4, 8.0, 2.0, "gaussian")
     assert lora.target_modules[-1] == "down_proj"
     assert config_from_dict(BASE).policy.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    experts = config_from_dict(BASE, ["policy.lora.enabled=true", *EXPERTS]).policy.lora  # EP1, ETP1: accepted
+    assert experts.target_modules[-2:] == ("experts.gate_up_proj", "experts.down_proj")
 
 
 @pytest.mark.parametrize(
@@ -255,7 +258,11 @@ def test_lora_section_loads_with_its_defaults_and_values() -> None:
             "policy.lora.target_modules=[q_prj, k_proj, v_proj]",
             "'q_prj' is not an implemented projection; did you mean 'q_proj'",
         ),
-        ("policy.lora.target_modules=[experts]", "'experts' is not an implemented projection; implemented: q_proj"),
+        (
+            "policy.lora.target_modules=[experts]",
+            "'experts' is not an implemented projection; did you mean 'experts.down",
+        ),
+        ("policy.lora.target_modules=[lm_head]", "'lm_head' is not an implemented projection; implemented: q_proj"),
         ("policy.lora.target_modules=[]", "target_modules is empty"),
         ("policy.lora.target_modules=[q_proj, v_proj]", "q_proj, k_proj, v_proj share one megatron-core linear"),
         ("policy.lora.target_modules=[up_proj]", "gate_proj, up_proj share one megatron-core linear"),
@@ -285,6 +292,19 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
         (
             ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
             "cannot be combined with policy.megatron_cfg.sequence_parallel",
+        ),
+        (
+            [*EXPERTS, "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
+            r"\['experts.gate_up_proj', 'experts.down_proj'\] with expert tensor parallelism 2",
+        ),
+        (
+            [*EXPERTS, "policy.megatron_cfg.expert_tensor_parallel_size=2", "cluster.gpus_per_node=2"],
+            "with expert tensor parallelism 2",
+        ),
+        ([*EXPERTS, "checkpointing.enabled=true"], "checkpoints of adapters on experts are not implemented"),
+        (
+            [*EXPERTS, "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"],
+            "on the DTensor backend: adapters on experts are implemented on the megatron-core backend only",
         ),
     ],
 )

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.megatron.lora import initial_a
-from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_config import LoraConfig, expert_targets
 
 __all__ = ["ADAPTER", "add_peft_lora", "full_adapters", "hf_entries", "lora_modules", "merged_weight"]
 
@@ -46,9 +46,12 @@ def lora_modules(model: torch.nn.Module) -> dict[str, Any]:
 def add_peft_lora(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """Inject PEFT's LoRA layers for `lora` into the unsharded `model`, freeze all but the adapters, set their
     initial values; returns the adapted modules' HF names. BridgeError: nothing matched, or an adapter directory
-    that does not fit the model (named)."""
+    that does not fit the model (named), adapters on experts (implemented on the megatron-core backend only)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
+
+    if expert_targets(lora):
+        raise BridgeError(f"LoRA on {list(expert_targets(lora))}: adapters on experts need the megatron-core backend")
 
     config = PeftLoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=list(lora.target_modules)

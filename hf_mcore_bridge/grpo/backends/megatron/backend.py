@@ -99,22 +99,16 @@ class MegatronBackend:
         return [n for p in placed_entries(model_cfg) for n in p.hf_names()]
 
     def trained_names(self) -> list[str] | None:
-        """With LoRA, the HF weights of the adapted linears (every HF tensor of their table entries); else None.
-        Collective over the pipeline stages: each holds its own layers' adapters, and the stream that follows is
-        collective, so every stage must name the same tensors."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+        """With LoRA, the HF weights of the adapted linears (every HF tensor of their table entries, each adapted
+        expert's among them); else None. Collective over the pipeline stages and the expert-parallel group: each
+        holds its own layers' (experts') adapters, and the stream that follows is collective, so every rank must
+        name the same tensors."""
+        from hf_mcore_bridge.megatron.lora import adapted_weights
 
-        from hf_mcore_bridge.megatron.lora import adapter_modules
-
-        adapted = {name for holder in adapter_modules(self.policy.module) for name in holder.names}
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-            dist.all_gather_object(stages, adapted, group=parallel_state.get_pipeline_model_parallel_group())
-            adapted = set().union(*stages)
+        adapted = adapted_weights(self.policy.module)
         if not adapted:
             return None
-        return [name for name in self.hf_names() if name.removesuffix(".weight") in adapted]
+        return [name for name in self.hf_names() if name in adapted]
 
     def hf_weights(
         self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True

@@ -408,7 +408,12 @@ def convert(
             )
         else:
             from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+            from hf_mcore_bridge.errors import CheckpointError
+            from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import conversion_refusal
 
+            refusal = conversion_refusal(source, iteration)
+            if refusal is not None:
+                raise CheckpointError(refusal)
             result = convert_mcore_to_hf(
                 source,
                 destination,

@@ -559,11 +559,6 @@ def _validate_lora(config: GRPOConfig) -> None:
             f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
             " LoRA on the DTensor backend is implemented with FSDP2 alone (tensor_parallel_size 1)",
         )
-        require(
-            not config.checkpointing.enabled,
-            "policy.lora.enabled=true on the DTensor backend cannot be combined with checkpointing.enabled (its"
-            " checkpoints of adapters are not implemented; the megatron-core backend's are)",
-        )
         return
     megatron = config.policy.megatron_cfg
     require(

@@ -279,10 +279,6 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
             "LoRA on the DTensor backend is implemented with FSDP2 alone",
         ),
         (
-            ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true", "checkpointing.enabled=true"],
-            "on the DTensor backend cannot be combined with checkpointing.enabled",
-        ),
-        (
             ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
             "cannot be combined with policy.megatron_cfg.sequence_parallel",
         ),
@@ -291,6 +287,11 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
 def test_lora_runs_not_implemented_yet_are_refused_by_name(overrides: list[str], message: str) -> None:
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(BASE, ["policy.lora.enabled=true", *overrides])
+
+
+def test_dtensor_lora_runs_with_checkpoints() -> None:
+    on = ["policy.lora.enabled=true", "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+    assert config_from_dict(BASE, [*on, "checkpointing.enabled=true"]).checkpointing.enabled
 
 
 def test_a_lora_adapter_path_must_be_a_peft_directory_of_the_configs_shape(tmp_path: Path) -> None:

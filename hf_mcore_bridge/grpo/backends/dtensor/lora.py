@@ -12,8 +12,8 @@ a base layer's weight under its HF name (`...q_proj.base_layer.weight` -> `...q_
 makes a targeted weight W + (B A) * alpha / rank from the gathered factors (PEFT's `merge_and_unload` arithmetic).
 
 Assumes and refuses (in the run's config): no tensor parallelism on this backend with LoRA (the TP plan names
-`nn.Linear` projections that PEFT has wrapped), no dropout, no checkpoints (a LoRA run's result is its PEFT
-directory, `<logger.log_dir>/lora_adapter`).
+`nn.Linear` projections that PEFT has wrapped), no dropout. Checkpoints hold the adapters alone
+(`backends.dtensor.checkpoint`).
 """
 
 from __future__ import annotations

@@ -77,6 +77,48 @@ def lora_step_rank(
     adapted = policy.adapted_names()
     only = {name: tensor.cpu() for name, tensor in policy.hf_weights(names=adapted)}
     held = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
+    second = _checkpoint_round_trip(hf_dir, settings, lora, policy, mine, loss_config, temperature, Path(out).parent)
     if dist.get_rank() == 0:
         result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
-        torch.save(result | {"adapted": adapted, "only": only, "held": held}, out)
+        torch.save(result | {"adapted": adapted, "only": only, "held": held} | second, out)
+
+
+def _checkpoint_round_trip(
+    hf_dir: str,
+    settings: DTensorConfig,
+    lora: object,
+    policy: object,
+    mine: list,
+    loss_config: LossConfig,
+    temperature: float,
+    directory: Path,
+) -> dict:
+    """`policy` (one step done) saved as a LoRA checkpoint in `directory/ckpt` and loaded into a new policy; then
+    one more step on each, and on a new policy given the trained adapters alone (no optimizer state): the adapters
+    and metrics after that step, per policy."""
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import load_dtensor_checkpoint, save_dtensor_checkpoint
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
+
+    root = directory / "ckpt"
+    assets = {"config.json": (Path(hf_dir) / "config.json").read_text()}
+    save_dtensor_checkpoint(policy, root, 1, {"optimizer_steps": policy.optimizer_steps}, assets, hf_dir)
+
+    def build() -> object:
+        return build_dtensor_policy(
+            Path(hf_dir), settings, torch.float32, total_optimizer_steps=2, keep_reference=True, lora=lora
+        )
+
+    resumed = build()
+    load_dtensor_checkpoint(resumed, root, 1)
+    adapters_alone = build()
+    with torch.no_grad():
+        for p, q in zip(adapters_alone.model.parameters(), policy.model.parameters(), strict=True):
+            if q.requires_grad:
+                p.copy_(q)
+    result = {}
+    for key, each in (("continued", policy), ("resumed", resumed), ("adapters_alone", adapters_alone)):
+        old = each.compute_logprobs(mine, temperature)
+        ref = each.compute_logprobs(mine, temperature, reference=True)
+        metrics = each.train_minibatch(mine, old, ref, loss_config, temperature)
+        result[key] = {"metrics": metrics, "adapters": dict(full_adapters(each.model))}
+    return result

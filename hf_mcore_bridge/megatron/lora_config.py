@@ -35,7 +35,8 @@ class LoraConfig:
     alpha: float = 16.0
     """The scale's numerator: the adapter's product is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input; only 0 is implemented (other values are refused)."""
+    """Dropout probability on each adapter's input in training forwards (PEFT's `lora_dropout`: B A dropout(x));
+    log-prob forwards never drop (`megatron.lora_dropout`)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """HF projection names that get an adapter, any of `PROJECTIONS`; one adapter per projection, also where
     megatron-core fuses several into one linear (q/k/v in `linear_qkv`, gate/up in `linear_fc1`)."""

@@ -9,6 +9,9 @@ parameters require gradients and, from each rank, the replicated factors' gradie
 A case may break one thing on purpose (`fault`), for the test to show its comparison fails then:
 `scale` (alpha / rank doubled on every adapter), `qkv_rows` (the k and v adapters' output rows of the fused
 `linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged).
+
+A case with `dropout` runs its forward and backward in training mode with adapter dropout, records every mask
+drawn (on each rank: they must be equal) and then the logits of a forward in eval mode.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class LoraCase:
     optimizer: bool = False
     """Also wrap the model in megatron-core's `DistributedDataParallel`, build its optimizer and record the
     elements of both (they must be the adapters' alone)."""
+    dropout: float = 0.0
+    """Adapter dropout: the forward and backward run in training mode inside `dropout_rng`, each adapter's whole
+    mask is recorded (`masks`, by HF module name, on every rank), then a forward in eval mode (`eval_logits`)."""
 
 
 def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
@@ -71,6 +77,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     from hf_mcore_bridge import AutoBridge
     from hf_mcore_bridge.megatron.lora import add_lora, full_adapters, merged, set_adapters
     from hf_mcore_bridge.megatron.lora_config import LoraConfig
+    from hf_mcore_bridge.megatron.lora_dropout import dropout_rng
     from hf_mcore_bridge.models.parallel_style import Parallel
 
     loss_weights = torch.load(weights_path)
@@ -80,14 +87,26 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     for case in cases:
         bridge = AutoBridge.from_pretrained(case.hf_dir)
         (model,) = bridge.get_model(dtype="float32", load_weights=True)
-        config = LoraConfig(enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules)
+        config = LoraConfig(
+            enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules, dropout=case.dropout
+        )
         adapters = add_lora(model, bridge.model_config, config)
         set_adapters(adapters, torch.load(case.adapters))
         _break(adapters, case.fault)
-        output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+        masks = _record_masks(adapters) if case.dropout else None
+        if case.dropout:
+            model.train()
         vocab = bridge.model_config.vocab_size
-        logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-        (logits * loss_weights).sum().backward()
+        with dropout_rng(config, step=0, replica=0):
+            output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+            logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
+            (logits * loss_weights).sum().backward()
+        eval_logits = None
+        if case.dropout:
+            model.eval()
+            with torch.no_grad():
+                eval_logits = gather_from_tensor_model_parallel_region(model(tokens, positions, mask))[..., :vocab]
+            torch.save(masks, Path(out_dir) / f"{case.name}.masks.{dist.get_rank()}.pt")
         grads = full_adapters(adapters, grad=True)
         replicated = {
             name: (a.grad if holder.parallel is Parallel.COLUMN else b.grad)
@@ -108,12 +127,31 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             restored = all(torch.equal(before[n], p) for n, p in model.named_parameters())
         if dist.get_rank() == 0:  # TP rank 0; at EP2 both ranks hold whole adapters: one writes
             trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-            result = {"logits": logits.detach(), "grads": grads, "trainable": trainable}
+            result = {"logits": logits.detach(), "grads": grads, "trainable": trainable, "eval_logits": eval_logits}
             result |= {"merged": stream, "restored": restored}
             result["optimizer"] = _optimizer_elements(model) if case.optimizer else None
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
         elif case.optimizer:
             _optimizer_elements(model)  # collective
+
+
+def _record_masks(adapters: list) -> dict[str, list[torch.Tensor]]:
+    """Every whole dropout mask the adapters draw, by HF module name (a fused linear draws one per projection, in
+    `names` order), in megatron-core's [seq, batch, width] layout."""
+    masks: dict[str, list[torch.Tensor]] = {}
+    for holder in adapters:
+        draw = holder.whole_keep_mask
+        calls = [0]
+
+        def recorded(x: torch.Tensor, holder=holder, draw=draw, calls=calls) -> torch.Tensor:
+            mask = draw(x)
+            name = holder.names[calls[0] % len(holder.names)]
+            calls[0] += 1
+            masks.setdefault(name, []).append(mask.detach().clone())
+            return mask
+
+        holder.whole_keep_mask = recorded
+    return masks
 
 
 def _optimizer_elements(model: torch.nn.Module) -> dict[str, int]:

@@ -14,12 +14,14 @@ HF transformers + PEFT + autograd + torch's AdamW written here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hf_mcore_bridge.grpo.algorithm.batching import make_microbatches
@@ -38,6 +40,7 @@ MICRO_BATCH, LR, WEIGHT_DECAY, CLIP = 2, 1e-2, 0.1, 0.05
 LOSS = LossConfig(kl_coef=0.05)
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=PROJECTIONS)
 EXACT = 1.0001
+DROPOUT = 0.25
 
 
 def _peft_reference(policy: Path, initial: dict) -> tuple[torch.nn.Module, dict]:
@@ -62,7 +65,11 @@ def test_lora_step_at_dp_shard2_matches_hf_peft_reference(tmp_path: Path) -> Non
     policy = build_tiny_policy(tmp_path / "policy", seed=5)
     settings = DTensorConfig(enabled=True, data_parallel_shard_size=2, lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP)
     out = tmp_path / "out.pt"
-    run_torch_world(lora_step_rank, 2, str(policy), settings, LORA, ROLLOUTS, MICRO_BATCH, LOSS, TEMPERATURE, str(out))
+    random_adapters = _random_peft_adapter(policy, tmp_path / "random_adapter")
+    dropout = dataclasses.replace(LORA, dropout=DROPOUT, adapter_path=str(tmp_path / "random_adapter"))
+    run_torch_world(
+        lora_step_rank, 2, str(policy), settings, LORA, ROLLOUTS, MICRO_BATCH, LOSS, TEMPERATURE, str(out), dropout
+    )
     got = torch.load(out, weights_only=True)
     assert all(not b.any() for _, b in got["initial"].values()) and all(a.any() for a, _ in got["initial"].values())
 
@@ -102,6 +109,53 @@ def test_lora_step_at_dp_shard2_matches_hf_peft_reference(tmp_path: Path) -> Non
     assert got["only"].keys() == set(got["adapted"])
     assert all(torch.equal(got["only"][n], got["merged"][n]) for n in got["adapted"])
     _check_checkpoint_round_trip(got, tmp_path / "ckpt" / "iter_0000001", policy)
+    _check_dropout(got["dropout"], random_adapters)
+
+
+def _random_peft_adapter(policy: Path, directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's `save_pretrained` of adapters with random A and B (B nonzero) on the tiny model; by HF module name."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    model = get_peft_model(hf, PeftLoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules=list(PROJECTIONS)))
+    generator = torch.Generator().manual_seed(3)
+    values = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                a.copy_(torch.randn(a.shape, generator=generator) * 0.2)
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
+                values[name.removeprefix("base_model.model.")] = (a.clone(), b.clone())
+    model.save_pretrained(directory)
+    return values
+
+
+def _check_dropout(records: dict, adapters: dict) -> None:
+    """Adapter dropout p on the DTensor backend: in the training forward each adapted module adds
+    scale * B A (x * mask / (1 - p)), its `lora_dropout` zeroing about p of x's elements (the mask captured from its
+    output) and scaling the rest; in the log-prob forward (eval mode) it adds scale * B A x, x untouched."""
+    scale = LORA.alpha / LORA.rank
+    assert sorted(records["train"]) == sorted(records["eval"]) == sorted(adapters)
+    zeros, elements = 0, 0
+    for name, (a, b) in adapters.items():
+        train, evaluated = records["train"][name], records["eval"][name]
+        x = train["x"]
+        assert x.ne(0).all(), name
+        mask = train["dropped"].ne(0).to(x.dtype)
+        torch.testing.assert_close(train["dropped"], x * mask / (1 - DROPOUT), atol=1e-6, rtol=1e-6, msg=name)
+        zeros, elements = zeros + int(mask.eq(0).sum()), elements + mask.numel()
+        reference = F.linear(F.linear(x * mask / (1 - DROPOUT), a), b) * scale
+        contribution = train["output"] - train["base"]
+        torch.testing.assert_close(contribution, reference, atol=1e-5, rtol=0, msg=name)
+        undropped = F.linear(F.linear(x, a), b) * scale
+        assert (contribution - undropped).abs().max() > 1e-3, name  # the mask matters
+        assert torch.equal(evaluated["dropped"], evaluated["x"]), name
+        contribution = evaluated["output"] - evaluated["base"]
+        torch.testing.assert_close(contribution, F.linear(F.linear(evaluated["x"], a), b) * scale, atol=1e-5, rtol=0)
+    assert abs(zeros / elements - DROPOUT) < 0.03, zeros / elements
 
 
 def _check_checkpoint_round_trip(got: dict, iteration: Path, policy: Path) -> None:
@@ -150,7 +204,8 @@ def _run_config(root: Path, policy: Path, name: str, **lora: object) -> dict:
             "model_path": str(policy),
             "megatron_cfg": {"enabled": False},
             "dtensor_cfg": {"enabled": True, "data_parallel_shard_size": 2, "micro_batch_size": 16, "lr": 5e-2},
-            "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": list(PROJECTIONS), **lora},
+            "lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.1, "target_modules": list(PROJECTIONS)}
+            | lora,
         },
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": STEPS},
         "loss_fn": {"kl_coef": 0.01},
@@ -164,7 +219,7 @@ def _run_config(root: Path, policy: Path, name: str, **lora: object) -> dict:
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """A four-step DTensor LoRA run at dp_shard=2 with checkpoints after steps 2 and 4."""
+    """A four-step DTensor LoRA run at dp_shard=2 (adapter dropout 0.1) with checkpoints after steps 2 and 4."""
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import train_grpo
 
@@ -208,9 +263,10 @@ def test_lora_run_keeps_engine_and_trainer_in_agreement(lora_run: tuple, tmp_pat
 
 def test_lora_run_resumes_from_its_checkpoint_and_exports(lora_run: tuple, tmp_path: Path) -> None:
     """Resumed from the step-2 checkpoint (adapters, their optimizer state, LR schedule, prompt order; the base
-    read again from policy.model_path), steps 3-4 log exactly the uninterrupted run's metrics and end with its
-    adapters. `bridge export` of the step-4 checkpoint: `--peft` writes the adapters the run gathered at its end;
-    the merged export equals PEFT's `merge_and_unload` of them on the base, tensor by tensor."""
+    read again from policy.model_path; the dropout masks seeded by the step), steps 3-4 log exactly the
+    uninterrupted run's metrics and end with its adapters. `bridge export` of the step-4 checkpoint: `--peft`
+    writes the adapters the run gathered at its end; the merged export equals PEFT's `merge_and_unload` of them on
+    the base, tensor by tensor."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import write_tracker
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo

@@ -266,7 +266,7 @@ def test_lora_run_resumes_from_its_checkpoint_and_exports(lora_run: tuple, tmp_p
     read again from policy.model_path; the dropout masks seeded by the step), steps 3-4 log exactly the
     uninterrupted run's metrics and end with its adapters. `bridge export` of the step-4 checkpoint: `--peft`
     writes the adapters the run gathered at its end; the merged export equals PEFT's `merge_and_unload` of them on
-    the base, tensor by tensor."""
+    the base, tensor by tensor, also with the base given as a megatron checkpoint."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import write_tracker
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
@@ -327,6 +327,20 @@ def _check_exports(checkpoints: Path, live: Path, policy: Path, tmp_path: Path) 
     ]
     changed = {k for k in written if not torch.equal(written[k], load_file(policy / "model.safetensors")[k])}
     assert changed == {k for k in written if k.rsplit(".", 2)[-2] in PROJECTIONS}
+
+    # a run whose policy.model_path was a megatron checkpoint: the merged export converts that base first
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+
+    convert_hf_to_mcore(policy, tmp_path / "mcore_base", show_progress=False)
+    moved = tmp_path / "from_mcore"
+    shutil.copytree(checkpoints, moved)
+    adapter_config = moved / f"iter_{STEPS:07d}" / "adapter" / "adapter_config.json"
+    saved = json.loads(adapter_config.read_text())
+    adapter_config.write_text(json.dumps(saved | {"base_model_name_or_path": str(tmp_path / "mcore_base")}))
+    result = CliRunner().invoke(app, ["export", str(moved), str(tmp_path / "merged_mcore")])
+    assert result.exit_code == 0, result.output
+    again = load_file(tmp_path / "merged_mcore" / "model.safetensors")
+    assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
 
 
 def _check_refusals(checkpoints: Path, policy: Path, tmp_path: Path) -> None:

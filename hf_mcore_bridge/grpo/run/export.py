@@ -47,7 +47,7 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, resolve_check
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import adapter_base, adapter_lora, adapter_of, hf_policy_of
+from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import adapter_base, adapter_lora, adapter_of, hf_policy_of
 from hf_mcore_bridge.grpo.run.metrics import METRICS_FILE, read_metrics
 from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.megatron.lora_config import LoraConfig

@@ -171,7 +171,7 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
     """Raise `GRPOConfigError` unless `checkpointing.checkpoint_dir`'s checkpoint of `step` was written by this
     backend for the model of `policy.model_path` (the dtype may differ). Reads configs only: run it before the
     policy is converted."""
-    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR, MODEL_OPTIM_DIR
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import HF_DIR, MODEL_OPTIM_DIR
 
     root = Path(config.checkpointing.checkpoint_dir)
     directory = root / iteration_dirname(step)
@@ -202,7 +202,7 @@ def _check_lora(config: GRPOConfig, directory: Path, dtensor: bool) -> None:
     targets): its tensors and optimizer state are those adapters'. A megatron checkpoint keeps it in its common
     state, a DTensor checkpoint in its PEFT directory's `adapter_config.json`."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
-    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import adapter_lora
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import adapter_lora
     from hf_mcore_bridge.megatron.lora_checkpoint import lora_of_common
 
     saved = adapter_lora(directory) if dtensor else lora_of_common(read_common(directory))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -89,19 +90,24 @@ def lora_step_rank(
 def _dropout_forwards(
     hf_dir: str, settings: DTensorConfig, lora: object, mine: list, loss_config: LossConfig, temperature: float
 ) -> dict:
-    """A policy with adapter dropout (`lora`): per adapted module, its input x, its output, its base layer's output
-    and its `lora_dropout`'s output in the first forward of `compute_logprobs` (`eval`) and of `train_minibatch`
-    (`train`)."""
+    """A policy with adapter dropout (`lora`) and activation checkpointing: per adapted module, its input x, its
+    output, its base layer's output and its `lora_dropout`'s output in the first forward of `compute_logprobs`
+    (`eval`) and of `train_minibatch` (`train`); and the `lora_dropout` outputs of that training forward and of its
+    recomputation in the backward (`recomputed`)."""
     from hf_mcore_bridge.grpo.backends.dtensor.lora import ADAPTER, lora_modules
 
+    recompute = dataclasses.replace(settings, activation_checkpointing=True)
     policy = build_dtensor_policy(
-        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+        Path(hf_dir), recompute, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
     )
     phase: list[str | None] = [None]
     records: dict[str, dict[str, dict[str, torch.Tensor]]] = {"eval": {}, "train": {}}
+    recomputed: dict[str, list[torch.Tensor]] = {}
 
     def hook(name: str, what: str):
         def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if phase[0] == "train" and what == "dropped" and len(recomputed.setdefault(name, [])) < 2:
+                recomputed[name].append(output.detach().clone())
             if phase[0] is not None and what not in records[phase[0]].setdefault(name, {}):
                 records[phase[0]][name][what] = output.detach().clone()
                 if what == "output":
@@ -119,7 +125,7 @@ def _dropout_forwards(
     ref = policy.compute_logprobs(mine, temperature, reference=True)
     phase[0] = "train"
     policy.train_minibatch(mine, old, ref, loss_config, temperature)
-    return records
+    return records | {"recomputed": recomputed}
 
 
 def _checkpoint_round_trip(

@@ -156,6 +156,10 @@ def _check_dropout(records: dict, adapters: dict) -> None:
         contribution = evaluated["output"] - evaluated["base"]
         torch.testing.assert_close(contribution, F.linear(F.linear(evaluated["x"], a), b) * scale, atol=1e-5, rtol=0)
     assert abs(zeros / elements - DROPOUT) < 0.03, zeros / elements
+    # activation recomputation (torch.utils.checkpoint restores the RNG) redraws the training forward's masks
+    assert sorted(records["recomputed"]) == sorted(adapters)
+    for name, (forward, again) in records["recomputed"].items():
+        assert torch.equal(forward, again) and torch.equal(forward, records["train"][name]["dropped"]), name
 
 
 def _check_checkpoint_round_trip(got: dict, iteration: Path, policy: Path) -> None:

@@ -408,7 +408,12 @@ def convert(
             )
         else:
             from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
+            from hf_mcore_bridge.errors import CheckpointError
+            from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import conversion_refusal
 
+            refusal = conversion_refusal(source, iteration)
+            if refusal is not None:
+                raise CheckpointError(refusal)
             result = convert_mcore_to_hf(
                 source,
                 destination,
@@ -537,7 +542,7 @@ def inspect(
 
     def action() -> None:
         from hf_mcore_bridge.convert.inspect import inspect_path
-        from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import inspection_of
+        from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import inspection_of
 
         report = inspection_of(path) or inspect_path(path)
         if as_json:

@@ -30,7 +30,10 @@ as two more grouped GEMMs per linear (`grouped_experts`).
 
 Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
 projections and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
-sequence-sharded) and no dropout (`LoraConfig.dropout` must be 0). Every base parameter is frozen
+sequence-sharded). Dropout (`LoraConfig.dropout`) on each adapter's input in training mode only, PEFT's
+semantics (`megatron.lora_dropout`: each projection of a fused linear its own mask; a row-parallel input's mask cut
+from one of the whole width, alike on every tensor-parallel rank); not on experts' adapters (PEFT's
+`target_parameters` adapters have none: ValueError). Every base parameter is frozen
 (`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
 
 Checkpoints: an adapted linear's sharded state dict holds its adapters beside its weight (`<linear>.lora.lora_a.<i>`,
@@ -97,11 +100,17 @@ class LinearAdapters(torch.nn.Module):
         tp_group: Any,
         weights: tuple[str, ...] = (),
         expert: bool = False,
+        dropout: float = 0.0,
+        tp: tuple[int, int] = (0, 1),
     ) -> None:
         super().__init__()
         self.names = names
         self.weights = weights
         self.expert = expert
+        self.dropout = dropout
+        """Dropout probability on each adapter's input in training mode (`megatron.lora_dropout`)."""
+        self.tp = tp
+        """(this rank, the tensor-parallel size): which columns of a whole-width mask a row-parallel input keeps."""
         self.parallel = parallel
         self.scale = scale
         self.tp_group = tp_group
@@ -118,15 +127,39 @@ class LinearAdapters(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
+        linear = torch.nn.functional.linear
         if self.parallel is Parallel.ROW:
             (a,), (b,) = self.lora_a, self.lora_b
-            low = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(x, a), group=self.tp_group)
-            return self.scale * torch.nn.functional.linear(low, b)
-        low = torch.nn.functional.linear(x, torch.cat(list(self.lora_a)))
+            low = reduce_from_tensor_model_parallel_region(linear(self._input(x), a), group=self.tp_group)
+            return self.scale * linear(low, b)
+        if self.dropout > 0 and self.training:  # PEFT: each projection drops its own mask of the shared input
+            low = torch.cat([linear(self._input(x), a) for a in self.lora_a], dim=-1)
+        else:
+            low = linear(x, torch.cat(list(self.lora_a)))
         low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
         parts = low.split([a.shape[0] for a in self.lora_a], dim=-1)
         out = torch.cat([torch.nn.functional.linear(p, b) for p, b in zip(parts, self.lora_b, strict=True)], dim=-1)
         return self.scale * out.index_select(-1, self.rows)
+
+    def whole_keep_mask(self, x: torch.Tensor) -> torch.Tensor:
+        """A dropout mask for the whole input of which `x` is this rank's part (all of it on a column-parallel
+        linear, a column block on a row-parallel one), drawn alike on every tensor-parallel rank."""
+        from hf_mcore_bridge.megatron.lora_dropout import keep_mask
+
+        width = x.shape[-1] * (self.tp[1] if self.parallel is Parallel.ROW else 1)
+        return keep_mask((*x.shape[:-1], width), self.dropout, x)
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's input: `x`, or in training mode with dropout `x` dropped by this rank's part of a mask."""
+        if self.dropout == 0 or not self.training:
+            return x
+        from hf_mcore_bridge.megatron.lora_dropout import dropped
+
+        mask = self.whole_keep_mask(x)
+        if self.parallel is Parallel.ROW:
+            rank, width = self.tp[0], x.shape[-1]
+            mask = mask[..., rank * width : (rank + 1) * width]
+        return dropped(x, mask, self.dropout)
 
     def weight_delta(self) -> torch.Tensor:
         """s * B A as this rank's part of the linear's weight (its local rows, or its local columns)."""
@@ -317,7 +350,16 @@ def _adapters_for(
     group = getattr(linear, "tp_group", None)
     weights = tuple(s.format(layer=layer_index) for s in entry.hf_sources)
     return LinearAdapters(
-        names, cast[: len(a_list)], cast[len(a_list) :], style, rows, lora.scale, group, weights=weights
+        names,
+        cast[: len(a_list)],
+        cast[len(a_list) :],
+        style,
+        rows,
+        lora.scale,
+        group,
+        weights=weights,
+        dropout=lora.dropout,
+        tp=(rank, tp),
     )
 
 
@@ -325,8 +367,10 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
     """Freeze every parameter of `model` (a `GPTModel` stage of the local spec) and give each targeted linear of
     its decoder layers adapters (as its submodule `lora`; a forward hook adds their product). Collective-free;
     every rank calls it alike. ValueError: a target that is not implemented (named)."""
-    if lora.dropout != 0:
-        raise ValueError(f"LoRA dropout {lora.dropout}: only 0 is implemented")
+    if not 0 <= lora.dropout < 1:
+        raise ValueError(f"LoRA dropout {lora.dropout}: must be in [0, 1)")
+    if lora.dropout and any(t in lora.target_modules for t in EXPERT_PROJECTIONS):
+        raise ValueError(f"LoRA dropout {lora.dropout} on experts' adapters: not implemented (PEFT has none there)")
     entries = list(targeted_entries(model_cfg, lora))
     missing = [t for t in EXPERT_PROJECTIONS if t in lora.target_modules and not any(map(expert_target, entries))]
     if missing and model_cfg.moe is None:

@@ -50,13 +50,14 @@ class LoraConfig:
     W + (alpha / rank) * B A, with A (rank x in) and B (out x rank) trained and W frozen."""
 
     enabled: bool = False
-    """Train adapters instead of the full weights (the megatron-core backend only, for now)."""
+    """Train adapters instead of the full weights (megatron-core, or the DTensor backend without tensor parallelism)."""
     rank: int = 8
     """The adapters' rank r (PEFT's `r`, NeMo-RL's `dim`)."""
     alpha: float = 16.0
     """The scale's numerator: the adapter's product is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
     dropout: float = 0.0
-    """Dropout on the adapter's input; only 0 is implemented (other values are refused)."""
+    """Dropout probability on each adapter's input in training forwards (PEFT's `lora_dropout`: B A dropout(x));
+    log-prob forwards never drop (`megatron.lora_dropout`)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """HF projection names that get an adapter, any of `TARGETS`: `PROJECTIONS` (one adapter per projection, also
     where megatron-core fuses several into one linear: q/k/v in `linear_qkv`, gate/up in `linear_fc1`; they match

@@ -78,6 +78,18 @@ def test_inspect_dtensor_checkpoint(tiny_models, tmp_path):
         assert {row["name"] for row in report["tensors"]} == set(tensors)
 
 
+def test_convert_of_a_dtensor_checkpoint_names_bridge_export(tiny_models, tmp_path):
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(tiny_models["qwen2"], root / "iter_0000004" / HF_DIR)
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    result = runner.invoke(app, ["convert", "--to", "hf", str(root), str(tmp_path / "out"), "--no-progress"])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is a DTensor run's checkpoint: `bridge export RUN DEST`" in lines[0], result.output
+
+
 def test_inspect_not_a_checkpoint(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ")

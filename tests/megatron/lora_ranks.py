@@ -13,6 +13,9 @@ A case may break one thing on purpose (`fault`), for the test to show its compar
 `linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged), `experts_swapped` (the
 adapters of each rank's first two experts exchanged, on `linear_fc1` and `linear_fc2`), `expert_gate_up` (the gate
 and up halves of every expert's `linear_fc1` adapter output exchanged).
+
+A case with `dropout` runs its forward and backward in training mode with adapter dropout, records every mask
+drawn (on each rank: they must be equal) and then the logits of a forward in eval mode.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class LoraCase:
     elements of both (they must be the adapters' alone)."""
     overrides: tuple[tuple[str, object], ...] = ()
     """megatron-core config values for `get_model` (`moe_grouped_gemm`, say)."""
+    dropout: float = 0.0
+    """Adapter dropout: the forward and backward run in training mode inside `dropout_rng`, each adapter's whole
+    mask is recorded (`masks`, by HF module name, on every rank), then a forward in eval mode (`eval_logits`)."""
 
 
 def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
@@ -95,6 +101,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     from hf_mcore_bridge import AutoBridge
     from hf_mcore_bridge.megatron.lora import adapted_weights, add_lora, full_adapters, merged, set_adapters
     from hf_mcore_bridge.megatron.lora_config import LoraConfig
+    from hf_mcore_bridge.megatron.lora_dropout import dropout_rng
     from hf_mcore_bridge.models.parallel_style import Parallel
 
     loss_weights = torch.load(weights_path)
@@ -104,14 +111,26 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     for case in cases:
         bridge = AutoBridge.from_pretrained(case.hf_dir)
         (model,) = bridge.get_model(dtype="float32", load_weights=True, **dict(case.overrides))
-        config = LoraConfig(enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules)
+        config = LoraConfig(
+            enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules, dropout=case.dropout
+        )
         adapters = add_lora(model, bridge.model_config, config)
         set_adapters(adapters, torch.load(case.adapters))
         _break(adapters, case.fault)
-        output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+        masks = _record_masks(adapters) if case.dropout else None
+        if case.dropout:
+            model.train()
         vocab = bridge.model_config.vocab_size
-        logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-        (logits * loss_weights).sum().backward()
+        with dropout_rng(config, step=0, replica=0):
+            output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+            logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
+            (logits * loss_weights).sum().backward()
+        eval_logits = None
+        if case.dropout:
+            model.eval()
+            with torch.no_grad():
+                eval_logits = gather_from_tensor_model_parallel_region(model(tokens, positions, mask))[..., :vocab]
+            torch.save(masks, Path(out_dir) / f"{case.name}.masks.{dist.get_rank()}.pt")
         grads = full_adapters(adapters, grad=True)
         replicated = {
             name: (a.grad if holder.parallel is Parallel.COLUMN else b.grad)
@@ -136,7 +155,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             from megatron.core.transformer.moe.experts import SequentialMLP
 
             trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-            result = {"logits": logits.detach(), "grads": grads, "trainable": trainable}
+            result = {"logits": logits.detach(), "grads": grads, "trainable": trainable, "eval_logits": eval_logits}
             result["adapted"] = adapted
             experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
             # the experts' module, and why GroupedExperts would run SequentialMLP's forward (None: grouped GEMMs)
@@ -148,6 +167,25 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
         elif case.optimizer:
             _optimizer_elements(model)  # collective
+
+
+def _record_masks(adapters: list) -> dict[str, list[torch.Tensor]]:
+    """Every whole dropout mask the adapters draw, by HF module name (a fused linear draws one per projection, in
+    `names` order), in megatron-core's [seq, batch, width] layout."""
+    masks: dict[str, list[torch.Tensor]] = {}
+    for holder in adapters:
+        draw = holder.whole_keep_mask
+        calls = [0]
+
+        def recorded(x: torch.Tensor, holder=holder, draw=draw, calls=calls) -> torch.Tensor:
+            mask = draw(x)
+            name = holder.names[calls[0] % len(holder.names)]
+            calls[0] += 1
+            masks.setdefault(name, []).append(mask.detach().clone())
+            return mask
+
+        holder.whole_keep_mask = recorded
+    return masks
 
 
 def _optimizer_elements(model: torch.nn.Module) -> dict[str, int]:

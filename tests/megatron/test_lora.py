@@ -8,9 +8,11 @@ are equal on both ranks; only adapters require gradients and megatron-core's DDP
 else; the model's HF weight stream with the adapters merged equals PEFT's `merge_and_unload`; the adapters
 written as a PEFT directory load with `PeftModel.from_pretrained` and give the same logits. The same world
 shows the comparison failing with the scale alpha / rank doubled and with adapters on the wrong rows of the
-fused `linear_qkv` (k and v exchanged) and `linear_fc1` (gate and up exchanged). An EP2 world does the same for
-attention and routed-expert adapters on tiny MoE models against PEFT's `target_parameters` adapters of the fused
-expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
+fused `linear_qkv` (k and v exchanged) and `linear_fc1` (gate and up exchanged). With adapter dropout (p = 0.3)
+the training forward and its gradients equal PEFT's with the same masks in its `lora_dropout` (captured from the
+ranks, equal on both), and the eval forward equals PEFT without dropout. An EP2 world does the same (without
+dropout) for attention and routed-expert adapters on tiny MoE models against PEFT's `target_parameters` adapters of
+the fused expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 FAULTS = ("scale", "qkv_rows", "gate_up_rows")
 MOE_FAULTS = ("experts_swapped", "expert_gate_up")
+DROPOUT = 0.3
 
 
 def _peft(hf_dir, targets: tuple[str, ...], seed: int):
@@ -112,12 +115,13 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
     torch.save(weights, tmp_path / "weights.pt")
     plans = {"llama": ("llama", PROJECTIONS), "qwen3": ("qwen3", ATTENTION)}
     plans.update({f"llama_{fault}": ("llama", PROJECTIONS) for fault in FAULTS})
+    plans["llama_dropout"] = ("llama", PROJECTIONS)
     references, cases = {}, []
     for seed, (case, (model, targets)) in enumerate(plans.items()):
         peft_model, values = _peft(tiny_models[model], targets, seed)
         references[case] = _reference(peft_model, values, tokens, weights)
         torch.save({n: (a, b) for n, (_, a, b) in values.items()}, tmp_path / f"{case}.adapters.pt")
-        fault = case.removeprefix("llama_") if case.startswith("llama_") else None
+        fault = case.removeprefix("llama_") if case.startswith("llama_") and case != "llama_dropout" else None
         cases.append(
             LoraCase(
                 case,
@@ -129,8 +133,11 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
                 fault,
                 optimizer=case == "llama",
                 merged=case == "llama",
+                dropout=DROPOUT if case == "llama_dropout" else 0.0,
             )
         )
+        if case == "llama_dropout":
+            references[case] = peft_model, values
     run_world(lora_rank, Layout(tp=2), cases, tokens, str(tmp_path / "weights.pt"), str(tmp_path))
 
     for case in ("llama", "qwen3"):
@@ -162,6 +169,46 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
     for fault in FAULTS:
         got = torch.load(tmp_path / f"llama_{fault}.pt")
         assert (got["logits"] - references[f"llama_{fault}"][0]).abs().max() > 1e-2, fault
+
+    _check_dropout(tmp_path, *references["llama_dropout"], tokens, weights)
+
+
+class _Masked(torch.nn.Module):
+    """PEFT's `lora_dropout` with given masks ([batch, seq, width], one per forward): x * mask / (1 - p)."""
+
+    def __init__(self, masks: list[torch.Tensor], p: float) -> None:
+        super().__init__()
+        self.masks, self.p = list(masks), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.masks.pop(0) / (1 - self.p)
+
+
+def _check_dropout(tmp_path, peft_model, values, tokens, weights) -> None:
+    """Adapter dropout at TP2: the training forward's logits and every adapter gradient equal PEFT's with the same
+    masks in its `lora_dropout` (each projection its own mask, drawn alike on both ranks, about p of them zeros);
+    the eval forward drops nothing (PEFT without dropout); the dropped logits are not the undropped ones."""
+    got = torch.load(tmp_path / "llama_dropout.pt")
+    masks, other = (torch.load(tmp_path / f"llama_dropout.masks.{r}.pt") for r in (0, 1))
+    assert sorted(masks) == sorted(values) and all(len(m) == 1 for m in masks.values())
+    assert all(torch.equal(masks[n][0], other[n][0]) for n in masks)  # one mask of the whole input on every rank
+    assert not torch.equal(masks["model.layers.0.self_attn.q_proj"][0], masks["model.layers.0.self_attn.k_proj"][0])
+    zeros = torch.cat([m[0].flatten() for m in masks.values()]).eq(0).float().mean()
+    assert abs(float(zeros) - DROPOUT) < 0.02, float(zeros)
+
+    with torch.no_grad():
+        plain = peft_model(tokens).logits
+    assert (got["eval_logits"] - plain).abs().max() <= 1e-4
+    peft_model.zero_grad(set_to_none=True)
+    for name, (module, _, _) in values.items():
+        module.lora_dropout["default"] = _Masked([m.transpose(0, 1) for m in masks[name]], DROPOUT)
+    logits, grads = _reference(peft_model, values, tokens, weights)
+    assert (got["logits"] - logits).abs().max() <= 1e-4
+    assert (got["logits"] - plain).abs().max() > 1e-2  # the masks matter
+    for name, (grad_a, grad_b) in grads.items():
+        mine_a, mine_b = got["grads"][name]
+        assert _relative(mine_a, grad_a) <= 1e-4, (name, "A", _relative(mine_a, grad_a))
+        assert _relative(mine_b, grad_b) <= 1e-4, (name, "B", _relative(mine_b, grad_b))
 
 
 @pytest.mark.slow

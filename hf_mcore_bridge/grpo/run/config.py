@@ -113,7 +113,8 @@ class GRPOSection:
     """Optimizer steps per GRPO step: the step's samples split into this many mini-batches (1: on-policy)."""
     separate_old_logprobs: bool = False
     """With one mini-batch, still compute the old log-probs in a forward pass of their own (by default they are
-    the training forward's, detached: the same values without the extra pass)."""
+    the training forward's, detached: the same values without the extra pass). Always so with LoRA dropout
+    (`policy.lora.dropout` > 0), whose training forwards are not the sampling policy's."""
     seed: int = 0
     """Seeds the prompt order and the sampling."""
     val_period: int = 0
@@ -529,10 +530,8 @@ def _validate_lora(config: GRPOConfig) -> None:
     lora = config.policy.lora
     require(lora.rank >= 1, f"policy.lora.rank={lora.rank} must be >= 1")
     require(real_number(lora.alpha, "policy.lora.alpha") > 0, f"policy.lora.alpha={lora.alpha} must be > 0")
-    require(
-        lora.dropout == 0,
-        f"policy.lora.dropout={lora.dropout}: dropout on the adapters' input is not implemented; use 0",
-    )
+    dropout = real_number(lora.dropout, "policy.lora.dropout")
+    require(0 <= dropout < 1, f"policy.lora.dropout={lora.dropout} must be in [0, 1) (the probability of a zero)")
     require(lora.init in INITS, f"policy.lora.init={lora.init!r}: one of {', '.join(INITS)}")
     require(bool(lora.target_modules), "policy.lora.target_modules is empty: name at least one HF projection")
     for name in lora.target_modules:
@@ -564,11 +563,6 @@ def _validate_lora(config: GRPOConfig) -> None:
             f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
             " LoRA on the DTensor backend is implemented with FSDP2 alone (tensor_parallel_size 1)",
         )
-        require(
-            not config.checkpointing.enabled,
-            "policy.lora.enabled=true on the DTensor backend cannot be combined with checkpointing.enabled (its"
-            " checkpoints of adapters are not implemented; the megatron-core backend's are)",
-        )
         return
     megatron = config.policy.megatron_cfg
     require(
@@ -577,6 +571,11 @@ def _validate_lora(config: GRPOConfig) -> None:
         " sequence parallelism are not implemented)",
     )
     if experts:
+        require(
+            dropout == 0,
+            f"policy.lora.dropout={lora.dropout} with adapters on experts {list(experts)}: dropout is implemented on"
+            " dense projections' adapters only (PEFT's expert adapters have none either)",
+        )
         etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
         require(
             etp == 1,

@@ -21,6 +21,9 @@ A LoRA run's megatron checkpoint (`megatron.lora_checkpoint`) exports as the bas
 (W + (B A) * alpha / rank, the product in fp32 and added in the checkpoint's dtype, as PEFT's `merge_and_unload`),
 or with `peft=True` as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) that
 `peft.PeftModel.from_pretrained` loads onto the base model. `peft=True` on a checkpoint without adapters is refused.
+A LoRA run's DTensor checkpoint holds its adapters as a PEFT directory and no base weights: `peft=True` rewrites that
+directory; the merged export reads the base from where the adapters name it (the run's `policy.model_path`) and merges
+them with the same arithmetic, refusing by name when that base is gone.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from hf_mcore_bridge.checkpoint.megatron_dirs import TRACKER_NAME, resolve_check
 from hf_mcore_bridge.checkpoint.write_errors import written_atomically
 from hf_mcore_bridge.convert.to_hf import convert_mcore_to_hf
 from hf_mcore_bridge.errors import BridgeError
-from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import hf_policy_of
+from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import adapter_base, adapter_lora, adapter_of, hf_policy_of
 from hf_mcore_bridge.grpo.run.metrics import METRICS_FILE, read_metrics
 from hf_mcore_bridge.grpo.run.plot import PLOT_FILE, plot_metrics
 from hf_mcore_bridge.megatron.lora_config import LoraConfig
@@ -192,13 +195,54 @@ def export_run(
 
 
 def checkpoint_lora(checkpoint_dir: Path) -> LoraConfig | None:
-    """The `policy.lora` of a megatron checkpoint written by a LoRA run; None otherwise (also a DTensor run's)."""
+    """The `policy.lora` (rank, alpha, targets) of a checkpoint written by a LoRA run of either backend; None
+    otherwise."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
     from hf_mcore_bridge.megatron.lora_checkpoint import lora_of_common
 
     if hf_policy_of(checkpoint_dir) is not None:
         return None
+    if adapter_of(checkpoint_dir) is not None:
+        return adapter_lora(checkpoint_dir)
     return lora_of_common(read_common(checkpoint_dir))
+
+
+def _dtensor_adapter_policy(
+    checkpoint_dir: Path, staging: Path, lora: LoraConfig, peft: bool, base: str | None
+) -> None:
+    """A DTensor LoRA checkpoint's policy into `staging`: its PEFT directory (`peft`), or its adapters merged into the
+    base its adapters name (the run's `policy.model_path`: an HF directory, copied, or a megatron checkpoint,
+    converted), in the base's dtype. BridgeError: that base is gone."""
+    from hf_mcore_bridge.megatron.lora_checkpoint import merge_adapters
+    from hf_mcore_bridge.megatron.lora_peft import read_peft_adapter, write_peft_adapter
+
+    adapter = adapter_of(checkpoint_dir)
+    assert adapter is not None
+    _, adapters = read_peft_adapter(adapter)
+    source = adapter_base(checkpoint_dir)
+    if peft:
+        write_peft_adapter(adapters, lora, staging, base or source)
+        return
+    origin = Path(source) if source else None
+    if origin is None or not origin.exists():
+        raise BridgeError(
+            f"{checkpoint_dir} holds LoRA adapters whose base weights are not stored with them; their base"
+            f" {source} (the run's policy.model_path) is not there: restore it to export the merged model, or"
+            " export the adapters alone with --peft"
+        )
+    converted = staging / "converted"
+    if (origin / "config.json").is_file() and any(origin.glob("*.safetensors")):
+        converted.mkdir()
+        for file in origin.iterdir():
+            if file.is_file() and file.name not in (MARKER_NAME, "README.md"):
+                shutil.copy2(file, converted / file.name)
+    else:
+        convert_mcore_to_hf(origin, converted, show_progress=False)
+    merge_adapters(converted, adapters, lora.scale)
+    for file in converted.iterdir():
+        if file.name != MARKER_NAME:
+            file.rename(staging / file.name)
+    shutil.rmtree(converted)
 
 
 def _write_policy(checkpoint_dir: Path, staging: Path, lora: LoraConfig | None, peft: bool, base: str | None) -> None:
@@ -209,6 +253,9 @@ def _write_policy(checkpoint_dir: Path, staging: Path, lora: LoraConfig | None, 
         for file in hf_copy.iterdir():
             if file.is_file():
                 shutil.copy2(file, staging / file.name)
+        return
+    if lora is not None and adapter_of(checkpoint_dir) is not None:
+        _dtensor_adapter_policy(checkpoint_dir, staging, lora, peft, base)
         return
     adapters = None
     if lora is not None:
@@ -270,7 +317,7 @@ def _write_export(
             (staging / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
         if config_text:
             (staging / CONFIG_FILE).write_text(config_text)
-        backend = "megatron-core" if hf_copy is None else "fsdp2"
+        backend = "megatron-core" if hf_copy is None and adapter_of(checkpoint_dir) is None else "fsdp2"
         (staging / "README.md").write_text(model_card(base_model, config_text, records, step, backend, peft))
 
 

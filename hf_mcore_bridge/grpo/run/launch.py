@@ -171,7 +171,7 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
     """Raise `GRPOConfigError` unless `checkpointing.checkpoint_dir`'s checkpoint of `step` was written by this
     backend for the model of `policy.model_path` (the dtype may differ). Reads configs only: run it before the
     policy is converted."""
-    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import HF_DIR, MODEL_OPTIM_DIR
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import HF_DIR, MODEL_OPTIM_DIR
 
     root = Path(config.checkpointing.checkpoint_dir)
     directory = root / iteration_dirname(step)
@@ -183,8 +183,7 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
             f"checkpointing.checkpoint_dir={root} holds {backend[saved_dtensor]} checkpoints (step {step}) but this"
             f" run trains with the {backend[dtensor]} backend: give the run a new checkpointing.checkpoint_dir"
         )
-    if not saved_dtensor:
-        _check_lora(config, directory)
+    _check_lora(config, directory, saved_dtensor)
     saved = _model_of(directory / HF_DIR if saved_dtensor else directory)
     model = _model_of(Path(config.policy.model_path))
     ignored = {"torch_dtype"}
@@ -198,13 +197,15 @@ def check_resumable(config: GRPOConfig, step: int) -> None:
         )
 
 
-def _check_lora(config: GRPOConfig, directory: Path) -> None:
-    """A megatron checkpoint resumes only with the `policy.lora` it was written with (adapters or none; rank, alpha
-    and targets): its tensors and optimizer state are those adapters'."""
+def _check_lora(config: GRPOConfig, directory: Path, dtensor: bool) -> None:
+    """A checkpoint resumes only with the `policy.lora` it was written with (adapters or none; rank, alpha and
+    targets): its tensors and optimizer state are those adapters'. A megatron checkpoint keeps it in its common
+    state, a DTensor checkpoint in its PEFT directory's `adapter_config.json`."""
     from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint_dirs import adapter_lora
     from hf_mcore_bridge.megatron.lora_checkpoint import lora_of_common
 
-    saved = lora_of_common(read_common(directory))
+    saved = adapter_lora(directory) if dtensor else lora_of_common(read_common(directory))
     lora = config.policy.lora if config.policy.lora.enabled else None
 
     def describe(value: Any) -> str:

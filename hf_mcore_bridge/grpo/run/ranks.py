@@ -41,7 +41,7 @@ def build_backend(config: GRPOConfig, prepared: PreparedRun) -> TrainingBackend:
             keep_reference,
             lora=config.policy.lora,
         )
-        return DTensorBackend(policy, assets)
+        return DTensorBackend(policy, assets, base_model=config.policy.model_path)
     from hf_mcore_bridge.grpo.backends.megatron.backend import MegatronBackend
     from hf_mcore_bridge.grpo.backends.megatron.policy import build_policy
     from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds

@@ -28,7 +28,8 @@ each step:
 2. log-probs: the megatron `GPTModel` computes the sampled tokens' log-probs (forward-only through
    `get_forward_backward_func`), and the reference policy's when the loss has a KL term; with one mini-batch
    (`grpo.num_minibatches: 1`) the "old" log-probs are the training forward's own, detached, and only the
-   reference's forward (if any) runs here (`fuses_old_logprobs`; `grpo.separate_old_logprobs` forces the pass);
+   reference's forward (if any) runs here (`fuses_old_logprobs`; `grpo.separate_old_logprobs` or LoRA dropout
+   forces the pass);
 3. training: first the gate (`logprob_gate`): the rollouts' engine-vs-trainer `token_mult_prob_error` past
    `grpo.max_token_mult_prob_error` stops the run (or warns), the check that sees a wrong conversion; then the
    step's rollouts split into `num_minibatches` mini-batches, one optimizer step each;
@@ -702,8 +703,12 @@ def _train_step(
 def fuses_old_logprobs(config: GRPOConfig) -> bool:
     """Whether a step takes its old log-probs from its training forward: with one mini-batch the policy that
     sampled is the policy at the start of the only update, so `exp(lp - lp.detach())` is the ratio (1 in value,
-    the surrogate's gradient) and a separate forward pass would compute the same numbers again."""
-    return config.grpo.num_minibatches == 1 and not config.grpo.separate_old_logprobs
+    the surrogate's gradient) and a separate forward pass would compute the same numbers again. With LoRA dropout
+    (`policy.lora.dropout` > 0) never: the training forward drops adapter inputs, the sampling policy did not, so
+    the old log-probs come from a forward in eval mode (as with `grpo.separate_old_logprobs`)."""
+    lora = config.policy.lora
+    dropout = lora.enabled and lora.dropout > 0  # the training forward drops: not the policy that sampled
+    return config.grpo.num_minibatches == 1 and not config.grpo.separate_old_logprobs and not dropout
 
 
 ADAPTER_DIR = "lora_adapter"

@@ -252,7 +252,9 @@ def test_lora_section_loads_with_its_defaults_and_values() -> None:
         ("policy.lora.rnak=4", "did you mean 'policy.lora.rank'"),
         ("policy.lora.rank=0", r"policy\.lora\.rank=0 must be >= 1"),
         ("policy.lora.alpha=-1", r"policy\.lora\.alpha=-1\.0 must be > 0"),
-        ("policy.lora.dropout=0.05", r"policy\.lora\.dropout=0\.05: dropout .* not implemented"),
+        ("policy.lora.dropout=1", r"policy\.lora\.dropout=1\.0 must be in \[0, 1\)"),
+        ("policy.lora.dropout=-0.1", r"policy\.lora\.dropout=-0\.1 must be in \[0, 1\)"),
+        ("policy.lora.dropout=abc", r"policy\.lora\.dropout must be float"),
         ("policy.lora.init=xavier", r"policy\.lora\.init='xavier': one of kaiming, gaussian"),
         (
             "policy.lora.target_modules=[q_prj, k_proj, v_proj]",
@@ -286,10 +288,6 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
             "LoRA on the DTensor backend is implemented with FSDP2 alone",
         ),
         (
-            ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true", "checkpointing.enabled=true"],
-            "on the DTensor backend cannot be combined with checkpointing.enabled",
-        ),
-        (
             ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
             "cannot be combined with policy.megatron_cfg.sequence_parallel",
         ),
@@ -311,6 +309,22 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
 def test_lora_runs_not_implemented_yet_are_refused_by_name(overrides: list[str], message: str) -> None:
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(BASE, ["policy.lora.enabled=true", *overrides])
+
+
+def test_dtensor_lora_runs_with_checkpoints() -> None:
+    on = ["policy.lora.enabled=true", "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+    assert config_from_dict(BASE, [*on, "checkpointing.enabled=true"]).checkpointing.enabled
+
+
+def test_lora_dropout_is_accepted_on_both_backends() -> None:
+    from hf_mcore_bridge.grpo.run.trainer import fuses_old_logprobs
+
+    dtensor = ["policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
+    for backend in ([], dtensor):
+        config = config_from_dict(BASE, ["policy.lora.enabled=true", "policy.lora.dropout=0.05", *backend])
+        assert config.policy.lora.dropout == 0.05
+        assert not fuses_old_logprobs(config)  # the old log-probs: a forward of their own, in eval mode
+        assert fuses_old_logprobs(config_from_dict(BASE, ["policy.lora.enabled=true", *backend]))
 
 
 def test_a_lora_adapter_path_must_be_a_peft_directory_of_the_configs_shape(tmp_path: Path) -> None:

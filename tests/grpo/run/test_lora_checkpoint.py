@@ -1,5 +1,6 @@
 """A LoRA run's checkpoints, resume and `bridge export`, on CPU: the tiny Llama at TP2, adapters on all seven
-projections, checkpoints every two steps.
+projections with dropout 0.1 (masks seeded by the optimizer step: a resumed run draws the same), checkpoints every
+two steps.
 
 - The checkpoint holds the frozen base weights under the ordinary keys, the adapters beside their linears, and
   optimizer state for the adapters alone (the only parameters the optimizer holds).
@@ -55,7 +56,7 @@ def _config(root: Path, name: str, steps: int, policy: Path) -> object:
                     "micro_batch_size": 16,
                     "optimizer": {"lr": 5e-2, "weight_decay": 0.0, "clip_grad": 1.0},
                 },
-                "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": list(PROJECTIONS)},
+                "lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.1, "target_modules": list(PROJECTIONS)},
             },
             "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": steps},
             "loss_fn": {"kl_coef": 0.0},

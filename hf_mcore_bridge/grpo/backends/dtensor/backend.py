@@ -1,6 +1,6 @@
 """The DTensor policy behind the GRPO loop (`TrainingBackend`): the HF model sharded with FSDP2
-(`backends.dtensor.policy`), its weights already HF-named, DCP checkpoints with an HF copy
-(`backends.dtensor.checkpoint`).
+(`backends.dtensor.policy`), its weights already HF-named, DCP checkpoints with an HF copy, or with LoRA the
+adapters as a PEFT directory (`backends.dtensor.checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class DTensorBackend:
 
     policy: DTensorPolicy
     assets: dict[str, str]
+    base_model: str | None = None
+    """The run's `policy.model_path`: a LoRA checkpoint's adapters name it as their base (its weights are not
+    stored again)."""
 
     @property
     def dp_rank(self) -> int:
@@ -106,7 +109,7 @@ class DTensorBackend:
     def save_checkpoint(self, root: Path, step: int, trainer_state: dict[str, Any]) -> None:
         from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import save_dtensor_checkpoint
 
-        save_dtensor_checkpoint(self.policy, root, step, trainer_state, self.assets)
+        save_dtensor_checkpoint(self.policy, root, step, trainer_state, self.assets, self.base_model)
 
     def load_checkpoint(self, root: Path, step: int) -> dict[str, Any]:
         from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import load_dtensor_checkpoint

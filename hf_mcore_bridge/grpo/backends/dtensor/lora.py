@@ -12,8 +12,9 @@ a base layer's weight under its HF name (`...q_proj.base_layer.weight` -> `...q_
 makes a targeted weight W + (B A) * alpha / rank from the gathered factors (PEFT's `merge_and_unload` arithmetic).
 
 Assumes and refuses (in the run's config): no tensor parallelism on this backend with LoRA (the TP plan names
-`nn.Linear` projections that PEFT has wrapped), no dropout, no checkpoints (a LoRA run's result is its PEFT
-directory, `<logger.log_dir>/lora_adapter`).
+`nn.Linear` projections that PEFT has wrapped). Dropout (`policy.lora.dropout`) is PEFT's own `lora_dropout`, active
+in training mode only (the policy's log-prob forwards run in eval mode), its masks seeded per mini-batch
+(`megatron.lora_dropout.dropout_rng`). Checkpoints hold the adapters alone (`backends.dtensor.checkpoint`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def add_peft_lora(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
         raise BridgeError(f"LoRA on {list(expert_targets(lora))}: adapters on experts need the megatron-core backend")
 
     config = PeftLoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=list(lora.target_modules)
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
     )
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, parameter in model.named_parameters():

@@ -57,6 +57,7 @@ from hf_mcore_bridge.grpo.backends.dtensor.parallel import (
 )
 from hf_mcore_bridge.grpo.refit.stream import PhaseTimes
 from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_dropout import dropout_rng
 
 __all__ = ["DTensorPolicy", "build_dtensor_policy", "hf_policy_dir", "load_hf_model", "token_logprobs"]
 
@@ -184,6 +185,31 @@ class DTensorPolicy:
         group = self.dp_group if self.dp_size > 1 else None
         global_count = global_valid_count([b.mask for b in batches], loss_config.aggregation, group)
         self.optimizer.zero_grad(set_to_none=True)
+        with dropout_rng(self.lora, self.optimizer_steps, self.dp_rank):  # LoRA dropout: masks seeded per step
+            results = self._forward_backward(
+                batches, old_logprobs, ref_logprobs, loss_config, temperature, global_count
+            )
+        metrics = _weighted_means(self._over_data_parallel(results))
+        if before_step is not None:
+            before_step(metrics)
+        clip = self.settings.clip_grad if self.settings.clip_grad > 0 else math.inf
+        grad_norm = clip_grad_norm(self.model.parameters(), clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return metrics | {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def _forward_backward(
+        self,
+        batches: list[MicroBatch],
+        old_logprobs: list[torch.Tensor] | None,
+        ref_logprobs: list[torch.Tensor] | None,
+        loss_config: LossConfig,
+        temperature: float,
+        global_count: torch.Tensor,
+    ) -> list[dict[str, float]]:
+        """Forward and backward of each micro-batch (training mode); their metrics."""
         results = []
         for index, batch in enumerate(batches):
             if self.settings.defer_gradient_sync:  # reduce-scatter once, after the last micro-batch
@@ -201,16 +227,7 @@ class DTensorPolicy:
             )
             (loss * self.dp_size).backward()
             results.append({k: float(v) for k, v in metrics.items()})
-        metrics = _weighted_means(self._over_data_parallel(results))
-        if before_step is not None:
-            before_step(metrics)
-        clip = self.settings.clip_grad if self.settings.clip_grad > 0 else math.inf
-        grad_norm = clip_grad_norm(self.model.parameters(), clip)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer_steps += 1
-        return metrics | {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return results
 
     def _over_data_parallel(self, results: list[dict[str, float]]) -> list[dict[str, float]]:
         if self.dp_size == 1:

@@ -89,6 +89,8 @@ class Policy:
     reference: list[torch.Tensor] | None = None
     """Initial values of `model_state(module)` (the KL reference), or None when no KL term is used."""
     optimizer_steps: int = field(default=0)
+    lora: LoraConfig | None = None
+    """The run's `policy.lora` when enabled (its dropout masks are seeded per mini-batch: `megatron.lora_dropout`)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -203,7 +205,8 @@ def build_policy(
         wd_incr_style="constant",
     )
     reference = [t.detach().clone() for t in model_state(gpt)] if keep_reference else None
-    return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference)
+    enabled = lora if lora is not None and lora.enabled else None
+    return Policy(model, optimizer, scheduler, model_cfg, padded_vocab, dtype, reference, lora=enabled)
 
 
 def ddp_settings(megatron: MegatronConfig, data_parallel: int) -> dict[str, Any]:
@@ -580,7 +583,14 @@ def train_minibatch(
 
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    results = _run_schedule(policy, batches, loss_func, forward_only=False)
+    from hf_mcore_bridge.megatron.lora_dropout import dropout_rng
+
+    # LoRA dropout: masks seeded by the step and the replica (data and context parallel rank, stage), alike over TP
+    replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) * 1_000 + (
+        parallel_state.get_pipeline_model_parallel_rank()
+    )
+    with dropout_rng(policy.lora, policy.optimizer_steps, replica):
+        results = _run_schedule(policy, batches, loss_func, forward_only=False)
     metrics = _weighted_means(_over_data_parallel(results)) if _is_last_stage() else None
     metrics = _broadcast_from_last_stage(metrics)
     if before_step is not None:

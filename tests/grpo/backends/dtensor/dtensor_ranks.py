@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -55,11 +56,13 @@ def lora_step_rank(
     loss_config: LossConfig,
     temperature: float,
     out: str,
+    dropout_lora: object = None,
 ) -> None:
     """The DTensor policy with `policy.lora` (PEFT's LoRA layers, FSDP2): the initial adapters, one
     `train_minibatch` on this data-parallel rank's share (old and reference log-probs computed first), the adapters
     after it, the merged and the base HF streams, the HF names `trained_names` would give and the elements the
-    optimizer holds. Rank 0 saves them."""
+    optimizer holds; a checkpoint round trip (`_checkpoint_round_trip`) and a policy with adapter dropout
+    (`dropout_lora`, `_dropout_forwards`). Rank 0 saves them."""
     from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
 
     policy = build_dtensor_policy(
@@ -77,6 +80,90 @@ def lora_step_rank(
     adapted = policy.adapted_names()
     only = {name: tensor.cpu() for name, tensor in policy.hf_weights(names=adapted)}
     held = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
+    second = _checkpoint_round_trip(hf_dir, settings, lora, policy, mine, loss_config, temperature, Path(out).parent)
+    dropout = _dropout_forwards(hf_dir, settings, dropout_lora, mine, loss_config, temperature)
     if dist.get_rank() == 0:
         result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
-        torch.save(result | {"adapted": adapted, "only": only, "held": held}, out)
+        torch.save(result | {"adapted": adapted, "only": only, "held": held, "dropout": dropout} | second, out)
+
+
+def _dropout_forwards(
+    hf_dir: str, settings: DTensorConfig, lora: object, mine: list, loss_config: LossConfig, temperature: float
+) -> dict:
+    """A policy with adapter dropout (`lora`) and activation checkpointing: per adapted module, its input x, its
+    output, its base layer's output and its `lora_dropout`'s output in the first forward of `compute_logprobs`
+    (`eval`) and of `train_minibatch` (`train`); and the `lora_dropout` outputs of that training forward and of its
+    recomputation in the backward (`recomputed`)."""
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import ADAPTER, lora_modules
+
+    recompute = dataclasses.replace(settings, activation_checkpointing=True)
+    policy = build_dtensor_policy(
+        Path(hf_dir), recompute, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    )
+    phase: list[str | None] = [None]
+    records: dict[str, dict[str, dict[str, torch.Tensor]]] = {"eval": {}, "train": {}}
+    recomputed: dict[str, list[torch.Tensor]] = {}
+
+    def hook(name: str, what: str):
+        def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if phase[0] == "train" and what == "dropped" and len(recomputed.setdefault(name, [])) < 2:
+                recomputed[name].append(output.detach().clone())
+            if phase[0] is not None and what not in records[phase[0]].setdefault(name, {}):
+                records[phase[0]][name][what] = output.detach().clone()
+                if what == "output":
+                    records[phase[0]][name]["x"] = args[0].detach().clone()
+
+        return record
+
+    for name, module in lora_modules(policy.model).items():
+        module.register_forward_hook(hook(name, "output"))
+        module.base_layer.register_forward_hook(hook(name, "base"))
+        module.lora_dropout[ADAPTER].register_forward_hook(hook(name, "dropped"))
+    phase[0] = "eval"
+    old = policy.compute_logprobs(mine, temperature)
+    phase[0] = None
+    ref = policy.compute_logprobs(mine, temperature, reference=True)
+    phase[0] = "train"
+    policy.train_minibatch(mine, old, ref, loss_config, temperature)
+    return records | {"recomputed": recomputed}
+
+
+def _checkpoint_round_trip(
+    hf_dir: str,
+    settings: DTensorConfig,
+    lora: object,
+    policy: object,
+    mine: list,
+    loss_config: LossConfig,
+    temperature: float,
+    directory: Path,
+) -> dict:
+    """`policy` (one step done) saved as a LoRA checkpoint in `directory/ckpt` and loaded into a new policy; then
+    one more step on each, and on a new policy given the trained adapters alone (no optimizer state): the adapters
+    and metrics after that step, per policy."""
+    from hf_mcore_bridge.grpo.backends.dtensor.checkpoint import load_dtensor_checkpoint, save_dtensor_checkpoint
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
+
+    root = directory / "ckpt"
+    assets = {"config.json": (Path(hf_dir) / "config.json").read_text()}
+    save_dtensor_checkpoint(policy, root, 1, {"optimizer_steps": policy.optimizer_steps}, assets, hf_dir)
+
+    def build() -> object:
+        return build_dtensor_policy(
+            Path(hf_dir), settings, torch.float32, total_optimizer_steps=2, keep_reference=True, lora=lora
+        )
+
+    resumed = build()
+    load_dtensor_checkpoint(resumed, root, 1)
+    adapters_alone = build()
+    with torch.no_grad():
+        for p, q in zip(adapters_alone.model.parameters(), policy.model.parameters(), strict=True):
+            if q.requires_grad:
+                p.copy_(q)
+    result = {}
+    for key, each in (("continued", policy), ("resumed", resumed), ("adapters_alone", adapters_alone)):
+        old = each.compute_logprobs(mine, temperature)
+        ref = each.compute_logprobs(mine, temperature, reference=True)
+        metrics = each.train_minibatch(mine, old, ref, loss_config, temperature)
+        result[key] = {"metrics": metrics, "adapters": dict(full_adapters(each.model))}
+    return result

@@ -14,11 +14,14 @@ HF transformers + PEFT + autograd + torch's AdamW written here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hf_mcore_bridge.grpo.algorithm.batching import make_microbatches
@@ -37,6 +40,7 @@ MICRO_BATCH, LR, WEIGHT_DECAY, CLIP = 2, 1e-2, 0.1, 0.05
 LOSS = LossConfig(kl_coef=0.05)
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=PROJECTIONS)
 EXACT = 1.0001
+DROPOUT = 0.25
 
 
 def _peft_reference(policy: Path, initial: dict) -> tuple[torch.nn.Module, dict]:
@@ -61,7 +65,11 @@ def test_lora_step_at_dp_shard2_matches_hf_peft_reference(tmp_path: Path) -> Non
     policy = build_tiny_policy(tmp_path / "policy", seed=5)
     settings = DTensorConfig(enabled=True, data_parallel_shard_size=2, lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP)
     out = tmp_path / "out.pt"
-    run_torch_world(lora_step_rank, 2, str(policy), settings, LORA, ROLLOUTS, MICRO_BATCH, LOSS, TEMPERATURE, str(out))
+    random_adapters = _random_peft_adapter(policy, tmp_path / "random_adapter")
+    dropout = dataclasses.replace(LORA, dropout=DROPOUT, adapter_path=str(tmp_path / "random_adapter"))
+    run_torch_world(
+        lora_step_rank, 2, str(policy), settings, LORA, ROLLOUTS, MICRO_BATCH, LOSS, TEMPERATURE, str(out), dropout
+    )
     got = torch.load(out, weights_only=True)
     assert all(not b.any() for _, b in got["initial"].values()) and all(a.any() for a, _ in got["initial"].values())
 
@@ -100,44 +108,147 @@ def test_lora_step_at_dp_shard2_matches_hf_peft_reference(tmp_path: Path) -> Non
         torch.testing.assert_close(tensor, merged[name], atol=1e-5, rtol=0, msg=name)
     assert got["only"].keys() == set(got["adapted"])
     assert all(torch.equal(got["only"][n], got["merged"][n]) for n in got["adapted"])
+    _check_checkpoint_round_trip(got, tmp_path / "ckpt" / "iter_0000001", policy)
+    _check_dropout(got["dropout"], random_adapters)
 
 
-def test_lora_run_keeps_engine_and_trainer_in_agreement(tmp_path: Path) -> None:
+def _random_peft_adapter(policy: Path, directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's `save_pretrained` of adapters with random A and B (B nonzero) on the tiny model; by HF module name."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    model = get_peft_model(hf, PeftLoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, target_modules=list(PROJECTIONS)))
+    generator = torch.Generator().manual_seed(3)
+    values = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                a.copy_(torch.randn(a.shape, generator=generator) * 0.2)
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
+                values[name.removeprefix("base_model.model.")] = (a.clone(), b.clone())
+    model.save_pretrained(directory)
+    return values
+
+
+def _check_dropout(records: dict, adapters: dict) -> None:
+    """Adapter dropout p on the DTensor backend: in the training forward each adapted module adds
+    scale * B A (x * mask / (1 - p)), its `lora_dropout` zeroing about p of x's elements (the mask captured from its
+    output) and scaling the rest; in the log-prob forward (eval mode) it adds scale * B A x, x untouched."""
+    scale = LORA.alpha / LORA.rank
+    assert sorted(records["train"]) == sorted(records["eval"]) == sorted(adapters)
+    zeros, elements = 0, 0
+    for name, (a, b) in adapters.items():
+        train, evaluated = records["train"][name], records["eval"][name]
+        x = train["x"]
+        assert x.ne(0).all(), name
+        mask = train["dropped"].ne(0).to(x.dtype)
+        torch.testing.assert_close(train["dropped"], x * mask / (1 - DROPOUT), atol=1e-6, rtol=1e-6, msg=name)
+        zeros, elements = zeros + int(mask.eq(0).sum()), elements + mask.numel()
+        reference = F.linear(F.linear(x * mask / (1 - DROPOUT), a), b) * scale
+        contribution = train["output"] - train["base"]
+        torch.testing.assert_close(contribution, reference, atol=1e-5, rtol=0, msg=name)
+        undropped = F.linear(F.linear(x, a), b) * scale
+        assert (contribution - undropped).abs().max() > 1e-3, name  # the mask matters
+        assert torch.equal(evaluated["dropped"], evaluated["x"]), name
+        contribution = evaluated["output"] - evaluated["base"]
+        torch.testing.assert_close(contribution, F.linear(F.linear(evaluated["x"], a), b) * scale, atol=1e-5, rtol=0)
+    assert abs(zeros / elements - DROPOUT) < 0.03, zeros / elements
+    # activation recomputation (torch.utils.checkpoint restores the RNG) redraws the training forward's masks
+    assert sorted(records["recomputed"]) == sorted(adapters)
+    for name, (forward, again) in records["recomputed"].items():
+        assert torch.equal(forward, again) and torch.equal(forward, records["train"][name]["dropped"]), name
+
+
+def _check_checkpoint_round_trip(got: dict, iteration: Path, policy: Path) -> None:
+    """The step's LoRA checkpoint: the adapters and their optimizer state alone in DCP, the adapters whole as a PEFT
+    directory naming the base, the base's config without weights; a policy loaded from it takes the next step
+    exactly as the saved one does, and one given the adapters alone (no optimizer state) does not."""
+    from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
+    from hf_mcore_bridge.megatron.lora_peft import read_peft_adapter
+
+    dcp = DCPCheckpoint(iteration / "model_optim")
+    keys = dcp.tensor_keys()
+    model_keys = [k for k in keys if k.startswith("model.")]
+    optim_keys = [k for k in keys if k.startswith("optim.")]
+    assert len(model_keys) == 2 * len(got["trained"]) and all(".lora_" in k for k in model_keys), model_keys[:4]
+    assert optim_keys and all(".lora_" in k for k in optim_keys), optim_keys[:4]
+    for name, (a, b) in got["trained"].items():
+        assert torch.equal(dcp.read(f"model.{name}.lora_A.default.weight"), a), name
+        assert torch.equal(dcp.read(f"model.{name}.lora_B.default.weight"), b), name
+    lora, written = read_peft_adapter(iteration / "adapter")
+    assert (lora.rank, lora.alpha, sorted(lora.target_modules)) == (LORA.rank, LORA.alpha, sorted(PROJECTIONS))
+    assert written.keys() == got["trained"].keys()
+    assert all(torch.equal(written[n][i], got["trained"][n][i]) for n in written for i in (0, 1))
+    saved = json.loads((iteration / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(policy.resolve())
+    assert (iteration / "hf" / "config.json").is_file() and not list((iteration / "hf").glob("*.safetensors"))
+
+    continued, resumed, alone = got["continued"], got["resumed"], got["adapters_alone"]
+    assert resumed["metrics"] == continued["metrics"]
+    for name, (a, b) in continued["adapters"].items():
+        assert torch.equal(resumed["adapters"][name][0], a) and torch.equal(resumed["adapters"][name][1], b), name
+    # without the optimizer state (Adam's moments and step) the second step's update differs
+    assert alone["metrics"]["grad_norm"] == continued["metrics"]["grad_norm"]
+    assert not all(torch.equal(alone["adapters"][n][1], b) for n, (_, b) in continued["adapters"].items())
+
+
+STEPS = 4
+
+
+def _run_config(root: Path, policy: Path, name: str, **lora: object) -> dict:
+    prompts = root / "say7.jsonl"
+    if not prompts.exists():
+        rows = [{"prompt": " ".join(["Say"] + ["7"] * k) + ". Answer:", "answer": "7"} for k in range(1, 7)]
+        prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return {
+        "policy": {
+            "model_path": str(policy),
+            "megatron_cfg": {"enabled": False},
+            "dtensor_cfg": {"enabled": True, "data_parallel_shard_size": 2, "micro_batch_size": 16, "lr": 5e-2},
+            "lora": {"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.1, "target_modules": list(PROJECTIONS)}
+            | lora,
+        },
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": STEPS},
+        "loss_fn": {"kl_coef": 0.01},
+        "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
+        "data": {"train_jsonl": str(prompts)},
+        "reward": {"name": "number"},
+        "checkpointing": {"enabled": True, "checkpoint_dir": str(root / name / "ckpt"), "save_period": STEPS // 2},
+        "logger": {"log_dir": str(root / name / "logs"), "print_progress": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """A four-step DTensor LoRA run at dp_shard=2 (adapter dropout 0.1) with checkpoints after steps 2 and 4."""
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import train_grpo
+
+    root = tmp_path_factory.mktemp("dtensor-lora")
+    policy = build_tiny_policy(root / "policy")
+    return train_grpo(config_from_dict(_run_config(root, policy, "straight"))), root, policy
+
+
+def test_lora_run_keeps_engine_and_trainer_in_agreement(lora_run: tuple, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
 
-    policy = build_tiny_policy(tmp_path / "policy")
-    prompts = tmp_path / "say7.jsonl"
-    rows = [{"prompt": " ".join(["Say"] + ["7"] * k) + ". Answer:", "answer": "7"} for k in range(1, 7)]
-    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    steps = 3
-    config = {
-        "policy": {
-            "model_path": str(policy),
-            "megatron_cfg": {"enabled": False},
-            "dtensor_cfg": {"enabled": True, "data_parallel_shard_size": 2, "micro_batch_size": 16, "lr": 5e-2},
-            "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": list(PROJECTIONS)},
-        },
-        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 8, "max_num_steps": steps},
-        "loss_fn": {"kl_coef": 0.01},
-        "generation": {"max_new_tokens": 3, "stop_token_ids": [WORDS.index("[EOS]")], "max_model_len": 64},
-        "data": {"train_jsonl": str(prompts)},
-        "reward": {"name": "number"},
-        "logger": {"log_dir": str(tmp_path / "logs"), "print_progress": False},
-    }
-    run = train_grpo(config_from_dict(config))
-    assert run.steps == steps
+    run, root, policy = lora_run
+    assert run.steps == STEPS
     for step in run.metrics:
         assert step["token_mult_prob_error"] <= EXACT, step["step"]
         assert step["probe_token_mult_prob_error"] <= EXACT, step["step"]
         assert step["grad_norm"] > 0
     weights = load_file(policy / "model.safetensors")
     adapted = sum(t.numel() * t.element_size() for n, t in weights.items() if n.rsplit(".", 2)[-2] in PROJECTIONS)
-    assert run.series("refit_bytes") == [adapted] * steps  # after the initial refit: the adapted projections alone
-    directory = tmp_path / "logs" / ADAPTER_DIR
+    assert run.series("refit_bytes") == [adapted] * STEPS  # after the initial refit: the adapted projections alone
+    directory = root / "straight" / "logs" / ADAPTER_DIR
     written = load_file(directory / "adapter_model.safetensors")
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32), directory)
     held = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if ".lora_" in k}
@@ -145,10 +256,137 @@ def test_lora_run_keeps_engine_and_trainer_in_agreement(tmp_path: Path) -> None:
     assert all(written[k].abs().max() > 0 for k in written if ".lora_B." in k)
 
     # a run from that directory (`policy.lora.adapter_path`) starts with its A and B: at lr 0 it writes them back
-    config["policy"]["lora"]["adapter_path"] = str(directory)
+    config = _run_config(tmp_path, policy, "again", adapter_path=str(directory))
     config["policy"]["dtensor_cfg"]["lr"] = 0.0
     config["grpo"]["max_num_steps"] = 1
-    config["logger"]["log_dir"] = str(tmp_path / "again")
+    config["checkpointing"]["enabled"] = False
     assert train_grpo(config_from_dict(config)).steps == 1
-    again = load_file(tmp_path / "again" / ADAPTER_DIR / "adapter_model.safetensors")
+    again = load_file(tmp_path / "again" / "logs" / ADAPTER_DIR / "adapter_model.safetensors")
     assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
+
+
+def test_lora_run_resumes_from_its_checkpoint_and_exports(lora_run: tuple, tmp_path: Path) -> None:
+    """Resumed from the step-2 checkpoint (adapters, their optimizer state, LR schedule, prompt order; the base
+    read again from policy.model_path; the dropout masks seeded by the step), steps 3-4 log exactly the
+    uninterrupted run's metrics and end with its adapters. `bridge export` of the step-4 checkpoint: `--peft`
+    writes the adapters the run gathered at its end; the merged export equals PEFT's `merge_and_unload` of them on
+    the base, tensor by tensor, also with the base given as a megatron checkpoint."""
+    from hf_mcore_bridge.checkpoint.megatron_dirs import write_tracker
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
+
+    run, root, policy = lora_run
+    checkpoints = root / "straight" / "ckpt"
+    middle = STEPS // 2
+    shutil.copytree(checkpoints / f"iter_{middle:07d}", tmp_path / "resumed" / "ckpt" / f"iter_{middle:07d}")
+    write_tracker(tmp_path / "resumed" / "ckpt", middle)
+    resumed = train_grpo(config_from_dict(_run_config(tmp_path, policy, "resumed")))
+
+    def comparable(metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{k: v for k, v in m.items() if not k.endswith(("_s", "tokens_per_s"))} for m in metrics]
+
+    assert [m["step"] for m in resumed.metrics] == list(range(middle + 1, STEPS + 1))
+    assert comparable(resumed.metrics) == comparable(run.metrics[middle:])
+    assert len({m["grad_norm"] for m in run.metrics}) == STEPS
+    ours = load_file(tmp_path / "resumed" / "logs" / ADAPTER_DIR / "adapter_model.safetensors")
+    theirs = load_file(root / "straight" / "logs" / ADAPTER_DIR / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    _check_exports(checkpoints, root / "straight" / "logs" / ADAPTER_DIR, policy, tmp_path)
+    _check_refusals(checkpoints, policy, tmp_path)
+
+
+def _check_exports(checkpoints: Path, live: Path, policy: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, ["--peft"]), (merged, [])):
+        result = CliRunner().invoke(app, ["export", str(checkpoints), str(out), *extra])
+        assert result.exit_code == 0, result.output
+        assert "fsdp2" in (out / "README.md").read_text()
+    exported = load_file(adapter / "adapter_model.safetensors")
+    gathered = load_file(live / "adapter_model.safetensors")
+    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    assert "library_name: peft" in (adapter / "README.md").read_text()
+
+    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(WORDS), (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=ids).logits
+        merged_logits = merged_model(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+    reference = with_adapter.merge_and_unload().state_dict()
+    written = load_file(merged / "model.safetensors")
+    assert written.keys() <= reference.keys()
+    assert all(torch.equal(written[k], reference[k]) for k in written), [
+        k for k in written if not torch.equal(written[k], reference[k])
+    ]
+    changed = {k for k in written if not torch.equal(written[k], load_file(policy / "model.safetensors")[k])}
+    assert changed == {k for k in written if k.rsplit(".", 2)[-2] in PROJECTIONS}
+
+    # a run whose policy.model_path was a megatron checkpoint: the merged export converts that base first
+    from hf_mcore_bridge.convert.to_mcore import convert_hf_to_mcore
+
+    convert_hf_to_mcore(policy, tmp_path / "mcore_base", show_progress=False)
+    moved = tmp_path / "from_mcore"
+    shutil.copytree(checkpoints, moved)
+    adapter_config = moved / f"iter_{STEPS:07d}" / "adapter" / "adapter_config.json"
+    saved = json.loads(adapter_config.read_text())
+    adapter_config.write_text(json.dumps(saved | {"base_model_name_or_path": str(tmp_path / "mcore_base")}))
+    result = CliRunner().invoke(app, ["export", str(moved), str(tmp_path / "merged_mcore")])
+    assert result.exit_code == 0, result.output
+    again = load_file(tmp_path / "merged_mcore" / "model.safetensors")
+    assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
+
+
+def _check_refusals(checkpoints: Path, policy: Path, tmp_path: Path) -> None:
+    """A resume with another `policy.lora` or without adapters, `bridge convert --to hf` of the checkpoint and the
+    merged export of a checkpoint whose base is gone: one line each; `bridge inspect` lists the adapters."""
+    import dataclasses
+    import re
+
+    from cli_errors import assert_one_line_error
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+    from hf_mcore_bridge.grpo.errors import GRPOConfigError
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.launch import check_resumable
+
+    config = config_from_dict(_run_config(checkpoints.parent.parent, policy, "straight"))
+    check_resumable(config, STEPS)
+    lora = config.policy.lora
+    for changed, message in (
+        (dataclasses.replace(lora, rank=8), "holds LoRA rank 4, alpha 8, target_modules"),
+        (dataclasses.replace(lora, enabled=False), "asks for no LoRA adapters (full training)"),
+    ):
+        other = dataclasses.replace(config, policy=dataclasses.replace(config.policy, lora=changed))
+        with pytest.raises(GRPOConfigError, match=re.escape(message)):
+            check_resumable(other, STEPS)
+
+    result = CliRunner().invoke(
+        app, ["convert", "--to", "hf", str(checkpoints), str(tmp_path / "base"), "--no-progress"]
+    )
+    assert_one_line_error(result, "is a DTensor LoRA run's checkpoint", "bridge export")
+    assert not (tmp_path / "base").exists()
+    report = json.loads(CliRunner().invoke(app, ["inspect", str(checkpoints), "--json"]).output)
+    assert report["format"].startswith(f"DTensor GRPO LoRA checkpoint (step {STEPS})")
+    held = load_file(checkpoints / f"iter_{STEPS:07d}" / "adapter" / "adapter_model.safetensors")
+    assert {row["name"] for row in report["tensors"]} == set(held)
+
+    moved = tmp_path / "moved"
+    shutil.copytree(checkpoints, moved)
+    adapter_config = moved / f"iter_{STEPS:07d}" / "adapter" / "adapter_config.json"
+    saved = json.loads(adapter_config.read_text())
+    adapter_config.write_text(json.dumps(saved | {"base_model_name_or_path": str(tmp_path / "gone")}))
+    result = CliRunner().invoke(app, ["export", str(moved), str(tmp_path / "no-base")])
+    assert_one_line_error(result, "base weights are not stored with them", str(tmp_path / "gone"), "--peft")
+    assert not (tmp_path / "no-base").exists()

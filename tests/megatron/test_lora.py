@@ -382,7 +382,11 @@ def _spec(hf_dir):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (LoraConfig(enabled=True, dropout=0.1), "dropout 0.1: only 0 is implemented"),
+        (LoraConfig(enabled=True, dropout=1.0), "dropout 1.0: must be in"),
+        (
+            LoraConfig(enabled=True, dropout=0.1, target_modules=("experts.down_proj",)),
+            "dropout 0.1 on experts' adapters: not implemented",
+        ),
         (LoraConfig(enabled=True, target_modules=("q_proj",)), "target all of ['q_proj', 'k_proj', 'v_proj']"),
         (LoraConfig(enabled=True, target_modules=("up_proj",)), "target all of ['gate_proj', 'up_proj']"),
     ],

@@ -292,6 +292,10 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
             "cannot be combined with policy.megatron_cfg.sequence_parallel",
         ),
         (
+            [*EXPERTS, "policy.lora.dropout=0.1"],
+            r"policy\.lora\.dropout=0\.1 with adapters on experts",
+        ),
+        (
             [*EXPERTS, "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
             r"\['experts.gate_up_proj', 'experts.down_proj'\] with expert tensor parallelism 2",
         ),

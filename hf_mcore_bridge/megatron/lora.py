@@ -29,7 +29,8 @@ expert-parallel group.
 as two more grouped GEMMs per linear (`grouped_experts`).
 
 Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
-projections and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
+projections and the vocabulary layers are refused by name; so are the dense MLP names on a mixture-of-experts model,
+which PEFT reads as the experts' there: `MLP_PROJECTIONS`); no sequence parallelism (the column-parallel input would be
 sequence-sharded) and no dropout (`LoraConfig.dropout` must be 0). Every base parameter is frozen
 (`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
 
@@ -69,6 +70,10 @@ __all__ = [
 ]
 
 LAYER_PREFIX = "decoder.layers.{layer}."
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The dense MLP names of `PROJECTIONS`: on a mixture-of-experts model PEFT (transformers 5, peft 0.21's
+`convert_peft_config_for_transformers`) turns them into `target_parameters` of the routed experts' fused tensors
+(`gate_up_proj` at rank 2r) and adapts no dense MLP with them, so `add_lora` refuses them on such a model."""
 _COLUMN_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN)
 
 
@@ -327,6 +332,15 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
     every rank calls it alike. ValueError: a target that is not implemented (named)."""
     if lora.dropout != 0:
         raise ValueError(f"LoRA dropout {lora.dropout}: only 0 is implemented")
+    dense_mlp = [t for t in MLP_PROJECTIONS if t in lora.target_modules]
+    if dense_mlp and model_cfg.moe is not None:
+        raise ValueError(
+            f"LoRA on {', '.join(dense_mlp)} of {model_cfg.architecture}, a mixture-of-experts model: on such"
+            " models PEFT (transformers 5) reads these target_modules as the routed experts' fused tensors"
+            " (Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, ...), not as dense or shared-expert MLPs, so those adapters would"
+            " not load in PEFT; adapters on a MoE model's dense MLPs are not implemented (for the experts target"
+            f" {', '.join(EXPERT_PROJECTIONS)})"
+        )
     entries = list(targeted_entries(model_cfg, lora))
     missing = [t for t in EXPERT_PROJECTIONS if t in lora.target_modules and not any(map(expert_target, entries))]
     if missing and model_cfg.moe is None:

@@ -66,7 +66,9 @@ def test_lora_run_with_expert_adapters_at_ep2_keeps_engine_and_trainer_in_agreem
     refits its own engine with every targeted expert's merged weights, gathered over the expert-parallel group.
     Engine and trainer log-probs agree in fp32 on every step's rollouts and on the probe prompt after every refit;
     every refit after the initial one streams exactly the attention projections and every expert weight of the
-    routed layer; the PEFT directory holds every expert's trained adapter and loads in `PeftModel.from_pretrained`."""
+    routed layer; the PEFT directory loads in `PeftModel.from_pretrained`, each expert's adapter trained on both fused
+    tensors or on neither, and trained for every expert HF's router sends a step-1 token that carries gradient to.
+    (With the experts left out of `merged` the run stops after step 1: probe prompt, 1.0101 > 1.0001.)"""
     steps, targets = 3, (*ATTENTION, *EXPERT_PROJECTIONS)
     policy = build_tiny_policy(
         tmp_path / "policy", seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0

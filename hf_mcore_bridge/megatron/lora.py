@@ -29,7 +29,8 @@ expert-parallel group.
 as two more grouped GEMMs per linear (`grouped_experts`).
 
 Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
-projections and the vocabulary layers are refused by name); no sequence parallelism (the column-parallel input would be
+projections and the vocabulary layers are refused by name; so are the dense MLP names on a mixture-of-experts model,
+which PEFT reads as the experts' there: `MLP_PROJECTIONS`); no sequence parallelism (the column-parallel input would be
 sequence-sharded). Dropout (`LoraConfig.dropout`) on each adapter's input in training mode only, PEFT's
 semantics (`megatron.lora_dropout`: each projection of a fused linear its own mask; a row-parallel input's mask cut
 from one of the whole width, alike on every tensor-parallel rank); not on experts' adapters (PEFT's
@@ -72,6 +73,10 @@ __all__ = [
 ]
 
 LAYER_PREFIX = "decoder.layers.{layer}."
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The dense MLP names of `PROJECTIONS`: on a mixture-of-experts model PEFT (transformers 5, peft 0.21's
+`convert_peft_config_for_transformers`) turns them into `target_parameters` of the routed experts' fused tensors
+(`gate_up_proj` at rank 2r) and adapts no dense MLP with them, so `add_lora` refuses them on such a model."""
 _COLUMN_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN)
 
 
@@ -371,6 +376,15 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
         raise ValueError(f"LoRA dropout {lora.dropout}: must be in [0, 1)")
     if lora.dropout and any(t in lora.target_modules for t in EXPERT_PROJECTIONS):
         raise ValueError(f"LoRA dropout {lora.dropout} on experts' adapters: not implemented (PEFT has none there)")
+    dense_mlp = [t for t in MLP_PROJECTIONS if t in lora.target_modules]
+    if dense_mlp and model_cfg.moe is not None:
+        raise ValueError(
+            f"LoRA on {', '.join(dense_mlp)} of {model_cfg.architecture}, a mixture-of-experts model: on such"
+            " models PEFT (transformers 5) reads these target_modules as the routed experts' fused tensors"
+            " (Qwen2/3-MoE, DeepSeek-V3, GLM-4.5, ...), not as dense or shared-expert MLPs, so those adapters would"
+            " not load in PEFT; adapters on a MoE model's dense MLPs are not implemented (for the experts target"
+            f" {', '.join(EXPERT_PROJECTIONS)})"
+        )
     entries = list(targeted_entries(model_cfg, lora))
     missing = [t for t in EXPERT_PROJECTIONS if t in lora.target_modules and not any(map(expert_target, entries))]
     if missing and model_cfg.moe is None:

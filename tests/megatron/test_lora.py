@@ -402,26 +402,37 @@ def test_unimplemented_adapters_are_refused_by_name(config, message, tiny_models
         ("gpt_oss", ("experts.gate_up_proj",), "experts.gate_up_proj of GptOssForCausalLM: its experts are not plain"),
         ("gpt_oss", ("experts.down_proj",), "experts.down_proj of GptOssForCausalLM: its experts are not plain"),
         ("llama", ("experts.down_proj",), "experts.down_proj: LlamaForCausalLM is a dense model"),
-        ("qwen2_moe", ("gate_proj", "up_proj", "down_proj"), "adapters on shared experts are not implemented"),
+        ("qwen2_moe", ("gate_proj", "up_proj", "down_proj"), "gate_proj, up_proj, down_proj of Qwen2MoeForCausalLM"),
+        ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "down_proj"), "down_proj of Qwen3MoeForCausalLM, a mixture-of"),
     ],
 )
 def test_unimplemented_expert_adapters_are_refused_by_name(model, targets, message, tiny_models, tiny_moe_models):
-    """GPT-OSS's interleaved experts, expert targets on a dense model, Qwen2-MoE's shared expert (which PEFT's
-    `gate_proj` / `up_proj` / `down_proj` would adapt)."""
+    """GPT-OSS's interleaved experts, expert targets on a dense model, the dense MLP names on a MoE model (Qwen2-MoE's
+    shared expert, Qwen3-MoE's dense layer: PEFT reads those names as the experts' there,
+    `test_peft_reads_dense_mlp_names_as_the_experts_on_moe_models`)."""
     directory = {**tiny_models, **tiny_moe_models}[model]
     with pytest.raises(ValueError, match=message):
         add_lora(torch.nn.Linear(1, 1), _spec(directory), LoraConfig(enabled=True, target_modules=targets))
 
 
-def test_dense_projection_names_leave_the_experts_alone(tiny_moe_models):
-    """`down_proj` (PEFT's `target_modules`) adapts dense MLPs only, as in PEFT: no routed expert's entry."""
+def test_peft_reads_dense_mlp_names_as_the_experts_on_moe_models(tiny_moe_models):
+    """Why `add_lora` refuses `gate_proj` / `up_proj` / `down_proj` on a MoE model: PEFT (transformers 5) puts those
+    target_modules on the routed experts' fused tensors of the tiny Qwen3-MoE and adapts no MLP of its dense layer
+    1; the project's expert targets name the experts' linears alone."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
     from hf_mcore_bridge.megatron.lora import targeted_entries
 
-    config = LoraConfig(enabled=True, target_modules=("gate_proj", "up_proj", "down_proj"))
-    found = [entry.mcore for entry in targeted_entries(_spec(tiny_moe_models["qwen3_moe"]), config)]
-    assert found and not any("experts" in name for name in found), found
+    hf_dir = tiny_moe_models["qwen3_moe"]
+    assert read_json(hf_dir / "config.json")["mlp_only_layers"] == [1]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, PeftLoraConfig(r=RANK, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    adapted = sorted(n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    assert adapted and all(".mlp.experts" in n for n in adapted), adapted
     experts = LoraConfig(enabled=True, target_modules=("experts.down_proj",))
-    found = [entry.mcore for entry in targeted_entries(_spec(tiny_moe_models["qwen3_moe"]), experts)]
+    found = [entry.mcore for entry in targeted_entries(_spec(hf_dir), experts)]
     assert found == ["decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"], found
 
 

@@ -1,5 +1,6 @@
-"""A GRPO run with `policy.lora` end to end on CPU: the tiny Llama at TP2 with the embedded engine, adapters on all
-seven projections, four steps.
+"""A GRPO run with `policy.lora` end to end on CPU: the tiny Llama at TP2 and at PP2 with the embedded engine,
+adapters on all seven projections, four steps; and the tiny Qwen3-MoE at EP2 (an engine a rank) with adapters on
+the attention projections and on the routed experts (`experts.gate_up_proj`, `experts.down_proj`), three steps.
 
 The engine is an independent forward pass refitted each step with the trainer's merged weights (base + alpha/rank
 B A, `megatron.lora.merged`): every step's rollouts and the probe prompt after every refit must have the trainer's
@@ -18,17 +19,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from hf_mcore_bridge.grpo.run.config import config_from_dict
 from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
-from hf_mcore_bridge.megatron.lora_config import PROJECTIONS
+from hf_mcore_bridge.megatron.lora_config import EXPERT_PROJECTIONS, PROJECTIONS
 
 from ..tiny_policy import WORDS, build_tiny_policy
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
@@ -58,9 +61,73 @@ def test_lora_run_keeps_engine_and_trainer_in_agreement(tmp_path: Path, layout: 
         assert written.keys() == start.keys() and all(written[k].equal(start[k]) for k in start)
 
 
+def test_lora_run_with_expert_adapters_at_ep2_keeps_engine_and_trainer_in_agreement(tmp_path: Path) -> None:
+    """Qwen3-MoE (layer 0 routed, layer 1 dense) at EP2: each rank trains its half of the experts' adapters and
+    refits its own engine with every targeted expert's merged weights, gathered over the expert-parallel group.
+    Engine and trainer log-probs agree in fp32 on every step's rollouts and on the probe prompt after every refit;
+    every refit after the initial one streams exactly the attention projections and every expert weight of the
+    routed layer; the PEFT directory loads in `PeftModel.from_pretrained`, each expert's adapter trained on both fused
+    tensors or on neither, and trained for every expert HF's router sends a step-1 token that carries gradient to.
+    (With the experts left out of `merged` the run stops after step 1: probe prompt, 1.0101 > 1.0001.)"""
+    steps, targets = 3, (*ATTENTION, *EXPERT_PROJECTIONS)
+    policy = build_tiny_policy(
+        tmp_path / "policy", seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0
+    )
+    run = train_grpo(_config(tmp_path / "first", "ep2", steps=steps, target_modules=list(targets)))
+    assert run.steps == steps
+    errors = run.series("token_mult_prob_error") + run.series("probe_token_mult_prob_error")
+    assert len(errors) == 2 * steps and all(e <= 1.0001 for e in errors), errors
+    assert all(g > 0 for g in run.series("grad_norm"))
+    weights = load_file(policy / "model.safetensors")
+    experts = [n for n in weights if ".mlp.experts." in n]
+    adapted = [n for n in weights if n.rsplit(".", 2)[-2] in ATTENTION] + experts
+    assert len(experts) == 3 * 8  # the routed layer's 8 experts: gate, up and down
+    assert run.series("refit_shard_local") == [0.0] * steps
+    assert run.series("refit_bytes") == [sum(weights[n].numel() * weights[n].element_size() for n in adapted)] * steps
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trained = tmp_path / "first" / "logs" / ADAPTER_DIR
+    written = load_file(trained / "adapter_model.safetensors")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32), trained)
+    held = {k.replace(".default", ""): v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert sorted(held) == sorted(written) and all(torch.equal(held[k], written[k]) for k in written)
+    # per layer: A and B of each attention projection; of the routed layer: A and B of both fused expert tensors
+    assert len(written) == 2 * len(ATTENTION) * 2 + 2 * 2
+    # each expert's B (PEFT's [out, rank * experts], expert e in columns e, e + 8, ...) is trained on both fused
+    # tensors or neither; every expert HF's router sends a token of step 1 that carries gradient to is trained
+    untrained = {
+        name: {e for e, part in enumerate(b.reshape(b.shape[0], -1, 8).unbind(-1)) if part.abs().max() == 0}
+        for name, b in written.items()
+        if ".lora_B." in name and ".experts." in name
+    }
+    assert len(untrained) == 2 and len({frozenset(v) for v in untrained.values()}) == 1, untrained
+    assert not next(iter(untrained.values())) & _routed_at_step_one(policy, tmp_path / "first" / "logs"), untrained
+
+
+def _routed_at_step_one(policy: Path, log_dir: Path) -> set[int]:
+    """The experts HF's router of layer 0 (the initial weights: B = 0, the policy of step 1) picks for a token whose
+    output reaches step 1's loss: of a rollout with a nonzero advantage, any position but the last."""
+    from transformers import AutoModelForCausalLM
+
+    from ..offpolicy_reference import read_rollouts
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    picked: list[torch.Tensor] = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2]))
+    routed: set[int] = set()
+    with torch.no_grad():
+        for row in read_rollouts(log_dir / "rollouts.jsonl")[1]:
+            if row["advantage"] != 0:
+                picked.clear()
+                model(torch.tensor([list(row["prompt_ids"]) + list(row["completion_ids"])]))
+                routed |= set(picked[0][:-1].flatten().tolist())
+    return routed
+
+
 def _config(tmp_path: Path, layout: str, steps: int = STEPS, lr: float = 5e-2, **lora: object) -> object:
     """The run: the tiny policy at `layout` with adapters on every projection (`lora`: more of `policy.lora`),
-    `steps` steps at `lr`, logged in `tmp_path / "logs"`."""
+    `steps` steps at `lr`, logged in `tmp_path / "logs"`; at `ep2` the policy built in `tmp_path.parent` first."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     prompts = tmp_path / "say7.jsonl"
     rows = [{"prompt": " ".join(["Say"] + ["7"] * k) + ". Answer:", "answer": "7"} for k in range(1, 7)]
@@ -68,10 +135,13 @@ def _config(tmp_path: Path, layout: str, steps: int = STEPS, lr: float = 5e-2, *
     return config_from_dict(
         {
             "policy": {
-                "model_path": str(build_tiny_policy(tmp_path.parent / "policy")),
+                "model_path": str(
+                    tmp_path.parent / "policy" if layout == "ep2" else build_tiny_policy(tmp_path.parent / "policy")
+                ),
                 "megatron_cfg": {
                     "tensor_model_parallel_size": 2 if layout == "tp2" else 1,
                     "pipeline_model_parallel_size": 2 if layout == "pp2" else 1,
+                    "expert_model_parallel_size": 2 if layout == "ep2" else 1,
                     "micro_batch_size": 16,
                     "optimizer": {"lr": lr, "weight_decay": 0.0, "clip_grad": 1.0},
                 },
@@ -89,6 +159,7 @@ def _config(tmp_path: Path, layout: str, steps: int = STEPS, lr: float = 5e-2, *
             "data": {"train_jsonl": str(prompts)},
             "reward": {"name": "number"},
             "logger": {"log_dir": str(tmp_path / "logs"), "print_progress": False},
+            **({"cluster": {"gpus_per_node": 2}} if layout == "ep2" else {}),
         }
     )
 

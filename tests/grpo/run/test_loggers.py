@@ -71,11 +71,14 @@ def _wandb_records(path: Path) -> list:
 
 
 def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = LoggerConfig(wandb_enabled=True, wandb=WandbConfig(project="p", name="run-b"))
     _log(tmp_path, config)
+    # the run file is written by W&B's service process, which may still be writing when `finish` returns (seen
+    # under load: a step's history record missing); shutting the service down waits for it
+    wandb.teardown()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     records = _wandb_records(run_file)
     history = [

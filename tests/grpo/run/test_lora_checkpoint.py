@@ -35,6 +35,7 @@ from hf_mcore_bridge.grpo.run.launch import check_resumable
 from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, RunResult, train_grpo
 from hf_mcore_bridge.megatron.lora_config import PROJECTIONS
 
+from ..lora_exports import check_lora_exports
 from ..tiny_policy import WORDS, build_tiny_policy
 
 pytestmark = pytest.mark.slow
@@ -138,29 +139,5 @@ def _check_checkpoint_contents(iteration: Path, policy: Path) -> None:
 
 
 def _check_exports(adapter: Path, merged: Path, live: Path, policy: Path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    exported = load_file(adapter / "adapter_model.safetensors")
-    gathered = load_file(live / "adapter_model.safetensors")
-    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
-    assert "library_name: peft" in (adapter / "README.md").read_text()
-
-    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
-    merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    ids = torch.randint(0, len(WORDS), (3, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        peft_logits = with_adapter(input_ids=ids).logits
-        merged_logits = merged_model(input_ids=ids).logits
-        base_logits = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()(input_ids=ids).logits
-    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
-    assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
-
-    reference = with_adapter.merge_and_unload().state_dict()
-    written = load_file(merged / "model.safetensors")
-    assert written.keys() <= reference.keys()
-    assert all(torch.equal(written[k], reference[k]) for k in written), [
-        k for k in written if not torch.equal(written[k], reference[k])
-    ]
+    check_lora_exports(adapter, merged, live, policy)

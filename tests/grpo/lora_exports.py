@@ -1,0 +1,43 @@
+"""The exports of a LoRA run checked against PEFT (shared by both backends' checkpoint tests): `bridge export --peft`
+wrote the adapters the run gathered from its live model, PEFT loads them onto the base model with the logits of the
+merged export, and the merged export equals PEFT's `merge_and_unload` tensor by tensor. Assumes the tiny policy of
+`tiny_policy` (its word vocabulary) and fp32 HF directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .tiny_policy import WORDS
+
+
+def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) -> None:
+    """`adapter`: the `--peft` export, `merged`: the merged export, `live`: the adapter directory the run wrote from
+    its live model, `policy`: the base HF directory."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    exported = load_file(adapter / "adapter_model.safetensors")
+    gathered = load_file(live / "adapter_model.safetensors")
+    assert exported.keys() == gathered.keys() and all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    assert "library_name: peft" in (adapter / "README.md").read_text()
+
+    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(WORDS), (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = with_adapter(input_ids=ids).logits
+        merged_logits = merged_model(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+
+    reference = with_adapter.merge_and_unload().state_dict()
+    written = load_file(merged / "model.safetensors")
+    assert written.keys() <= reference.keys()
+    assert all(torch.equal(written[k], reference[k]) for k in written), [
+        k for k in written if not torch.equal(written[k], reference[k])
+    ]

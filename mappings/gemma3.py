@@ -15,10 +15,10 @@ layer spec, `megatron.gemma_layers`), the pre-MLP norm where it fuses every pre-
 
 from __future__ import annotations
 
-from hf_mcore_bridge.mappings.llama import ATTENTION, HF_LAYER, MC_LAYER
+from hf_mcore_bridge.mappings.llama import ATTENTION, GATED_MLP, HF_LAYER, MC_LAYER
 from hf_mcore_bridge.mappings.qwen3 import QK_NORMS
 from hf_mcore_bridge.models.architecture import Architecture
-from hf_mcore_bridge.models.mapping_types import Direct, FusedGateUp, Size
+from hf_mcore_bridge.models.mapping_types import Direct, Size
 from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.vision_language import FLAT, NESTED, VisionLanguage
 
@@ -35,14 +35,7 @@ NORMS_AND_MLP = (
         Parallel.REPLICATED,
         (Size.HIDDEN,),
     ),
-    FusedGateUp(
-        f"{MC_LAYER}.mlp.linear_fc1.weight",
-        gate=f"{HF_LAYER}.mlp.gate_proj.weight",
-        up=f"{HF_LAYER}.mlp.up_proj.weight",
-    ),
-    Direct(
-        f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW, (Size.HIDDEN, Size.FFN)
-    ),
+    *GATED_MLP,
     Direct(
         f"{MC_LAYER}.mlp.linear_fc2.post_layernorm.weight",
         f"{HF_LAYER}.post_feedforward_layernorm.weight",

@@ -34,13 +34,7 @@ ATTENTION = (
 )
 """Embedding, attention, final norm and output layer: shared by every family, dense or MoE."""
 
-DENSE_MLP = (
-    Direct(
-        f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight",
-        f"{HF_LAYER}.post_attention_layernorm.weight",
-        Parallel.REPLICATED,
-        (Size.HIDDEN,),
-    ),
+GATED_MLP = (
     FusedGateUp(
         f"{MC_LAYER}.mlp.linear_fc1.weight",
         gate=f"{HF_LAYER}.mlp.gate_proj.weight",
@@ -49,6 +43,16 @@ DENSE_MLP = (
     Direct(
         f"{MC_LAYER}.mlp.linear_fc2.weight", f"{HF_LAYER}.mlp.down_proj.weight", Parallel.ROW, (Size.HIDDEN, Size.FFN)
     ),
+)
+"""The MLP's projections (gate and up fused into `linear_fc1`, down as `linear_fc2`), without its norm."""
+DENSE_MLP = (
+    Direct(
+        f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight",
+        f"{HF_LAYER}.post_attention_layernorm.weight",
+        Parallel.REPLICATED,
+        (Size.HIDDEN,),
+    ),
+    *GATED_MLP,
 )
 """The gated dense MLP with its pre-MLP norm (fused into `linear_fc1` under the Transformer-Engine naming)."""
 

@@ -18,6 +18,8 @@ In the project's environment (`bash scripts/setup.sh`; on a GPU machine with its
         --generations 4 --recompute                                             # a 16K-token step
     python scripts/bench_grpo.py --shape llama3-8b --tp 2 --gpus 2   # the 8B shape on two GPUs
     python scripts/bench_grpo.py --tiny                                     # CPU smoke run (tiny shape, fp32)
+    python scripts/bench_grpo.py --lora-rank 16     # LoRA on the seven projections (`scripts/bench_lora.py`
+                                                    # runs it beside full training)
 
 Training and log-prob micro-batches are packed rows of `--max-tokens-per-microbatch` tokens (THD, as
 `policy.megatron_cfg.sequence_packing` makes them); `--no-packing` gives padded micro-batches of
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 from random_checkpoint import SHAPES, TINY_SHAPE, write_random_checkpoint
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORDS = ("[EOS]", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "plus", "is", "[UNK]")
 PHASES = (
     ("generation_s", "generation"),
@@ -96,6 +99,12 @@ def run_config(args: argparse.Namespace, model_dir: Path, prompts: Path) -> dict
                 "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
                 "transformer": transformer,
                 "optimizer": {"lr": 1e-6, "use_distributed_optimizer": args.distributed_optimizer},
+            },
+            "lora": {
+                "enabled": args.lora_rank > 0,
+                "rank": max(args.lora_rank, 1),
+                "alpha": 2.0 * max(args.lora_rank, 1),
+                "target_modules": args.lora_targets,
             },
         },
         "grpo": {
@@ -164,6 +173,13 @@ def main() -> None:
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation, layer by layer")
     parser.add_argument("--kl-coef", type=float, default=0.01)
     parser.add_argument("--kv-cache-gib", type=float, default=16.0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full weights)")
+    parser.add_argument(
+        "--lora-targets",
+        type=lambda text: text.split(","),
+        default=list(LORA_TARGETS),
+        help="comma-separated HF projections the adapters target (with --lora-rank)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.tiny:
@@ -190,16 +206,21 @@ def main() -> None:
     result = train_grpo(config_from_dict(data))
     steady = result.metrics[1:] or result.metrics
     phases = {key: statistics.median(float(m[key]) for m in steady) for key, _ in PHASES}
-    copy_s = d2d_copy_seconds(nbytes)
+    # the refit's floor: one copy of the bytes a steady refit streams (all of them; with LoRA the adapted weights)
+    streamed = int(statistics.median(float(m.get("refit_bytes", nbytes)) for m in steady)) or nbytes
+    copy_s = d2d_copy_seconds(streamed)
     tokens = samples * (args.prompt_tokens + args.max_new_tokens)
     print(f"\nGRPO step, {samples} samples x ({args.prompt_tokens} prompt + {args.max_new_tokens} new) tokens,")
-    print(f"median of steps 2..{result.steps} (tp={args.tp} pp={args.pp} ranks={args.gpus or args.tp * args.pp}):")
+    what = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full weights"
+    layout = f"tp={args.tp} pp={args.pp} ranks={args.gpus or args.tp * args.pp}"
+    print(f"median of steps 2..{result.steps} ({what}, {layout}):")
     for key, label in PHASES:
         print(f"  {label:<34} {phases[key]:9.3f} s")
     print(f"  {'tokens / s (whole step)':<34} {tokens / phases['step_s']:9.0f}")
     if copy_s:
         ratio = phases["refit_s"] / copy_s
         print(f"  {'device-to-device copy, same bytes':<34} {copy_s:9.4f} s  (refit = {ratio:.1f}x the copy)")
+    print(f"  {'bytes a refit streams':<34} {streamed / 2**20:9.1f} MiB  ({streamed / nbytes:.1%} of the checkpoint)")
     replicas = int(steady[0].get("generation_replicas", 1))
     per_replica = {
         f"generation_replica{r}_s": statistics.median(float(m[f"generation_replica{r}_s"]) for m in steady)
@@ -219,6 +240,9 @@ def main() -> None:
             "args": {k: str(v) for k, v in vars(args).items()},
             "phases": phases | per_replica,
             "d2d_copy_s": copy_s,
+            "refit_bytes": streamed,
+            "checkpoint_bytes": nbytes,
+            "model_config": config,
             "engine_replicas": replicas,
             "refit_shard_local": local,
         }

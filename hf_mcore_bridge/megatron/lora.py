@@ -122,11 +122,14 @@ class LinearAdapters(torch.nn.Module):
         self.lora_a = torch.nn.ParameterList([torch.nn.Parameter(t) for t in a])
         self.lora_b = torch.nn.ParameterList([torch.nn.Parameter(t) for t in b])
         self.register_buffer("rows", rows, persistent=False)
+        self._identity: tuple[torch.Tensor | None, bool] = (None, False)
+        """(the `rows` it was computed for, whether they are 0, 1, 2, ...: no reordering needed)."""
         _mark_split(self)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """s * B A x for this rank: the local output rows of a column-parallel linear, or the whole (reduced) output
-        of a row-parallel one. x: [..., in_local]."""
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out` + s * B A x for this rank: the local output rows of a column-parallel linear, or the whole
+        (reduced) output of a row-parallel one; x: [..., in_local], out: [..., out_local]. The rank-r product
+        is added by one GEMM into `out` (`addmm`), so the adapters add no full-width pass over the output."""
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -136,15 +139,32 @@ class LinearAdapters(torch.nn.Module):
         if self.parallel is Parallel.ROW:
             (a,), (b,) = self.lora_a, self.lora_b
             low = reduce_from_tensor_model_parallel_region(linear(self._input(x), a), group=self.tp_group)
-            return self.scale * linear(low, b)
-        if self.dropout > 0 and self.training:  # PEFT: each projection drops its own mask of the shared input
-            low = torch.cat([linear(self._input(x), a) for a in self.lora_a], dim=-1)
         else:
-            low = linear(x, torch.cat(list(self.lora_a)))
-        low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
-        parts = low.split([a.shape[0] for a in self.lora_a], dim=-1)
-        out = torch.cat([torch.nn.functional.linear(p, b) for p, b in zip(parts, self.lora_b, strict=True)], dim=-1)
-        return self.scale * out.index_select(-1, self.rows)
+            if self.dropout > 0 and self.training:  # PEFT: each projection drops its own mask of the shared input
+                low = torch.cat([linear(self._input(x), a) for a in self.lora_a], dim=-1)
+            else:
+                low = linear(x, torch.cat(list(self.lora_a)))
+            low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
+            b = self.output_b()
+        flat = torch.addmm(
+            out.reshape(-1, out.shape[-1]),
+            low.reshape(-1, low.shape[-1]).to(out.dtype),
+            b.to(out.dtype).t(),
+            alpha=self.scale,
+        )
+        return flat.view(out.shape)
+
+    def output_b(self) -> torch.Tensor:
+        """A column-parallel linear's B of all its projections as one [out_local, n * rank] matrix: local output
+        row i holds its projection's B row in that projection's rank columns (a block-diagonal B with its rows in
+        the linear's local row order, `rows`)."""
+        if len(self.lora_b) == 1:
+            (b,) = self.lora_b
+        else:
+            b = torch.block_diag(*self.lora_b)
+        if self._identity[0] is not self.rows:  # once per `rows` tensor (a comparison on the host)
+            self._identity = (self.rows, torch.equal(self.rows.cpu(), torch.arange(len(self.rows))))
+        return b if self._identity[1] else b.index_select(0, self.rows)
 
     def whole_keep_mask(self, x: torch.Tensor) -> torch.Tensor:
         """A dropout mask for the whole input of which `x` is this rank's part (all of it on a column-parallel
@@ -195,7 +215,7 @@ def _hook(linear: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> An
     """Adds the adapters' product to a megatron-core linear's output `(output, bias)`."""
     x = args[0] if args else kwargs["input_"]
     out, bias = output
-    return out + linear.lora.delta(x).to(out.dtype), bias
+    return linear.lora.add_to(out, x), bias
 
 
 def _sharded_state_dict(

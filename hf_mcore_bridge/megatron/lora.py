@@ -18,6 +18,18 @@ an all-reduce of a [tokens, n * rank] gradient, n the projections fused there), 
 nothing). That is rank / hidden of the base layer's own all-reduce, and every gradient is then complete on every
 rank (replicated factors equal everywhere without a further reduction).
 
+Sequence parallelism (`sequence_parallel` on the linear, dense linears only): a column-parallel input is this rank's
+chunk of the sequence [s / tp, b, in] (dim 0, also for packed [t, 1, in] rows), which the base layer all-gathers;
+the adapter computes A x on the chunk and `gather_from_sequence_parallel_region` gathers [s, b, n * rank] (backward:
+a reduce-scatter) before B_local. A row-parallel output is reduce-scattered to [s / tp, b, out]: the adapter
+reduce-scatters A_local x_local ([s, b, rank] partial sums, `reduce_scatter_to_sequence_parallel_region`, backward:
+an all-gather) to [s / tp, b, rank] before B. Communication stays rank-sized; the replicated factors (A of a
+column-parallel linear, B of a row-parallel one) then see this rank's tokens alone, so their gradients are partial
+sums over TP: they are marked `sequence_parallel = True`, megatron-core's mark for its norms' weights, and
+`finalize_model_grads` (the trainer's, after DDP's reduction, with or without the distributed optimizer) all-reduces
+them over the tensor-parallel group. A plain backward without it leaves them partial. Routed experts' linears
+exchange their tokens through the token dispatcher and are not sequence-split: their adapters are as without it.
+
 Routed experts (`experts.gate_up_proj`, `experts.down_proj`, PEFT's `target_parameters`): one adapter per expert on
 its `linear_fc1` (over the fused [gate; up] rows together, as PEFT's adapter of the fused `gate_up_proj`) or
 `linear_fc2`, on the experts this rank holds (expert parallelism splits them, each rank keeping its own experts'
@@ -30,10 +42,10 @@ as two more grouped GEMMs per linear (`grouped_experts`).
 
 Assumes and refuses: attention, dense MLP and routed-expert linears only (shared experts, multi-latent attention's
 projections and the vocabulary layers are refused by name; so are the dense MLP names on a mixture-of-experts model,
-which PEFT reads as the experts' there: `MLP_PROJECTIONS`); no sequence parallelism (the column-parallel input would be
-sequence-sharded). Dropout (`LoraConfig.dropout`) on each adapter's input in training mode only, PEFT's
-semantics (`megatron.lora_dropout`: each projection of a fused linear its own mask; a row-parallel input's mask cut
-from one of the whole width, alike on every tensor-parallel rank); not on experts' adapters (PEFT's
+which PEFT reads as the experts' there: `MLP_PROJECTIONS`). Dropout (`LoraConfig.dropout`) on each adapter's input in
+training mode only, PEFT's semantics (`megatron.lora_dropout`: each projection of a fused linear its own mask; a
+row-parallel input's mask cut from one of the whole width, a sequence-parallel column input's from one of the whole
+sequence, alike on every tensor-parallel rank); not on experts' adapters (PEFT's
 `target_parameters` adapters have none: ValueError). Every base parameter is frozen
 (`requires_grad=False`): megatron-core's `DistributedDataParallel` and optimizer then hold the adapters alone.
 
@@ -107,6 +119,7 @@ class LinearAdapters(torch.nn.Module):
         expert: bool = False,
         dropout: float = 0.0,
         tp: tuple[int, int] = (0, 1),
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.names = names
@@ -117,6 +130,9 @@ class LinearAdapters(torch.nn.Module):
         self.tp = tp
         """(this rank, the tensor-parallel size): which columns of a whole-width mask a row-parallel input keeps."""
         self.parallel = parallel
+        self.sequence_parallel = sequence_parallel
+        """The linear runs under sequence parallelism: a column-parallel input (a row-parallel output) is this rank's
+        chunk of the sequence (dim 0)."""
         self.scale = scale
         self.tp_group = tp_group
         self.lora_a = torch.nn.ParameterList([torch.nn.Parameter(t) for t in a])
@@ -128,23 +144,33 @@ class LinearAdapters(torch.nn.Module):
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`out` + s * B A x for this rank: the local output rows of a column-parallel linear, or the whole
-        (reduced) output of a row-parallel one; x: [..., in_local], out: [..., out_local]. The rank-r product
-        is added by one GEMM into `out` (`addmm`), so the adapters add no full-width pass over the output."""
+        (reduced) output of a row-parallel one; x: [..., in_local], under sequence parallelism [s / tp, b, in]
+        (column-parallel) or [s, b, in / tp] (row-parallel), out: [..., out_local]. The rank-r product is added
+        by one GEMM into `out` (`addmm`), so the adapters add no full-width pass over the output."""
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         linear = torch.nn.functional.linear
         if self.parallel is Parallel.ROW:
             (a,), (b,) = self.lora_a, self.lora_b
-            low = reduce_from_tensor_model_parallel_region(linear(self._input(x), a), group=self.tp_group)
+            low = linear(self._input(x), a)  # partial sums over this rank's input columns
+            if self.sequence_parallel:  # [s, b, rank] -> this rank's [s / tp, b, rank], as the base output
+                low = reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)
+            else:
+                low = reduce_from_tensor_model_parallel_region(low, group=self.tp_group)
         else:
             if self.dropout > 0 and self.training:  # PEFT: each projection drops its own mask of the shared input
                 low = torch.cat([linear(self._input(x), a) for a in self.lora_a], dim=-1)
             else:
                 low = linear(x, torch.cat(list(self.lora_a)))
-            low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
+            if self.sequence_parallel:  # [s / tp, b, n * rank] -> [s, b, n * rank], as the base layer gathers x
+                low = gather_from_sequence_parallel_region(low, group=self.tp_group)
+            else:
+                low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
             b = self.output_b()
         flat = torch.addmm(
             out.reshape(-1, out.shape[-1]),
@@ -168,11 +194,16 @@ class LinearAdapters(torch.nn.Module):
 
     def whole_keep_mask(self, x: torch.Tensor) -> torch.Tensor:
         """A dropout mask for the whole input of which `x` is this rank's part (all of it on a column-parallel
-        linear, a column block on a row-parallel one), drawn alike on every tensor-parallel rank."""
+        linear, or under sequence parallelism its sequence chunk; a column block on a row-parallel one), drawn
+        alike on every tensor-parallel rank."""
         from hf_mcore_bridge.megatron.lora_dropout import keep_mask
 
-        width = x.shape[-1] * (self.tp[1] if self.parallel is Parallel.ROW else 1)
-        return keep_mask((*x.shape[:-1], width), self.dropout, x)
+        shape = list(x.shape)
+        if self.parallel is Parallel.ROW:
+            shape[-1] *= self.tp[1]
+        elif self.sequence_parallel:
+            shape[0] *= self.tp[1]
+        return keep_mask(tuple(shape), self.dropout, x)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's input: `x`, or in training mode with dropout `x` dropped by this rank's part of a mask."""
@@ -181,9 +212,13 @@ class LinearAdapters(torch.nn.Module):
         from hf_mcore_bridge.megatron.lora_dropout import dropped
 
         mask = self.whole_keep_mask(x)
+        rank = self.tp[0]
         if self.parallel is Parallel.ROW:
-            rank, width = self.tp[0], x.shape[-1]
+            width = x.shape[-1]
             mask = mask[..., rank * width : (rank + 1) * width]
+        elif self.sequence_parallel:
+            length = x.shape[0]
+            mask = mask[rank * length : (rank + 1) * length]
         return dropped(x, mask, self.dropout)
 
     def weight_delta(self) -> torch.Tensor:
@@ -198,7 +233,9 @@ class LinearAdapters(torch.nn.Module):
 def _mark_split(holder: LinearAdapters) -> None:
     """megatron-core's tensor-parallel attributes on each factor: the split ones (B of a column-parallel linear by
     rows, A of a row-parallel one by columns) counted on every rank, the replicated ones on TP rank 0 only, as its
-    gradient norm (hence clipping) and checkpoints count a base layer's weight and its replicated norms."""
+    gradient norm (hence clipping) and checkpoints count a base layer's weight and its replicated norms. Under
+    sequence parallelism the replicated factors see this rank's tokens alone: they are marked `sequence_parallel`,
+    as megatron-core marks its norms' weights, so that `finalize_model_grads` sums their gradients over TP."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     row = holder.parallel is Parallel.ROW
@@ -209,6 +246,8 @@ def _mark_split(holder: LinearAdapters) -> None:
         set_tensor_model_parallel_attributes(b, is_parallel=not row or holder.expert, dim=0, stride=1)
         if holder.expert:
             a.allreduce = b.allreduce = False
+        replicated = b if row else a
+        replicated.sequence_parallel = holder.sequence_parallel
 
 
 def _hook(linear: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -308,8 +347,6 @@ def _linear(layer: torch.nn.Module, entry: Entry, expert: int | None = None) -> 
     path = entry.mcore.removeprefix(LAYER_PREFIX).removesuffix(".weight")
     linear = layer.get_submodule(path if expert is None else path.format(expert=expert))
     what = f"LoRA on {entry.mcore}"
-    if getattr(linear, "sequence_parallel", False):
-        raise ValueError(f"{what}: sequence parallelism is not implemented with LoRA")
     if getattr(linear, "gather_output", False) or (expert is None and getattr(linear, "explicit_expert_comm", False)):
         raise ValueError(f"{what}: a linear that gathers its output or is an expert's is not implemented")
     return linear
@@ -385,6 +422,7 @@ def _adapters_for(
         weights=weights,
         dropout=lora.dropout,
         tp=(rank, tp),
+        sequence_parallel=bool(getattr(linear, "sequence_parallel", False)) and tp > 1,
     )
 
 

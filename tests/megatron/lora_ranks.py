@@ -16,6 +16,18 @@ and up halves of every expert's `linear_fc1` adapter output exchanged).
 
 A case with `dropout` runs its forward and backward in training mode with adapter dropout, records every mask
 drawn (on each rank: they must be equal) and then the logits of a forward in eval mode.
+
+A case with `ddp` runs its forward and backward through megatron-core's `DistributedDataParallel` (its buffers laid
+out for the distributed optimizer) and then `finalize_model_grads`, as the trainer does; its gradients are read
+from DDP's buffers (`main_grad`). That is how a sequence-parallel case (`overrides` `sequence_parallel`) gets the
+replicated factors' gradients summed over TP; its fault `sp_unreduced` takes their `sequence_parallel` mark off,
+so that they stay this rank's tokens' part.
+
+A case with `context_parallel` 2 re-initialises megatron-core's parallel state of the 2-rank world as CP2 (TP1) and
+feeds each rank its two load-balanced chunks of the sequence (chunks r and 3 - r of 4, written out here), causal
+attention over the whole sequence across the ranks; its logits are put back in sequence order and the adapters'
+gradients summed over the CP ranks (what DDP's reduction over the data x context ranks sums). Such cases come last
+(the world stays CP2).
 """
 
 from __future__ import annotations
@@ -51,6 +63,11 @@ class LoraCase:
     dropout: float = 0.0
     """Adapter dropout: the forward and backward run in training mode inside `dropout_rng`, each adapter's whole
     mask is recorded (`masks`, by HF module name, on every rank), then a forward in eval mode (`eval_logits`)."""
+    ddp: bool = False
+    """Forward and backward through megatron-core's DDP (distributed-optimizer buffers), then `finalize_model_grads`;
+    gradients from DDP's buffers."""
+    context_parallel: int = 1
+    """2: the world re-initialised as CP2 (TP1) for this case and those after it."""
 
 
 def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
@@ -91,6 +108,9 @@ def _break(adapters: list, fault: str | None) -> None:
             _swap_rows(holder, 1, 2)
         if fault == "gate_up_rows" and holder.names[0].endswith("gate_proj"):
             _swap_rows(holder, 0, 1)
+        if fault == "sp_unreduced":  # the replicated factors' partial gradients left as they are
+            for p in (*holder.lora_a, *holder.lora_b):
+                p.sequence_parallel = False
 
 
 def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, out_dir: str) -> None:
@@ -109,6 +129,9 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
     positions = torch.arange(seq).expand(batch, -1)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     for case in cases:
+        if case.context_parallel > 1:
+            _context_parallel(case.context_parallel)
+        held = _held(seq, case.context_parallel)
         bridge = AutoBridge.from_pretrained(case.hf_dir)
         (model,) = bridge.get_model(dtype="float32", load_weights=True, **dict(case.overrides))
         config = LoraConfig(
@@ -121,10 +144,17 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
         if case.dropout:
             model.train()
         vocab = bridge.model_config.vocab_size
+        module = _ddp(model) if case.ddp else model
+        inputs = (tokens, positions, mask) if held is None else (tokens[:, held], positions[:, held], None)
         with dropout_rng(config, step=0, replica=0):
-            output = model(tokens, positions, mask)  # [batch, seq, vocab / TP]
+            output = module(*inputs)  # [batch, seq (this CP rank's tokens), vocab / TP]
             logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-            (logits * loss_weights).sum().backward()
+            ((logits * (loss_weights if held is None else loss_weights[:, held])).sum()).backward()
+        if case.ddp:
+            _finalize(module, adapters)
+        if held is not None:
+            logits = _in_sequence_order(logits.detach(), held, seq, case.context_parallel)
+            _sum_over_context(adapters)
         eval_logits = None
         if case.dropout:
             model.eval()
@@ -167,6 +197,71 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
         elif case.optimizer:
             _optimizer_elements(model)  # collective
+
+
+def _context_parallel(cp: int) -> None:
+    """megatron-core's parallel state of this world re-initialised as CP `cp` (TP1)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() != cp:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+
+
+def _held(seq: int, cp: int) -> torch.Tensor | None:
+    """The sequence positions this CP rank holds, megatron-core's load-balanced layout: chunks r and 2 cp - 1 - r
+    of 2 cp (None at CP1)."""
+    if cp == 1:
+        return None
+    from megatron.core import parallel_state
+
+    rank, chunk = parallel_state.get_context_parallel_rank(), seq // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
+
+
+def _in_sequence_order(logits: torch.Tensor, held: torch.Tensor, seq: int, cp: int) -> torch.Tensor:
+    """Every CP rank's logits [batch, held, vocab] put back in sequence order: [batch, seq, vocab]."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(cp)]
+    places = [torch.empty_like(held) for _ in range(cp)]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    dist.all_gather(places, held, group=group)
+    whole = logits.new_zeros(logits.shape[0], seq, logits.shape[-1])
+    for part, place in zip(parts, places, strict=True):
+        whole[:, place] = part
+    return whole
+
+
+def _sum_over_context(adapters: list) -> None:
+    """Each adapter gradient summed over the CP ranks, in place."""
+    from megatron.core import parallel_state
+
+    for holder in adapters:
+        for p in (*holder.lora_a, *holder.lora_b):
+            dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
+
+
+def _ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in megatron-core's DDP, its buffers laid out for the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from hf_mcore_bridge.megatron.cpu_patches import apply_cpu_training_workarounds
+
+    apply_cpu_training_workarounds()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def _finalize(ddp: torch.nn.Module, adapters: list) -> None:
+    """megatron-core's `finalize_model_grads`, then each adapter's gradient taken from DDP's buffer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    for holder in adapters:
+        for p in (*holder.lora_a, *holder.lora_b):
+            p.grad = p.main_grad.detach().clone()
 
 
 def _record_masks(adapters: list) -> dict[str, list[torch.Tensor]]:

@@ -10,9 +10,13 @@ written as a PEFT directory load with `PeftModel.from_pretrained` and give the s
 shows the comparison failing with the scale alpha / rank doubled and with adapters on the wrong rows of the
 fused `linear_qkv` (k and v exchanged) and `linear_fc1` (gate and up exchanged). With adapter dropout (p = 0.3)
 the training forward and its gradients equal PEFT's with the same masks in its `lora_dropout` (captured from the
-ranks, equal on both), and the eval forward equals PEFT without dropout. An EP2 world does the same (without
-dropout) for attention and routed-expert adapters on tiny MoE models against PEFT's `target_parameters` adapters of
-the fused expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
+ranks, equal on both), and the eval forward equals PEFT without dropout. The same world runs the tiny Llama with
+sequence parallelism (through megatron-core's DDP and `finalize_model_grads`, as the trainer does): logits and
+gradients equal PEFT's, with dropout too (each mask one of the whole sequence); with the replicated factors'
+gradients left unreduced (their `sequence_parallel` mark taken off) exactly those gradients fail. Last, the same
+world re-initialised as CP2 (TP1): logits and gradients (summed over the CP ranks) equal PEFT's. An EP2 world does
+the same (without dropout) for attention and routed-expert adapters on tiny MoE models against PEFT's
+`target_parameters` adapters of the fused expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
 """
 
 from __future__ import annotations
@@ -108,39 +112,40 @@ def _relative(mine: torch.Tensor, reference: torch.Tensor) -> float:
     return float((mine - reference).abs().max() / reference.abs().max())
 
 
+SP = (("sequence_parallel", True),)
+TP2_PLANS = {
+    "llama": ("llama", PROJECTIONS, {"optimizer": True, "merged": True}),
+    "qwen3": ("qwen3", ATTENTION, {}),
+    **{f"llama_{fault}": ("llama", PROJECTIONS, {"fault": fault}) for fault in FAULTS},
+    "llama_dropout": ("llama", PROJECTIONS, {"dropout": DROPOUT}),
+    "llama_sp": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True}),
+    "llama_sp_unreduced": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True, "fault": "sp_unreduced"}),
+    "llama_sp_dropout": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True, "dropout": DROPOUT}),
+    "llama_cp": ("llama", PROJECTIONS, {"context_parallel": 2}),  # last: the world stays CP2
+}
+"""The cases of the TP2 world: name -> (model, target_modules, `LoraCase` fields)."""
+EXACT = ("llama", "qwen3", "llama_sp", "llama_cp")
+"""Cases whose logits and gradients must equal PEFT's."""
+
+
 @pytest.mark.slow
 def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
+    """TP2 (and, re-initialised in the same world, CP2): see the module docstring."""
     tokens = torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, 12, 211, generator=torch.Generator().manual_seed(2))
     torch.save(weights, tmp_path / "weights.pt")
-    plans = {"llama": ("llama", PROJECTIONS), "qwen3": ("qwen3", ATTENTION)}
-    plans.update({f"llama_{fault}": ("llama", PROJECTIONS) for fault in FAULTS})
-    plans["llama_dropout"] = ("llama", PROJECTIONS)
     references, cases = {}, []
-    for seed, (case, (model, targets)) in enumerate(plans.items()):
+    for seed, (case, (model, targets, fields)) in enumerate(TP2_PLANS.items()):
         peft_model, values = _peft(tiny_models[model], targets, seed)
         references[case] = _reference(peft_model, values, tokens, weights)
         torch.save({n: (a, b) for n, (_, a, b) in values.items()}, tmp_path / f"{case}.adapters.pt")
-        fault = case.removeprefix("llama_") if case.startswith("llama_") and case != "llama_dropout" else None
-        cases.append(
-            LoraCase(
-                case,
-                str(tiny_models[model]),
-                str(tmp_path / f"{case}.adapters.pt"),
-                RANK,
-                ALPHA,
-                targets,
-                fault,
-                optimizer=case == "llama",
-                merged=case == "llama",
-                dropout=DROPOUT if case == "llama_dropout" else 0.0,
-            )
-        )
-        if case == "llama_dropout":
+        path = str(tmp_path / f"{case}.adapters.pt")
+        cases.append(LoraCase(case, str(tiny_models[model]), path, RANK, ALPHA, targets, **fields))
+        if "dropout" in fields:
             references[case] = peft_model, values
     run_world(lora_rank, Layout(tp=2), cases, tokens, str(tmp_path / "weights.pt"), str(tmp_path))
 
-    for case in ("llama", "qwen3"):
+    for case in EXACT:
         logits, grads = references[case]
         got = torch.load(tmp_path / f"{case}.pt")
         assert (got["logits"] - logits).abs().max() <= 1e-4, case
@@ -169,8 +174,25 @@ def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
     for fault in FAULTS:
         got = torch.load(tmp_path / f"llama_{fault}.pt")
         assert (got["logits"] - references[f"llama_{fault}"][0]).abs().max() > 1e-2, fault
+    _check_unreduced(torch.load(tmp_path / "llama_sp_unreduced.pt"), references["llama_sp_unreduced"], row)
 
-    _check_dropout(tmp_path, *references["llama_dropout"], tokens, weights)
+    _check_dropout(tmp_path, "llama_dropout", *references["llama_dropout"], tokens, weights)
+    _check_dropout(tmp_path, "llama_sp_dropout", *references["llama_sp_dropout"], tokens, weights)
+
+
+def _check_unreduced(got: dict, reference: tuple, row: tuple[str, ...]) -> None:
+    """Under sequence parallelism with the replicated factors' gradients not summed over TP (their
+    `sequence_parallel` mark taken off): the forward is unchanged, the split factors' gradients still PEFT's, and
+    every replicated factor's (A of a column-parallel linear, B of a row-parallel one) fails the comparison."""
+    logits, grads = reference
+    assert (got["logits"] - logits).abs().max() <= 1e-4
+    for name, (grad_a, grad_b) in grads.items():
+        mine_a, mine_b = got["grads"][name]
+        (split, want_split), (replicated, want) = ((mine_a, grad_a), (mine_b, grad_b))
+        if not name.endswith(row):
+            (split, want_split), (replicated, want) = ((mine_b, grad_b), (mine_a, grad_a))
+        assert _relative(split, want_split) <= 1e-4, name
+        assert _relative(replicated, want) > 1e-2, (name, _relative(replicated, want))
 
 
 class _Masked(torch.nn.Module):
@@ -184,17 +206,21 @@ class _Masked(torch.nn.Module):
         return x * self.masks.pop(0) / (1 - self.p)
 
 
-def _check_dropout(tmp_path, peft_model, values, tokens, weights) -> None:
-    """Adapter dropout at TP2: the training forward's logits and every adapter gradient equal PEFT's with the same
-    masks in its `lora_dropout` (each projection its own mask, drawn alike on both ranks, about p of them zeros);
-    the eval forward drops nothing (PEFT without dropout); the dropped logits are not the undropped ones."""
-    got = torch.load(tmp_path / "llama_dropout.pt")
-    masks, other = (torch.load(tmp_path / f"llama_dropout.masks.{r}.pt") for r in (0, 1))
+def _check_dropout(tmp_path, case: str, peft_model, values, tokens, weights) -> None:
+    """Adapter dropout at TP2 (with or without sequence parallelism): the training forward's logits and every
+    adapter gradient equal PEFT's with the same masks in its `lora_dropout` (each projection its own mask of the
+    whole input, drawn alike on both ranks, about p of them zeros, the two halves of the sequence masked
+    differently); the eval forward drops nothing (PEFT without dropout); the dropped logits are not the undropped
+    ones."""
+    got = torch.load(tmp_path / f"{case}.pt")
+    masks, other = (torch.load(tmp_path / f"{case}.masks.{r}.pt") for r in (0, 1))
     assert sorted(masks) == sorted(values) and all(len(m) == 1 for m in masks.values())
     assert all(torch.equal(masks[n][0], other[n][0]) for n in masks)  # one mask of the whole input on every rank
     assert not torch.equal(masks["model.layers.0.self_attn.q_proj"][0], masks["model.layers.0.self_attn.k_proj"][0])
     zeros = torch.cat([m[0].flatten() for m in masks.values()]).eq(0).float().mean()
     assert abs(float(zeros) - DROPOUT) < 0.02, float(zeros)
+    q = masks["model.layers.0.self_attn.q_proj"][0]  # [seq, batch, hidden]: whole, its halves not alike
+    assert q.shape[0] == tokens.shape[1] and not torch.equal(q[: q.shape[0] // 2], q[q.shape[0] // 2 :])
 
     with torch.no_grad():
         plain = peft_model(tokens).logits

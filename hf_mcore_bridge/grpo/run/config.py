@@ -565,11 +565,6 @@ def _validate_lora(config: GRPOConfig) -> None:
         )
         return
     megatron = config.policy.megatron_cfg
-    require(
-        not (megatron.sequence_parallel or megatron.transformer.get("sequence_parallel", False)),
-        "policy.lora.enabled=true cannot be combined with policy.megatron_cfg.sequence_parallel (adapters under"
-        " sequence parallelism are not implemented)",
-    )
     if experts:
         require(
             dropout == 0,

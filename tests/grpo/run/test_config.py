@@ -288,10 +288,6 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
             "LoRA on the DTensor backend is implemented with FSDP2 alone",
         ),
         (
-            ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
-            "cannot be combined with policy.megatron_cfg.sequence_parallel",
-        ),
-        (
             [*EXPERTS, "policy.lora.dropout=0.1"],
             r"policy\.lora\.dropout=0\.1 with adapters on experts",
         ),
@@ -313,6 +309,16 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
 def test_lora_runs_not_implemented_yet_are_refused_by_name(overrides: list[str], message: str) -> None:
     with pytest.raises(GRPOConfigError, match=message):
         config_from_dict(BASE, ["policy.lora.enabled=true", *overrides])
+
+
+def test_megatron_lora_runs_with_sequence_parallelism() -> None:
+    """Adapters under sequence parallelism are implemented (`megatron.lora`), dense and on experts (at expert
+    tensor parallelism 1)."""
+    sp = ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"]
+    sp.append("cluster.gpus_per_node=2")
+    assert config_from_dict(BASE, ["policy.lora.enabled=true", *sp]).policy.megatron_cfg.sequence_parallel
+    experts = [*EXPERTS, "policy.megatron_cfg.expert_tensor_parallel_size=1"]
+    assert config_from_dict(BASE, ["policy.lora.enabled=true", *sp, *experts]).policy.lora.enabled
 
 
 def test_dtensor_lora_runs_with_checkpoints() -> None:

@@ -1,8 +1,10 @@
 """A GRPO step with `policy.lora` on the megatron-core trainer (no rollout engine) against HF transformers + PEFT +
 autograd + torch's AdamW on the same rollouts, from the same initial adapters: the tiny Llama at TP2 (adapters on
-all seven projections) and the tiny Qwen3-MoE at EP2 (layer 0 routed, layer 1 dense; adapters on the attention and
-dense MLP projections and on the routed experts, `experts.gate_up_proj` and `experts.down_proj`, which the
-reference targets through PEFT's `target_parameters`).
+all seven projections), without and with sequence parallelism (the replicated factors' gradients then summed over
+TP by megatron-core's `finalize_model_grads`), the latter on padded and on packed rows (`sequence_packing`), and the
+tiny Qwen3-MoE at EP2 (layer 0 routed, layer 1 dense; adapters on the attention and dense MLP projections and on
+the routed experts, `experts.gate_up_proj` and `experts.down_proj`, which the reference targets through PEFT's
+`target_parameters`).
 
 The trainer's adapters are initialised by the trainer (A seeded, B zero); the reference PEFT model takes those A
 and B (its own initial values are not the trainer's; an expert's per-expert pair goes into its slice of PEFT's
@@ -43,6 +45,11 @@ GROUP, RANK, ALPHA, LR = 4, 4, 8.0, 1e-2
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LAYOUTS = {
     "tp2": ({"tensor_model_parallel_size": 2}, PROJECTIONS),
+    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, PROJECTIONS),
+    "tp2_sp_packed": (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "sequence_packing": True},
+        PROJECTIONS,
+    ),
     "ep2": ({"expert_model_parallel_size": 2}, ATTENTION + EXPERT_PROJECTIONS),
 }
 """name -> (megatron_cfg parallel sizes, target_modules)."""
@@ -68,7 +75,7 @@ def _rows() -> list[dict]:
 
 
 def _policy(layout: str, directory: Path) -> Path:
-    if layout == "tp2":
+    if layout.startswith("tp2"):
         return build_tiny_policy(directory, seed=3)
     return build_tiny_policy(
         directory, seed=2, architecture="Qwen3MoeForCausalLM", mlp_only_layers=[1], router_aux_loss_coef=0.0
@@ -233,7 +240,7 @@ def test_lora_step_matches_hf_peft_reference(layout: str, tmp_path: Path) -> Non
     # row-parallel one; at EP2 every dense adapter whole and the adapters of its half of the experts
     experts = [n for n in got["initial"] if SLOT.fullmatch(n)]
     assert (layout == "ep2") == bool(experts)
-    if layout == "tp2":
+    if layout.startswith("tp2"):
         held = sum(
             a.numel() // 2 + b.numel() if n.endswith(("o_proj", "down_proj")) else a.numel() + b.numel() // 2
             for n, (a, b) in got["initial"].items()

@@ -201,6 +201,15 @@ class EngineConfig:
     (fused kernels; the sampler reads the logits without writing [B, V] intermediates); None: on CUDA devices.
     Each falls back to eager, with a warning, if its compilation fails. The first steps after start-up compile."""
 
+    lora_rank: int = 0
+    """LoRA adapters of this rank applied by the engine's linears (`engine.lora`), loaded under PEFT's names like
+    weights; 0: none."""
+    lora_scale: float = 1.0
+    """The adapters' product is scaled by this (PEFT's alpha / rank)."""
+    lora_targets: tuple[str, ...] = ()
+    """The HF projections that carry adapters (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
+    `down_proj`)."""
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -493,6 +502,10 @@ class Engine:
             moe_kernel=moe_kernel,
             moe_sort=cfg.resolved_moe_sort(),
         )
+        if cfg.lora_rank:  # before any graph is captured: the decode graphs read the adapters in place
+            from hf_mcore_bridge.engine.lora import add_adapters
+
+            add_adapters(self.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_scale)
         self.model.kv_scale = cfg.kv_cache_scale if cfg.kv_cache_dtype == "fp8" else 1.0
         self.model.fused_rope = cfg.fused_rope
         self.cache_entry = self.model.cache_entry

@@ -54,6 +54,12 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.lora_a: nn.Parameter | None = None
+        """LoRA adapters applied by this layer (`engine.lora`): the A of each adapted projection stacked
+        [projections x rank, in_features], and `lora_b` [out_features, projections x rank] (each projection's B in its
+        own rows and rank columns, zero elsewhere); the layer adds `lora_scale` * lora_b lora_a x."""
+        self.lora_b: nn.Parameter | None = None
+        self.lora_scale = 1.0
 
     def quantize_fp8(self) -> None:
         """(Re)quantize `weight` into the FP8 copy, in place once it exists (captured CUDA graphs read it)."""
@@ -68,9 +74,15 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8 is None:
-            return F.linear(x, self.weight, bias)
-        q, scale_inv, gemm_scale = self.fp8
-        return fp8_linear(x, q, scale_inv, bias, gemm_scale)
+            out = F.linear(x, self.weight, bias)
+        else:
+            q, scale_inv, gemm_scale = self.fp8
+            out = fp8_linear(x, q, scale_inv, bias, gemm_scale)
+        if self.lora_a is None or self.lora_b is None:
+            return out
+        low = F.linear(x, self.lora_a).reshape(-1, self.lora_a.shape[0])
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), low, self.lora_b.t(), alpha=self.lora_scale)
+        return flat.view(out.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

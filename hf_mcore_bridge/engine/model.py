@@ -721,6 +721,10 @@ def linear_attn_spec(cfg: ModelSpec) -> LinearAttnSpec | None:
     )
 
 
+LORA_B = ".lora_b"
+"""The suffix of a linear's LoRA B parameter (`layers.Linear.lora_b`, `engine.lora`)."""
+
+
 @dataclass(frozen=True)
 class Target:
     """Where one HF tensor goes: a parameter, its slice `[expert]` (stacked experts), then rows of that."""
@@ -732,6 +736,8 @@ class Target:
     """The index on the leading expert axis; None for a parameter that is not stacked over experts."""
     shard: Shard | Sections | None = None
     """This tensor-parallel rank's part of the full HF tensor; None: all of it (also without tensor parallelism)."""
+    cols: tuple[int, int] | None = None
+    """Columns of those rows (a LoRA B's rank columns in its linear's `lora_b`, `engine.lora`); None: all."""
 
 
 class CausalLM(nn.Module):
@@ -1003,6 +1009,7 @@ class CausalLM(nn.Module):
             if target.expert is not None:
                 data = data[target.expert]
             view = data if target.rows is None else data[target.rows[0] : target.rows[1]]
+            view = view if target.cols is None else view[:, target.cols[0] : target.cols[1]]
             self._views[hf_name] = view
         return view
 
@@ -1028,7 +1035,9 @@ class CausalLM(nn.Module):
     def allocate_weights(self) -> None:
         """Fresh, uninitialised storage for every parameter; all of them must be loaded again."""
         for name, p in self.named_parameters():
-            p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=p.device)
+            # a LoRA B's entries outside its projections' blocks are never loaded: they stay zero (`engine.lora`)
+            fresh = torch.zeros if name.endswith(LORA_B) else torch.empty
+            p.data = fresh(self._shapes[name], dtype=p.dtype, device=p.device)
         self.loaded.clear()
         self._views.clear()
         self.weights_version += 1

@@ -16,6 +16,7 @@ __all__ = [
     "FUSED",
     "INITS",
     "PROJECTIONS",
+    "REFITS",
     "TARGETS",
     "LoraConfig",
     "expert_targets",
@@ -42,6 +43,11 @@ all."""
 INITS = ("kaiming", "gaussian")
 """How A is initialised (B starts at zero, so a new adapter leaves the model unchanged): `kaiming`, PEFT's
 default (`kaiming_uniform_` with a = sqrt(5)); `gaussian`, normal with std 1 / rank (PEFT's `gaussian`)."""
+
+REFITS = ("auto", "adapters", "merged")
+"""What a refit after the first streams into the rollout engine: `adapters`, the adapters' A and B alone, which the
+embedded engine applies in its linears (`engine.lora`: dense attention and MLP projections, megatron-core backend);
+`merged`, each adapted weight as W + (alpha / rank) B A; `auto`, `adapters` where they apply, else `merged`."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ class LoraConfig:
     """Start from an existing PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`, as a run
     writes in `<logger.log_dir>/lora_adapter/` or PEFT's `save_pretrained`): its A and B replace the initialisation.
     Its rank, alpha and target modules must be these (checked before the run starts)."""
+    refit: str = "auto"
+    """What each refit after the first streams, one of `REFITS`: the adapters themselves (the engine applies them),
+    or the merged weights of the adapted projections."""
 
     @property
     def scale(self) -> float:

@@ -28,6 +28,7 @@ from engine_helpers import (
     random_prompts,
     tiny_engine_config,
 )
+from lora_helpers import ALPHA, RANK, TARGETS, adapter_tensors, peft_model
 from transformers import AutoConfig, LlamaConfig, PreTrainedModel
 
 from hf_mcore_bridge.engine import Engine, SamplingParams
@@ -99,6 +100,24 @@ def tp_engine_rank(out: str) -> None:
         if rank == 0:
             refs["hf"][arch] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
             refs["tp1"][arch] = engine_greedy(engine_from_hf(model, **cache), prompts)
+
+    # LoRA adapters applied by the engine's linears at TP2 (`engine.lora`): A whole or split by columns, B split by
+    # rows (one KV head, replicated, for llama_mqa); PEFT's greedy tokens and log-probs
+    mine["lora"], refs["lora"] = {}, {}
+    for arch in ("llama", "llama_mqa"):
+        adapted = peft_model(models[arch])
+        lora = {"lora_rank": RANK, "lora_scale": ALPHA / RANK, "lora_targets": TARGETS}
+        engine = _tp_engine(dirs[arch], group, **lora)
+        engine.load_weights(adapter_tensors(adapted))
+        (sampled,) = engine.generate([prompts[1]], SamplingParams(n=1, temperature=1.0, max_tokens=6, seed=11))
+        mine["lora"][arch] = {"greedy": engine_greedy(engine, prompts), "sampled": sampled.samples[0].token_ids}
+        mine["lora"][arch]["logprobs"] = sampled.samples[0].logprobs
+        if rank == 0:
+            with torch.no_grad():
+                refs["lora"][arch] = {
+                    "greedy": [hf_greedy(adapted, p, MAX_TOKENS) for p in prompts],
+                    "logprobs": hf_token_logprobs(adapted, prompts[1], sampled.samples[0].token_ids, 1.0),
+                }
 
     # The fast expert path under expert tensor parallelism: `torch._grouped_mm` (its CPU loop), and the Triton
     # grouped GEMM where Triton runs on CPU tensors (its interpreter, machines without CUDA: see conftest)

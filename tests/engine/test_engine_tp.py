@@ -132,6 +132,10 @@ def test_tensor_parallel_engine_in_a_two_rank_world(tmp_path):
         assert mine["greedy"][arch] == refs["hf"][arch], arch
         assert mine["greedy"][arch] == refs["tp1"][arch], arch
         assert all(len(tokens) == MAX_TOKENS for tokens in mine["greedy"][arch])
+    for arch, lora in refs["lora"].items():  # the engine's adapters at TP2: PEFT's tokens and log-probs
+        assert mine["lora"][arch]["greedy"] == lora["greedy"], arch
+        assert mine["lora"][arch]["greedy"] != refs["hf"][arch], arch  # the adapters change the tokens
+        assert mine["lora"][arch]["logprobs"] == pytest.approx(lora["logprobs"], abs=1e-5), arch
     assert mine["after_wake"] == refs["hf"]["qwen3_moe"]  # sleep(2), wake_up, load_weights(named_parameters())
     # the fast expert path (sorted grouped GEMM) at TP2: transformers' tokens for every MoE architecture
     assert {name.split("/")[0] for name in mine["fast_moe"]} == set(TP_MOE_ARCHS)

@@ -86,6 +86,12 @@ class TrainingBackend(Protocol):
         projections, each refit after the first streams those alone); None: every tensor."""
         ...
 
+    def adapter_weights(self, times: PhaseTimes | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Every LoRA adapter's A and B, whole, under PEFT's names without its prefix (`<HF module>.lora_A.weight`,
+        `.lora_B.weight`), in one order on every rank, for an engine that applies them itself (`engine.lora`);
+        empty without adapters. Collective: every rank calls it alike."""
+        return []
+
     def hf_weights(
         self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,11 +102,12 @@ class TrainingBackend(Protocol):
         ...
 
     def shard_local_weights(
-        self, times: PhaseTimes | None = None, names: Collection[str] | None = None
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """This rank's part of every HF tensor (or of `names`, as `hf_weights`) from its own tensor-parallel shards,
-        for an engine sharded over the trainer's TP group (`Engine.load_weights(..., parts=True)`); None where the
-        backend cannot (then `hf_weights`). Collective where it returns a stream: exhaust it everywhere."""
+        """This rank's part of every HF tensor (or of `names`, as `hf_weights`; `merged` as there) from its own
+        tensor-parallel shards, for an engine sharded over the trainer's TP group (`Engine.load_weights(...,
+        parts=True)`); None where the backend cannot (then `hf_weights`). Collective where it returns a stream:
+        exhaust it everywhere."""
         ...
 
     def refit_sources(self) -> list[torch.Tensor] | None:

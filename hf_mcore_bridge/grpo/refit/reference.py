@@ -35,6 +35,9 @@ What rank `r` of `t` holds, as assumed here (megatron-core's tensor parallelism 
   norms whole on every rank (each rank's heads read the whole latent, and the cache holds it whole on each rank);
   the per-head up-projections (`q_b_proj` or `q_proj`, `kv_b_proj`) the r-th of t blocks of rows (whole heads);
   `o_proj` as `ROW`;
+- LoRA adapters the engine applies itself (`engine.lora`, PEFT's `<module>.lora_A.weight` / `.lora_B.weight`):
+  A whole, B cut as its weight's rows, for a column-parallel projection; A cut as its weight's columns, B whole,
+  for a row-parallel one. They are streamed whole in every refit, also a shard-local one;
 - a name the table does not list: whole (if the engine keeps a part of it, the check fails rather than passes).
 
 Streams: a full-tensor refit (`bridge.export.export_hf_weights`, or a DTensor policy's) is cut as above; in a
@@ -67,7 +70,10 @@ from hf_mcore_bridge.models.parallel_style import Parallel
 from hf_mcore_bridge.models.spec import ModelSpec
 from hf_mcore_bridge.models.tensor_ops import padded_vocab_size, rank_boxes
 
-__all__ = ["EnginePartReference", "Role", "roles"]
+__all__ = ["ADAPTER_A", "ADAPTER_B", "EnginePartReference", "Role", "roles"]
+
+ADAPTER_A, ADAPTER_B = ".lora_A.weight", ".lora_B.weight"
+"""Suffixes of a LoRA adapter's streamed tensors (PEFT's names), after its HF module's name."""
 
 
 class Role(enum.Enum):
@@ -159,7 +165,11 @@ class EnginePartReference:
         whole). ValueError: a tensor that is not full where it is cut."""
         if self.size == 1:
             return tensor
-        role = self.roles.get(name, Role.WHOLE)
+        role = self._adapter_role(name)
+        if role is not None:
+            trainer_part = False  # adapters are streamed whole
+        else:
+            role = self.roles.get(name, Role.WHOLE)
         if role is Role.WHOLE or (trainer_part and role is not Role.VOCAB):
             return tensor
         if role is Role.SECTIONS:
@@ -170,6 +180,16 @@ class EnginePartReference:
             return torch.cat([section.chunk(self.size)[self.rank] for section in tensor.split(self.sections)])
         cut = self._cut(name, role, tuple(tensor.shape))
         return tensor.narrow(cut.dim, cut.start, cut.size)
+
+    def _adapter_role(self, name: str) -> Role | None:
+        """The role of a LoRA adapter's A or B from its weight's (see the module docstring); None for other names."""
+        for suffix, factor in ((ADAPTER_A, "A"), (ADAPTER_B, "B")):
+            if name.endswith(suffix):
+                weight = self.roles.get(name.removesuffix(suffix) + ".weight", Role.WHOLE)
+                if weight is Role.ROW:
+                    return Role.ROW if factor == "A" else Role.WHOLE
+                return Role.WHOLE if factor == "A" else weight
+        return None
 
     def dtype(self, name: str, default: torch.dtype) -> torch.dtype:
         """The dtype the engine holds `name` in: float32 where the table keeps it so, else `default` (the policy's)."""

@@ -39,7 +39,15 @@ from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig, valida
 from hf_mcore_bridge.grpo.data.config import DataConfig, RewardConfig, validate_data, validate_reward
 from hf_mcore_bridge.grpo.errors import GRPOConfigError, real_number, require, unknown_key
 from hf_mcore_bridge.grpo.run.plan import cluster_ranks, parallel_dims
-from hf_mcore_bridge.megatron.lora_config import FUSED, INITS, TARGETS, LoraConfig, expert_targets, peft_targets
+from hf_mcore_bridge.megatron.lora_config import (
+    FUSED,
+    INITS,
+    REFITS,
+    TARGETS,
+    LoraConfig,
+    expert_targets,
+    peft_targets,
+)
 
 __all__ = [
     "CheckpointingConfig",
@@ -525,6 +533,24 @@ def _check_adapter_path(lora: LoraConfig) -> None:
     )
 
 
+def adapter_refit(config: GRPOConfig) -> bool:
+    """Whether the run's refits after the first stream LoRA adapters, applied by the engine (`policy.lora.refit`
+    `adapters`, or `auto` where they apply), rather than merged weights."""
+    lora = config.policy.lora
+    return lora.enabled and lora.refit != "merged" and not _no_adapter_refit(config)
+
+
+def _no_adapter_refit(config: GRPOConfig) -> str:
+    """Why this run's engine cannot apply the adapters itself; empty where it can."""
+    if config.policy.dtensor_cfg.enabled:
+        return "the DTensor backend streams merged weights"
+    if config.generation.backend != "embedded":
+        return f"generation.backend={config.generation.backend} (the embedded engine applies adapters)"
+    if experts := expert_targets(config.policy.lora):
+        return f"the engine applies adapters on dense projections only, not {', '.join(experts)}"
+    return ""
+
+
 def _validate_lora(config: GRPOConfig) -> None:
     """`policy.lora`'s values, always; with `enabled`, what is not implemented yet, refused by name."""
     lora = config.policy.lora
@@ -533,6 +559,7 @@ def _validate_lora(config: GRPOConfig) -> None:
     dropout = real_number(lora.dropout, "policy.lora.dropout")
     require(0 <= dropout < 1, f"policy.lora.dropout={lora.dropout} must be in [0, 1) (the probability of a zero)")
     require(lora.init in INITS, f"policy.lora.init={lora.init!r}: one of {', '.join(INITS)}")
+    require(lora.refit in REFITS, f"policy.lora.refit={lora.refit!r}: one of {', '.join(REFITS)}")
     require(bool(lora.target_modules), "policy.lora.target_modules is empty: name at least one HF projection")
     for name in lora.target_modules:
         if name not in TARGETS:
@@ -550,6 +577,8 @@ def _validate_lora(config: GRPOConfig) -> None:
         return
     if lora.adapter_path is not None:
         _check_adapter_path(lora)
+    if lora.refit == "adapters" and (why := _no_adapter_refit(config)):
+        raise GRPOConfigError(f"policy.lora.refit=adapters: {why} (set policy.lora.refit to merged or auto)")
     experts = expert_targets(lora)
     dtensor = config.policy.dtensor_cfg
     if dtensor.enabled:

@@ -209,7 +209,18 @@ def engine_config(config: GRPOConfig, device_type: str) -> EngineConfig:
         use_cuda_graphs=True,  # decode graphs survive refits: load_weights copies in place
         fp8_weights=gen.precision == "fp8",
         record_routing=config.policy.router_replay.enabled,
+        **_engine_lora(config),
     )
+
+
+def _engine_lora(config: GRPOConfig) -> dict[str, Any]:
+    """The engine's adapters where the run's refits stream them (`config.adapter_refit`); else none."""
+    from hf_mcore_bridge.grpo.run.config import adapter_refit
+
+    lora = config.policy.lora
+    if not adapter_refit(config):
+        return {}
+    return {"lora_rank": lora.rank, "lora_scale": lora.scale, "lora_targets": tuple(lora.target_modules)}
 
 
 def plan_run(config: GRPOConfig, dims: ParallelDims, model: ModelSpec) -> RunPlan:

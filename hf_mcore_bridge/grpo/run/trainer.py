@@ -62,10 +62,11 @@ Simplifications: generation and training alternate (no overlap; only scoring ove
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.refit.reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit.replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.refit.stream import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
-from hf_mcore_bridge.grpo.run.config import GRPOConfig
+from hf_mcore_bridge.grpo.run.config import GRPOConfig, adapter_refit
 from hf_mcore_bridge.grpo.run.generation import (
     build_engine,
     engine_replicas,
@@ -385,6 +386,8 @@ class _RankContext:
         """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
+        self.adapter_refit = adapter_refit(config)
+        """LoRA adapters streamed and applied by the engine after the first refit (`config.adapter_refit`)."""
         self.trained_names: list[str] | None = None
         """What a refit after the initial one streams (`trained_names`: LoRA's adapted projections; None: every
         tensor), listed at the first refit."""
@@ -727,7 +730,10 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int, initial: bool 
     started = time.perf_counter()
     if ctx.refit_names is None:  # the names do not change during a run: listed once (collective, every rank here)
         ctx.refit_names = policy.hf_names()
-        ctx.trained_names = policy.trained_names()
+        # LoRA: the adapters themselves where the engine applies them (`config.adapter_refit`), else the adapted
+        # projections' merged weights
+        adapters = ctx.adapter_refit and [name for name, _ in policy.adapter_weights()]
+        ctx.trained_names = adapters or policy.trained_names()
     # after the initial refit, only what training changes (LoRA: the adapted projections, merged)
     only = None if initial else ctx.trained_names
     times = PhaseTimes()
@@ -779,8 +785,11 @@ def _stream_into_engine(
     sums: list[torch.Tensor] = []
     # the planned path: each rank its own shards into its engine's part (no all-gather but the vocabulary's); else
     # full tensors, each engine rank keeping its part
-    stream = policy.shard_local_weights(times, only) if ctx.plan.refit is RefitPath.SHARD_LOCAL else None
-    ctx.refit_shard_local = stream is not None
+    if ctx.adapter_refit:  # the engine applies the adapters: the base weights unmerged (first refit), the adapters
+        stream = _adapter_stream(ctx, policy, times, initial=only is None)
+    else:
+        stream = policy.shard_local_weights(times, only) if ctx.plan.refit is RefitPath.SHARD_LOCAL else None
+        ctx.refit_shard_local = stream is not None
     groups = buckets(stream or policy.hf_weights(times, only), ctx.config.policy.refit_bucket_mb << 20)
     while True:
         with times.phase("produce"):  # gathering, transferring, converting and checksumming up to a bucket
@@ -803,6 +812,22 @@ def _stream_into_engine(
                 ctx.engine.load_weights(bucket)
     values = torch.cat(sums) if sums else torch.zeros((0, 2), dtype=torch.int64)
     return Checksums(tuple(names), values, None if sources is None else tensor_checksums(sources))
+
+
+def _adapter_stream(
+    ctx: _RankContext, policy: TrainingBackend, times: PhaseTimes, initial: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA run's refit into an engine that applies the adapters (`engine.lora`): at the first refit every base
+    weight as the checkpoint holds it (unmerged; shard-local where planned) and then the adapters; afterwards the
+    adapters alone (whole: the engine cuts its parts, the reference cuts them alike)."""
+    base = None
+    if initial:
+        local = ctx.plan.refit is RefitPath.SHARD_LOCAL
+        base = policy.shard_local_weights(times, merged=False) if local else None
+        ctx.refit_shard_local = base is not None
+        base = base or policy.hf_weights(times, merged=False)
+    adapters = policy.adapter_weights(times)
+    return itertools.chain(base or (), adapters)
 
 
 def _check_transfer(

@@ -103,6 +103,38 @@ def test_attention_parts_are_megatron_cores_query_group_chunks(heads: int, group
         assert torch.equal(EnginePartReference(cfg, tp, rank).part(f"{attn}.o_proj.weight", o), expected)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lora_adapter_parts_follow_their_weights(tp: int) -> None:
+    """An engine that applies LoRA adapters (`engine.lora`) holds of a column-parallel projection A whole and B's
+    rows as the weight's (q: its query heads' rows; gate / up: megatron-core's chunks), of a row-parallel one A's
+    input columns as the weight's and B whole; shard-local refits stream adapters whole, so they are cut too."""
+    heads, groups, d, hidden, ffn, rank = 8, 4, 4, 32, 48, 3
+    cfg = _model_cfg(
+        "LlamaForCausalLM",
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        hidden_size=hidden,
+        head_dim=d,
+        intermediate_size=ffn,
+    )
+    gen = torch.Generator().manual_seed(tp)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    rows = {f"{attn}.q_proj": heads * d, f"{attn}.k_proj": groups * d, f"{mlp}.up_proj": ffn}
+    columns = {f"{attn}.o_proj": heads * d, f"{mlp}.down_proj": ffn}
+    for part in range(tp):
+        reference = EnginePartReference(cfg, tp, part)
+        for module, out in rows.items():
+            a, b = torch.randn(rank, hidden, generator=gen), torch.randn(out, rank, generator=gen)
+            assert reference.part(f"{module}.lora_A.weight", a, trainer_part=True) is a
+            got = reference.part(f"{module}.lora_B.weight", b, trainer_part=True)
+            assert torch.equal(got, b.chunk(tp)[part]), (module, part)  # equal blocks of heads / of rows
+        for module, width in columns.items():
+            a, b = torch.randn(rank, width, generator=gen), torch.randn(hidden, rank, generator=gen)
+            got = reference.part(f"{module}.lora_A.weight", a, trainer_part=True)
+            assert torch.equal(got, a.chunk(tp, dim=1)[part]), (module, part)
+            assert reference.part(f"{module}.lora_B.weight", b) is b
+
+
 @pytest.mark.parametrize(("groups", "tp"), [(1, 2), (2, 4), (1, 4), (4, 8)])
 def test_fewer_kv_heads_than_ranks_give_each_rank_the_head_its_queries_read(groups: int, tp: int) -> None:
     """HF's grouped-query attention: query head h reads KV head h // (heads / groups) (transformers' `repeat_kv`);
@@ -279,6 +311,7 @@ def _ctx(directory: Path, engine: Any, tp: int = 1, rank: int = 0) -> Any:
         engine=engine,
         replicas=SimpleNamespace(shared=False, tp=tp, tp_rank=rank),
         plan=SimpleNamespace(refit=RefitPath.FULL),
+        adapter_refit=False,
         vllm=False,
         refit_shard_local=False,
         refit_names=list(load_file(directory / "model.safetensors")),

@@ -3,12 +3,13 @@ adapters on all seven projections, four steps; and the tiny Qwen3-MoE at EP2 (an
 the attention projections and on the routed experts (`experts.gate_up_proj`, `experts.down_proj`), three steps.
 
 The engine is an independent forward pass refitted each step with the trainer's merged weights (base + alpha/rank
-B A, `megatron.lora.merged`): every step's rollouts and the probe prompt after every refit must have the trainer's
+B A, `megatron.lora.merged`), or with the adapters themselves, which it applies in its linears (`engine.lora`,
+`policy.lora.refit: adapters`): every step's rollouts and the probe prompt after every refit must have the trainer's
 log-probs within fp32 agreement (`token_mult_prob_error` <= 1.0001, the run's gate would stop it otherwise). A
 refit of the unmerged base, or of wrongly merged weights, leaves the engine a different model than the trainer's
 from the first refit on (with `merged` made a no-op the run stops after step 1: probe prompt, 1.119 > 1.0001).
-Every refit after the initial one streams the adapted projections alone (`refit_bytes`); the engine keeps the
-others from the initial refit. The trained adapters are written as a PEFT directory that
+Every refit after the initial one streams the adapted projections alone, or the adapters alone (`refit_bytes`);
+the engine keeps the others from the initial refit. The trained adapters are written as a PEFT directory that
 `PeftModel.from_pretrained` loads. Learning the toy task needs the embeddings, which LoRA leaves frozen: no
 learning curve here.
 """
@@ -22,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.run.config import config_from_dict
 from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
 from hf_mcore_bridge.megatron.lora_config import EXPERT_PROJECTIONS, PROJECTIONS
@@ -34,31 +36,52 @@ STEPS = 4
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_lora_run_keeps_engine_and_trainer_in_agreement(tmp_path: Path, layout: str) -> None:
-    """At TP2 (each rank streams its own half of the adapted projections, shard-local) and at PP2 (the stages'
-    adapted layers named alike on both, so the collective stream agrees; the whole tensors). At TP2 a second run
-    starts from the first one's adapter directory (`policy.lora.adapter_path`)."""
-    run = train_grpo(_config(tmp_path / "first", layout))
+@pytest.mark.parametrize(("layout", "refit"), [("tp2", "merged"), ("tp2", "adapters"), ("pp2", "adapters")])
+def test_lora_run_keeps_engine_and_trainer_in_agreement(tmp_path: Path, layout: str, refit: str) -> None:
+    """Merged refits at TP2 (each rank streams its own half of the adapted projections, shard-local); adapter
+    refits (the engine applies A and B itself, `engine.lora`) at TP2 (the base shard-local at the first refit,
+    then the adapters whole, each engine rank cutting its parts) and at PP2 (each stage's adapters sent to the
+    other's ranks). At TP2 with merged refits a second run starts from the first one's adapter directory
+    (`policy.lora.adapter_path`)."""
+    run = train_grpo(_config(tmp_path / "first", layout, refit=refit))
     assert run.steps == STEPS
     errors = run.series("token_mult_prob_error")
     assert len(errors) == STEPS and all(e <= 1.0001 for e in errors), errors
     assert all(g > 0 for g in run.series("grad_norm"))
-    # every refit after the initial one streams the adapted projections alone: at TP2 each rank its own half
-    # (shard-local), at PP2 every tensor whole
+    # every refit after the initial one streams the adapted projections alone (merged: at TP2 each rank its own
+    # half, shard-local) or the adapters alone (whole: every A and B, as the PEFT directory holds them)
     weights = load_file(tmp_path / "policy" / "model.safetensors")
     adapted = sum(t.numel() * t.element_size() for n, t in weights.items() if n.rsplit(".", 2)[-2] in PROJECTIONS)
+    trained = tmp_path / "first" / "logs" / ADAPTER_DIR
+    written = load_file(trained / "adapter_model.safetensors")
+    adapters = sum(t.numel() * t.element_size() for t in written.values())
     shard_local = layout == "tp2"
     assert run.series("refit_shard_local") == [float(shard_local)] * STEPS
-    assert run.series("refit_bytes") == [adapted / 2 if shard_local else adapted] * STEPS
-    trained = tmp_path / "first" / "logs" / ADAPTER_DIR
+    expected = adapters if refit == "adapters" else adapted / 2 if shard_local else adapted
+    assert run.series("refit_bytes") == [expected] * STEPS
     _check_adapter_directory(trained, tmp_path / "policy")
-    if layout == "tp2":  # a run from that adapter starts with its A and B: at lr 0 it writes them back unchanged
+    if refit == "merged":  # a run from that adapter starts with its A and B: at lr 0 it writes them back unchanged
         again = train_grpo(_config(tmp_path / "second", layout, steps=1, lr=0.0, adapter_path=str(trained)))
         assert again.steps == 1
         written = load_file(tmp_path / "second" / "logs" / ADAPTER_DIR / "adapter_model.safetensors")
         start = load_file(trained / "adapter_model.safetensors")
         assert written.keys() == start.keys() and all(written[k].equal(start[k]) for k in start)
+
+
+def test_an_engine_applying_adapters_at_a_wrong_scale_stops_the_run(tmp_path: Path, monkeypatch) -> None:
+    """The break of the adapter refit: an engine whose adapters are scaled twice the trainer's is another model
+    from the first step on, and the run's log-prob gate stops it (one line naming the step)."""
+    from hf_mcore_bridge.grpo.run import plan
+
+    engine_lora = plan._engine_lora  # the plan is made here and handed to the ranks with the engine's config
+
+    def doubled(config: object) -> dict[str, object]:
+        settings = engine_lora(config)
+        return settings | {"lora_scale": 2 * settings["lora_scale"]}
+
+    monkeypatch.setattr(plan, "_engine_lora", doubled)
+    with pytest.raises(BridgeError, match="token_mult_prob_error"):
+        train_grpo(_config(tmp_path / "run", "tp2", steps=2, refit="adapters"))
 
 
 def test_lora_run_with_expert_adapters_at_ep2_keeps_engine_and_trainer_in_agreement(tmp_path: Path) -> None:

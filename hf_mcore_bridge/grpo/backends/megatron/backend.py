@@ -5,6 +5,7 @@ checkpoints (`backends.megatron.checkpoint`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hf_mcore_bridge.convert.layout import Layout
+from hf_mcore_bridge.errors import BridgeError
 from hf_mcore_bridge.grpo.algorithm.batching import MicroBatch
 from hf_mcore_bridge.grpo.algorithm.losses import LossConfig
 from hf_mcore_bridge.grpo.backends.megatron.config import MegatronConfig
@@ -110,6 +112,30 @@ class MegatronBackend:
             return None
         return [name for name in self.hf_names() if name in adapted]
 
+    def adapter_weights(self, times: PhaseTimes | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The adapters gathered whole over TP (`full_adapters`), then every pipeline stage's sent to every rank of
+        the pipeline group (`_all_stages`); experts' adapters are not streamed so (the engine does not apply them)."""
+        from contextlib import nullcontext
+
+        from hf_mcore_bridge.grpo.refit.stream import finish_param_gather
+        from hf_mcore_bridge.megatron.lora import adapter_modules, full_adapters
+
+        adapters = adapter_modules(self.policy.module)
+        if not adapters:
+            return []
+        if any(holder.expert for holder in adapters):
+            raise BridgeError("LoRA adapters on experts are streamed merged (the engine applies dense ones only)")
+        finish_param_gather(self.policy.model)  # the distributed optimizer's deferred all-gather of the adapters
+        with times.phase("gather") if times is not None else nullcontext():
+            mine = full_adapters(adapters)
+        with times.phase("transfer") if times is not None else nullcontext():
+            every = _all_stages(mine, adapters[0].lora_a[0].device)
+        return [
+            (f"{module}{suffix}", tensor)
+            for module, pair in every.items()
+            for suffix, tensor in zip((".lora_A.weight", ".lora_B.weight"), pair, strict=True)
+        ]
+
     def hf_weights(
         self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -127,7 +153,7 @@ class MegatronBackend:
         return _merged(self.policy.module, stream) if merged else stream
 
     def shard_local_weights(
-        self, times: PhaseTimes | None = None, names: Collection[str] | None = None
+        self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]] | None:
         from hf_mcore_bridge.grpo.refit.stream import finish_param_gather, shard_local_hf_weights
 
@@ -136,7 +162,7 @@ class MegatronBackend:
         finish_param_gather(self.policy.model)
         module = self.policy.module
         stream = shard_local_hf_weights(module, self.policy.model_cfg, self.policy.padded_vocab, times, names)
-        return _merged(module, stream)
+        return _merged(module, stream) if merged else stream
 
     def refit_sources(self) -> list[torch.Tensor] | None:
         import torch.distributed as dist
@@ -189,6 +215,39 @@ class MegatronBackend:
             make_vocab_size_divisible_by=self.section.make_vocab_size_divisible_by,
             spec="te" if self.policy.model.config.transformer_impl == "transformer_engine" else "local",
         )
+
+
+def _all_stages(
+    mine: dict[str, tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every pipeline stage's adapters (`mine`: this stage's, whole) on every rank of the pipeline group, stage by
+    stage: names, shapes and dtype as objects, then each stage's tensors flattened into one buffer on `device` and
+    broadcast from that stage's rank (no host copy of the tensors). Collective over the pipeline group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages == 1:
+        return mine
+    group = parallel_state.get_pipeline_model_parallel_group()
+    dtype = next(iter(mine.values()))[0].dtype if mine else None
+    layouts: list[Any] = [None] * stages
+    layout = [(name, tuple(a.shape), tuple(b.shape)) for name, (a, b) in mine.items()]
+    dist.all_gather_object(layouts, (dtype, layout), group=group)
+    every: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for stage, (stage_dtype, entries) in enumerate(layouts):
+        if not entries:
+            continue
+        sizes = [math.prod(shape) for _, *shapes in entries for shape in shapes]
+        if stage == parallel_state.get_pipeline_model_parallel_rank():
+            flat = torch.cat([t.reshape(-1) for pair in mine.values() for t in pair])
+        else:
+            flat = torch.empty(sum(sizes), dtype=stage_dtype, device=device)
+        dist.broadcast(flat, dist.get_global_rank(group, stage), group=group)
+        pieces = iter(flat.split(sizes))
+        for name, shape_a, shape_b in entries:
+            every[name] = (next(pieces).view(shape_a), next(pieces).view(shape_b))
+    return every
 
 
 def _merged(module: torch.nn.Module, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -40,7 +40,11 @@ from one of the whole width, alike on every tensor-parallel rank); not on expert
 Checkpoints: an adapted linear's sharded state dict holds its adapters beside its weight (`<linear>.lora.lora_a.<i>`,
 `lora_b.<i>`), the split factor sharded on the axis it is split on, the replicated one replicated; so each adapter's
 global tensor is PEFT's A or B of that projection (stacked over layers as the weight is), whatever the layout, and a
-checkpoint reloads at any TP and PP (`checkpoint_adapters` reads them back by HF module name).
+checkpoint reloads at any TP and PP (`checkpoint_adapters` reads them back by HF module name). An expert's adapters
+go through megatron-core's `SequentialMLP` sharded state dict (which `GroupedExperts` keeps) beside the expert's
+weights: on the global expert axis (`mlp.experts.experts.linear_fc1.lora.lora_a.0` [experts, rank, in]), so an
+expert-parallel layout reloads at another; B of `linear_fc1` is stored as megatron-core stores the fused gate/up
+weight (its gate half and up half sharded separately: `gate_up`).
 """
 
 from __future__ import annotations
@@ -107,11 +111,15 @@ class LinearAdapters(torch.nn.Module):
         expert: bool = False,
         dropout: float = 0.0,
         tp: tuple[int, int] = (0, 1),
+        gate_up: bool = False,
     ) -> None:
         super().__init__()
         self.names = names
         self.weights = weights
         self.expert = expert
+        self.gate_up = gate_up
+        """One adapter over a fused [gate; up] weight (an expert's `linear_fc1`): each rank's rows of B are
+        megatron-core's [gate_r; up_r] of it, stored in checkpoints as that weight is (gate half, up half)."""
         self.dropout = dropout
         """Dropout probability on each adapter's input in training mode (`megatron.lora_dropout`)."""
         self.tp = tp
@@ -211,7 +219,7 @@ def _sharded_state_dict(
         axes = {"weight": 1, "lora.lora_a.0": 1}
     else:
         axes = {"weight": 0, "bias": 0, **{f"lora.lora_b.{i}": 0 for i in range(len(holder.lora_b))}}
-    return make_sharded_tensors_for_checkpoint(
+    state = make_sharded_tensors_for_checkpoint(
         linear.state_dict(prefix="", keep_vars=True),
         prefix,
         axes,
@@ -219,6 +227,13 @@ def _sharded_state_dict(
         tp_group=linear.tp_group,
         dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
     )
+    if holder.gate_up:  # B's local rows are [gate_r; up_r]: stored as megatron-core stores the fused weight's
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora.lora_b.0"
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets, singleton)
+    return state
 
 
 def targeted_entries(model_cfg: ModelSpec, lora: LoraConfig) -> Iterator[Entry]:
@@ -327,7 +342,9 @@ def _expert_adapters(
     sources = tuple(s.format(layer=layer_index, expert=expert) for s in entry.hf_sources)
     style = Parallel.ROW if row else Parallel.COLUMN
     group = getattr(linear, "tp_group", None)
-    return LinearAdapters((name,), [a], [b], style, rows, lora.scale, group, weights=sources, expert=True)
+    return LinearAdapters(
+        (name,), [a], [b], style, rows, lora.scale, group, weights=sources, expert=True, gate_up=not row
+    )
 
 
 def _adapters_for(
@@ -404,6 +421,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
                     linear = _linear(layer, entry, local)
                     linear.lora = _expert_adapters(entry, linear, index, first + local, model_cfg, lora)
                     linear.register_forward_hook(_hook, with_kwargs=True)
+                    linear.sharded_state_dict = MethodType(_sharded_state_dict, linear)
                     added.append(linear.lora)
                 continue
             linear = _linear(layer, entry)

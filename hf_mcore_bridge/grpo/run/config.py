@@ -583,11 +583,6 @@ def _validate_lora(config: GRPOConfig) -> None:
             " (policy.megatron_cfg.expert_tensor_parallel_size, else tensor_model_parallel_size): adapters on experts"
             " are implemented at expert_tensor_parallel_size 1 (set it to 1)",
         )
-        require(
-            not config.checkpointing.enabled,
-            f"policy.lora.target_modules {list(experts)} cannot be combined with checkpointing.enabled (checkpoints"
-            " of adapters on experts are not implemented)",
-        )
 
 
 def _validate_backend_switch(policy: PolicyConfig) -> None:

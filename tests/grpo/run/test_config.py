@@ -299,11 +299,13 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
         ),
         (
             [*EXPERTS, "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
-            r"\['experts.gate_up_proj', 'experts.down_proj'\] with expert tensor parallelism 2",
+            r"\['experts.gate_up_proj', 'experts.down_proj'\] at tensor_model_parallel_size 2: megatron-core trains"
+            " mixture-of-experts layers at tensor parallelism > 1 only with sequence parallelism",
         ),
         (
             [*EXPERTS, "policy.megatron_cfg.expert_tensor_parallel_size=2", "cluster.gpus_per_node=2"],
-            "with expert tensor parallelism 2",
+            "with expert tensor parallelism 2 .* and tensor_model_parallel_size 1: adapters on experts are implemented"
+            " at expert_tensor_parallel_size 1 or equal to tensor_model_parallel_size",
         ),
         (
             [*EXPERTS, "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"],

@@ -22,7 +22,9 @@ s * (x A_e^T) B_e^T over each expert's rows, A_e [rank, in] and B_e [out, rank];
 16-byte multiples the experts run `SequentialMLP`'s forward (and the hooks) instead.
 
 Under expert tensor parallelism each rank holds column shards of fc1 and row shards of fc2 and megatron-core leaves
-the reduction to the token dispatcher, so the local grouped GEMMs compute exactly what the local `SequentialMLP` does.
+the reduction to the token dispatcher, so the local grouped GEMMs compute exactly what the local `SequentialMLP` does;
+the adapters' rank-r activations are reduced over the expert tensor-parallel group as on `SequentialMLP`
+(`megatron.lora_expert_tp`).
 
 Experts this does not cover run `SequentialMLP`'s own forward (`grouped_supported` says why): biased experts,
 GPT-OSS's clamped activation, activations other than SwiGLU, FP8 / FP4, probabilities applied on the input, widths
@@ -174,9 +176,24 @@ class GroupedExperts(SequentialMLP):
 
 
 def _lora_delta(x: torch.Tensor, offsets: torch.Tensor, holders: list[Any]) -> torch.Tensor:
-    """s * B_e A_e applied to each expert's rows of `x`: two grouped GEMMs through the rank-r activation."""
-    low = GroupedGemm.apply(x, offsets, *(holder.lora_a[0] for holder in holders))
-    return holders[0].scale * GroupedGemm.apply(low, offsets, *(holder.lora_b[0] for holder in holders))
+    """s * B_e A_e applied to each expert's rows of `x`: two grouped GEMMs through the rank-r activation, which
+    under expert tensor parallelism is reduced over its group as `SequentialMLP`'s adapters reduce it
+    (`megatron.lora_expert_tp`; every rank of the group holds the same rows in the same groups)."""
+    from hf_mcore_bridge.megatron.lora_expert_tp import column_low, row_output
+    from hf_mcore_bridge.models.parallel_style import Parallel
+
+    first = holders[0]
+    group, size = first.tp_group, first.tp[1]
+
+    def low(v: torch.Tensor) -> torch.Tensor:
+        return GroupedGemm.apply(v, offsets, *(holder.lora_a[0] for holder in holders))
+
+    def up(v: torch.Tensor) -> torch.Tensor:
+        return first.scale * GroupedGemm.apply(v, offsets, *(holder.lora_b[0] for holder in holders))
+
+    if first.parallel is Parallel.ROW:
+        return row_output(x, low, up, group, size)
+    return up(column_low(x, low, group, size))
 
 
 def use_grouped_experts(spec: Any) -> Any:

@@ -33,10 +33,13 @@ exchange their tokens through the token dispatcher and are not sequence-split: t
 Routed experts (`experts.gate_up_proj`, `experts.down_proj`, PEFT's `target_parameters`): one adapter per expert on
 its `linear_fc1` (over the fused [gate; up] rows together, as PEFT's adapter of the fused `gate_up_proj`) or
 `linear_fc2`, on the experts this rank holds (expert parallelism splits them, each rank keeping its own experts'
-adapters, like their weights, marked as expert parameters for megatron-core's DDP and optimizer). Expert tensor
-parallelism must be 1 (ValueError otherwise). An expert adapter's name is `<fused HF tensor>[<global expert>]`
-(`model.layers.0.mlp.experts.gate_up_proj[3]`, `lora_experts`); `full_adapters` gathers them over the
-expert-parallel group.
+adapters, like their weights, marked as expert parameters for megatron-core's DDP and optimizer). Under expert tensor
+parallelism (which must be 1 or the tensor parallelism: `ETP_RULE`, ValueError otherwise) they are split as the
+expert's weights: B of `linear_fc1` by rows (each rank its [gate_r; up_r] of the fused rows), A of `linear_fc2` by
+columns, the other factor whole; their rank-r activations are reduced over the expert tensor-parallel group under
+the token dispatcher's conventions (`lora_expert_tp`: partial sums it adds up). An expert adapter's name is
+`<fused HF tensor>[<global expert>]` (`model.layers.0.mlp.experts.gate_up_proj[3]`, `lora_experts`);
+`full_adapters` gathers them over the expert tensor- and expert-parallel groups.
 `SequentialMLP`'s experts add the product through the same forward hook as dense linears; `GroupedExperts` runs it
 as two more grouped GEMMs per linear (`grouped_experts`).
 
@@ -52,7 +55,12 @@ sequence, alike on every tensor-parallel rank); not on experts' adapters (PEFT's
 Checkpoints: an adapted linear's sharded state dict holds its adapters beside its weight (`<linear>.lora.lora_a.<i>`,
 `lora_b.<i>`), the split factor sharded on the axis it is split on, the replicated one replicated; so each adapter's
 global tensor is PEFT's A or B of that projection (stacked over layers as the weight is), whatever the layout, and a
-checkpoint reloads at any TP and PP (`checkpoint_adapters` reads them back by HF module name).
+checkpoint reloads at any TP and PP (`checkpoint_adapters` reads them back by HF module name). An expert's adapters
+go through megatron-core's `SequentialMLP` sharded state dict (which `GroupedExperts` keeps) beside the expert's
+weights: on the global expert axis (`mlp.experts.experts.linear_fc1.lora.lora_a.0` [experts, rank, in]), so an
+expert-parallel layout reloads at another; B of `linear_fc1` is stored as megatron-core stores the fused gate/up
+weight (its gate half and up half sharded separately: `gate_up`), so its global tensor is PEFT's [gate; up] at any
+expert tensor parallelism.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 `convert_peft_config_for_transformers`) turns them into `target_parameters` of the routed experts' fused tensors
 (`gate_up_proj` at rank 2r) and adapts no dense MLP with them, so `add_lora` refuses them on such a model."""
 _COLUMN_STYLES = (Parallel.COLUMN, Parallel.GATED_COLUMN)
+ETP_RULE = (
+    "expert tensor parallelism 1 or equal to the tensor parallelism: megatron-core's gradient norm counts a"
+    " replicated expert factor on tensor-parallel rank 0, once per expert tensor-parallel group only where the two"
+    " groups are the same ranks"
+)
 
 
 def projection(hf_name: str) -> str:
@@ -120,11 +133,15 @@ class LinearAdapters(torch.nn.Module):
         dropout: float = 0.0,
         tp: tuple[int, int] = (0, 1),
         sequence_parallel: bool = False,
+        gate_up: bool = False,
     ) -> None:
         super().__init__()
         self.names = names
         self.weights = weights
         self.expert = expert
+        self.gate_up = gate_up
+        """One adapter over a fused [gate; up] weight (an expert's `linear_fc1`): each rank's rows of B are
+        megatron-core's [gate_r; up_r] of it, stored in checkpoints as that weight is (gate half, up half)."""
         self.dropout = dropout
         """Dropout probability on each adapter's input in training mode (`megatron.lora_dropout`)."""
         self.tp = tp
@@ -155,6 +172,15 @@ class LinearAdapters(torch.nn.Module):
         )
 
         linear = torch.nn.functional.linear
+        if self.expert:  # the token dispatcher's conventions under expert tensor parallelism (`lora_expert_tp`)
+            from hf_mcore_bridge.megatron.lora_expert_tp import column_low, row_output
+
+            (a,), (b,) = self.lora_a, self.lora_b
+            group, size = self.tp_group, self.tp[1]
+            if self.parallel is Parallel.ROW:
+                return row_output(x, lambda h: linear(h, a), lambda low: self.scale * linear(low, b), group, size)
+            out = self.scale * linear(column_low(x, lambda v: linear(v, a), group, size), b)
+            return out.index_select(-1, self.rows)
         if self.parallel is Parallel.ROW:
             (a,), (b,) = self.lora_a, self.lora_b
             low = linear(self._input(x), a)  # partial sums over this rank's input columns
@@ -239,11 +265,14 @@ def _mark_split(holder: LinearAdapters) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     row = holder.parallel is Parallel.ROW
+    # an expert's factors: counted as megatron-core counts its experts' weights (tensor-parallel, of the expert
+    # groups: `allreduce` False puts them in DDP's expert buffers, reduced over the expert-data group); under expert
+    # tensor parallelism its replicated factor (A of fc1, B of fc2) as a replicated one, on TP rank 0 (expert
+    # tensor parallelism equals tensor parallelism there: the groups are the same ranks)
+    whole = holder.expert and holder.tp[1] == 1
     for a, b in zip(holder.lora_a, holder.lora_b, strict=True):
-        # an expert's factors: counted as megatron-core counts its experts' weights (tensor-parallel, of the
-        # expert groups: `allreduce` False puts them in DDP's expert buffers, reduced over the expert-data group)
-        set_tensor_model_parallel_attributes(a, is_parallel=row or holder.expert, dim=1, stride=1)
-        set_tensor_model_parallel_attributes(b, is_parallel=not row or holder.expert, dim=0, stride=1)
+        set_tensor_model_parallel_attributes(a, is_parallel=row or whole, dim=1, stride=1)
+        set_tensor_model_parallel_attributes(b, is_parallel=not row or whole, dim=0, stride=1)
         if holder.expert:
             a.allreduce = b.allreduce = False
         replicated = b if row else a
@@ -270,7 +299,7 @@ def _sharded_state_dict(
         axes = {"weight": 1, "lora.lora_a.0": 1}
     else:
         axes = {"weight": 0, "bias": 0, **{f"lora.lora_b.{i}": 0 for i in range(len(holder.lora_b))}}
-    return make_sharded_tensors_for_checkpoint(
+    state = make_sharded_tensors_for_checkpoint(
         linear.state_dict(prefix="", keep_vars=True),
         prefix,
         axes,
@@ -278,6 +307,13 @@ def _sharded_state_dict(
         tp_group=linear.tp_group,
         dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
     )
+    if holder.gate_up:  # B's local rows are [gate_r; up_r]: stored as megatron-core stores the fused weight's
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora.lora_b.0"
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets, singleton)
+    return state
 
 
 def targeted_entries(model_cfg: ModelSpec, lora: LoraConfig) -> Iterator[Entry]:
@@ -354,7 +390,8 @@ def _linear(layer: torch.nn.Module, entry: Entry, expert: int | None = None) -> 
 
 def _local_experts(layer: torch.nn.Module, entry: Entry) -> tuple[int, int]:
     """(first global expert, local expert count) of a MoE layer's experts on this rank. ValueError: experts
-    other than megatron-core's `SequentialMLP` (or `GroupedExperts`), or expert tensor parallelism > 1."""
+    other than megatron-core's `SequentialMLP` (or `GroupedExperts`), or expert tensor parallelism other than 1 or
+    the tensor parallelism (`ETP_RULE`)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -363,8 +400,12 @@ def _local_experts(layer: torch.nn.Module, entry: Entry) -> tuple[int, int]:
     if not isinstance(experts, SequentialMLP):
         raise ValueError(f"{what}: adapters on {type(experts).__name__} experts are not implemented (SequentialMLP)")
     etp = parallel_state.get_expert_tensor_parallel_world_size()
-    if etp != 1:
-        raise ValueError(f"{what}: adapters on experts at expert tensor parallelism {etp} are not implemented (use 1)")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if etp not in (1, tp):
+        raise ValueError(
+            f"{what}: adapters on experts at expert tensor parallelism {etp} with tensor parallelism {tp}"
+            f" are not implemented ({ETP_RULE})"
+        )
     count = experts.num_local_experts
     return parallel_state.get_expert_model_parallel_rank() * count, count
 
@@ -372,19 +413,40 @@ def _local_experts(layer: torch.nn.Module, entry: Entry) -> tuple[int, int]:
 def _expert_adapters(
     entry: Entry, linear: torch.nn.Module, layer_index: int, expert: int, model_cfg: ModelSpec, lora: LoraConfig
 ) -> LinearAdapters:
-    """One expert's adapter on its whole linear (expert tensor parallelism 1): A (rank x in), B (out x rank), as
-    PEFT's per-expert slices of its `target_parameters` adapter of the fused tensor."""
+    """One expert's adapter on its linear, PEFT's per-expert slices of its `target_parameters` adapter of the fused
+    tensor: A (rank x in), B (out x rank), split over the expert tensor-parallel group as the weight is (B of fc1 by
+    rows, each rank its [gate_r; up_r] of the fused [gate; up] rows; A of fc2 by columns; `lora_expert_tp`)."""
+    from megatron.core import parallel_state
+
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    rank = parallel_state.get_expert_tensor_parallel_rank()
     weight = linear.weight
     name = expert_name(fused_expert_template(entry, model_cfg).format(layer=layer_index), expert)
-    out_rows, columns = weight.shape
-    a = initial_a(name, (lora.rank, columns), lora).to(device=weight.device, dtype=weight.dtype)
-    b = torch.zeros(out_rows, lora.rank, device=weight.device, dtype=weight.dtype)
+    out_rows, columns = weight.shape  # this rank's
     row = entry.parallel is Parallel.ROW
+    if row:
+        a = rank_shard(initial_a(name, (lora.rank, columns * etp), lora), Parallel.ROW, etp, rank)
+    else:
+        a = initial_a(name, (lora.rank, columns), lora)
+    a = a.to(device=weight.device, dtype=weight.dtype)
+    b = torch.zeros(out_rows, lora.rank, device=weight.device, dtype=weight.dtype)
     rows = None if row else torch.arange(out_rows, device=weight.device)
     sources = tuple(s.format(layer=layer_index, expert=expert) for s in entry.hf_sources)
     style = Parallel.ROW if row else Parallel.COLUMN
     group = getattr(linear, "tp_group", None)
-    return LinearAdapters((name,), [a], [b], style, rows, lora.scale, group, weights=sources, expert=True)
+    return LinearAdapters(
+        (name,),
+        [a],
+        [b],
+        style,
+        rows,
+        lora.scale,
+        group,
+        weights=sources,
+        expert=True,
+        tp=(rank, etp),
+        gate_up=not row,
+    )
 
 
 def _adapters_for(
@@ -462,6 +524,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelSpec, lora: LoraConfig) -> 
                     linear = _linear(layer, entry, local)
                     linear.lora = _expert_adapters(entry, linear, index, first + local, model_cfg, lora)
                     linear.register_forward_hook(_hook, with_kwargs=True)
+                    linear.sharded_state_dict = MethodType(_sharded_state_dict, linear)
                     added.append(linear.lora)
                 continue
             linear = _linear(layer, entry)
@@ -527,6 +590,9 @@ def full_adapters(adapters: list[LinearAdapters], grad: bool = False) -> dict[st
         for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True):
             whole_a = _gather(value(a), 1, holder.tp_group) if row else value(a).clone()
             whole_b = value(b).clone() if row else _gather(value(b), 0, holder.tp_group)
+            if holder.gate_up and holder.tp[1] > 1:  # [gate_0; up_0; gate_1; up_1; ...] -> [gate; up]
+                parts = whole_b.chunk(2 * holder.tp[1])
+                whole_b = torch.cat((*parts[0::2], *parts[1::2]))
             result[name] = (whole_a, whole_b)
     if any(holder.expert for holder in adapters):
         result |= _gather_experts({n for h in adapters if h.expert for n in h.names}, result)
@@ -561,9 +627,11 @@ def set_adapters(adapters: list[LinearAdapters], values: Mapping[str, tuple[torc
             row = holder.parallel is Parallel.ROW
             for name, a, b in zip(holder.names, holder.lora_a, holder.lora_b, strict=True):
                 whole_a, whole_b = values[name]
-                if holder.expert:  # whole on its rank (expert tensor parallelism 1)
-                    a.copy_(whole_a)
-                    b.copy_(whole_b)
+                if holder.expert:  # split over the expert tensor-parallel group: A of fc2 by columns, B of fc1 by
+                    mine, size = holder.tp  # rows, [gate_r; up_r] of the fused [gate; up] rows
+                    a.copy_(whole_a.chunk(size, dim=1)[mine] if row else whole_a)
+                    halves = (whole_b,) if row else whole_b.chunk(2)
+                    b.copy_(whole_b if row else torch.cat([h.chunk(size)[mine] for h in halves]))
                     continue
                 a.copy_(rank_shard(whole_a, Parallel.ROW, tp, rank) if row else whole_a)
                 b.copy_(whole_b if row else whole_b.chunk(tp, dim=0)[rank])

@@ -5,9 +5,12 @@ A LoRA run's checkpoint holds the frozen base model under the ordinary megatron-
 adapted linear (`<linear>.lora.lora_a.<i>`, `lora_b.<i>`, `megatron.lora`: each global tensor is PEFT's A or B of
 the linear's i-th HF projection, stacked over layers as the weight is) and its `policy.lora` in the common state
 (`LORA_KEY`: rank, alpha, target modules). Which key is which HF projection comes from the mapping table
-(`megatron.lora.targeted_entries`), as the adapters were placed. Assumes the checkpoint's layer stack is either
-homogeneous (stacked keys, the layer its global index) or per-layer (`decoder.layers.{i}.`), as megatron-core
-writes them.
+(`megatron.lora.targeted_entries`), as the adapters were placed. A routed expert's adapters are on megatron-core's
+global expert axis beside the experts' weights (`<layer>.mlp.experts.experts.linear_fc1.lora.lora_a.0`
+[experts, rank, in], as `SequentialMLP` writes its experts' tensors), read back per expert under
+`megatron.lora_experts.expert_name`; merged into the HF directory's per-expert weights (`expert_weights`). Assumes
+the checkpoint's layer stack is either homogeneous (stacked keys, the layer its global index) or per-layer
+(`decoder.layers.{i}.`), as megatron-core writes them.
 """
 
 from __future__ import annotations
@@ -22,11 +25,20 @@ import torch
 from hf_mcore_bridge.checkpoint.dcp_reader import DCPCheckpoint
 from hf_mcore_bridge.errors import CheckpointError
 from hf_mcore_bridge.megatron.lora import LAYER_PREFIX, targeted_entries
-from hf_mcore_bridge.megatron.lora_config import LoraConfig, expert_targets
-from hf_mcore_bridge.models.mapping_types import LayerKind
+from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_experts import expert_name, fused_expert_template, is_expert
+from hf_mcore_bridge.models.mapping_types import Entry, LayerKind
 from hf_mcore_bridge.models.spec import ModelSpec
 
-__all__ = ["ADAPTER_MARK", "LORA_KEY", "checkpoint_adapters", "lora_of_common", "lora_state", "merge_adapters"]
+__all__ = [
+    "ADAPTER_MARK",
+    "LORA_KEY",
+    "checkpoint_adapters",
+    "expert_weights",
+    "lora_of_common",
+    "lora_state",
+    "merge_adapters",
+]
 
 LORA_KEY = "lora"
 """The common-state key of a LoRA run's `policy.lora` (plain values)."""
@@ -50,54 +62,95 @@ def lora_of_common(common: Mapping[str, Any]) -> LoraConfig | None:
 
 
 def _read_layer(dcp: DCPCheckpoint, linear: str, factor: str, layer: int) -> torch.Tensor:
-    """One factor of one layer: from the stacked key (layer axis first) or the per-layer key."""
+    """One factor of one layer: from the stacked key (layer axis first; only that layer's region is read) or the
+    per-layer key."""
     stacked = f"{LAYER_PREFIX.format(layer='').rstrip('.')}.{linear}.lora.{factor}"
     if stacked in dcp.tensor_keys():
-        return dcp.read(stacked)[layer]
+        shape = dcp.tensor_meta(stacked).shape
+        return dcp.read(stacked, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
     per_layer = f"{LAYER_PREFIX.format(layer=layer)}{linear}.lora.{factor}"
     if per_layer not in dcp.tensor_keys():
         raise CheckpointError(f"{dcp.directory} holds neither {stacked} nor {per_layer} (a LoRA adapter)")
     return dcp.read(per_layer)
 
 
+def _checkpoint_linear(entry: Entry) -> str:
+    """The checkpoint's path of an entry's linear below the layer: an expert's with `experts.` for its local index
+    (`mlp.experts.experts.linear_fc1`: megatron-core's `SequentialMLP` stores its experts on a global expert
+    axis, the tensor's first after the layer's)."""
+    linear = entry.mcore.removeprefix(LAYER_PREFIX).removesuffix(".weight")
+    return linear.replace("local_experts.{expert}.", "experts.") if is_expert(entry) else linear
+
+
 def checkpoint_adapters(
     checkpoint_dir: Path, model_cfg: ModelSpec, lora: LoraConfig
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF module name -> (A, B), whole, of every adapter of a LoRA run's checkpoint (an iteration directory).
-    CheckpointError: an adapter the config's targets imply is missing, or one the checkpoint holds is not implied;
-    adapters on experts (their checkpoints are not implemented)."""
-    experts = expert_targets(lora)
-    if experts:
-        raise CheckpointError(
-            f"{checkpoint_dir}: checkpoints of adapters on experts ({list(experts)}) are not implemented"
-        )
+    """HF module name (an expert's: `megatron.lora_experts.expert_name`) -> (A, B), whole, of every adapter of a
+    LoRA run's checkpoint (an iteration directory). CheckpointError: an adapter the config's targets imply is
+    missing, or one the checkpoint holds is not implied."""
     dcp = DCPCheckpoint(checkpoint_dir)
     result = {}
     read = set()
     for entry in targeted_entries(model_cfg, lora):
-        linear = entry.mcore.removeprefix(LAYER_PREFIX).removesuffix(".weight")
+        linear = _checkpoint_linear(entry)
         for layer in range(model_cfg.num_layers):
             if entry.layers not in (LayerKind.ALL, model_cfg.layer_kind(layer)):
+                continue
+            if is_expert(entry):  # [experts, ...]: expert e's A and B (B of gate_up: [gate; up] rows)
+                a = _read_layer(dcp, linear, "lora_a.0", layer)
+                b = _read_layer(dcp, linear, "lora_b.0", layer)
+                fused = fused_expert_template(entry, model_cfg).format(layer=layer)
+                result |= {expert_name(fused, e): (a[e], b[e]) for e in range(a.shape[0])}
+                read.add(linear)
                 continue
             for i, source in enumerate(entry.hf_sources):
                 a = _read_layer(dcp, linear, f"lora_a.{i}", layer)
                 b = _read_layer(dcp, linear, f"lora_b.{i}", layer)
                 result[source.removesuffix(".weight").format(layer=layer)] = (a, b)
             read.add(linear)
-    held = {k for k in dcp.tensor_keys() if ADAPTER_MARK in k and not k.startswith("optimizer.")}
+    held = {k for k in dcp.tensor_keys() if ADAPTER_MARK in k and "optimizer." not in k}  # `chained_<i>.optimizer.`
     stray = sorted(k for k in held if not any(f".{linear}.lora." in k for linear in read))
     if stray:
         raise CheckpointError(f"{checkpoint_dir}: adapter {stray[0]} is not one of policy.lora's targets")
     return result
 
 
-def merge_adapters(hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+def expert_weights(model_cfg: ModelSpec, lora: LoraConfig) -> dict[str, tuple[str, ...]]:
+    """Expert adapter name -> the HF weights its product is merged into, in order of B's rows in equal parts
+    (`gate_up_proj[e]`: expert e's gate and up weights; `down_proj[e]`: its down weight), as the checkpoint
+    names them (`megatron.lora.LinearAdapters.weights`)."""
+    result = {}
+    for entry in targeted_entries(model_cfg, lora):
+        if not is_expert(entry):
+            continue
+        for layer in range(model_cfg.num_layers):
+            if entry.layers not in (LayerKind.ALL, model_cfg.layer_kind(layer)):
+                continue
+            fused = fused_expert_template(entry, model_cfg).format(layer=layer)
+            for e in range(model_cfg.moe.num_experts):
+                result[expert_name(fused, e)] = tuple(s.format(layer=layer, expert=e) for s in entry.hf_sources)
+    return result
+
+
+def merge_adapters(
+    hf_dir: Path,
+    adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    experts: Mapping[str, tuple[str, ...]] | None = None,
+) -> None:
     """Rewrite the safetensors files of the HF directory `hf_dir` (written by this tool) with each adapted weight
     W + (B A) * scale, the product in fp32 and added in W's dtype (PEFT's `merge_and_unload` arithmetic on CPU).
-    CheckpointError: an adapter without its weight there."""
+    An expert's adapter (`experts`, from `expert_weights`) is merged into its weights, each taking its part of B's
+    rows. CheckpointError: an adapter without its weight there."""
     from safetensors.torch import load_file, save_file
 
-    wanted = {f"{name}.weight": pair for name, pair in adapters.items()}
+    wanted = {}
+    for name, (a, b) in adapters.items():
+        weights = (experts or {}).get(name)
+        if weights is None:
+            wanted[f"{name}.weight"] = (a, b)
+        else:
+            wanted |= {w: (a, part) for w, part in zip(weights, b.chunk(len(weights)), strict=True)}
     merged = set()
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors = load_file(str(file))

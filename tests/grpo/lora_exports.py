@@ -1,10 +1,12 @@
 """The exports of a LoRA run checked against PEFT (shared by both backends' checkpoint tests): `bridge export --peft`
 wrote the adapters the run gathered from its live model, PEFT loads them onto the base model with the logits of the
-merged export, and the merged export equals PEFT's `merge_and_unload` tensor by tensor. Assumes the tiny policy of
-`tiny_policy` (its word vocabulary) and fp32 HF directories."""
+merged export, and the merged export equals PEFT's `merge_and_unload` tensor by tensor (an expert's exported weight
+against its slice of transformers 5's fused expert tensor). Assumes the tiny policy of `tiny_policy` (its word
+vocabulary) and fp32 HF directories."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -37,7 +39,22 @@ def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) ->
 
     reference = with_adapter.merge_and_unload().state_dict()
     written = load_file(merged / "model.safetensors")
-    assert written.keys() <= reference.keys()
-    assert all(torch.equal(written[k], reference[k]) for k in written), [
-        k for k in written if not torch.equal(written[k], reference[k])
+    wanted = {k: _reference_tensor(reference, k) for k in written}
+    assert all(torch.equal(written[k], wanted[k]) for k in written), [
+        k for k in written if not torch.equal(written[k], wanted[k])
     ]
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _reference_tensor(reference: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The merged model's tensor for an exported name: an expert's per-expert weight (the checkpoint's name) is its
+    slice of transformers 5's fused tensor (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`)."""
+    found = _EXPERT.fullmatch(name)
+    if found is None:
+        return reference[name]
+    expert = int(found[2])
+    if found[3] == "down":
+        return reference[f"{found[1]}.down_proj"][expert]
+    return reference[f"{found[1]}.gate_up_proj"][expert].chunk(2)[0 if found[3] == "gate" else 1]

@@ -12,7 +12,9 @@ A case may break one thing on purpose (`fault`), for the test to show its compar
 `scale` (alpha / rank doubled on every adapter), `qkv_rows` (the k and v adapters' output rows of the fused
 `linear_qkv` exchanged), `gate_up_rows` (gate's and up's rows of `linear_fc1` exchanged), `experts_swapped` (the
 adapters of each rank's first two experts exchanged, on `linear_fc1` and `linear_fc2`), `expert_gate_up` (the gate
-and up halves of every expert's `linear_fc1` adapter output exchanged).
+and up halves of every expert's `linear_fc1` adapter output exchanged), `expert_tp_rows` (under expert tensor
+parallelism, each rank's rows of an expert's `linear_fc1` B a contiguous chunk of [gate; up] instead of its
+[gate_r; up_r]).
 
 A case with `dropout` runs its forward and backward in training mode with adapter dropout, records every mask
 drawn (on each rank: they must be equal) and then the logits of a forward in eval mode.
@@ -68,6 +70,14 @@ class LoraCase:
     gradients from DDP's buffers."""
     context_parallel: int = 1
     """2: the world re-initialised as CP2 (TP1) for this case and those after it."""
+    checkpoint: bool = False
+    """Also save the model's sharded state dict with the adapters set (megatron-core's `dist_checkpointing`, as a
+    run's checkpoint holds it) to `out_dir/<case>.ckpt`."""
+    eval_forward: bool = False
+    """Run the forward (and backward) in eval mode: megatron-core refuses a MoE layer's training forward at tensor
+    parallelism > 1 without sequence parallelism; autograd is the same. Also records `expert_norm`: the experts'
+    adapter gradient norm as megatron-core's optimizer computes it (the factors it does not count as tensor-parallel
+    duplicates, squared norms summed over the expert tensor-parallel group)."""
 
 
 def _swap_rows(holder: torch.nn.Module, first: int, second: int) -> None:
@@ -95,9 +105,14 @@ def _swap_experts(adapters: list) -> None:
                 theirs.copy_(saved)
 
 
-def _break(adapters: list, fault: str | None) -> None:
+def _break(adapters: list, fault: str | None, values: dict) -> None:
     if fault == "experts_swapped":
         _swap_experts(adapters)
+    if fault == "expert_tp_rows":  # each rank's rows of B a contiguous chunk of [gate; up], not its [gate_r; up_r]
+        with torch.no_grad():
+            for holder in (h for h in adapters if h.expert and h.gate_up):
+                rank, size = holder.tp
+                holder.lora_b[0].copy_(values[holder.names[0]][1].chunk(size)[rank])
     for holder in adapters:
         if fault == "expert_gate_up" and holder.expert and holder.names[0].split("[")[0].endswith("gate_up_proj"):
             half = holder.rows.numel() // 2
@@ -138,11 +153,20 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             enabled=True, rank=case.rank, alpha=case.alpha, target_modules=case.target_modules, dropout=case.dropout
         )
         adapters = add_lora(model, bridge.model_config, config)
-        set_adapters(adapters, torch.load(case.adapters))
-        _break(adapters, case.fault)
+        values = torch.load(case.adapters)
+        set_adapters(adapters, values)
+        _break(adapters, case.fault, values)
+        if case.checkpoint:
+            from megatron.core import dist_checkpointing
+
+            directory = Path(out_dir) / f"{case.name}.ckpt"
+            directory.mkdir(exist_ok=True)
+            dist_checkpointing.save(model.sharded_state_dict(), str(directory))
         masks = _record_masks(adapters) if case.dropout else None
         if case.dropout:
             model.train()
+        if case.eval_forward:
+            model.eval()
         vocab = bridge.model_config.vocab_size
         module = _ddp(model) if case.ddp else model
         inputs = (tokens, positions, mask) if held is None else (tokens[:, held], positions[:, held], None)
@@ -162,6 +186,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
                 eval_logits = gather_from_tensor_model_parallel_region(model(tokens, positions, mask))[..., :vocab]
             torch.save(masks, Path(out_dir) / f"{case.name}.masks.{dist.get_rank()}.pt")
         grads = full_adapters(adapters, grad=True)
+        expert_norm = _expert_grad_norm(adapters) if case.eval_forward else None
         replicated = {
             name: (a.grad if holder.parallel is Parallel.COLUMN else b.grad)
             for holder in adapters
@@ -187,6 +212,7 @@ def lora_rank(cases: list[LoraCase], tokens: torch.Tensor, weights_path: str, ou
             trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
             result = {"logits": logits.detach(), "grads": grads, "trainable": trainable, "eval_logits": eval_logits}
             result["adapted"] = adapted
+            result["expert_norm"] = expert_norm
             experts = [m for m in model.modules() if isinstance(m, SequentialMLP)]
             # the experts' module, and why GroupedExperts would run SequentialMLP's forward (None: grouped GEMMs)
             result["experts"] = sorted(
@@ -262,6 +288,23 @@ def _finalize(ddp: torch.nn.Module, adapters: list) -> None:
     for holder in adapters:
         for p in (*holder.lora_a, *holder.lora_b):
             p.grad = p.main_grad.detach().clone()
+
+
+def _expert_grad_norm(adapters: list) -> float:
+    """The norm of the expert adapters' gradients as megatron-core's optimizer takes it: the squares of the factors
+    that are not tensor-parallel duplicates (`param_is_not_tensor_parallel_duplicate` with its tensor-parallel
+    group), summed over the expert tensor-parallel group (its gradient-statistics group at PP1, EP1)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    factors = [p for h in adapters if h.expert for p in (*h.lora_a, *h.lora_b)]
+    squares = torch.zeros(())
+    for p in factors:
+        if param_is_not_tensor_parallel_duplicate(p, group):
+            squares += p.grad.float().pow(2).sum()
+    dist.all_reduce(squares, group=parallel_state.get_expert_tensor_parallel_group())
+    return float(squares.sqrt())
 
 
 def _record_masks(adapters: list) -> dict[str, list[torch.Tensor]]:

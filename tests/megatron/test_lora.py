@@ -13,8 +13,10 @@ the training forward and its gradients equal PEFT's with the same masks in its `
 ranks, equal on both), and the eval forward equals PEFT without dropout. The same world runs the tiny Llama with
 sequence parallelism (through megatron-core's DDP and `finalize_model_grads`, as the trainer does): logits and
 gradients equal PEFT's, with dropout too (each mask one of the whole sequence); with the replicated factors'
-gradients left unreduced (their `sequence_parallel` mark taken off) exactly those gradients fail. Last, the same
-world re-initialised as CP2 (TP1): logits and gradients (summed over the CP ranks) equal PEFT's. An EP2 world does
+gradients left unreduced (their `sequence_parallel` mark taken off) exactly those gradients fail; and the tiny
+Qwen3-MoE at expert tensor parallelism 2 (= TP, EP1) with attention and expert adapters (`_check_expert_tp`).
+Last, the same world re-initialised as CP2 (TP1): logits and gradients (summed over the CP ranks) equal PEFT's.
+An EP2 world does
 the same (without dropout) for attention and routed-expert adapters on tiny MoE models against PEFT's
 `target_parameters` adapters of the fused expert tensors (`test_lora_at_ep2_on_moe_equals_peft`).
 """
@@ -31,6 +33,7 @@ from hf_mcore_bridge.checkpoint.hf_dir import read_json
 from hf_mcore_bridge.convert.config_bridge import megatron_spec
 from hf_mcore_bridge.convert.layout import Layout
 from hf_mcore_bridge.megatron.lora import add_lora, column_rows
+from hf_mcore_bridge.megatron.lora_checkpoint import checkpoint_adapters
 from hf_mcore_bridge.megatron.lora_config import PROJECTIONS, LoraConfig
 from hf_mcore_bridge.megatron.world import run_world
 from hf_mcore_bridge.models.mapping_types import FusedQKV
@@ -113,6 +116,7 @@ def _relative(mine: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 SP = (("sequence_parallel", True),)
+MOE_TARGETS = (*ATTENTION, *EXPERTS)
 TP2_PLANS = {
     "llama": ("llama", PROJECTIONS, {"optimizer": True, "merged": True}),
     "qwen3": ("qwen3", ATTENTION, {}),
@@ -121,6 +125,15 @@ TP2_PLANS = {
     "llama_sp": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True}),
     "llama_sp_unreduced": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True, "fault": "sp_unreduced"}),
     "llama_sp_dropout": ("llama", PROJECTIONS, {"overrides": SP, "ddp": True, "dropout": DROPOUT}),
+    # the tiny Qwen3-MoE at expert tensor parallelism 2 (= TP, EP1): its experts as `SequentialMLP`, as
+    # `GroupedExperts`, and with the `expert_tp_rows` fault
+    "moe_etp2": (
+        "qwen3_moe",
+        MOE_TARGETS,
+        {"eval_forward": True, "optimizer": True, "merged": True, "checkpoint": True},
+    ),
+    "moe_etp2_grouped": ("qwen3_moe", MOE_TARGETS, {"eval_forward": True, "overrides": (("moe_grouped_gemm", True),)}),
+    "moe_etp2_expert_tp_rows": ("qwen3_moe", MOE_TARGETS, {"eval_forward": True, "fault": "expert_tp_rows"}),
     "llama_cp": ("llama", PROJECTIONS, {"context_parallel": 2}),  # last: the world stays CP2
 }
 """The cases of the TP2 world: name -> (model, target_modules, `LoraCase` fields)."""
@@ -129,21 +142,26 @@ EXACT = ("llama", "qwen3", "llama_sp", "llama_cp")
 
 
 @pytest.mark.slow
-def test_lora_at_tp2_equals_peft(tiny_models, tmp_path):
-    """TP2 (and, re-initialised in the same world, CP2): see the module docstring."""
+def test_lora_at_tp2_equals_peft(tiny_models, tiny_moe_models, tmp_path):
+    """Dense adapters at TP2 (and, re-initialised in the same world, CP2: see the module docstring) and, in the same
+    world, attention and expert adapters on the tiny Qwen3-MoE at expert tensor parallelism 2 (`_check_expert_tp`)."""
     tokens = torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(1))
     weights = torch.randn(2, 12, 211, generator=torch.Generator().manual_seed(2))
     torch.save(weights, tmp_path / "weights.pt")
     references, cases = {}, []
     for seed, (case, (model, targets, fields)) in enumerate(TP2_PLANS.items()):
-        peft_model, values = _peft(tiny_models[model], targets, seed)
+        hf_dir = (tiny_moe_models if model == "qwen3_moe" else tiny_models)[model]
+        peft_model, values = _peft(hf_dir, targets, seed)
         references[case] = _reference(peft_model, values, tokens, weights)
-        torch.save({n: (a, b) for n, (_, a, b) in values.items()}, tmp_path / f"{case}.adapters.pt")
+        torch.save(_whole_values(values), tmp_path / f"{case}.adapters.pt")
         path = str(tmp_path / f"{case}.adapters.pt")
-        cases.append(LoraCase(case, str(tiny_models[model]), path, RANK, ALPHA, targets, **fields))
+        cases.append(LoraCase(case, str(hf_dir), path, RANK, ALPHA, targets, **fields))
         if "dropout" in fields:
             references[case] = peft_model, values
+        if case == "moe_etp2":
+            references["moe_etp2_seed"] = seed
     run_world(lora_rank, Layout(tp=2), cases, tokens, str(tmp_path / "weights.pt"), str(tmp_path))
+    _check_expert_tp(tmp_path, references, tiny_moe_models["qwen3_moe"], tokens)
 
     for case in EXACT:
         logits, grads = references[case]
@@ -317,15 +335,67 @@ def test_lora_at_ep2_on_moe_equals_peft(tiny_moe_models, tmp_path):
         assert (got["logits"] - references[f"qwen3_moe_{fault}"][0]).abs().max() > 1e-2, fault
 
 
-def _check_merged_moe(got: dict, hf_dir, targets: tuple[str, ...]) -> None:
+def _check_expert_tp(tmp_path, references: dict, hf_dir, tokens) -> None:
+    """The tiny Qwen3-MoE at TP2 with expert tensor parallelism 2 (EP1; each expert's fc1 B split by rows as
+    [gate_r; up_r], its fc2 A by columns), experts as `SequentialMLP` and `GroupedExperts`: logits within 1e-4 of
+    PEFT's; every A and B gradient within 1e-4 of its largest element (the experts' twice PEFT's: without sequence
+    parallelism both TP ranks hand the dispatcher the same tokens, which each expert then runs twice, as its base
+    weights would); the experts' gradient norm as megatron-core's optimizer takes it (replicated factors counted
+    once per group) is twice PEFT's; DDP and the optimizer hold each rank's parts of the adapters alone; the merged
+    stream equals PEFT's `merge_and_unload`; the PEFT directory loads with the same logits; the model's checkpoint
+    (megatron-core's `dist_checkpointing` of its sharded state dict) read back by HF name holds PEFT's A and B
+    exactly. With each rank's fc1 B rows taken as a contiguous chunk of [gate; up] the logits move."""
+    targets = (*ATTENTION, *EXPERTS)
+    for case, (module, _) in (("moe_etp2", ("SequentialMLP", None)), ("moe_etp2_grouped", ("GroupedExperts", None))):
+        logits, grads = references[case]
+        got = torch.load(tmp_path / f"{case}.pt")
+        assert got["experts"] == [(module, None)], got["experts"]
+        assert (got["logits"] - logits).abs().max() <= 1e-4, case
+        squares = 0.0
+        for name, (grad_a, grad_b) in grads.items():
+            expert = name.endswith(EXPERTS)
+            mine_a, mine_b = _fused(name, got["grads"]) if expert else got["grads"][name]
+            if expert:  # each expert runs the tokens of both TP ranks (the same batch): twice the sum
+                mine_a, mine_b = mine_a / 2, mine_b / 2
+                squares += float(grad_a.pow(2).sum() + grad_b.pow(2).sum())
+            assert grad_a.abs().max() > 0 and grad_b.abs().max() > 0, name
+            assert _relative(mine_a, grad_a) <= 1e-4, (case, name, "A", _relative(mine_a, grad_a))
+            assert _relative(mine_b, grad_b) <= 1e-4, (case, name, "B", _relative(mine_b, grad_b))
+        assert abs(got["expert_norm"] / 2 - squares**0.5) <= 1e-4 * squares**0.5, (got["expert_norm"], squares**0.5)
+        rank0, rank1 = (torch.load(tmp_path / f"{case}.replicated.{r}.pt") for r in (0, 1))
+        assert all(torch.equal(rank0[n], rank1[n]) for n in rank0), case
+
+    # each rank: half of every split factor (attention's and the experts'), the replicated ones whole
+    def held(name: str, a: torch.Tensor, b: torch.Tensor) -> int:
+        row = ".o_proj" in name or ".down_proj[" in name  # A split by columns, B whole; else B split by rows
+        return a.numel() // 2 + b.numel() if row else a.numel() + b.numel() // 2
+
+    whole = torch.load(tmp_path / "moe_etp2.adapters.pt")
+    attention = sum(held(n, a, b) for n, (a, b) in whole.items() if "[" not in n)
+    experts = sum(held(n, a, b) for n, (a, b) in whole.items() if "[" in n)
+    got = torch.load(tmp_path / "moe_etp2.pt")
+    assert got["optimizer"] == {"ddp": attention, "ddp_experts": experts, "optimizer": attention + experts}, got
+    _check_merged_moe(got, hf_dir, targets, seed=references["moe_etp2_seed"])
+    _check_peft_directory(tmp_path, "moe_etp2", hf_dir, tokens, targets)
+    # the checkpoint written at ETP2 holds PEFT's whole A and B of every adapter (the experts' fc1 B as [gate; up])
+    lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, target_modules=targets)
+    saved = checkpoint_adapters(tmp_path / "moe_etp2.ckpt", megatron_spec(read_json(hf_dir / "config.json")), lora)
+    assert sorted(saved) == sorted(whole)
+    assert all(torch.equal(saved[n][0], whole[n][0]) and torch.equal(saved[n][1], whole[n][1]) for n in whole)
+    broken = torch.load(tmp_path / "moe_etp2_expert_tp_rows.pt")
+    assert (broken["logits"] - references["moe_etp2_expert_tp_rows"][0]).abs().max() > 1e-2
+
+
+def _check_merged_moe(got: dict, hf_dir, targets: tuple[str, ...], seed: int = 0) -> None:
     """The merged stream (per-expert HF names) equals PEFT's `merge_and_unload` (transformers 5's fused experts:
     `gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`), name for name; the moved tensors are exactly the
-    attention projections and every expert's, which are the weights the adapters name for the refit."""
+    attention projections and every expert's, which are the weights the adapters name for the refit. `seed`: the
+    case's (the same A and B)."""
     import re
 
     from safetensors.torch import load_file
 
-    peft_model, _ = _peft(hf_dir, targets, seed=0)  # the "qwen3_moe" case's seed: the same A and B
+    peft_model, _ = _peft(hf_dir, targets, seed=seed)
     reference = peft_model.merge_and_unload().state_dict()
     base = load_file(hf_dir / "model.safetensors")
     stream = got["merged"]

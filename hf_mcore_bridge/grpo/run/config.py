@@ -600,17 +600,20 @@ def _validate_lora(config: GRPOConfig) -> None:
             f"policy.lora.dropout={lora.dropout} with adapters on experts {list(experts)}: dropout is implemented on"
             " dense projections' adapters only (PEFT's expert adapters have none either)",
         )
-        etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+        tp = megatron.tensor_model_parallel_size
+        etp = megatron.expert_tensor_parallel_size or tp
         require(
-            etp == 1,
+            etp in (1, tp),
             f"policy.lora.target_modules {list(experts)} with expert tensor parallelism {etp}"
-            " (policy.megatron_cfg.expert_tensor_parallel_size, else tensor_model_parallel_size): adapters on experts"
-            " are implemented at expert_tensor_parallel_size 1 (set it to 1)",
+            f" (policy.megatron_cfg.expert_tensor_parallel_size) and tensor_model_parallel_size {tp}: adapters on"
+            " experts are implemented at expert_tensor_parallel_size 1 or equal to tensor_model_parallel_size"
+            " (megatron-core's gradient norm counts a replicated expert factor once per group only then)",
         )
         require(
-            not config.checkpointing.enabled,
-            f"policy.lora.target_modules {list(experts)} cannot be combined with checkpointing.enabled (checkpoints"
-            " of adapters on experts are not implemented)",
+            tp == 1,
+            f"policy.lora.target_modules {list(experts)} at tensor_model_parallel_size {tp}: megatron-core trains"
+            " mixture-of-experts layers at tensor parallelism > 1 only with sequence parallelism, and expert"
+            " adapters under sequence parallelism are not implemented (use tensor_model_parallel_size 1)",
         )
 
 

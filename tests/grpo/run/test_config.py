@@ -244,6 +244,8 @@ def test_lora_section_loads_with_its_defaults_and_values() -> None:
     assert config_from_dict(BASE).policy.lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     experts = config_from_dict(BASE, ["policy.lora.enabled=true", *EXPERTS]).policy.lora  # EP1, ETP1: accepted
     assert experts.target_modules[-2:] == ("experts.gate_up_proj", "experts.down_proj")
+    saved = config_from_dict(BASE, ["policy.lora.enabled=true", *EXPERTS, "checkpointing.enabled=true"])
+    assert saved.checkpointing.enabled and saved.policy.lora.target_modules == experts.target_modules  # checkpoints
 
 
 @pytest.mark.parametrize(
@@ -293,13 +295,14 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
         ),
         (
             [*EXPERTS, "policy.megatron_cfg.tensor_model_parallel_size=2", "cluster.gpus_per_node=2"],
-            r"\['experts.gate_up_proj', 'experts.down_proj'\] with expert tensor parallelism 2",
+            r"\['experts.gate_up_proj', 'experts.down_proj'\] at tensor_model_parallel_size 2: megatron-core trains"
+            " mixture-of-experts layers at tensor parallelism > 1 only with sequence parallelism",
         ),
         (
             [*EXPERTS, "policy.megatron_cfg.expert_tensor_parallel_size=2", "cluster.gpus_per_node=2"],
-            "with expert tensor parallelism 2",
+            "with expert tensor parallelism 2 .* and tensor_model_parallel_size 1: adapters on experts are implemented"
+            " at expert_tensor_parallel_size 1 or equal to tensor_model_parallel_size",
         ),
-        ([*EXPERTS, "checkpointing.enabled=true"], "checkpoints of adapters on experts are not implemented"),
         (
             [*EXPERTS, "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"],
             "on the DTensor backend: adapters on experts are implemented on the megatron-core backend only",

@@ -178,9 +178,11 @@ class LinearAdapters(torch.nn.Module):
             (a,), (b,) = self.lora_a, self.lora_b
             group, size = self.tp_group, self.tp[1]
             if self.parallel is Parallel.ROW:
-                return row_output(x, lambda h: linear(h, a), lambda low: self.scale * linear(low, b), group, size)
-            out = self.scale * linear(column_low(x, lambda v: linear(v, a), group, size), b)
-            return out.index_select(-1, self.rows)
+                delta = row_output(x, lambda h: linear(h, a), lambda low: self.scale * linear(low, b), group, size)
+            else:
+                low = column_low(x, lambda v: linear(v, a), group, size)
+                delta = (self.scale * linear(low, b)).index_select(-1, self.rows)
+            return out + delta.to(out.dtype)
         if self.parallel is Parallel.ROW:
             (a,), (b,) = self.lora_a, self.lora_b
             low = linear(self._input(x), a)  # partial sums over this rank's input columns

@@ -117,6 +117,7 @@ def _relative(mine: torch.Tensor, reference: torch.Tensor) -> float:
 
 SP = (("sequence_parallel", True),)
 MOE_TARGETS = (*ATTENTION, *EXPERTS)
+ETP2 = {"eval_forward": True}
 TP2_PLANS = {
     "llama": ("llama", PROJECTIONS, {"optimizer": True, "merged": True}),
     "qwen3": ("qwen3", ATTENTION, {}),

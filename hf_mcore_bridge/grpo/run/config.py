@@ -609,11 +609,12 @@ def _validate_lora(config: GRPOConfig) -> None:
             " experts are implemented at expert_tensor_parallel_size 1 or equal to tensor_model_parallel_size"
             " (megatron-core's gradient norm counts a replicated expert factor once per group only then)",
         )
+        sequence_parallel = megatron.sequence_parallel or megatron.transformer.get("sequence_parallel", False)
         require(
-            tp == 1,
+            tp == 1 or sequence_parallel,
             f"policy.lora.target_modules {list(experts)} at tensor_model_parallel_size {tp}: megatron-core trains"
-            " mixture-of-experts layers at tensor parallelism > 1 only with sequence parallelism, and expert"
-            " adapters under sequence parallelism are not implemented (use tensor_model_parallel_size 1)",
+            " mixture-of-experts layers at tensor parallelism > 1 only with sequence parallelism (set"
+            " policy.megatron_cfg.sequence_parallel: true)",
         )
 
 

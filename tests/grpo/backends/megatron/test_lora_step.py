@@ -51,6 +51,11 @@ LAYOUTS = {
         PROJECTIONS,
     ),
     "ep2": ({"expert_model_parallel_size": 2}, ATTENTION + EXPERT_PROJECTIONS),
+    "moe_tp2_sp": (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1},
+        ATTENTION + EXPERT_PROJECTIONS,
+    ),
+    "moe_tp2_sp_etp2": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, ATTENTION + EXPERT_PROJECTIONS),
 }
 """name -> (megatron_cfg parallel sizes, target_modules)."""
 FAULTS = ("experts_swapped",)
@@ -100,6 +105,22 @@ def _config(layout: str, policy: Path, root: Path) -> GRPOConfig:
             "cluster": {"gpus_per_node": 2},
         }
     )
+
+
+def _held(layout: str, initial: dict[str, tuple[torch.Tensor, torch.Tensor]], experts: list[str]) -> int:
+    """What rank 0's optimizer holds: a dense column-parallel adapter's A whole and B split over TP, a row-parallel
+    one's A split and B whole; an expert's the same over expert TP (its fc1 column-, its fc2 row-parallel), and
+    half of the experts at EP2."""
+    tp = 2 if "tp2" in layout else 1
+    etp = tp if layout.endswith("etp2") else 1
+    ep = 2 if layout == "ep2" else 1
+    held = 0
+    for name, (a, b) in initial.items():
+        split = etp if name in experts else tp
+        row = name.split("[")[0].endswith(("o_proj", "down_proj"))
+        count = a.numel() // split + b.numel() if row else a.numel() + b.numel() // split
+        held += count // ep if name in experts else count
+    return held
 
 
 def _fused(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,16 +260,8 @@ def test_lora_step_matches_hf_peft_reference(layout: str, tmp_path: Path) -> Non
     # rank 0's optimizer: at TP2 A whole and half of B on a column-parallel linear, half of A and B whole on a
     # row-parallel one; at EP2 every dense adapter whole and the adapters of its half of the experts
     experts = [n for n in got["initial"] if SLOT.fullmatch(n)]
-    assert (layout == "ep2") == bool(experts)
-    if layout.startswith("tp2"):
-        held = sum(
-            a.numel() // 2 + b.numel() if n.endswith(("o_proj", "down_proj")) else a.numel() + b.numel() // 2
-            for n, (a, b) in got["initial"].items()
-        )
-    else:
-        dense = sum(a.numel() + b.numel() for n, (a, b) in got["initial"].items() if n not in experts)
-        held = dense + sum(a.numel() + b.numel() for n, (a, b) in got["initial"].items() if n in experts) // 2
-    assert got["trainable"] == held
+    assert (not layout.startswith("tp2")) == bool(experts)
+    assert got["trainable"] == _held(layout, got["initial"], experts)
 
     reference = _reference(policy, targets, rows, got["initial"])
     assert reference[0] != 0.0
@@ -260,7 +273,9 @@ def test_lora_step_matches_hf_peft_reference(layout: str, tmp_path: Path) -> Non
     targeted = {n for n in base if n.rsplit(".", 2)[-2] in dense and not EXPERT.fullmatch(n)}
     targeted |= {n for n in base if EXPERT.fullmatch(n)} if EXPERT_PROJECTIONS[0] in targets else set()
     assert changed == targeted, sorted(changed ^ targeted)
-    if layout == "ep2":  # every expert of the routed layer (gate, up and down) is among them
+    if layout != "tp2" and not layout.startswith(
+        "tp2"
+    ):  # every expert of the routed layer (gate, up and down) is among them
         assert len(expert_weights) == 3 * json.loads((policy / "config.json").read_text())["num_local_experts"]
         assert expert_weights <= changed
         for fault in FAULTS:

@@ -93,11 +93,13 @@ def checkpoint_adapters(
 
 def merge_adapters(hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
     """Rewrite the safetensors files of the HF directory `hf_dir` (written by this tool) with each adapted weight
-    W + (B A) * scale, the product in fp32 and added in W's dtype (PEFT's `merge_and_unload` arithmetic on CPU).
+    W + (B A) * scale, the product in fp32 and added in W's dtype (PEFT's `merge_and_unload` arithmetic on CPU). A
+    routed expert's adapter (`<fused tensor>[<expert>]`) is merged into that expert's per-expert tensors (its
+    product's gate rows then up rows for `gate_up_proj`; the checkpoint's names, from `hf_dir`'s config.json).
     CheckpointError: an adapter without its weight there."""
     from safetensors.torch import load_file, save_file
 
-    wanted = {f"{name}.weight": pair for name, pair in adapters.items()}
+    wanted = _merge_targets(hf_dir, adapters)
     merged = set()
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors = load_file(str(file))
@@ -105,12 +107,41 @@ def merge_adapters(hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torc
         if not hits:
             continue
         for name in hits:
-            a, b = wanted[name]
+            (a, b), rows = wanted[name]
             weight = tensors[name]
             delta = ((b.float() @ a.float()) * scale).to(weight.dtype)  # PEFT: fp32 product, cast, then added
-            tensors[name] = (weight + delta).contiguous()
+            tensors[name] = (weight + (delta if rows is None else delta[rows])).contiguous()
             merged.add(name)
         save_file(tensors, str(file), metadata={"format": "pt"})
     missing = sorted(wanted.keys() - merged)
     if missing:
         raise CheckpointError(f"{hf_dir} holds no {missing[0]} to merge its adapter into")
+
+
+def _merge_targets(
+    hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]]:
+    """HF tensor name -> (its adapter, the rows of the adapter's product it takes; None: all)."""
+    import json
+
+    from hf_mcore_bridge.engine.arch import fused_expert_pieces
+    from hf_mcore_bridge.megatron.lora_experts import EXPERT_NAME
+
+    wanted: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]] = {}
+    pieces = None
+    for name, pair in adapters.items():
+        found = EXPERT_NAME.fullmatch(name)
+        if found is None:
+            wanted[f"{name}.weight"] = (pair, None)
+            continue
+        if pieces is None:
+            pieces = fused_expert_pieces(ModelSpec.from_hf(json.loads((hf_dir / "config.json").read_text())))
+        expert = int(found[2])
+        half = pair[1].shape[0] // 2
+        cuts = {"all": slice(None), "gate": slice(0, half), "up": slice(half, None)}
+        parts = [p for p in pieces.get(found[1], ()) if p.expert == expert]
+        if not parts or any(p.part not in cuts for p in parts):
+            raise CheckpointError(f"{hf_dir}: no per-expert tensors to merge the adapter {name} into")
+        for piece in parts:
+            wanted[piece.name] = (pair, cuts[piece.part])
+    return wanted

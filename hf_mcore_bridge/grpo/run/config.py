@@ -551,13 +551,13 @@ def _validate_lora(config: GRPOConfig) -> None:
     if lora.adapter_path is not None:
         _check_adapter_path(lora)
     experts = expert_targets(lora)
+    require(
+        not (experts and dropout),
+        f"policy.lora.dropout={lora.dropout} with adapters on experts {list(experts)}: dropout is implemented on"
+        " dense projections' adapters only (PEFT's expert adapters have none either)",
+    )
     dtensor = config.policy.dtensor_cfg
     if dtensor.enabled:
-        require(
-            not experts,
-            f"policy.lora.target_modules {list(experts)} on the DTensor backend: adapters on experts are implemented"
-            " on the megatron-core backend only",
-        )
         require(
             dtensor.tensor_parallel_size == 1,
             f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
@@ -571,11 +571,6 @@ def _validate_lora(config: GRPOConfig) -> None:
         " sequence parallelism are not implemented)",
     )
     if experts:
-        require(
-            dropout == 0,
-            f"policy.lora.dropout={lora.dropout} with adapters on experts {list(experts)}: dropout is implemented on"
-            " dense projections' adapters only (PEFT's expert adapters have none either)",
-        )
         etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
         require(
             etp == 1,

@@ -305,8 +305,13 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
         ),
         ([*EXPERTS, "checkpointing.enabled=true"], "checkpoints of adapters on experts are not implemented"),
         (
-            [*EXPERTS, "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"],
-            "on the DTensor backend: adapters on experts are implemented on the megatron-core backend only",
+            [
+                *EXPERTS,
+                "policy.megatron_cfg.enabled=false",
+                "policy.dtensor_cfg.enabled=true",
+                "policy.lora.dropout=0.1",
+            ],
+            r"policy\.lora\.dropout=0\.1 with adapters on experts",
         ),
     ],
 )
@@ -318,6 +323,9 @@ def test_lora_runs_not_implemented_yet_are_refused_by_name(overrides: list[str],
 def test_dtensor_lora_runs_with_checkpoints() -> None:
     on = ["policy.lora.enabled=true", "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
     assert config_from_dict(BASE, [*on, "checkpointing.enabled=true"]).checkpointing.enabled
+    # adapters on experts too (PEFT's target_parameters on the DTensor backend), with checkpoints
+    config = config_from_dict(BASE, [*on, *EXPERTS, "checkpointing.enabled=true"])
+    assert config.checkpointing.enabled and "experts.down_proj" in config.policy.lora.target_modules
 
 
 def test_lora_dropout_is_accepted_on_both_backends() -> None:

@@ -61,8 +61,8 @@ def lora_step_rank(
     """The DTensor policy with `policy.lora` (PEFT's LoRA layers, FSDP2): the initial adapters, one
     `train_minibatch` on this data-parallel rank's share (old and reference log-probs computed first), the adapters
     after it, the merged and the base HF streams, the HF names `trained_names` would give and the elements the
-    optimizer holds; a checkpoint round trip (`_checkpoint_round_trip`) and a policy with adapter dropout
-    (`dropout_lora`, `_dropout_forwards`). Rank 0 saves them."""
+    optimizer holds; a checkpoint round trip (`_checkpoint_round_trip`) and, given `dropout_lora`, a policy with
+    adapter dropout (`_dropout_forwards`). Rank 0 saves them."""
     from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
 
     policy = build_dtensor_policy(
@@ -81,7 +81,11 @@ def lora_step_rank(
     only = {name: tensor.cpu() for name, tensor in policy.hf_weights(names=adapted)}
     held = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     second = _checkpoint_round_trip(hf_dir, settings, lora, policy, mine, loss_config, temperature, Path(out).parent)
-    dropout = _dropout_forwards(hf_dir, settings, dropout_lora, mine, loss_config, temperature)
+    dropout = (
+        None
+        if dropout_lora is None
+        else _dropout_forwards(hf_dir, settings, dropout_lora, mine, loss_config, temperature)
+    )
     if dist.get_rank() == 0:
         result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
         torch.save(result | {"adapted": adapted, "only": only, "held": held, "dropout": dropout} | second, out)

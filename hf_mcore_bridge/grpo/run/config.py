@@ -559,9 +559,10 @@ def _validate_lora(config: GRPOConfig) -> None:
     dtensor = config.policy.dtensor_cfg
     if dtensor.enabled:
         require(
-            dtensor.tensor_parallel_size == 1,
-            f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
-            " LoRA on the DTensor backend is implemented with FSDP2 alone (tensor_parallel_size 1)",
+            dtensor.tensor_parallel_size == 1 or not dropout,
+            f"policy.lora.dropout={lora.dropout} with policy.dtensor_cfg.tensor_parallel_size="
+            f"{dtensor.tensor_parallel_size}: adapter dropout under tensor parallelism is not implemented (a"
+            " row-parallel projection's ranks would draw the same mask for their halves of x); set dropout to 0",
         )
         return
     megatron = config.policy.megatron_cfg

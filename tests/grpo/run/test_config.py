@@ -284,8 +284,9 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
                 "policy.dtensor_cfg.enabled=true",
                 "policy.dtensor_cfg.tensor_parallel_size=2",
                 "cluster.gpus_per_node=2",
+                "policy.lora.dropout=0.1",
             ],
-            "LoRA on the DTensor backend is implemented with FSDP2 alone",
+            "adapter dropout under tensor parallelism is not implemented",
         ),
         (
             ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true"],
@@ -326,6 +327,9 @@ def test_dtensor_lora_runs_with_checkpoints() -> None:
     # adapters on experts too (PEFT's target_parameters on the DTensor backend), with checkpoints
     config = config_from_dict(BASE, [*on, *EXPERTS, "checkpointing.enabled=true"])
     assert config.checkpointing.enabled and "experts.down_proj" in config.policy.lora.target_modules
+    # and under tensor parallelism (without dropout)
+    tp = ["policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2"]
+    assert config_from_dict(BASE, [*on, *tp]).policy.dtensor_cfg.tensor_parallel_size == 2
 
 
 def test_lora_dropout_is_accepted_on_both_backends() -> None:

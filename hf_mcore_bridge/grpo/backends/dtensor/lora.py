@@ -23,8 +23,7 @@ a base layer's weight under its HF name (`...q_proj.base_layer.weight` -> `...q_
 such a name and `merged_weight` makes the merged W + (B A) * alpha / rank from the gathered factors (PEFT's
 `merge_and_unload` arithmetic; per expert for a fused tensor).
 
-Assumes and refuses (in the run's config): no tensor parallelism on this backend with LoRA (the TP plan names
-`nn.Linear` projections that PEFT has wrapped). Dropout
+Tensor parallelism (`backends.dtensor.parallel`) shards a dense adapter with its base layer. Dropout
 (`policy.lora.dropout`) is PEFT's own `lora_dropout`, active in training mode only (the policy's log-prob forwards
 run in eval mode), its masks seeded per mini-batch (`megatron.lora_dropout.dropout_rng`). Checkpoints hold the
 adapters alone (`backends.dtensor.checkpoint`).

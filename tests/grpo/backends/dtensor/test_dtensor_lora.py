@@ -38,7 +38,7 @@ from hf_mcore_bridge.megatron.world import run_torch_world
 
 from ...lora_exports import check_lora_exports, per_expert
 from ...tiny_policy import WORDS, build_tiny_policy
-from .dtensor_ranks import lora_step_rank
+from .dtensor_ranks import lora_step_rank, lora_tp_step_rank
 from .test_dtensor import ROLLOUTS, TEMPERATURE, _reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -193,6 +193,61 @@ def test_lora_step_at_dp_shard2_matches_hf_peft_reference(case: str, tmp_path: P
     _check_checkpoint_round_trip(got, tmp_path / "ckpt" / "iter_0000001", policy, lora, sorted(modules))
     if dropout is not None:
         _check_dropout(got["dropout"], random_adapters)
+
+
+@pytest.mark.parametrize(("dp_shard", "fault"), [(1, None), (2, None), (1, "no_allreduce")])
+def test_lora_step_at_tp2_matches_hf_peft_reference(dp_shard: int, fault: str | None, tmp_path: Path) -> None:
+    """Tensor parallelism 2 (dp_shard 1, and 2: four ranks) with every dense projection adapted: A whole and B
+    column-wise on q/k/v and gate/up, A row-wise and B whole on o and down (PEFT's Megatron split). One
+    `train_minibatch` equals HF + PEFT + autograd: the loss, the gradient norm, every adapter's (clipped) gradients
+    and values after the step, the merged stream. `no_allreduce`: a broken plan (a row-parallel projection's
+    partial A x not summed over TP), which the comparison must catch."""
+    policy = build_tiny_policy(tmp_path / "policy", seed=5)
+    settings = DTensorConfig(
+        enabled=True,
+        tensor_parallel_size=2,
+        data_parallel_shard_size=dp_shard,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        clip_grad=CLIP,
+    )
+    out = tmp_path / "out.pt"
+    run_torch_world(
+        lora_tp_step_rank,
+        2 * dp_shard,
+        str(policy),
+        settings,
+        LORA,
+        ROLLOUTS,
+        MICRO_BATCH,
+        LOSS,
+        TEMPERATURE,
+        str(out),
+        fault,
+    )
+    got = torch.load(out, weights_only=True)
+    model, modules, total, norm, grads = _reference_step(policy, got["initial"], LORA)
+    mismatched = [n for n, (a, b) in got["grads"].items() if not _close(a, grads[n][0]) or not _close(b, grads[n][1])]
+    if fault is not None:
+        assert mismatched, "the broken plan went unnoticed"
+        return
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert got["layout"][q] == ("whole", "S(0)") and got["layout"][o] == ("S(1)", "whole")  # Shard(dim)
+    assert got["metrics"]["loss"] == pytest.approx(total, abs=1e-6)
+    assert got["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert not mismatched, mismatched
+    assert all(b.abs().max() > 0 for _, b in grads.values())  # every B's gradient
+    reference = _by_trainer_name(modules)
+    for name, (a, b) in got["trained"].items():
+        torch.testing.assert_close(a, reference[name][0], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(b, reference[name][1], atol=1e-5, rtol=0, msg=name)
+    merged = model.merge_and_unload().state_dict()
+    for name, tensor in got["merged"].items():
+        torch.testing.assert_close(tensor, merged[name], atol=1e-5, rtol=0, msg=name)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def _random_peft_adapter(policy: Path, directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -505,3 +560,37 @@ def test_expert_lora_run_keeps_engine_and_trainer_in_agreement_and_exports(tmp_p
     written = load_file(merged / "model.safetensors")
     changed = {k for k in written if not torch.equal(written[k], weights[k])}
     assert changed <= set(adapted) and {n for n in changed if EXPERT_WEIGHT.fullmatch(n)}
+
+
+def test_lora_run_at_tp2_keeps_engine_and_trainer_in_agreement_and_exports(tmp_path: Path) -> None:
+    """LoRA on every dense projection at tensor_parallel_size 2 (dp_shard 1), two GRPO steps with a checkpoint after
+    the last: the engine's log-probs agree with the trainer's at every step (the merged weights gathered over TP),
+    the later refits stream the adapted projections alone, and `bridge export` of the checkpoint (`--peft` and
+    merged) is checked against PEFT (`check_lora_exports`)."""
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+    from hf_mcore_bridge.grpo.run.config import config_from_dict
+    from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
+
+    policy = build_tiny_policy(tmp_path / "policy")
+    config = _run_config(tmp_path, policy, "tp2", dropout=0.0)
+    config["policy"]["dtensor_cfg"] |= {"tensor_parallel_size": 2, "data_parallel_shard_size": 1}
+    config["cluster"] = {"gpus_per_node": 2}
+    config["grpo"]["max_num_steps"] = 2
+    run = train_grpo(config_from_dict(config))
+    assert run.steps == 2
+    for step in run.metrics:
+        assert step["token_mult_prob_error"] <= EXACT, step["step"]
+        assert step["probe_token_mult_prob_error"] <= EXACT, step["step"]
+        assert step["grad_norm"] > 0
+    weights = load_file(policy / "model.safetensors")
+    adapted = sum(t.numel() * t.element_size() for n, t in weights.items() if _adapted(n, LORA))
+    assert run.series("refit_bytes") == [adapted] * 2
+
+    checkpoints = tmp_path / "tp2" / "ckpt"
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, ["--peft"]), (merged, [])):
+        result = CliRunner().invoke(app, ["export", str(checkpoints), str(out), *extra])
+        assert result.exit_code == 0, result.output
+    check_lora_exports(adapter, merged, tmp_path / "tp2" / "logs" / ADAPTER_DIR, policy)

@@ -1,12 +1,13 @@
 """Sharding a HuggingFace causal LM with DTensor: tensor parallelism, then FSDP2 (`fully_shard`).
 
 `make_mesh` builds the 2-D device mesh ("dp_shard", "tp"); `parallelize_hf_model` shards a transformers model over
-it in place; `full_hf_tensors` streams the full (unsharded) tensors back under their HF names; `clip_grad_norm`
+it in place; `hf_state_entries` lists its tensors under their HF names (the policy gathers them whole); `clip_grad_norm`
 clips gradients that live on more than one mesh.
 
 Assumptions, checked where cheap:
-- The model is a dense Llama-family transformers causal LM of a registered architecture (`mappings/`): decoder layers in
-  `model.model.layers`; the TP plan comes from the architecture's mapping table (`layer_tp_plan`). The attention
+- The model is a Llama-family transformers causal LM of a registered architecture (`mappings/`): decoder layers in
+  `model.model.layers`; dense under TP (FSDP2 alone also shards a mixture-of-experts model, its fused experts as any
+  parameter); the TP plan comes from the architecture's mapping table (`layer_tp_plan`). The attention
   reshapes its projections with `-1` heads, so it runs on the local heads of a TP shard unchanged; `tp` must divide the
   number of key/value heads and the MLP width.
 - Under TP only the attention and MLP projections are sharded (column-wise q/k/v/gate/up, row-wise o/down, the
@@ -24,7 +25,7 @@ Assumptions, checked where cheap:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -154,15 +155,6 @@ def hf_state_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(value))
             entries.append((name, value))
     return entries
-
-
-def full_hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full tensor)` for every entry of `hf_state_entries`, gathering one DTensor at a time.
-
-    Collective: every rank must iterate to the end in the same order, since each DTensor is all-gathered.
-    """
-    for name, value in hf_state_entries(model):
-        yield name, value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

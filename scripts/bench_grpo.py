@@ -105,6 +105,7 @@ def run_config(args: argparse.Namespace, model_dir: Path, prompts: Path) -> dict
                 "rank": max(args.lora_rank, 1),
                 "alpha": 2.0 * max(args.lora_rank, 1),
                 "target_modules": args.lora_targets,
+                "refit": args.lora_refit,
             },
         },
         "grpo": {
@@ -180,6 +181,12 @@ def main() -> None:
         default=list(LORA_TARGETS),
         help="comma-separated HF projections the adapters target (with --lora-rank)",
     )
+    parser.add_argument(
+        "--lora-refit",
+        choices=("auto", "adapters", "merged"),
+        default="auto",
+        help="what LoRA refits stream: the adapters (the engine applies them) or merged weights",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.tiny:
@@ -211,7 +218,7 @@ def main() -> None:
     copy_s = d2d_copy_seconds(streamed)
     tokens = samples * (args.prompt_tokens + args.max_new_tokens)
     print(f"\nGRPO step, {samples} samples x ({args.prompt_tokens} prompt + {args.max_new_tokens} new) tokens,")
-    what = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full weights"
+    what = f"LoRA rank {args.lora_rank}, refit {args.lora_refit}" if args.lora_rank else "full weights"
     layout = f"tp={args.tp} pp={args.pp} ranks={args.gpus or args.tp * args.pp}"
     print(f"median of steps 2..{result.steps} ({what}, {layout}):")
     for key, label in PHASES:

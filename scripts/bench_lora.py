@@ -1,15 +1,18 @@
 """LoRA against full fine-tuning on the GRPO loop users run: step, training and refit time, refit bytes, side by side.
 
 Runs `scripts/bench_grpo.py` (the product's `train_grpo` on a random checkpoint of a real shape, default the
-Llama-3.2-1B shape in bf16) once with full weights and once with LoRA adapters (`policy.lora`, rank `--rank` on the
-seven attention and MLP projections, alpha 2 x rank), alternately for `--rounds` rounds, each run in a process of
-its own with the same arguments otherwise. Each phase is reported as the median over every steady step (steps 2..N
+Llama-3.2-1B shape in bf16) with full weights and with LoRA adapters (`policy.lora`, rank `--rank` on the seven
+attention and MLP projections, alpha 2 x rank) refitted two ways: the adapters alone, which the engine applies in
+its linears (`lora`, `policy.lora.refit: adapters`, the default where it applies), and the adapted projections'
+merged weights (`lora_merged`); the three alternately for `--rounds` rounds, each run in a process of its own with
+the same arguments otherwise. Each phase is reported as the median over every steady step (steps 2..N
 of each run) with its spread (min - max), and LoRA's ratio to full training:
 
 - training (forward, backward and optimizer step: LoRA's backward computes no weight gradient of the frozen
   base, and its optimizer holds the adapters alone);
-- refit (full training, one GPU: the refit recorded as a CUDA graph and replayed, `grpo.refit.replay`; LoRA: each
-  adapted weight merged as W + (alpha / rank) B A and streamed eagerly, the frozen tensors not at all);
+- refit (full training, one GPU: the refit recorded as a CUDA graph and replayed, `grpo.refit.replay`; LoRA: the
+  adapters alone, or each adapted weight merged as W + (alpha / rank) B A, streamed eagerly; the frozen tensors not
+  at all);
 - the bytes a steady refit streams, and each mode's floor: one device-to-device copy of those bytes;
 - the whole step; and the training's model FLOPs per second against the GPU's dense bf16 peak (`--peak-tflops`):
   6 N per token for full training, 4 N for LoRA (no weight gradients; the adapters' own FLOPs, under 2 % at rank
@@ -54,12 +57,16 @@ def linear_parameters(config: dict[str, Any]) -> int:
     return layers * (attention + 3 * hidden * ffn) + config["vocab_size"] * hidden
 
 
+MODES = {"full": [], "lora": ["--lora-refit", "adapters"], "lora_merged": ["--lora-refit", "merged"]}
+"""Each run's mode -> its own `bench_grpo.py` arguments (LoRA's with `--lora-rank`)."""
+
+
 def run(mode: str, rank: int, rest: list[str], work: Path) -> dict[str, Any]:
     """One `bench_grpo.py` run in its own process; its JSON record."""
     out = work / f"{mode}.json"
     command = [sys.executable, str(HERE / "bench_grpo.py"), *rest, "--work", str(work / mode), "--json", str(out)]
-    if mode == "lora":
-        command += ["--lora-rank", str(rank)]
+    if mode != "full":
+        command += ["--lora-rank", str(rank), *MODES[mode]]
     print(f"\n== {mode}: {' '.join(command[1:])}", flush=True)
     subprocess.run(command, check=True)
     return json.loads(out.read_text())
@@ -85,7 +92,7 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     rest += ["--tiny"] if args.tiny else []
     rest += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens)]
-    runs: dict[str, list[dict[str, Any]]] = {"full": [], "lora": []}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for round_ in range(args.rounds):
         for mode in runs:
             runs[mode].append(run(mode, args.rank, rest, args.work / f"round{round_}"))
@@ -97,29 +104,28 @@ def main() -> None:
     table: dict[str, dict[str, Any]] = {}
     print(f"\nLoRA rank {args.rank} against full weights, {samples} samples x {tokens // samples} tokens a step,")
     print(f"median [min - max] over steps 2..{args.steps} of {args.rounds} run(s) each:")
-    print(f"  {'':<32} {'full':>22} {'LoRA':>22} {'LoRA / full':>12}")
+    modes = list(runs)
+    print(f"  {'':<32}" + "".join(f" {m:>22}" for m in modes) + "".join(f" {m + ' / full':>18}" for m in modes[1:]))
     for key, label in PHASES:
-        full, lora = summary(runs["full"], key), summary(runs["lora"], key)
-        table[key] = {"full": full, "lora": lora, "ratio": lora[0] / full[0]}
-        cells = [f"{m:8.3f} [{lo:.3f}-{hi:.3f}]" for m, lo, hi in (full, lora)]
-        print(f"  {label:<32} {cells[0]:>22} {cells[1]:>22} {lora[0] / full[0]:11.2f}x")
-    streamed = {mode: statistics.median(float(r["refit_bytes"]) for r in records) for mode, records in runs.items()}
-    copy = {mode: statistics.median(float(r["d2d_copy_s"]) for r in records) for mode, records in runs.items()}
+        cells = {m: summary(runs[m], key) for m in modes}
+        table[key] = {m: cells[m] for m in modes} | {f"{m}/full": cells[m][0] / cells["full"][0] for m in modes[1:]}
+        row = "".join(f" {f'{c[0]:8.3f} [{c[1]:.3f}-{c[2]:.3f}]':>22}" for c in cells.values())
+        ratios = "".join(f" {cells[m][0] / cells['full'][0]:17.2f}x" for m in modes[1:])
+        print(f"  {label:<32}{row}{ratios}")
+    streamed = {m: statistics.median(float(r["refit_bytes"]) for r in records) for m, records in runs.items()}
+    copy = {m: statistics.median(float(r["d2d_copy_s"]) for r in records) for m, records in runs.items()}
+    mib = "".join(f" {streamed[m] / 2**20:>22.1f}" for m in modes)
     print(
-        f"  {'bytes a refit streams (MiB)':<32} {streamed['full'] / 2**20:>22.1f} {streamed['lora'] / 2**20:>22.1f}"
-        f" {streamed['lora'] / streamed['full']:11.3f}x"
+        f"  {'bytes a refit streams (MiB)':<32}{mib}"
+        + "".join(f" {streamed[m] / streamed['full']:17.4f}x" for m in modes[1:])
     )
     if copy["full"]:
-        print(f"  {'floor: one d2d copy of them':<32} {copy['full']:>22.4f} {copy['lora']:>22.4f}")
-        floors = {m: table["refit_s"][m][0] / copy[m] for m in runs}
-        print(f"  {'refit / its floor':<32} {floors['full']:>21.1f}x {floors['lora']:>21.1f}x")
-        flops = {"full": 6 * n * tokens, "lora": 4 * n * tokens}
-        achieved = {m: flops[m] / table["train_s"][m][0] / 1e12 for m in runs}
-        print(
-            f"  {'training model TFLOP/s':<32} {achieved['full']:>22.0f} {achieved['lora']:>22.0f}"
-            f"   (peak {args.peak_tflops:.0f}: {achieved['full'] / args.peak_tflops:.0%} / "
-            f"{achieved['lora'] / args.peak_tflops:.0%})"
-        )
+        print(f"  {'floor: one d2d copy of them (s)':<32}" + "".join(f" {copy[m]:>22.5f}" for m in modes))
+        print(f"  {'refit / its floor':<32}" + "".join(f" {table['refit_s'][m][0] / copy[m]:>21.1f}x" for m in modes))
+        flops = {m: (6 if m == "full" else 4) * n * tokens for m in modes}
+        achieved = {m: flops[m] / table["train_s"][m][0] / 1e12 for m in modes}
+        print(f"  {'training model TFLOP/s':<32}" + "".join(f" {achieved[m]:>22.0f}" for m in modes))
+        print(f"  {'  of the peak':<32}" + "".join(f" {achieved[m] / args.peak_tflops:>22.0%}" for m in modes))
     if args.json:
         record = {"args": vars(args) | {"work": str(args.work), "json": str(args.json)}, "bench_grpo_args": rest}
         args.json.write_text(json.dumps(record | {"phases": table, "refit_bytes": streamed, "runs": runs}, indent=2))

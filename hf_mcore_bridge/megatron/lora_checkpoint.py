@@ -34,7 +34,6 @@ __all__ = [
     "ADAPTER_MARK",
     "LORA_KEY",
     "checkpoint_adapters",
-    "expert_weights",
     "lora_of_common",
     "lora_state",
     "merge_adapters",
@@ -115,42 +114,19 @@ def checkpoint_adapters(
     return result
 
 
-def expert_weights(model_cfg: ModelSpec, lora: LoraConfig) -> dict[str, tuple[str, ...]]:
-    """Expert adapter name -> the HF weights its product is merged into, in order of B's rows in equal parts
-    (`gate_up_proj[e]`: expert e's gate and up weights; `down_proj[e]`: its down weight), as the checkpoint
-    names them (`megatron.lora.LinearAdapters.weights`)."""
-    result = {}
-    for entry in targeted_entries(model_cfg, lora):
-        if not is_expert(entry):
-            continue
-        for layer in range(model_cfg.num_layers):
-            if entry.layers not in (LayerKind.ALL, model_cfg.layer_kind(layer)):
-                continue
-            fused = fused_expert_template(entry, model_cfg).format(layer=layer)
-            for e in range(model_cfg.moe.num_experts):
-                result[expert_name(fused, e)] = tuple(s.format(layer=layer, expert=e) for s in entry.hf_sources)
-    return result
-
-
 def merge_adapters(
     hf_dir: Path,
     adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     scale: float,
-    experts: Mapping[str, tuple[str, ...]] | None = None,
 ) -> None:
     """Rewrite the safetensors files of the HF directory `hf_dir` (written by this tool) with each adapted weight
-    W + (B A) * scale, the product in fp32 and added in W's dtype (PEFT's `merge_and_unload` arithmetic on CPU).
-    An expert's adapter (`experts`, from `expert_weights`) is merged into its weights, each taking its part of B's
-    rows. CheckpointError: an adapter without its weight there."""
+    W + (B A) * scale, the product in fp32 and added in W's dtype (PEFT's `merge_and_unload` arithmetic on CPU). A
+    routed expert's adapter (`<fused tensor>[<expert>]`) is merged into that expert's per-expert tensors (its
+    product's gate rows then up rows for `gate_up_proj`; the checkpoint's names, from `hf_dir`'s config.json).
+    CheckpointError: an adapter without its weight there."""
     from safetensors.torch import load_file, save_file
 
-    wanted = {}
-    for name, (a, b) in adapters.items():
-        weights = (experts or {}).get(name)
-        if weights is None:
-            wanted[f"{name}.weight"] = (a, b)
-        else:
-            wanted |= {w: (a, part) for w, part in zip(weights, b.chunk(len(weights)), strict=True)}
+    wanted = _merge_targets(hf_dir, adapters)
     merged = set()
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors = load_file(str(file))
@@ -158,12 +134,41 @@ def merge_adapters(
         if not hits:
             continue
         for name in hits:
-            a, b = wanted[name]
+            (a, b), rows = wanted[name]
             weight = tensors[name]
             delta = ((b.float() @ a.float()) * scale).to(weight.dtype)  # PEFT: fp32 product, cast, then added
-            tensors[name] = (weight + delta).contiguous()
+            tensors[name] = (weight + (delta if rows is None else delta[rows])).contiguous()
             merged.add(name)
         save_file(tensors, str(file), metadata={"format": "pt"})
     missing = sorted(wanted.keys() - merged)
     if missing:
         raise CheckpointError(f"{hf_dir} holds no {missing[0]} to merge its adapter into")
+
+
+def _merge_targets(
+    hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]]:
+    """HF tensor name -> (its adapter, the rows of the adapter's product it takes; None: all)."""
+    import json
+
+    from hf_mcore_bridge.engine.arch import fused_expert_pieces
+    from hf_mcore_bridge.megatron.lora_experts import EXPERT_NAME
+
+    wanted: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]] = {}
+    pieces = None
+    for name, pair in adapters.items():
+        found = EXPERT_NAME.fullmatch(name)
+        if found is None:
+            wanted[f"{name}.weight"] = (pair, None)
+            continue
+        if pieces is None:
+            pieces = fused_expert_pieces(ModelSpec.from_hf(json.loads((hf_dir / "config.json").read_text())))
+        expert = int(found[2])
+        half = pair[1].shape[0] // 2
+        cuts = {"all": slice(None), "gate": slice(0, half), "up": slice(half, None)}
+        parts = [p for p in pieces.get(found[1], ()) if p.expert == expert]
+        if not parts or any(p.part not in cuts for p in parts):
+            raise CheckpointError(f"{hf_dir}: no per-expert tensors to merge the adapter {name} into")
+        for piece in parts:
+            wanted[piece.name] = (pair, cuts[piece.part])
+    return wanted

@@ -56,7 +56,7 @@ class LoraConfig:
     W + (alpha / rank) * B A, with A (rank x in) and B (out x rank) trained and W frozen."""
 
     enabled: bool = False
-    """Train adapters instead of the full weights (megatron-core, or the DTensor backend without tensor parallelism)."""
+    """Train adapters instead of the full weights (megatron-core or the DTensor backend)."""
     rank: int = 8
     """The adapters' rank r (PEFT's `r`, NeMo-RL's `dim`)."""
     alpha: float = 16.0

@@ -1,8 +1,8 @@
 """The exports of a LoRA run checked against PEFT (shared by both backends' checkpoint tests): `bridge export --peft`
 wrote the adapters the run gathered from its live model, PEFT loads them onto the base model with the logits of the
-merged export, and the merged export equals PEFT's `merge_and_unload` tensor by tensor (an expert's exported weight
-against its slice of transformers 5's fused expert tensor). Assumes the tiny policy of `tiny_policy` (its word
-vocabulary) and fp32 HF directories."""
+merged export, and the merged export equals PEFT's `merge_and_unload` tensor by tensor (transformers 5's fused
+routed experts cut into the checkpoint's per-expert tensors here, `per_expert`). Assumes the tiny policy of
+`tiny_policy` (its word vocabulary), fp32 HF directories, and Qwen3-MoE's expert names (gate/up/down_proj)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,28 @@ import torch
 from safetensors.torch import load_file
 
 from .tiny_policy import WORDS
+
+_FUSED = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers-5 state dict with each fused expert tensor (`...mlp.experts.gate_up_proj` [experts, 2 ffn,
+    hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]) replaced by the checkpoint's per-expert
+    tensors (`...mlp.experts.3.gate_proj.weight`, `up_proj`, `down_proj`); other tensors as they are."""
+    result = {}
+    for name, tensor in state.items():
+        found = _FUSED.fullmatch(name)
+        if found is None:
+            result[name] = tensor
+            continue
+        for e, one in enumerate(tensor):
+            if found[2] == "down_proj":
+                result[f"{found[1]}.{e}.down_proj.weight"] = one
+            else:
+                half = one.shape[0] // 2
+                result[f"{found[1]}.{e}.gate_proj.weight"] = one[:half]
+                result[f"{found[1]}.{e}.up_proj.weight"] = one[half:]
+    return result
 
 
 def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) -> None:
@@ -37,7 +59,7 @@ def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) ->
     torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
     assert (merged_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
 
-    reference = with_adapter.merge_and_unload().state_dict()
+    reference = per_expert(with_adapter.merge_and_unload().state_dict())
     written = load_file(merged / "model.safetensors")
     wanted = {k: _reference_tensor(reference, k) for k in written}
     assert all(torch.equal(written[k], wanted[k]) for k in written), [

@@ -580,17 +580,18 @@ def _validate_lora(config: GRPOConfig) -> None:
     if lora.refit == "adapters" and (why := _no_adapter_refit(config)):
         raise GRPOConfigError(f"policy.lora.refit=adapters: {why} (set policy.lora.refit to merged or auto)")
     experts = expert_targets(lora)
+    require(
+        not (experts and dropout),
+        f"policy.lora.dropout={lora.dropout} with adapters on experts {list(experts)}: dropout is implemented on"
+        " dense projections' adapters only (PEFT's expert adapters have none either)",
+    )
     dtensor = config.policy.dtensor_cfg
     if dtensor.enabled:
         require(
-            not experts,
-            f"policy.lora.target_modules {list(experts)} on the DTensor backend: adapters on experts are implemented"
-            " on the megatron-core backend only",
-        )
-        require(
-            dtensor.tensor_parallel_size == 1,
-            f"policy.lora.enabled=true with policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}:"
-            " LoRA on the DTensor backend is implemented with FSDP2 alone (tensor_parallel_size 1)",
+            dtensor.tensor_parallel_size == 1 or not dropout,
+            f"policy.lora.dropout={lora.dropout} with policy.dtensor_cfg.tensor_parallel_size="
+            f"{dtensor.tensor_parallel_size}: adapter dropout under tensor parallelism is not implemented (a"
+            " row-parallel projection's ranks would draw the same mask for their halves of x); set dropout to 0",
         )
         return
     megatron = config.policy.megatron_cfg

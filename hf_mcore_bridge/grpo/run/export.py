@@ -257,16 +257,15 @@ def _write_policy(checkpoint_dir: Path, staging: Path, lora: LoraConfig | None, 
     if lora is not None and adapter_of(checkpoint_dir) is not None:
         _dtensor_adapter_policy(checkpoint_dir, staging, lora, peft, base)
         return
-    adapters, experts = None, None
+    adapters = None
     if lora is not None:
         from hf_mcore_bridge.checkpoint.megatron_dirs import read_common
         from hf_mcore_bridge.convert.config_bridge import from_megatron_args
-        from hf_mcore_bridge.megatron.lora_checkpoint import checkpoint_adapters, expert_weights
+        from hf_mcore_bridge.megatron.lora_checkpoint import checkpoint_adapters
         from hf_mcore_bridge.megatron.lora_peft import write_peft_adapter
 
         model_cfg = from_megatron_args(read_common(checkpoint_dir)["args"])
         adapters = checkpoint_adapters(checkpoint_dir, model_cfg, lora)
-        experts = expert_weights(model_cfg, lora)
         if peft:
             write_peft_adapter(adapters, lora, staging, base)
             return
@@ -277,7 +276,7 @@ def _write_policy(checkpoint_dir: Path, staging: Path, lora: LoraConfig | None, 
     if adapters is not None and lora is not None:
         from hf_mcore_bridge.megatron.lora_checkpoint import merge_adapters
 
-        merge_adapters(converted, adapters, lora.scale, experts)
+        merge_adapters(converted, adapters, lora.scale)
     for file in converted.iterdir():
         if file.name != MARKER_NAME:
             file.rename(staging / file.name)

@@ -286,8 +286,9 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
                 "policy.dtensor_cfg.enabled=true",
                 "policy.dtensor_cfg.tensor_parallel_size=2",
                 "cluster.gpus_per_node=2",
+                "policy.lora.dropout=0.1",
             ],
-            "LoRA on the DTensor backend is implemented with FSDP2 alone",
+            "adapter dropout under tensor parallelism is not implemented",
         ),
         (
             [*EXPERTS, "policy.lora.dropout=0.1"],
@@ -304,8 +305,13 @@ def test_bad_lora_values_are_refused_by_name(override: str, message: str) -> Non
             " at expert_tensor_parallel_size 1 or equal to tensor_model_parallel_size",
         ),
         (
-            [*EXPERTS, "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"],
-            "on the DTensor backend: adapters on experts are implemented on the megatron-core backend only",
+            [
+                *EXPERTS,
+                "policy.megatron_cfg.enabled=false",
+                "policy.dtensor_cfg.enabled=true",
+                "policy.lora.dropout=0.1",
+            ],
+            r"policy\.lora\.dropout=0\.1 with adapters on experts",
         ),
     ],
 )
@@ -327,6 +333,12 @@ def test_megatron_lora_runs_with_sequence_parallelism() -> None:
 def test_dtensor_lora_runs_with_checkpoints() -> None:
     on = ["policy.lora.enabled=true", "policy.megatron_cfg.enabled=false", "policy.dtensor_cfg.enabled=true"]
     assert config_from_dict(BASE, [*on, "checkpointing.enabled=true"]).checkpointing.enabled
+    # adapters on experts too (PEFT's target_parameters on the DTensor backend), with checkpoints
+    config = config_from_dict(BASE, [*on, *EXPERTS, "checkpointing.enabled=true"])
+    assert config.checkpointing.enabled and "experts.down_proj" in config.policy.lora.target_modules
+    # and under tensor parallelism (without dropout)
+    tp = ["policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2"]
+    assert config_from_dict(BASE, [*on, *tp]).policy.dtensor_cfg.tensor_parallel_size == 2
 
 
 def test_lora_dropout_is_accepted_on_both_backends() -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hf_mcore_bridge.megatron.lora_config import LoraConfig
+from hf_mcore_bridge.megatron.lora_config import LoraConfig, peft_targets
 
 if TYPE_CHECKING:
     from hf_mcore_bridge.convert.inspect import Inspection
@@ -50,14 +50,13 @@ def adapter_of(checkpoint_dir: Path) -> Path | None:
 
 
 def adapter_lora(checkpoint_dir: Path) -> LoraConfig | None:
-    """The rank, alpha and targets of a DTensor checkpoint's adapters (its `adapter_config.json`, read as JSON);
-    None for a checkpoint without adapters."""
+    """The rank, alpha and targets of a DTensor checkpoint's adapters (its `adapter_config.json`, read as JSON: its
+    `target_modules` and the experts' `target_parameters`); None for a checkpoint without adapters."""
     adapter = adapter_of(checkpoint_dir)
     if adapter is None:
         return None
     saved = json.loads((adapter / "adapter_config.json").read_text())
-    targets = saved["target_modules"]
-    targets = tuple(sorted(targets if isinstance(targets, list) else [targets]))
+    targets = tuple(sorted(peft_targets(saved)))
     return LoraConfig(enabled=True, rank=int(saved["r"]), alpha=float(saved["lora_alpha"]), target_modules=targets)
 
 

@@ -1,17 +1,19 @@
 """Sharding a HuggingFace causal LM with DTensor: tensor parallelism, then FSDP2 (`fully_shard`).
 
 `make_mesh` builds the 2-D device mesh ("dp_shard", "tp"); `parallelize_hf_model` shards a transformers model over
-it in place; `full_hf_tensors` streams the full (unsharded) tensors back under their HF names; `clip_grad_norm`
+it in place; `hf_state_entries` lists its tensors under their HF names (the policy gathers them whole); `clip_grad_norm`
 clips gradients that live on more than one mesh.
 
 Assumptions, checked where cheap:
-- The model is a dense Llama-family transformers causal LM of a registered architecture (`mappings/`): decoder layers in
-  `model.model.layers`; the TP plan comes from the architecture's mapping table (`layer_tp_plan`). The attention
+- The model is a Llama-family transformers causal LM of a registered architecture (`mappings/`): decoder layers in
+  `model.model.layers`; dense under TP (FSDP2 alone also shards a mixture-of-experts model, its fused experts as any
+  parameter); the TP plan comes from the architecture's mapping table (`layer_tp_plan`). The attention
   reshapes its projections with `-1` heads, so it runs on the local heads of a TP shard unchanged; `tp` must divide the
   number of key/value heads and the MLP width.
 - Under TP only the attention and MLP projections are sharded (column-wise q/k/v/gate/up, row-wise o/down, the
   Megatron pattern); embeddings, norms and the LM head stay replicated over "tp" and are sharded by FSDP over
-  "dp_shard" only. The logits are therefore full-vocabulary on every rank.
+  "dp_shard" only. The logits are therefore full-vocabulary on every rank. With PEFT's LoRA on a projection, its
+  `base_layer` takes the projection's style and the adapter is split as PEFT splits it for Megatron (`lora_plan`).
 - The model's parameters are the master weights (fp32 for bf16 training): FSDP2 casts them to `param_dtype` for
   compute and reduces gradients in `reduce_dtype`, while the optimizer steps on the sharded fp32 parameters.
 - Activation checkpointing is transformers' own (`activation_checkpointing_enable`, before 5.24
@@ -23,7 +25,7 @@ Assumptions, checked where cheap:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -90,10 +92,31 @@ def _architecture(model: torch.nn.Module, tp: int) -> Architecture:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard each decoder layer's projections over `tp_mesh` (column-wise in, row-wise out)."""
+    """Shard each decoder layer's projections over `tp_mesh` (column-wise in, row-wise out); a projection that
+    PEFT's LoRA wraps as `lora_plan` shards it."""
     plan = layer_tp_plan(_architecture(model, tp_mesh.size()))
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in plan.items()})
+        styles: dict[str, ParallelStyle] = {}
+        for name, style in plan.items():
+            styles |= lora_plan(name, layer.get_submodule(name), style)
+        parallelize_module(layer, tp_mesh, styles)
+
+
+def lora_plan(name: str, module: torch.nn.Module, style: type[ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The TP plan of the projection `name` (relative to its layer): its own style, or for a PEFT LoRA layer
+    (`base_layer`, `lora_A`, `lora_B`) the base layer's, with the adapter split as PEFT's Megatron LoRA
+    (`LoraParallelLinear`) splits it: a column-parallel base takes B column-wise (its output rows, each rank the
+    rows of its part of W) and A whole; a row-parallel base takes A row-wise (its input columns, the part of x this
+    rank holds; the partial A x all-reduced) and B whole. The whole factors stay plain tensors on every TP rank
+    (FSDP2 shards them over "dp_shard" only): their inputs and output gradients are the same on every TP rank
+    (a column-parallel input's gradient all-reduced as the base's is), so are their gradients."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+        return {name: style()}
+    plan: dict[str, ParallelStyle] = {f"{name}.base_layer": style()}
+    factor = "lora_B" if style is ColwiseParallel else "lora_A"
+    for adapter in getattr(module, factor):
+        plan[f"{name}.{factor}.{adapter}"] = style()
+    return plan
 
 
 def parallelize_hf_model(
@@ -132,15 +155,6 @@ def hf_state_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(value))
             entries.append((name, value))
     return entries
-
-
-def full_hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full tensor)` for every entry of `hf_state_entries`, gathering one DTensor at a time.
-
-    Collective: every rank must iterate to the end in the same order, since each DTensor is all-gathered.
-    """
-    for name, value in hf_state_entries(model):
-        yield name, value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

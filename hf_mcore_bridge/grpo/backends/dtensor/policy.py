@@ -24,6 +24,8 @@ from an HF directory (safetensors only) and sharded by `backends.dtensor.paralle
 
 - LoRA (`policy.lora`): PEFT's LoRA layers injected before sharding (`backends.dtensor.lora`), the base frozen and
   the adapters alone in the optimizer; the HF-named stream holds the adapted weights merged (W + (B A) * scale).
+- Mixture-of-experts models: the stream names routed experts as the checkpoint does, one expert's tensors at a time
+  (`backends.dtensor.experts`), though transformers 5 holds them fused.
 
 Simplifications: every rank reads the whole safetensors checkpoint before sharding it (host memory for one full
 copy per rank while loading; a meta-device build with a broadcast from rank 0 would avoid it); the KL reference is
@@ -50,7 +52,6 @@ from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
 from hf_mcore_bridge.grpo.backends.dtensor.lr_schedule import lr_scheduler
 from hf_mcore_bridge.grpo.backends.dtensor.parallel import (
     clip_grad_norm,
-    full_hf_tensors,
     hf_state_entries,
     make_mesh,
     parallelize_hf_model,
@@ -240,56 +241,75 @@ class DTensorPolicy:
         self, times: PhaseTimes | None = None, names: Collection[str] | None = None, merged: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model (or the tensors of `names`) as (HF name, full tensor in the compute dtype), on every rank;
-        tied weights once; with LoRA the adapted weights merged, unless `merged` is False (the base weights).
+        tied weights once; routed experts under the checkpoint's per-expert names (`backends.dtensor.experts`);
+        with LoRA the adapted weights merged, unless `merged` is False (the base weights).
 
-        Collective: every rank must exhaust it. `times` collects the all-gathers' seconds (`gather`).
-        """
+        Collective: every rank must exhaust it (only the entries with a wanted name are gathered, the same on every
+        rank). `times` collects the all-gathers' seconds (`gather`)."""
+        from hf_mcore_bridge.grpo.backends.dtensor.experts import split
+
         times = times or PhaseTimes()
-        tensors = full_hf_tensors(self.model) if self.lora is None else self._lora_hf_tensors(names, merged)
-        while True:
-            with times.phase("gather"):  # each step of the stream all-gathers one DTensor
-                item = next(tensors, None)
-            if item is None:
-                return
-            name, tensor = item
-            if names is not None and name not in names:
+        adapters = self._adapters() if merged else {}
+        pieces = self._expert_pieces()
+        for name, value in self._entries():
+            cut = pieces.get(name)
+            if names is not None and not any(n in names for n in ([p.name for p in cut] if cut else [name])):
                 continue
-            yield name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            with times.phase("gather"):  # one DTensor all-gathered (and its adapter's factors)
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                module = adapters.get(name)
+                if module is not None:
+                    from hf_mcore_bridge.grpo.backends.dtensor.lora import merged_weight
 
-    def _lora_hf_tensors(self, names: Collection[str] | None, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """`full_hf_tensors` of a model with PEFT's LoRA layers: HF names, adapted weights merged (`merged`), only
-        `names` gathered (the same selection on every rank)."""
-        from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries, lora_modules, merged_weight
+                    full = merged_weight(full, module)
+            for part_name, tensor in split(full, cut) if cut else [(name, full)]:
+                if names is None or part_name in names:
+                    yield part_name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
-        modules = lora_modules(self.model) if merged else {}
-        for name, value in hf_entries(self.model):
-            if names is not None and name not in names:
-                continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            module = modules.get(name.removesuffix(".weight"))
-            yield name, full if module is None else merged_weight(full, module)
+    def _entries(self) -> list[tuple[str, torch.Tensor]]:
+        """The state dict's (HF in-memory name, value), tied tensors once; with LoRA without the adapters' factors."""
+        if self.lora is None:
+            return hf_state_entries(self.model)
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries
+
+        return hf_entries(self.model)
+
+    def _adapters(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        from hf_mcore_bridge.grpo.backends.dtensor.lora import adapter_of
+
+        return adapter_of(self.model)
+
+    def _expert_pieces(self) -> dict[str, Any]:
+        from hf_mcore_bridge.grpo.backends.dtensor.experts import expert_pieces
+
+        return expert_pieces(self.model.config)
 
     def adapted_names(self) -> list[str]:
-        """The HF weights of the adapted projections (LoRA), in the stream's order; empty without LoRA."""
-        if self.lora is None:
-            return []
-        from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries, lora_modules
-
-        adapted = set(lora_modules(self.model))
-        return [name for name, _ in hf_entries(self.model) if name.removesuffix(".weight") in adapted]
+        """The HF weights of the adapted projections (LoRA; each adapted expert's under its per-expert names), in
+        the stream's order; empty without LoRA."""
+        adapted = set(self._adapters())
+        return [spec[0] for source, spec in self._specs() if source in adapted]
 
     def hf_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, global shape, dtype) of what `hf_weights` yields, in its order, without communication."""
-        if self.lora is not None:
-            from hf_mcore_bridge.grpo.backends.dtensor.lora import hf_entries
+        return [(name, shape, dtype) for _, (name, shape, dtype) in self._specs()]
 
-            entries = hf_entries(self.model)
-        else:
-            entries = hf_state_entries(self.model)
-        return [
-            (name, tuple(value.shape), self.dtype if value.is_floating_point() else value.dtype)
-            for name, value in entries
-        ]
+    def _specs(self) -> list[tuple[str, tuple[str, tuple[int, ...], torch.dtype]]]:
+        """`hf_specs`, each with the in-memory name it comes from."""
+        from hf_mcore_bridge.grpo.backends.dtensor.experts import piece_shape
+
+        pieces = self._expert_pieces()
+        specs = []
+        for name, value in self._entries():
+            dtype = self.dtype if value.is_floating_point() else value.dtype
+            shape = tuple(value.shape)
+            for piece in pieces.get(name, ()):
+                specs.append((name, (piece.name, piece_shape(shape, piece), dtype)))
+            if name not in pieces:
+                specs.append((name, (name, shape, dtype)))
+        return specs
 
 
 def _weighted_means(results: list[dict[str, float]]) -> dict[str, float]:

@@ -61,8 +61,8 @@ def lora_step_rank(
     """The DTensor policy with `policy.lora` (PEFT's LoRA layers, FSDP2): the initial adapters, one
     `train_minibatch` on this data-parallel rank's share (old and reference log-probs computed first), the adapters
     after it, the merged and the base HF streams, the HF names `trained_names` would give and the elements the
-    optimizer holds; a checkpoint round trip (`_checkpoint_round_trip`) and a policy with adapter dropout
-    (`dropout_lora`, `_dropout_forwards`). Rank 0 saves them."""
+    optimizer holds; a checkpoint round trip (`_checkpoint_round_trip`) and, given `dropout_lora`, a policy with
+    adapter dropout (`_dropout_forwards`). Rank 0 saves them."""
     from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
 
     policy = build_dtensor_policy(
@@ -81,7 +81,11 @@ def lora_step_rank(
     only = {name: tensor.cpu() for name, tensor in policy.hf_weights(names=adapted)}
     held = sum(p.numel() for group in policy.optimizer.param_groups for p in group["params"])
     second = _checkpoint_round_trip(hf_dir, settings, lora, policy, mine, loss_config, temperature, Path(out).parent)
-    dropout = _dropout_forwards(hf_dir, settings, dropout_lora, mine, loss_config, temperature)
+    dropout = (
+        None
+        if dropout_lora is None
+        else _dropout_forwards(hf_dir, settings, dropout_lora, mine, loss_config, temperature)
+    )
     if dist.get_rank() == 0:
         result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
         torch.save(result | {"adapted": adapted, "only": only, "held": held, "dropout": dropout} | second, out)
@@ -167,3 +171,78 @@ def _checkpoint_round_trip(
         metrics = each.train_minibatch(mine, old, ref, loss_config, temperature)
         result[key] = {"metrics": metrics, "adapters": dict(full_adapters(each.model))}
     return result
+
+
+def lora_tp_step_rank(
+    hf_dir: str,
+    settings: DTensorConfig,
+    lora: object,
+    rollouts: list[Rollout],
+    micro_batch_size: int,
+    loss_config: LossConfig,
+    temperature: float,
+    out: str,
+    fault: str | None = None,
+) -> None:
+    """The DTensor policy with `policy.lora` under tensor parallelism (`settings.tensor_parallel_size`): the initial
+    adapters, one `train_minibatch` on this data-parallel rank's share, the adapters' gradients (clipped, as the
+    optimizer used them) and values after it, the merged stream, and how the factors are laid out (placements of
+    q_proj's and o_proj's A and B in layer 0, `_tp_placement`). Rank 0 saves them. `fault="no_allreduce"`: a
+    broken plan whose row-parallel projections' A x is not all-reduced over TP (each rank adds B A x of its own
+    half of x)."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
+    from hf_mcore_bridge.grpo.backends.dtensor import parallel
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import ADAPTER, full_adapters, lora_modules
+
+    if fault == "no_allreduce":
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        plan = parallel.lora_plan
+
+        def broken(name: str, module: torch.nn.Module, style: type) -> dict:
+            result = plan(name, module, style)
+            if style is RowwiseParallel:
+                result = {
+                    k: RowwiseParallel(output_layouts=Partial()) if ".lora_A." in k else v for k, v in result.items()
+                }
+            return result
+
+        with mock.patch.object(parallel, "lora_plan", broken):
+            return lora_tp_step_rank(hf_dir, settings, lora, rollouts, micro_batch_size, loss_config, temperature, out)
+
+    policy = build_dtensor_policy(
+        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    )
+    initial = {name: (a.clone(), b.clone()) for name, (a, b) in full_adapters(policy.model)}
+    share = rollouts[policy.dp_rank :: policy.dp_size]
+    mine = make_microbatches(share, micro_batch_size)
+    old = policy.compute_logprobs(mine, temperature)
+    ref = policy.compute_logprobs(mine, temperature, reference=True)
+    metrics = policy.train_minibatch(mine, old, ref, loss_config, temperature)
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    grads, layout = {}, {}
+    for name, module in lora_modules(policy.model).items():
+        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        grads[name] = (whole(a.grad).clone(), whole(b.grad).clone())
+        if name.startswith("model.layers.0.self_attn."):
+            layout[name] = tuple(_tp_placement(p) for p in (a, b))
+    trained = dict(full_adapters(policy.model))
+    merged = {name: tensor.cpu() for name, tensor in policy.hf_weights()}
+    if dist.get_rank() == 0:
+        result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "grads": grads}
+        torch.save(result | {"layout": layout}, out)
+
+
+def _tp_placement(parameter: torch.Tensor) -> str:
+    """How a parameter lies over the "tp" mesh dimension: its placement there, or `whole` (not on that mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    names = (parameter.device_mesh.mesh_dim_names or ()) if isinstance(parameter, DTensor) else ()
+    return str(parameter.placements[names.index("tp")]) if "tp" in names else "whole"

@@ -183,8 +183,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--lora-refit",
-        choices=("auto", "adapters", "merged"),
-        default="auto",
+        choices=("merged", "adapters"),
+        default="merged",
         help="what LoRA refits stream: the adapters (the engine applies them) or merged weights",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -3,8 +3,8 @@
 Runs `scripts/bench_grpo.py` (the product's `train_grpo` on a random checkpoint of a real shape, default the
 Llama-3.2-1B shape in bf16) with full weights and with LoRA adapters (`policy.lora`, rank `--rank` on the seven
 attention and MLP projections, alpha 2 x rank) refitted two ways: the adapters alone, which the engine applies in
-its linears (`lora`, `policy.lora.refit: adapters`, the default where it applies), and the adapted projections'
-merged weights (`lora_merged`); the three alternately for `--rounds` rounds, each run in a process of its own with
+its linears (`lora`, `policy.lora.refit: adapters`), and the adapted projections' merged weights (`lora_merged`,
+the default); the three alternately for `--rounds` rounds, each run in a process of its own with
 the same arguments otherwise. Each phase is reported as the median over every steady step (steps 2..N
 of each run) with its spread (min - max), and LoRA's ratio to full training:
 

@@ -166,6 +166,9 @@ class Options:
     seed: int = 0
     profile: bool = False
     """After timing, profile one more iteration and print where its time goes (`profile_summary`, rank 0)."""
+    lora_rank: int = 0
+    """The Megatron path trains LoRA adapters of this rank on the seven attention and MLP projections (alpha 2 x
+    rank, `policy.lora`) instead of the full weights; 0: full weights."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,10 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
         optimizer={"lr": 1e-5, "weight_decay": 0.0, "clip_grad": 1.0},
         ddp=megatron_ddp(opts, dp),
     )
+    from hf_mcore_bridge.megatron.lora_config import PROJECTIONS, LoraConfig
+
+    rank = opts.lora_rank
+    lora = LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank, target_modules=PROJECTIONS) if rank else None
     policy = build_policy(
         model_cfg,
         megatron,
@@ -318,6 +325,7 @@ def build_megatron(shape: dict[str, Any], opts: Options, recompute: bool, device
         checkpoint_dir=None,
         total_optimizer_steps=1000,
         keep_reference=False,
+        lora=lora,
     )
 
     def enable_recompute() -> None:  # megatron-core's TransformerBlock reads these at every forward
@@ -834,6 +842,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=defaults.dtype)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--profile", action="store_true", help="profile one more iteration of each; print a summary")
+    parser.add_argument("--lora-rank", type=int, default=0, help="megatron path: train LoRA adapters of this rank")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--tiny", action="store_true", help="tiny shape and rows, fp32, one rank (CPU smoke test)")
     args = parser.parse_args(argv)
@@ -857,6 +866,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, int, Path | None
         dtype=args.dtype,
         seed=args.seed,
         profile=args.profile,
+        lora_rank=args.lora_rank,
     )
     nproc = args.nproc
     if args.tiny:

@@ -61,22 +61,7 @@ def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) ->
 
     reference = per_expert(with_adapter.merge_and_unload().state_dict())
     written = load_file(merged / "model.safetensors")
-    wanted = {k: _reference_tensor(reference, k) for k in written}
-    assert all(torch.equal(written[k], wanted[k]) for k in written), [
-        k for k in written if not torch.equal(written[k], wanted[k])
+    assert written.keys() == reference.keys(), sorted(written.keys() ^ reference.keys())
+    assert all(torch.equal(written[k], reference[k]) for k in written), [
+        k for k in written if not torch.equal(written[k], reference[k])
     ]
-
-
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-
-
-def _reference_tensor(reference: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The merged model's tensor for an exported name: an expert's per-expert weight (the checkpoint's name) is its
-    slice of transformers 5's fused tensor (`gate_up_proj[e]` = [gate; up] rows, `down_proj[e]`)."""
-    found = _EXPERT.fullmatch(name)
-    if found is None:
-        return reference[name]
-    expert = int(found[2])
-    if found[3] == "down":
-        return reference[f"{found[1]}.down_proj"][expert]
-    return reference[f"{found[1]}.gate_up_proj"][expert].chunk(2)[0 if found[3] == "gate" else 1]

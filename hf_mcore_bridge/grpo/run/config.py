@@ -534,10 +534,10 @@ def _check_adapter_path(lora: LoraConfig) -> None:
 
 
 def adapter_refit(config: GRPOConfig) -> bool:
-    """Whether the run's refits after the first stream LoRA adapters, applied by the engine (`policy.lora.refit`
-    `adapters`, or `auto` where they apply), rather than merged weights."""
+    """Whether the run's refits after the first stream LoRA adapters, applied by the engine (`policy.lora.refit:
+    adapters`, validated), rather than merged weights."""
     lora = config.policy.lora
-    return lora.enabled and lora.refit != "merged" and not _no_adapter_refit(config)
+    return lora.enabled and lora.refit == "adapters"
 
 
 def _no_adapter_refit(config: GRPOConfig) -> str:
@@ -578,7 +578,7 @@ def _validate_lora(config: GRPOConfig) -> None:
     if lora.adapter_path is not None:
         _check_adapter_path(lora)
     if lora.refit == "adapters" and (why := _no_adapter_refit(config)):
-        raise GRPOConfigError(f"policy.lora.refit=adapters: {why} (set policy.lora.refit to merged or auto)")
+        raise GRPOConfigError(f"policy.lora.refit=adapters: {why} (set policy.lora.refit: merged)")
     experts = expert_targets(lora)
     require(
         not (experts and dropout),

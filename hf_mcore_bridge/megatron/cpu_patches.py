@@ -22,6 +22,14 @@ Callers must also pass an explicit attention mask: the default causal mask is bu
   does, with stand-ins for TE's classes) and then calls `isinstance` with a stand-in: its `HAVE_TE` is set to
   False.
 
+`apply_foreach_multi_tensor_ops()` (training, GPU or not): where neither Transformer Engine nor Apex is installed,
+megatron-core's gradient norm and multi-tensor scale fall back to `megatron.core.utils.local_multi_tensor_l2_norm`
+(a norm per tensor, then `torch.tensor` of their list: one host synchronisation per tensor) and
+`local_multi_tensor_scale` (two kernels per tensor); they become torch's multi-tensor kernels (`_foreach_norm`
+accumulating in float32, `_foreach_mul`), with no host synchronisation. On one H200 the 1B shape's LoRA training
+step made 674 host synchronisations against full training's 422 (a norm per adapter factor), the device busy 40 %
+of the step.
+
 `apply_fla_absent_workarounds()` is applied wherever flash-linear-attention (`fla`, CUDA/Triton kernels) is missing,
 GPU or not: megatron-core's `GatedDeltaNet` (Qwen3-Next's and Qwen3.5's linear attention) refuses to build without
 it and then calls its `l2norm` and `chunk_gated_delta_rule`. They become torch: `l2norm` as fla and transformers
@@ -211,6 +219,44 @@ def apply_te_absent_workarounds() -> None:
         moe_utils.te_general_gemm = None
     if not transformer_engine.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+def foreach_l2_norm(
+    chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args: Any
+) -> tuple[torch.Tensor, None]:
+    """`amp_C.multi_tensor_l2norm`'s contract as megatron-core's clipping calls it (no per-tensor norms): the L2 norm
+    of every tensor of `tensor_lists` together, as a one-element float32 tensor on their device, with no host
+    synchronisation."""
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """`amp_C.multi_tensor_scale`'s contract: `tensor_lists[1][i] = tensor_lists[0][i] * scale`, in multi-tensor
+    kernels (in place where the two lists are the same tensors)."""
+    sources, targets = tensor_lists
+    if all(s is t for s, t in zip(sources, targets, strict=True)):
+        torch._foreach_mul_(targets, scale)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+
+
+def apply_foreach_multi_tensor_ops() -> bool:
+    """Replace megatron-core's local fallbacks of `multi_tensor_l2norm` and `multi_tensor_scale` (neither Transformer
+    Engine nor Apex installed) by `foreach_l2_norm` and `foreach_scale` (see the module docstring); idempotent.
+    Returns whether the fallbacks are (now) replaced."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+    return clip_grads.l2_norm_impl is foreach_l2_norm
 
 
 def torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:

@@ -156,6 +156,10 @@ def build_policy(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from hf_mcore_bridge.megatron.cpu_patches import apply_foreach_multi_tensor_ops
+
+    apply_foreach_multi_tensor_ops()  # without TE / Apex: gradient norms without a host sync per tensor
+
     on_device_init = checkpoint_dir is None and torch.cuda.is_available()
     config = _transformer_config(model_cfg, layout, dtype, megatron, on_device_init, router_replay)
     gpt = _gpt_model(config, model_cfg, padded_vocab)

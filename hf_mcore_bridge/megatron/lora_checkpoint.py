@@ -148,27 +148,40 @@ def merge_adapters(
 def _merge_targets(
     hf_dir: Path, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]]:
-    """HF tensor name -> (its adapter, the rows of the adapter's product it takes; None: all)."""
+    """HF tensor name -> (its adapter, the rows of the adapter's product it takes; None: all). An expert adapter's
+    product is cut into its entry's per-expert tensors in equal row blocks, in the entry's order (gate, then up)."""
     import json
 
-    from hf_mcore_bridge.engine.arch import fused_expert_pieces
     from hf_mcore_bridge.megatron.lora_experts import EXPERT_NAME
 
     wanted: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], slice | None]] = {}
-    pieces = None
+    experts: dict[str, tuple[str, ...]] | None = None
     for name, pair in adapters.items():
         found = EXPERT_NAME.fullmatch(name)
         if found is None:
             wanted[f"{name}.weight"] = (pair, None)
             continue
-        if pieces is None:
-            pieces = fused_expert_pieces(ModelSpec.from_hf(json.loads((hf_dir / "config.json").read_text())))
-        expert = int(found[2])
-        half = pair[1].shape[0] // 2
-        cuts = {"all": slice(None), "gate": slice(0, half), "up": slice(half, None)}
-        parts = [p for p in pieces.get(found[1], ()) if p.expert == expert]
-        if not parts or any(p.part not in cuts for p in parts):
+        if experts is None:
+            experts = _expert_sources(ModelSpec.from_hf(json.loads((hf_dir / "config.json").read_text())))
+        sources = experts.get(found[1])
+        if sources is None:
             raise CheckpointError(f"{hf_dir}: no per-expert tensors to merge the adapter {name} into")
-        for piece in parts:
-            wanted[piece.name] = (pair, cuts[piece.part])
+        rows = pair[1].shape[0] // len(sources)
+        for i, source in enumerate(sources):
+            cut = None if len(sources) == 1 else slice(i * rows, (i + 1) * rows)
+            wanted[source.format(expert=int(found[2]))] = (pair, cut)
     return wanted
+
+
+def _expert_sources(model_cfg: ModelSpec) -> dict[str, tuple[str, ...]]:
+    """Each fused expert tensor's HF name (`model.layers.0.mlp.experts.gate_up_proj`) -> the per-expert HF names its
+    rows are cut into, in order (`{expert}` left to fill: `...experts.{expert}.gate_proj.weight`, `up_proj`)."""
+    sources: dict[str, tuple[str, ...]] = {}
+    for entry in model_cfg.table():
+        if not is_expert(entry):
+            continue
+        for layer in range(model_cfg.num_layers):
+            if entry.layers in (LayerKind.ALL, model_cfg.layer_kind(layer)):
+                fused = fused_expert_template(entry, model_cfg).format(layer=layer)
+                sources[fused] = tuple(s.format(layer=layer, expert="{expert}") for s in entry.hf_sources)
+    return sources

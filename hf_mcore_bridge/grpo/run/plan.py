@@ -214,11 +214,10 @@ def engine_config(config: GRPOConfig, device_type: str) -> EngineConfig:
 
 
 def _engine_lora(config: GRPOConfig) -> dict[str, Any]:
-    """The engine's adapters where the run's refits stream them (`config.adapter_refit`); else none."""
-    from hf_mcore_bridge.grpo.run.config import adapter_refit
-
+    """The engine's adapters where the run's refits stream them (`policy.lora.refit: adapters`, validated with the
+    config: `config.adapter_refit`); else none."""
     lora = config.policy.lora
-    if not adapter_refit(config):
+    if not (lora.enabled and lora.refit == "adapters"):
         return {}
     return {"lora_rank": lora.rank, "lora_scale": lora.scale, "lora_targets": tuple(lora.target_modules)}
 

@@ -26,9 +26,10 @@ Callers must also pass an explicit attention mask: the default causal mask is bu
 megatron-core's gradient norm and multi-tensor scale fall back to `megatron.core.utils.local_multi_tensor_l2_norm`
 (a norm per tensor, then `torch.tensor` of their list: one host synchronisation per tensor) and
 `local_multi_tensor_scale` (two kernels per tensor); they become torch's multi-tensor kernels (`_foreach_norm`
-accumulating in float32, `_foreach_mul`), with no host synchronisation. On one H200 the 1B shape's LoRA training
-step made 674 host synchronisations against full training's 422 (a norm per adapter factor), the device busy 40 %
-of the step.
+accumulating in float32, `_foreach_mul`), with no host synchronisation. On one H200, before this, the 1B shape's
+LoRA training step made 674 host synchronisations against full training's 422 and kept the device busy 40 % of the
+step (LoRA has two parameter tensors per adapted projection; on CPU a traced step shows the norm's per-tensor
+synchronisations growing with them).
 
 `apply_fla_absent_workarounds()` is applied wherever flash-linear-attention (`fla`, CUDA/Triton kernels) is missing,
 GPU or not: megatron-core's `GatedDeltaNet` (Qwen3-Next's and Qwen3.5's linear attention) refuses to build without

@@ -37,6 +37,20 @@ def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
+def export_both(checkpoint: Path, out_dir: Path) -> tuple[Path, Path]:
+    """`bridge export` of a LoRA run's checkpoint as a PEFT directory (`--peft`) and merged, into `out_dir/adapter`
+    and `out_dir/merged`, each exiting 0; returns the two directories."""
+    from typer.testing import CliRunner
+
+    from hf_mcore_bridge.cli.main import app
+
+    adapter, merged = out_dir / "adapter", out_dir / "merged"
+    for out, extra in ((adapter, ["--peft"]), (merged, [])):
+        result = CliRunner().invoke(app, ["export", str(checkpoint), str(out), *extra])
+        assert result.exit_code == 0, result.output
+    return adapter, merged
+
+
 def check_lora_exports(adapter: Path, merged: Path, live: Path, policy: Path) -> None:
     """`adapter`: the `--peft` export, `merged`: the merged export, `live`: the adapter directory the run wrote from
     its live model, `policy`: the base HF directory."""

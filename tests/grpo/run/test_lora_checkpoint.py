@@ -36,7 +36,7 @@ from hf_mcore_bridge.grpo.run.launch import check_resumable
 from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, RunResult, train_grpo
 from hf_mcore_bridge.megatron.lora_config import EXPERT_PROJECTIONS, PROJECTIONS
 
-from ..lora_exports import check_lora_exports
+from ..lora_exports import check_lora_exports, export_both
 from ..tiny_policy import WORDS, build_tiny_policy
 
 pytestmark = pytest.mark.slow
@@ -119,10 +119,7 @@ def test_lora_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
 
     checkpoint = tmp_path / "straight" / "ckpt"
     _check_checkpoint_contents(checkpoint / "iter_0000004", policy)
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for out, extra in ((adapter, ["--peft"]), (merged, [])):
-        result = CliRunner().invoke(app, ["export", str(checkpoint), str(out), *extra])
-        assert result.exit_code == 0, result.output
+    adapter, merged = export_both(checkpoint, tmp_path)
     _check_exports(adapter, merged, tmp_path / "straight" / "logs" / ADAPTER_DIR, policy)
     _check_refusals(tmp_path, checkpoint, policy)
 
@@ -198,10 +195,7 @@ def test_lora_checkpoint_with_expert_adapters_across_expert_parallel_layouts(tmp
     assert train_grpo(back).metrics == []
     _assert_same_adapters(tmp_path / "back" / "logs" / ADAPTER_DIR, tmp_path / "ep1" / "logs" / ADAPTER_DIR)
 
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for out, extra in ((adapter, ["--peft"]), (merged, [])):
-        result = CliRunner().invoke(app, ["export", str(checkpoint), str(out), *extra])
-        assert result.exit_code == 0, result.output
+    adapter, merged = export_both(checkpoint, tmp_path)
     check_lora_exports(adapter, merged, tmp_path / "straight" / "logs" / ADAPTER_DIR, policy)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,15 +66,9 @@ def lora_step_rank(
     adapter dropout (`_dropout_forwards`). Rank 0 saves them."""
     from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
 
-    policy = build_dtensor_policy(
-        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    policy, initial, metrics, mine = _one_lora_step(
+        hf_dir, settings, lora, rollouts, micro_batch_size, loss_config, temperature
     )
-    initial = {name: (a.clone(), b.clone()) for name, (a, b) in full_adapters(policy.model)}
-    share = rollouts[policy.dp_rank :: policy.dp_size]
-    mine = make_microbatches(share, micro_batch_size)
-    old = policy.compute_logprobs(mine, temperature)
-    ref = policy.compute_logprobs(mine, temperature, reference=True)
-    metrics = policy.train_minibatch(mine, old, ref, loss_config, temperature)
     trained = dict(full_adapters(policy.model))
     merged = {name: tensor.cpu() for name, tensor in policy.hf_weights()}
     base = {name: tensor.cpu() for name, tensor in policy.hf_weights(merged=False)}
@@ -89,6 +84,31 @@ def lora_step_rank(
     if dist.get_rank() == 0:
         result = {"initial": initial, "trained": trained, "metrics": metrics, "merged": merged, "base": base}
         torch.save(result | {"adapted": adapted, "only": only, "held": held, "dropout": dropout} | second, out)
+
+
+def _one_lora_step(
+    hf_dir: str,
+    settings: DTensorConfig,
+    lora: object,
+    rollouts: list[Rollout],
+    micro_batch_size: int,
+    loss_config: LossConfig,
+    temperature: float,
+) -> tuple[Any, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float], list[Any]]:
+    """The DTensor policy with `lora`, its initial adapters (whole), and one `train_minibatch` on this
+    data-parallel rank's share of `rollouts` (old and reference log-probs computed first): (policy, initial
+    adapters, the step's metrics, the micro-batches it trained on)."""
+    from hf_mcore_bridge.grpo.backends.dtensor.lora import full_adapters
+
+    policy = build_dtensor_policy(
+        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    )
+    initial = {name: (a.clone(), b.clone()) for name, (a, b) in full_adapters(policy.model)}
+    mine = make_microbatches(rollouts[policy.dp_rank :: policy.dp_size], micro_batch_size)
+    old = policy.compute_logprobs(mine, temperature)
+    ref = policy.compute_logprobs(mine, temperature, reference=True)
+    metrics = policy.train_minibatch(mine, old, ref, loss_config, temperature)
+    return policy, initial, metrics, mine
 
 
 def _dropout_forwards(
@@ -214,15 +234,9 @@ def lora_tp_step_rank(
         with mock.patch.object(parallel, "lora_plan", broken):
             return lora_tp_step_rank(hf_dir, settings, lora, rollouts, micro_batch_size, loss_config, temperature, out)
 
-    policy = build_dtensor_policy(
-        Path(hf_dir), settings, torch.float32, total_optimizer_steps=1, keep_reference=True, lora=lora
+    policy, initial, metrics, _ = _one_lora_step(
+        hf_dir, settings, lora, rollouts, micro_batch_size, loss_config, temperature
     )
-    initial = {name: (a.clone(), b.clone()) for name, (a, b) in full_adapters(policy.model)}
-    share = rollouts[policy.dp_rank :: policy.dp_size]
-    mine = make_microbatches(share, micro_batch_size)
-    old = policy.compute_logprobs(mine, temperature)
-    ref = policy.compute_logprobs(mine, temperature, reference=True)
-    metrics = policy.train_minibatch(mine, old, ref, loss_config, temperature)
 
     def whole(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -36,7 +36,7 @@ from hf_mcore_bridge.grpo.backends.dtensor.config import DTensorConfig
 from hf_mcore_bridge.megatron.lora_config import EXPERT_PROJECTIONS, PROJECTIONS, LoraConfig, expert_targets
 from hf_mcore_bridge.megatron.world import run_torch_world
 
-from ...lora_exports import check_lora_exports, per_expert
+from ...lora_exports import check_lora_exports, export_both, per_expert
 from ...tiny_policy import WORDS, build_tiny_policy
 from .dtensor_ranks import lora_step_rank, lora_tp_step_rank
 from .test_dtensor import ROLLOUTS, TEMPERATURE, _reference_logprobs
@@ -450,11 +450,8 @@ def _check_exports(checkpoints: Path, live: Path, policy: Path, tmp_path: Path) 
 
     from hf_mcore_bridge.cli.main import app
 
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for out, extra in ((adapter, ["--peft"]), (merged, [])):
-        result = CliRunner().invoke(app, ["export", str(checkpoints), str(out), *extra])
-        assert result.exit_code == 0, result.output
-        assert "fsdp2" in (out / "README.md").read_text()
+    adapter, merged = export_both(checkpoints, tmp_path)
+    assert all("fsdp2" in (out / "README.md").read_text() for out in (adapter, merged))
     check_lora_exports(adapter, merged, live, policy)
     written = load_file(merged / "model.safetensors")
     changed = {k for k in written if not torch.equal(written[k], load_file(policy / "model.safetensors")[k])}
@@ -529,9 +526,7 @@ def test_expert_lora_run_keeps_engine_and_trainer_in_agreement_and_exports(tmp_p
     their per-expert names), every refit after the initial one streams the adapted tensors alone (the attention
     projections and every expert of the routed layer); `bridge export` of the checkpoint, `--peft` and merged,
     against PEFT (`check_lora_exports`)."""
-    from typer.testing import CliRunner
 
-    from hf_mcore_bridge.cli.main import app
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
 
@@ -552,10 +547,7 @@ def test_expert_lora_run_keeps_engine_and_trainer_in_agreement_and_exports(tmp_p
     assert run.series("refit_bytes") == [sum(t.numel() * t.element_size() for t in adapted.values())] * EXPERT_STEPS
 
     checkpoints = tmp_path / "experts" / "ckpt"
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for out, extra in ((adapter, ["--peft"]), (merged, [])):
-        result = CliRunner().invoke(app, ["export", str(checkpoints), str(out), *extra])
-        assert result.exit_code == 0, result.output
+    adapter, merged = export_both(checkpoints, tmp_path)
     check_lora_exports(adapter, merged, tmp_path / "experts" / "logs" / ADAPTER_DIR, policy)
     written = load_file(merged / "model.safetensors")
     changed = {k for k in written if not torch.equal(written[k], weights[k])}
@@ -567,9 +559,7 @@ def test_lora_run_at_tp2_keeps_engine_and_trainer_in_agreement_and_exports(tmp_p
     the last: the engine's log-probs agree with the trainer's at every step (the merged weights gathered over TP),
     the later refits stream the adapted projections alone, and `bridge export` of the checkpoint (`--peft` and
     merged) is checked against PEFT (`check_lora_exports`)."""
-    from typer.testing import CliRunner
 
-    from hf_mcore_bridge.cli.main import app
     from hf_mcore_bridge.grpo.run.config import config_from_dict
     from hf_mcore_bridge.grpo.run.trainer import ADAPTER_DIR, train_grpo
 
@@ -589,8 +579,5 @@ def test_lora_run_at_tp2_keeps_engine_and_trainer_in_agreement_and_exports(tmp_p
     assert run.series("refit_bytes") == [adapted] * 2
 
     checkpoints = tmp_path / "tp2" / "ckpt"
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    for out, extra in ((adapter, ["--peft"]), (merged, [])):
-        result = CliRunner().invoke(app, ["export", str(checkpoints), str(out), *extra])
-        assert result.exit_code == 0, result.output
+    adapter, merged = export_both(checkpoints, tmp_path)
     check_lora_exports(adapter, merged, tmp_path / "tp2" / "logs" / ADAPTER_DIR, policy)

@@ -85,6 +85,12 @@ class LoraConfig:
     or the merged weights of the adapted projections."""
 
     @property
+    def refits_adapters(self) -> bool:
+        """Refits after the first stream the adapters, which the engine applies (`refit: adapters`, validated with
+        the run's config); else merged weights."""
+        return self.enabled and self.refit == "adapters"
+
+    @property
     def scale(self) -> float:
         """alpha / rank, the factor of the adapters' product."""
         return self.alpha / self.rank

@@ -533,13 +533,6 @@ def _check_adapter_path(lora: LoraConfig) -> None:
     )
 
 
-def adapter_refit(config: GRPOConfig) -> bool:
-    """Whether the run's refits after the first stream LoRA adapters, applied by the engine (`policy.lora.refit:
-    adapters`, validated), rather than merged weights."""
-    lora = config.policy.lora
-    return lora.enabled and lora.refit == "adapters"
-
-
 def _no_adapter_refit(config: GRPOConfig) -> str:
     """Why this run's engine cannot apply the adapters itself; empty where it can."""
     if config.policy.dtensor_cfg.enabled:

@@ -214,10 +214,9 @@ def engine_config(config: GRPOConfig, device_type: str) -> EngineConfig:
 
 
 def _engine_lora(config: GRPOConfig) -> dict[str, Any]:
-    """The engine's adapters where the run's refits stream them (`policy.lora.refit: adapters`, validated with the
-    config: `config.adapter_refit`); else none."""
+    """The engine's adapters where the run's refits stream them (`LoraConfig.refits_adapters`); else none."""
     lora = config.policy.lora
-    if not (lora.enabled and lora.refit == "adapters"):
+    if not lora.refits_adapters:
         return {}
     return {"lora_rank": lora.rank, "lora_scale": lora.scale, "lora_targets": tuple(lora.target_modules)}
 

@@ -89,7 +89,7 @@ from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement
 from hf_mcore_bridge.grpo.refit.reference import EnginePartReference
 from hf_mcore_bridge.grpo.refit.replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.refit.stream import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
-from hf_mcore_bridge.grpo.run.config import GRPOConfig, adapter_refit
+from hf_mcore_bridge.grpo.run.config import GRPOConfig
 from hf_mcore_bridge.grpo.run.generation import (
     build_engine,
     engine_replicas,
@@ -386,8 +386,8 @@ class _RankContext:
         """Whether the last refit streamed each rank's own shards (`TrainingBackend.shard_local_weights`)."""
         self.refit_names: list[str] | None = None
         """Every HF name the policy streams (`hf_names`), listed at the first refit."""
-        self.adapter_refit = adapter_refit(config)
-        """LoRA adapters streamed and applied by the engine after the first refit (`config.adapter_refit`)."""
+        self.adapter_refit = config.policy.lora.refits_adapters
+        """LoRA adapters streamed and applied by the engine after the first refit (`LoraConfig.refits_adapters`)."""
         self.trained_names: list[str] | None = None
         """What a refit after the initial one streams (`trained_names`: LoRA's adapted projections; None: every
         tensor), listed at the first refit."""
@@ -730,7 +730,7 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int, initial: bool 
     started = time.perf_counter()
     if ctx.refit_names is None:  # the names do not change during a run: listed once (collective, every rank here)
         ctx.refit_names = policy.hf_names()
-        # LoRA: the adapters themselves where the engine applies them (`config.adapter_refit`), else the adapted
+        # LoRA: the adapters themselves where the engine applies them (`LoraConfig.refits_adapters`), else the adapted
         # projections' merged weights
         adapters = ctx.adapter_refit and [name for name, _ in policy.adapter_weights()]
         ctx.trained_names = adapters or policy.trained_names()

@@ -86,7 +86,7 @@ from hf_mcore_bridge.grpo.data.scoring import ScoreResult
 from hf_mcore_bridge.grpo.data.stop_tokens import model_assets_dir, with_stop_token_ids
 from hf_mcore_bridge.grpo.errors import GRPOConfigError
 from hf_mcore_bridge.grpo.refit.logprob_gate import check_logprob_agreement
-from hf_mcore_bridge.grpo.refit.reference import EnginePartReference
+from hf_mcore_bridge.grpo.refit.reference import ADAPTER_A, ADAPTER_B, EnginePartReference
 from hf_mcore_bridge.grpo.refit.replay import RefitReplay, engine_weights_version
 from hf_mcore_bridge.grpo.refit.stream import Checksums, PhaseTimes, buckets, mismatched, tensor_checksums
 from hf_mcore_bridge.grpo.run.config import GRPOConfig
@@ -730,10 +730,9 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int, initial: bool 
     started = time.perf_counter()
     if ctx.refit_names is None:  # the names do not change during a run: listed once (collective, every rank here)
         ctx.refit_names = policy.hf_names()
-        # LoRA: the adapters themselves where the engine applies them (`LoraConfig.refits_adapters`), else the adapted
-        # projections' merged weights
-        adapters = ctx.adapter_refit and [name for name, _ in policy.adapter_weights()]
-        ctx.trained_names = adapters or policy.trained_names()
+        # LoRA: the adapted projections' merged weights; where the engine applies the adapters
+        # (`LoraConfig.refits_adapters`), the adapters themselves, named below from the first refit's stream
+        ctx.trained_names = None if ctx.adapter_refit else policy.trained_names()
     # after the initial refit, only what training changes (LoRA: the adapted projections, merged)
     only = None if initial else ctx.trained_names
     times = PhaseTimes()
@@ -744,6 +743,8 @@ def _refit(ctx: _RankContext, policy: TrainingBackend, step: int, initial: bool 
         engine_weights_version(ctx.engine),
         times,
     )
+    if ctx.adapter_refit and ctx.trained_names is None:  # the adapters the first (whole) refit streamed
+        ctx.trained_names = [name for name in sent.names if name.endswith((ADAPTER_A, ADAPTER_B))]
     if torch.cuda.is_available():  # the copies are asynchronous: time them to their end
         torch.cuda.synchronize()
     refit_s = time.perf_counter() - started
